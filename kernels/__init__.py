@@ -1,0 +1,43 @@
+"""Batch-invariant kernels: one op a file, one public function per op, framework-free.
+
+Each public function checks its inputs, then runs the implementation `dispatch.backend_for` picks:
+today the torch reference everywhere (CPU, and CUDA until the Triton kernels land). Every
+reduction's order depends only on its own row and absolute position (see each module's docstring).
+"""
+
+from .activation import silu_and_mul
+from .attention import KEY_TILE, paged_attention, varlen_attention, write_kv_cache
+from .dispatch import (
+    backend_for,
+    disable_reference_mode,
+    enable_reference_mode,
+    is_reference_mode_enabled,
+    reference_mode,
+)
+from .gemm import linear
+from .logprob import VOCAB_BLOCK, gumbel_argmax, linear_token_log_probs, log_softmax, token_log_probs
+from .rms_norm import add_rms_norm, rms_norm
+from .rope import apply_rope, rope_cache
+
+__all__ = [
+    "KEY_TILE",
+    "VOCAB_BLOCK",
+    "add_rms_norm",
+    "apply_rope",
+    "backend_for",
+    "disable_reference_mode",
+    "enable_reference_mode",
+    "gumbel_argmax",
+    "is_reference_mode_enabled",
+    "linear",
+    "linear_token_log_probs",
+    "log_softmax",
+    "paged_attention",
+    "reference_mode",
+    "rms_norm",
+    "rope_cache",
+    "silu_and_mul",
+    "token_log_probs",
+    "varlen_attention",
+    "write_kv_cache",
+]

@@ -1,0 +1,58 @@
+"""The one place that picks a backend for each kernel call.
+
+Every public op looks up its implementation with `backend_for(tensor)` in a small per-op table
+(`{"torch": _op_torch}` today). The torch path is the batch-invariant reference and runs anywhere;
+the Triton path for CUDA tensors arrives later and will be returned here, and only here.
+
+`reference_mode()` forces the torch reference for every call (tests compare the two backends with
+it). The switch is a small symmetric API: `enable_reference_mode`, `disable_reference_mode`,
+`is_reference_mode_enabled`, and the `reference_mode()` context manager, which restores the
+previous state in `finally`.
+"""
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+_reference_mode = False
+# Backend of CUDA tensors outside reference mode: "torch" until the Triton kernels land.
+_CUDA_BACKEND = "torch"
+
+
+def enable_reference_mode() -> None:
+    """Run every kernel on the torch reference path until `disable_reference_mode()`."""
+    global _reference_mode
+    _reference_mode = True
+
+
+def disable_reference_mode() -> None:
+    """Let `backend_for` choose the backend again."""
+    global _reference_mode
+    _reference_mode = False
+
+
+def is_reference_mode_enabled() -> bool:
+    return _reference_mode
+
+
+@contextlib.contextmanager
+def reference_mode(enabled: bool = True) -> Iterator[None]:
+    """Scope in which reference mode is `enabled`; the previous state comes back on exit."""
+    global _reference_mode
+    previous = _reference_mode
+    _reference_mode = enabled
+    try:
+        yield
+    finally:
+        _reference_mode = previous
+
+
+def backend_for(tensor: torch.Tensor) -> str:
+    """"torch" or "triton" for a call whose main input is `tensor`.
+
+    Today always "torch": CUDA tensors also run the torch reference until the Triton kernels land.
+    """
+    if _reference_mode or tensor.device.type != "cuda":
+        return "torch"
+    return _CUDA_BACKEND

@@ -1,0 +1,101 @@
+"""Batch-invariant linear layer: y = x @ W^T + b.
+
+Math: for each row m and output column n,
+    acc[m, n] = sum_k fp32(x[m, k]) * fp32(W[n, k])      (products formed in fp32)
+    y[m, n]   = (acc[m, n] + fp32(b[n])).to(out_dtype)   (bias added once, at the end)
+
+Invariant: acc[m, n] is reduced over K by one `sum(-1)` over a contiguous [.., K] fp32 product
+tensor, whose addition order depends on K alone (see `_reduction.row_sum`). Rows and columns are
+processed in chunks only to bound memory; a chunk boundary never falls inside a K reduction, so
+each output element has the same bits whatever M, the chunking or the thread count. No BLAS call
+appears in the forward: MKL/oneDNN choose kernels and K-splits by M and by thread count.
+
+Backward (training only: correct and deterministic, not batch-invariant) uses fp32 matmuls:
+dX = dY @ W, dW = dY^T @ X, db = sum_m dY.
+"""
+
+import torch
+
+from ._checks import SUPPORTED_DTYPES, check_dim, check_dtype, check_last_dim_contiguous, check_same_device
+from ._reduction import row_sum
+from .dispatch import backend_for
+
+# Largest [m, n, K] fp32 product tensor formed at once (elements); only bounds memory.
+_PRODUCT_BUDGET = 1 << 20
+
+
+def _linear_torch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """fp32 [M, N] = x2 [M, K] . weight [N, K]^T (+ bias), by elementwise products and row sums."""
+    m_total, k = x2.shape
+    n_total = weight.shape[0]
+    out = torch.empty(m_total, n_total, dtype=torch.float32, device=x2.device)  # [M, N]
+    if m_total == 0 or n_total == 0:
+        return out
+    n_step = max(1, min(n_total, _PRODUCT_BUDGET // max(k, 1)))
+    m_step = max(1, _PRODUCT_BUDGET // (n_step * max(k, 1)))
+    for n0 in range(0, n_total, n_step):
+        w_chunk = weight[n0 : n0 + n_step].float()  # [n, K]
+        for m0 in range(0, m_total, m_step):
+            x_chunk = x2[m0 : m0 + m_step].float()  # [m, K]
+            products = x_chunk[:, None, :] * w_chunk[None, :, :]  # [m, n, K]
+            out[m0 : m0 + m_step, n0 : n0 + n_step] = row_sum(products)
+    if bias is not None:
+        out = out + bias.float()
+    return out
+
+
+class _LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, weight, bias, out_dtype):
+        ctx.save_for_backward(x2, weight, bias)
+        return _linear_torch(x2, weight, bias).to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x2, weight, bias = ctx.saved_tensors
+        g = grad_out.float()  # [M, N]
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (g @ weight.float()).to(x2.dtype)  # [M, K]
+        if ctx.needs_input_grad[1]:
+            grad_w = (g.t() @ x2.float()).to(weight.dtype)  # [N, K]
+        if bias is not None and ctx.needs_input_grad[2]:
+            grad_b = g.sum(0).to(bias.dtype)  # [N]
+        return grad_x, grad_w, grad_b, None
+
+
+_IMPLS = {"torch": _LinearFunction.apply}
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Batch-invariant `x @ weight.T + bias` with fp32 accumulation.
+
+    x: [..., K], weight: [N, K] (same dtype as x), bias: [N] or None -> [..., N] in `out_dtype`
+    (default x.dtype; the lm_head passes torch.float32).
+    """
+    check_dtype("x", x)
+    check_dtype("weight", weight)
+    if weight.dtype != x.dtype:
+        raise ValueError(f"weight dtype {weight.dtype} differs from x dtype {x.dtype}")
+    check_dim("weight", weight, 2, "[N, K]")
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)} must end in K = {weight.shape[1]} (weight {tuple(weight.shape)})")
+    check_last_dim_contiguous("x", x)
+    check_last_dim_contiguous("weight", weight)
+    if bias is not None:
+        check_dtype("bias", bias)
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    check_same_device(x=x, weight=weight, bias=bias)
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if out_dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"out_dtype {out_dtype} is not supported; use torch.bfloat16 or torch.float32")
+
+    x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+    out = _IMPLS[backend_for(x)](x2, weight, bias, out_dtype)  # [M, N]
+    return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,261 @@
+"""THE log-prob function, shared by the sampler (inference) and the trainer, and Gumbel-max sampling.
+
+Temperature semantics (defined here once; every caller goes through these functions):
+* logits z are fp32: the lm_head is `linear(hidden, weight, out_dtype=torch.float32)`.
+* for temperature tau > 0, scaled = z / tau: fp32 TRUE division by a per-row fp32 tensor, applied
+  exactly once (tau == 1.0 still divides, a bitwise no-op). A Python float becomes a tensor first:
+  dividing by a scalar may be compiled as a multiply by its reciprocal (CUDA does), which is not
+  the same rounding.
+* tau == 0 means greedy; its log-probs are those of tau = 1.
+
+Log-softmax, per row of V scaled logits:
+    mx  = max_v scaled[v]                                        exact, order-free
+    e   = exp(scaled - mx), zero-padded to a multiple of VOCAB_BLOCK = 1024
+    sum = ((b_0 + b_1) + b_2) + ...,  b_i = sum of e over block i  (1024-long sums, then in order)
+    lse = mx + log(sum);  log_probs = scaled - lse
+Invariant: every sum has a fixed length (1024, then the blocks one by one in index order) and
+everything else is elementwise, so a row's log-probs are the same bits alone or in any batch, and
+`linear_token_log_probs` (fused, chunked over rows, the trainer's entry point) equals
+`token_log_probs(linear(...))` bit for bit.
+
+Gumbel-max sampling: token = argmax_v(log_probs[v] + g_v), with g_v = -log(-log(u_v)) in fp32 and
+u_v a function of (seed, position, v) only, by a counter-based hash in int64 torch ops:
+    mix(x)   = splitmix64's finalizer on 63 bits: x ^= x >> 30; x *= C1; x ^= x >> 27; x *= C2;
+               x ^= x >> 31, each product wrapped mod 2^64 then masked to 63 bits
+    h        = mix(mix(mix(seed ^ GOLDEN) ^ position) ^ v)      (seed, position masked to 63 bits)
+    u        = ((h >> 40) + 0.5) / 2^23                           top 23 bits: exact in fp32, in (0, 1)
+So a request samples the same tokens alone or in any batch, in any order.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from ._checks import check_dim, check_dtype, check_int, check_last_dim_contiguous, check_same_device
+from ._reduction import row_sum, sequential_sum
+from .dispatch import backend_for
+from .gemm import linear
+
+# Vocabulary entries per block of the exp-sum. Fixed: it sets the order of the additions.
+VOCAB_BLOCK = 1024
+
+_MASK63 = (1 << 63) - 1
+_GOLDEN = 0x9E3779B97F4A7C15 & _MASK63
+# splitmix64 multipliers as signed int64 (same low 64 bits): torch has no uint64 arithmetic.
+_C1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_C2 = 0x94D049BB133111EB - (1 << 64)
+_UNIFORM_BITS = 23
+# Rows per chunk of the [rows, V] hash in gumbel_argmax; only bounds memory.
+_GUMBEL_ELEMENTS = 1 << 22
+
+
+# ---------------------------------------------------------------------------------------------
+# log-softmax
+# ---------------------------------------------------------------------------------------------
+
+
+def _temperature_column(temperature, n_rows: int, device: torch.device) -> torch.Tensor:
+    """fp32 [M, 1] divisor: tau, with tau == 0 (greedy) replaced by 1."""
+    if isinstance(temperature, torch.Tensor):
+        tau = temperature.to(device=device, dtype=torch.float32).reshape(n_rows, 1)
+    else:
+        tau = torch.full((n_rows, 1), float(temperature), dtype=torch.float32, device=device)
+    return torch.where(tau == 0, torch.ones_like(tau), tau)
+
+
+def _scaled_and_lse(logits: torch.Tensor, tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """scaled [M, V] = logits / tau and its row logsumexp [M] in the fixed block order."""
+    n_rows, vocab = logits.shape
+    scaled = logits / tau  # [M, V]
+    mx = scaled.amax(-1, keepdim=True).detach()  # [M, 1]; detached: logsumexp is shift-invariant
+    e = torch.exp(scaled - mx)  # [M, V]
+    pad = (-vocab) % VOCAB_BLOCK
+    if pad:
+        e = F.pad(e, (0, pad))  # [M, nb * 1024]
+    block_sums = row_sum(e.reshape(n_rows, -1, VOCAB_BLOCK))  # [M, nb]
+    lse = mx[:, 0] + torch.log(sequential_sum(block_sums))  # [M]
+    return scaled, lse
+
+
+def _log_softmax_torch(logits, tau):
+    scaled, lse = _scaled_and_lse(logits, tau)
+    return scaled - lse[:, None]
+
+
+def _token_log_probs_torch(logits, tokens, tau):
+    scaled, lse = _scaled_and_lse(logits, tau)
+    return scaled.gather(1, tokens.long()[:, None])[:, 0] - lse  # same bits as log_softmax gathered
+
+
+_LOG_SOFTMAX_IMPLS = {"torch": _log_softmax_torch}
+_TOKEN_IMPLS = {"torch": _token_log_probs_torch}
+
+
+def _check_logits(logits: torch.Tensor, name: str = "logits") -> None:
+    check_dtype(name, logits, (torch.float32,))
+    check_dim(name, logits, 2, "[M, V]")
+    check_last_dim_contiguous(name, logits)
+
+
+def _check_temperature(temperature, n_rows: int, device: torch.device) -> None:
+    if isinstance(temperature, torch.Tensor):
+        check_dtype("temperature", temperature, (torch.float32,))
+        if temperature.numel() != n_rows or temperature.dim() > 1:
+            raise ValueError(f"temperature must be a float or an fp32 tensor [{n_rows}], got {tuple(temperature.shape)}")
+        if temperature.device != device:
+            raise ValueError(f"temperature is on {temperature.device}, logits on {device}")
+        if bool((temperature < 0).any()) or not bool(torch.isfinite(temperature).all()):
+            raise ValueError("temperature must be finite and >= 0 (0 means greedy)")
+    elif not isinstance(temperature, (int, float)) or not 0 <= temperature < float("inf"):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature!r}")
+
+
+def _check_tokens(tokens: torch.Tensor, n_rows: int, vocab: int) -> None:
+    check_int("tokens", tokens)
+    if tuple(tokens.shape) != (n_rows,):
+        raise ValueError(f"tokens must have shape ({n_rows},), got {tuple(tokens.shape)}")
+    if n_rows and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+        raise ValueError(f"tokens must lie in [0, {vocab})")
+
+
+def log_softmax(logits: torch.Tensor, temperature) -> torch.Tensor:
+    """fp32 [M, V] log-probs of fp32 logits [M, V] at temperature (float, or fp32 tensor [M])."""
+    _check_logits(logits)
+    _check_temperature(temperature, logits.shape[0], logits.device)
+    tau = _temperature_column(temperature, logits.shape[0], logits.device)
+    return _LOG_SOFTMAX_IMPLS[backend_for(logits)](logits, tau)
+
+
+def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature) -> torch.Tensor:
+    """fp32 [M]: log_softmax(logits, temperature)[m, tokens[m]], bit for bit."""
+    _check_logits(logits)
+    _check_temperature(temperature, logits.shape[0], logits.device)
+    _check_tokens(tokens, logits.shape[0], logits.shape[1])
+    check_same_device(logits=logits, tokens=tokens)
+    tau = _temperature_column(temperature, logits.shape[0], logits.device)
+    return _TOKEN_IMPLS[backend_for(logits)](logits, tokens, tau)
+
+
+# ---------------------------------------------------------------------------------------------
+# fused lm_head + log-prob (the trainer's entry point)
+# ---------------------------------------------------------------------------------------------
+
+
+class _LinearTokenLogProbsFunction(torch.autograd.Function):
+    """Forward: per row chunk, logits = linear(h, W, fp32), then token log-probs (never [M, V] at once).
+
+    Backward (training only; fp32 matmuls, chunk logits recomputed): with p = softmax(z / tau),
+    d log p[target] / d z = (onehot(target) - p) / tau; dH = dZ @ W, dW = sum over chunks dZ^T @ H.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, tokens, tau, chunk_rows):
+        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # [M]
+        for r0 in range(0, hidden.shape[0], chunk_rows):
+            rows = slice(r0, r0 + chunk_rows)
+            logits = linear(hidden[rows], weight, out_dtype=torch.float32)  # [c, V]
+            out[rows] = _TOKEN_IMPLS[backend_for(logits)](logits, tokens[rows], tau[rows])
+        ctx.save_for_backward(hidden, weight, tokens, tau)
+        ctx.chunk_rows = chunk_rows
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, tokens, tau = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        w32 = weight.float()  # [V, H]
+        grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
+        grad_w = torch.zeros_like(w32) if need_w else None
+        for r0 in range(0, hidden.shape[0], ctx.chunk_rows):
+            rows = slice(r0, r0 + ctx.chunk_rows)
+            h32 = hidden[rows].float()  # [c, H]
+            scaled = (h32 @ w32.t()) / tau[rows]  # [c, V]
+            grad_z = -torch.softmax(scaled, dim=-1)
+            grad_z.scatter_add_(1, tokens[rows].long()[:, None], torch.ones_like(grad_z[:, :1]))
+            grad_z = grad_z * (grad_out[rows].float()[:, None] / tau[rows])  # [c, V]
+            if need_h:
+                grad_h[rows] = grad_z @ w32
+            if need_w:
+                grad_w += grad_z.t() @ h32
+        return (
+            grad_h.to(hidden.dtype) if need_h else None,
+            grad_w.to(weight.dtype) if need_w else None,
+            None,
+            None,
+            None,
+        )
+
+
+def linear_token_log_probs(
+    hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, temperature, chunk_rows: int = 256
+) -> torch.Tensor:
+    """fp32 [M] = token_log_probs(linear(hidden, weight, out_dtype=fp32), tokens, temperature), fused.
+
+    hidden: [M, H], weight: [V, H] (one dtype, bf16/fp32), tokens: int [M], temperature: float or
+    fp32 tensor [M]. Rows are processed `chunk_rows` at a time (the result does not depend on it).
+    Differentiable w.r.t. hidden and weight.
+    """
+    check_dtype("hidden", hidden)
+    check_dtype("weight", weight)
+    check_dim("hidden", hidden, 2, "[M, H]")
+    check_dim("weight", weight, 2, "[V, H]")
+    if weight.dtype != hidden.dtype or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(
+            f"weight {tuple(weight.shape)} {weight.dtype} must be [V, H] of the dtype of hidden "
+            f"{tuple(hidden.shape)} {hidden.dtype}"
+        )
+    _check_temperature(temperature, hidden.shape[0], hidden.device)
+    _check_tokens(tokens, hidden.shape[0], weight.shape[0])
+    check_same_device(hidden=hidden, weight=weight, tokens=tokens)
+    if not isinstance(chunk_rows, int) or chunk_rows <= 0:
+        raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
+    tau = _temperature_column(temperature, hidden.shape[0], hidden.device)  # [M, 1]
+    return _LinearTokenLogProbsFunction.apply(hidden, weight, tokens, tau, chunk_rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gumbel-max sampling
+# ---------------------------------------------------------------------------------------------
+
+
+def _mix63(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finalizer kept on 63 bits; x: int64 in [0, 2^63), so `>>` is a logical shift."""
+    x = ((x ^ (x >> 30)) * _C1) & _MASK63
+    x = ((x ^ (x >> 27)) * _C2) & _MASK63
+    return x ^ (x >> 31)
+
+
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """fp32 [M, V] Gumbel noise keyed by (seeds[m], positions[m], v) only."""
+    row_key = _mix63(_mix63((seeds.long() & _MASK63) ^ _GOLDEN) ^ (positions.long() & _MASK63))  # [M]
+    token_ids = torch.arange(vocab, dtype=torch.int64, device=seeds.device)  # [V]
+    h = _mix63(row_key[:, None] ^ token_ids[None, :])  # [M, V]
+    u = ((h >> (63 - _UNIFORM_BITS)).float() + 0.5) * (2.0**-_UNIFORM_BITS)  # exact, in (0, 1)
+    return -torch.log(-torch.log(u))
+
+
+def _gumbel_argmax_torch(log_probs, seeds, positions):
+    n_rows, vocab = log_probs.shape
+    step = max(1, _GUMBEL_ELEMENTS // max(vocab, 1))
+    out = torch.empty(n_rows, dtype=torch.int64, device=log_probs.device)
+    for r0 in range(0, n_rows, step):
+        rows = slice(r0, r0 + step)
+        out[rows] = (log_probs[rows] + gumbel_noise(seeds[rows], positions[rows], vocab)).argmax(-1)
+    return out
+
+
+_GUMBEL_IMPLS = {"torch": _gumbel_argmax_torch}
+
+
+def gumbel_argmax(log_probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """int64 [M]: argmax_v(log_probs[m, v] + gumbel(seeds[m], positions[m], v)).
+
+    log_probs: fp32 [M, V] (already at the request's temperature; greedy rows should take
+    log_probs.argmax(-1) instead); seeds, positions: int64 [M]. Ties go to the lowest token id.
+    """
+    _check_logits(log_probs, "log_probs")
+    for name, t in (("seeds", seeds), ("positions", positions)):
+        check_int(name, t)
+        if tuple(t.shape) != (log_probs.shape[0],):
+            raise ValueError(f"{name} must have shape ({log_probs.shape[0]},), got {tuple(t.shape)}")
+    check_same_device(log_probs=log_probs, seeds=seeds, positions=positions)
+    return _GUMBEL_IMPLS[backend_for(log_probs)](log_probs, seeds, positions)

@@ -1,0 +1,69 @@
+"""Batch-invariant RMSNorm and fused residual-add + RMSNorm.
+
+Math (per row of H elements, all in fp32):
+    x32 = fp32(x)
+    y   = x32 * rsqrt(sum(x32 * x32) / H + eps) * fp32(weight)      -> cast to x.dtype
+add_rms_norm first forms the new residual r = (fp32(x) + fp32(residual)).to(x.dtype), then
+normalises r exactly as above, so the normalised value is the one the next layer's residual holds.
+
+Invariant: the only reduction is the sum of squares over H, one `sum(-1)` over the contiguous last
+dim (`_reduction.row_sum`), whose order depends on H alone; everything else is elementwise
+(`rsqrt` gives the same bits wherever the element sits). A row's output is the same alone or in any
+batch. Gradients flow through the torch ops (correct and deterministic).
+"""
+
+import torch
+
+from ._checks import check_dtype, check_last_dim_contiguous, check_same_device
+from ._reduction import row_sum
+from .dispatch import backend_for
+
+
+def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()  # [..., H]
+    mean_sq = row_sum(x32 * x32) / x.shape[-1]  # [...]
+    y = x32 * torch.rsqrt(mean_sq + eps)[..., None] * weight.float()  # [..., H]
+    return y.to(x.dtype)
+
+
+def _add_rms_norm_torch(x, residual, weight, eps):
+    new_residual = (x.float() + residual.float()).to(x.dtype)  # [..., H]
+    return _rms_norm_torch(new_residual, weight, eps), new_residual
+
+
+_IMPLS = {"torch": _rms_norm_torch}
+_ADD_IMPLS = {"torch": _add_rms_norm_torch}
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    check_dtype("x", x)
+    check_dtype("weight", weight)
+    if x.dim() < 1 or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"weight {tuple(weight.shape)} must be [H] with H = x.shape[-1] (x {tuple(x.shape)})")
+    check_last_dim_contiguous("x", x)
+    check_same_device(x=x, weight=weight)
+    if not isinstance(eps, (int, float)) or eps < 0:
+        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim. x: [..., H] bf16/fp32, weight: [H] bf16/fp32 -> [..., H] in x.dtype."""
+    _check(x, weight, eps)
+    return _IMPLS[backend_for(x)](x, weight, float(eps))
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual); the sum is formed in fp32 and stored in x.dtype.
+
+    x, residual: [..., H] of one dtype, weight: [H] -> (out [..., H], new_residual [..., H]).
+    """
+    _check(x, weight, eps)
+    check_dtype("residual", residual)
+    if residual.dtype != x.dtype or residual.shape != x.shape:
+        raise ValueError(
+            f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}"
+        )
+    check_same_device(x=x, residual=residual)
+    return _ADD_IMPLS[backend_for(x)](x, residual, weight, float(eps))

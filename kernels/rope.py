@@ -1,0 +1,134 @@
+"""Rotary position embedding (NeoX / Hugging Face "rotate_half" style).
+
+Cache: for rot_dim = int(head_dim * partial_rotary_factor) and inverse frequencies inv_freq[i]
+(i < rot_dim / 2, defined as in transformers' `ROPE_INIT_FUNCTIONS`), row p of the cache is
+    cat(cos(p * inv_freq), sin(p * inv_freq))                     [rot_dim] fp32
+computed in float64 (inverse frequencies with Python floats, then elementwise torch ops whose bits
+do not depend on tensor shape) and rounded once to fp32, so a row is the same whatever
+`max_positions` is.
+
+Apply: with x1, x2 the two halves of x[..., :rot_dim] in fp32 and c, s the cache row of the
+token's position,
+    out[..., :rot_dim] = x * cat(c, c) + rotate_half(x) * cat(s, s),  rotate_half(x) = cat(-x2, x1)
+cast to the input dtype; dims past rot_dim pass through unchanged.
+
+Invariant: elementwise per token and head; no reduction at all.
+"""
+
+import math
+
+import torch
+
+from ._checks import check_dim, check_dtype, check_int, check_last_dim_contiguous, check_same_device
+from .dispatch import backend_for
+
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def _inv_freq(rot_dim: int, theta: float, scaling: dict | None) -> list[float]:
+    """Inverse frequencies [rot_dim / 2] as Python floats (float64), per transformers' definitions."""
+    inv_freq = [1.0 / (theta ** (i / rot_dim)) for i in range(0, rot_dim, 2)]
+    rope_type = "default" if scaling is None else scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in _SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope_type {rope_type!r} is not supported (supported: {', '.join(_SUPPORTED_ROPE_TYPES)}); "
+            "its frequencies depend on the sequence length or need attention scaling"
+        )
+    if rope_type == "linear":
+        factor = float(scaling["factor"])
+        return [f / factor for f in inv_freq]
+    if rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low_freq_factor = float(scaling["low_freq_factor"])
+        high_freq_factor = float(scaling["high_freq_factor"])
+        old_context_len = float(scaling["original_max_position_embeddings"])
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        out = []
+        for f in inv_freq:
+            wavelen = 2 * math.pi / f
+            scaled = f / factor if wavelen > low_freq_wavelen else f
+            if not (wavelen < high_freq_wavelen) and not (wavelen > low_freq_wavelen):
+                smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+                scaled = (1 - smooth) * scaled / factor + smooth * scaled
+            out.append(scaled)
+        return out
+    return inv_freq
+
+
+def rope_cache(
+    head_dim: int,
+    max_positions: int,
+    theta: float,
+    scaling: dict | None = None,
+    partial_rotary_factor: float = 1.0,
+) -> torch.Tensor:
+    """fp32 [max_positions, rot_dim] = cat(cos, sin), each [rot_dim / 2]; on the CPU.
+
+    `scaling` is the Hugging Face `rope_scaling` / `rope_parameters` dict (rope_type "default",
+    "linear" or "llama3"); anything else raises ValueError.
+    """
+    if head_dim <= 0 or max_positions <= 0:
+        raise ValueError(f"head_dim ({head_dim}) and max_positions ({max_positions}) must be positive")
+    rot_dim = int(head_dim * partial_rotary_factor)
+    if rot_dim <= 0 or rot_dim % 2 != 0 or rot_dim > head_dim:
+        raise ValueError(f"rot_dim = int({head_dim} * {partial_rotary_factor}) = {rot_dim} must be even, in (0, head_dim]")
+    inv_freq = torch.tensor(_inv_freq(rot_dim, float(theta), scaling), dtype=torch.float64)  # [R/2]
+    positions = torch.arange(max_positions, dtype=torch.float64)  # [P]
+    freqs = positions[:, None] * inv_freq[None, :]  # [P, R/2]
+    return torch.cat([torch.cos(freqs), torch.sin(freqs)], dim=-1).float()  # [P, R]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos, sin: [T, 1, R/2] fp32 -> [T, H, D] in x.dtype."""
+    half = cos.shape[-1]
+    rot = x[..., : 2 * half].float()  # [T, H, R]
+    x1, x2 = rot[..., :half], rot[..., half:]
+    cos_full = torch.cat([cos, cos], dim=-1)  # [T, 1, R]
+    sin_full = torch.cat([sin, sin], dim=-1)
+    out = rot * cos_full + torch.cat([-x2, x1], dim=-1) * sin_full  # [T, H, R]
+    if 2 * half == x.shape[-1]:
+        return out.to(x.dtype)
+    return torch.cat([out.to(x.dtype), x[..., 2 * half :]], dim=-1)
+
+
+def _apply_rope_torch(q, k, positions, cache):
+    if positions.numel() > 0 and (int(positions.min()) < 0 or int(positions.max()) >= cache.shape[0]):
+        raise ValueError(f"positions must lie in [0, {cache.shape[0]}) (the cache's max_positions)")
+    rows = cache[positions]  # [T, R]
+    half = cache.shape[1] // 2
+    cos = rows[:, None, :half]  # [T, 1, R/2]
+    sin = rows[:, None, half:]
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+_IMPLS = {"torch": _apply_rope_torch}
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, Hq, D] and k [T, Hkv, D] (bf16/fp32) at positions [T] int64 with `cache`.
+
+    cache: fp32 [max_positions, rot_dim] from `rope_cache`, on the device of q. Returns new tensors.
+    """
+    check_dtype("q", q)
+    check_dtype("k", k)
+    check_dtype("cache", cache, (torch.float32,))
+    check_int("positions", positions)
+    check_dim("q", q, 3, "[T, Hq, D]")
+    check_dim("k", k, 3, "[T, Hkv, D]")
+    check_dim("positions", positions, 1, "[T]")
+    check_dim("cache", cache, 2, "[max_positions, rot_dim]")
+    if k.dtype != q.dtype:
+        raise ValueError(f"k dtype {k.dtype} differs from q dtype {q.dtype}")
+    if k.shape[0] != q.shape[0] or positions.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+        raise ValueError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, positions {tuple(positions.shape)} must share T and D"
+        )
+    if cache.shape[1] % 2 != 0 or cache.shape[1] > q.shape[2]:
+        raise ValueError(f"cache rot_dim {cache.shape[1]} must be even and at most head_dim {q.shape[2]}")
+    check_last_dim_contiguous("q", q)
+    check_last_dim_contiguous("k", k)
+    check_same_device(q=q, k=k, positions=positions, cache=cache)
+    return _IMPLS[backend_for(q)](q, k, positions, cache)

@@ -1,0 +1,150 @@
+"""The one configuration the shared model definitions read, built from a Hugging Face config.
+
+Both sides (vLLM and the trainer) build their model from `DecoderConfig.from_hf(hf_config)`, so a
+setting either side could read differently (head_dim, rope parameters, tied embeddings) is decided
+once here. Anything the shared definitions cannot reproduce bit for bit is refused with a message
+that says what to do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# model_type -> the Hugging Face architecture name it serves.
+SUPPORTED_MODEL_TYPES = {
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "llama": "LlamaForCausalLM",
+}
+SUPPORTED_ARCHITECTURES = tuple(SUPPORTED_MODEL_TYPES.values())
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint asks for something the bitwise path cannot do."""
+
+
+@dataclass
+class DecoderConfig:
+    model_type: str  # "qwen3" | "qwen2" | "llama": picks the model definition
+    vocab_size: int  # rows of embed_tokens / lm_head, padding rows included
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    # Hugging Face rope parameters (rope_type plus its factors); None means plain RoPE.
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2 always; Llama/Qwen3 when attention_bias
+    o_bias: bool = False  # Llama's attention_bias also puts a bias on o_proj
+    mlp_bias: bool = False  # Llama's mlp_bias
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    extra: dict[str, Any] = field(default_factory=dict)  # informational only
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(_unsupported_type_message(self.model_type))
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"rope_type {rope_type!r} is not supported by vexact-vllm (supported: "
+                f"{', '.join(SUPPORTED_ROPE_TYPES)}); use a checkpoint without this RoPE scaling"
+            )
+
+    @property
+    def architecture(self) -> str:
+        return SUPPORTED_MODEL_TYPES[self.model_type]
+
+    @classmethod
+    def from_hf(cls, hf_config) -> DecoderConfig:
+        """Read a transformers config (Qwen3Config, Qwen2Config, LlamaConfig)."""
+        model_type = getattr(hf_config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(_unsupported_type_message(model_type))
+        _refuse_unsupported_features(hf_config)
+        num_heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        rope = _rope_parameters(hf_config)
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        return cls(
+            model_type=model_type,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            max_position_embeddings=hf_config.max_position_embeddings,
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            rope_scaling=None if rope.get("rope_type", "default") == "default" else rope,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type == "llama" and attention_bias,
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+        )
+
+
+def _unsupported_type_message(model_type) -> str:
+    return (
+        f"model type {model_type!r} is not supported by vexact-vllm; supported architectures: "
+        f"{', '.join(SUPPORTED_ARCHITECTURES)}. Serve it without --model-impl vexact "
+        "(it will not be bitwise equal to the trainer)."
+    )
+
+
+def _rope_parameters(hf_config) -> dict[str, Any]:
+    """transformers 5 keeps rope in `rope_parameters`; older configs in rope_theta/rope_scaling."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params:
+        rope = dict(params)
+    else:
+        rope = dict(getattr(hf_config, "rope_scaling", None) or {})
+        rope.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    if "type" in rope and "rope_type" not in rope:
+        rope["rope_type"] = rope.pop("type")
+    rope.setdefault("rope_type", "default")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModelError("partial_rotary_factor != 1 is not supported by vexact-vllm")
+    return rope
+
+
+def _refuse_unsupported_features(hf_config) -> None:
+    if getattr(hf_config, "quantization_config", None):
+        raise UnsupportedModelError(
+            "quantized checkpoints are not supported by vexact-vllm (the trainer computes in "
+            "bf16/fp32); use the unquantized checkpoint"
+        )
+    layer_types = getattr(hf_config, "layer_types", None) or []
+    if getattr(hf_config, "use_sliding_window", False) or "sliding_attention" in layer_types:
+        raise UnsupportedModelError(
+            "sliding-window attention is not supported by vexact-vllm; set use_sliding_window=false"
+        )
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only 'silu')")
+
+
+def check_dtype(dtype: torch.dtype) -> torch.dtype:
+    if dtype not in SUPPORTED_DTYPES:
+        raise UnsupportedModelError(
+            f"dtype {dtype} is not supported by vexact-vllm; use bfloat16 or float32 "
+            "(for example --dtype bfloat16)"
+        )
+    return dtype

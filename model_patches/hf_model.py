@@ -1,0 +1,146 @@
+"""The training-side wrapper: a Hugging Face `PreTrainedModel` around the shared decoder.
+
+`from_pretrained` loads Hugging Face safetensors checkpoints unchanged (parameter names are
+Hugging Face's), the forward has a gradient, and the log-probs go through the one log-prob function
+(`kernels.logprob`), fused with the lm_head GEMM so full-vocabulary logits are never materialised
+for the whole batch. Batches may be padded (`attention_mask`) or packed (`position_ids` that reset
+to 0 at each sequence start); both are turned into the packed layout the shared model runs on.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, PreTrainedModel, Qwen2Config, Qwen3Config
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from vexact_vllm.kernels import linear, linear_token_log_probs
+
+from .attention_context import PackedAttention, cu_seqlens_from_position_ids
+from .config import DecoderConfig, check_dtype
+from .layers import Embedding, Linear, RMSNorm
+from .models import build_decoder
+
+
+class PackedBatch:
+    """input_ids [T], positions [T], cu_seqlens [B+1] and where each packed row came from."""
+
+    def __init__(self, input_ids, positions, cu_seqlens, index=None, shape=None):
+        self.input_ids, self.positions, self.cu_seqlens = input_ids, positions, cu_seqlens
+        self.index, self.shape = index, shape  # flat indices into the [B, L] input, or None
+
+    @classmethod
+    def from_sequences(cls, sequences: list[list[int]], device=None) -> PackedBatch:
+        lengths = torch.tensor([len(s) for s in sequences])
+        ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long, device=device)
+        positions = torch.cat([torch.arange(n) for n in lengths.tolist()]).to(device)
+        cu = torch.zeros(len(sequences) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(lengths, 0)
+        return cls(ids, positions, cu.to(device))
+
+    @classmethod
+    def from_hf_inputs(cls, input_ids, attention_mask=None, position_ids=None) -> PackedBatch:
+        b, length = input_ids.shape
+        if attention_mask is not None and not bool(attention_mask.all()):
+            mask = attention_mask.bool()
+            runs = (mask[:, 1:] & ~mask[:, :-1]).sum(-1) + mask[:, 0]
+            if bool((runs > 1).any()):
+                raise ValueError("attention_mask must mark one contiguous run of tokens per row")
+            index = torch.nonzero(mask.reshape(-1)).reshape(-1)
+            positions = (mask.cumsum(-1) - 1).reshape(-1)[index]
+            cu = torch.zeros(b + 1, dtype=torch.int32, device=input_ids.device)
+            cu[1:] = torch.cumsum(mask.sum(-1), 0)
+            return cls(input_ids.reshape(-1)[index], positions, cu, index, (b, length))
+        if position_ids is not None:
+            positions = position_ids.expand(b, length).reshape(-1)
+            return cls(input_ids.reshape(-1), positions, cu_seqlens_from_position_ids(positions), None, (b, length))
+        positions = torch.arange(length, device=input_ids.device).repeat(b)
+        cu = torch.arange(0, b * length + 1, length, dtype=torch.int32, device=input_ids.device)
+        return cls(input_ids.reshape(-1), positions, cu, None, (b, length))
+
+    def next_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target of row t is the token at t+1 of the same sequence; returns (targets, valid)."""
+        targets = torch.roll(self.input_ids, -1)
+        valid = torch.ones_like(self.input_ids, dtype=torch.bool)
+        valid[self.cu_seqlens[1:].long() - 1] = False  # the last token of each sequence
+        return torch.where(valid, targets, torch.zeros_like(targets)), valid
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """[T, ...] -> [B, L, ...] (zeros where the input was padding)."""
+        b, length = self.shape
+        if self.index is None:
+            return packed.reshape(b, length, *packed.shape[1:])
+        out = packed.new_zeros(b * length, *packed.shape[1:])
+        out[self.index] = packed
+        return out.reshape(b, length, *packed.shape[1:])
+
+
+class VexactPreTrainedModel(PreTrainedModel):
+    base_model_prefix = "model"
+    _no_split_modules = ["DecoderLayer"]
+    supports_gradient_checkpointing = False
+    _supports_attention_backend = False
+
+    def _init_weights(self, module):
+        std = getattr(self.config, "initializer_range", 0.02)
+        if isinstance(module, (Linear, Embedding)):
+            module.weight.data.normal_(0.0, std)
+            if getattr(module, "bias", None) is not None:
+                module.bias.data.zero_()
+        elif isinstance(module, RMSNorm):
+            module.weight.data.fill_(1.0)
+
+
+class VexactForCausalLM(VexactPreTrainedModel):
+    """Shared decoder + lm_head. `forward` is Hugging Face's causal-LM forward (fp32 logits);
+    `packed_log_probs` is what an RL trainer should call."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.decoder_config = DecoderConfig.from_hf(config)
+        self.model = build_decoder(self.decoder_config)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.post_init()
+
+    def hidden_states(self, batch: PackedBatch) -> torch.Tensor:
+        check_dtype(self.lm_head.weight.dtype)
+        return self.model(batch.input_ids, batch.positions, PackedAttention(batch.cu_seqlens))  # [T, H]
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, **kwargs):
+        if input_ids is None:
+            raise ValueError("vexact models take input_ids (inputs_embeds is not supported)")
+        batch = PackedBatch.from_hf_inputs(input_ids, attention_mask, position_ids)
+        logits = linear(self.hidden_states(batch), self.lm_head.weight, out_dtype=torch.float32)  # [T, V]
+        logits = batch.unpack(logits)  # [B, L, V]
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    def packed_log_probs(self, batch: PackedBatch, temperature: float = 1.0) -> torch.Tensor:
+        """log p(token t+1 | tokens <= t) for every packed row t, fp32 [T]; 0 at each sequence's
+        last row. The same function, temperature and GEMM as the rollout (see kernels.logprob)."""
+        hidden = self.hidden_states(batch)
+        targets, valid = batch.next_tokens()
+        logp = linear_token_log_probs(hidden, self.lm_head.weight, targets, temperature)
+        return torch.where(valid, logp, torch.zeros_like(logp))
+
+
+class VexactQwen3ForCausalLM(VexactForCausalLM):
+    config_class = Qwen3Config
+
+
+class VexactQwen2ForCausalLM(VexactForCausalLM):
+    config_class = Qwen2Config
+
+
+class VexactLlamaForCausalLM(VexactForCausalLM):
+    config_class = LlamaConfig
+
+
+TRAINING_CLASSES = {
+    "qwen3": VexactQwen3ForCausalLM,
+    "qwen2": VexactQwen2ForCausalLM,
+    "llama": VexactLlamaForCausalLM,
+}

@@ -1,0 +1,40 @@
+"""The reduction building blocks and the torch CPU behaviours the kernels rely on."""
+
+import pytest
+import torch
+
+from vexact_vllm.kernels._reduction import row_sum, sequential_sum
+
+
+@pytest.mark.parametrize("length", [7, 64, 1000, 40000])
+def test_row_sum_single_row_equals_row_in_batch(threads, length):
+    rows = torch.randn(5, length)
+    for n in (1, 2):
+        with threads(n):
+            batch = row_sum(rows)
+            for i in range(rows.shape[0]):
+                assert torch.equal(row_sum(rows[i].clone()), batch[i])
+                assert torch.equal(row_sum(rows[i : i + 1].clone().view(1, 1, length)).view(()), batch[i])
+
+
+def test_row_sum_same_for_any_thread_count(threads):
+    rows = torch.randn(64, 4096)
+    with threads(1):
+        one = row_sum(rows)
+    with threads(2):
+        two = row_sum(rows)
+    assert torch.equal(one, two)
+
+
+def test_sequential_sum_order():
+    blocks = torch.tensor([[1e8, 1.0, -1e8, 1.0]], dtype=torch.float32)
+    expected = ((blocks[:, 0] + blocks[:, 1]) + blocks[:, 2]) + blocks[:, 3]
+    assert torch.equal(sequential_sum(blocks), expected)
+
+
+@pytest.mark.parametrize("fn", [torch.exp, torch.log, torch.rsqrt, torch.sqrt], ids=lambda f: f.__name__)
+def test_elementwise_bits_do_not_depend_on_position(fn):
+    x = torch.rand(5000) * 20 + 1e-3
+    full = fn(x)
+    for offset, length in ((0, 1), (3, 7), (5, 17), (11, 1000)):
+        assert torch.equal(fn(x[offset : offset + length].clone()), full[offset : offset + length])

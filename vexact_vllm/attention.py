@@ -1,0 +1,157 @@
+"""vLLM attention backend for vexact models: the inference side of the shared attention core.
+
+Each step writes the new keys and values into the paged cache first, then every query reads its
+keys back from the cache, so cached (prefix-cache hits, earlier chunks, earlier decode steps) and new
+keys go through one reduction: `kernels.paged_attention`, whose per-query order is anchored at
+absolute position 0 exactly like the training kernel `kernels.varlen_attention`.
+
+Cache layout (one tensor per layer, allocated by vLLM from `get_kv_cache_spec`): the logical view
+[num_blocks, num_kv_heads, block_size, 2 * head_size], keys in the first half of the last axis and
+values in the second.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+
+from vexact_vllm.kernels import paged_attention, write_kv_cache
+
+BACKEND_NAME = "CUSTOM"  # vLLM's registry slot for out-of-tree backends
+
+
+class VexactAttentionBackend(AttentionBackend):
+    forward_includes_kv_cache_update: bool = True  # rule 3: write K/V, then attend, in one place
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "bfloat16", "float32"]
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type[VexactAttentionImpl]:
+        return VexactAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[VexactAttentionMetadataBuilder]:
+        return VexactAttentionMetadataBuilder
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return []  # any: the kernels take head_dim as data
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supported_kv_cache_layouts(cls):
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+
+        return (KVCacheLayout.LBHNC,)
+
+
+@dataclass
+class VexactAttentionMetadata:
+    num_actual_tokens: int  # rows of q that are real tokens (the rest is padding)
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32: keys per sequence after this step's tokens are written
+    block_table: torch.Tensor  # [B, max_blocks] int32
+    slot_mapping: torch.Tensor  # [T] int64, -1 for padding
+
+
+class VexactAttentionMetadataBuilder(AttentionMetadataBuilder[VexactAttentionMetadata]):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> VexactAttentionMetadata:
+        m = common_attn_metadata
+        if isinstance(m.causal, torch.Tensor) or not m.causal:
+            raise ValueError("vexact attention is causal decoder attention only")
+        return VexactAttentionMetadata(
+            num_actual_tokens=m.num_actual_tokens,
+            query_start_loc=m.query_start_loc[: m.num_reqs + 1],
+            seq_lens=m.seq_lens[: m.num_reqs],
+            block_table=m.block_table_tensor[: m.num_reqs],
+            slot_mapping=m.slot_mapping[: m.num_actual_tokens],
+        )
+
+
+def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[num_blocks, Hkv, block_size, 2D] -> key and value views [num_blocks, block_size, Hkv, D]."""
+    if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_size:
+        raise ValueError(
+            f"unexpected KV cache shape {tuple(kv_cache.shape)} for head_size {head_size}; this vLLM "
+            "version's cache layout is not supported by vexact-vllm"
+        )
+    kv = kv_cache.transpose(1, 2)  # [num_blocks, block_size, Hkv, 2D]
+    return kv[..., :head_size], kv[..., head_size:]
+
+
+class VexactAttentionImpl(AttentionImpl):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes=None,
+        sliding_window=None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap=None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name=None,
+        **extra,
+    ):
+        refused = {
+            "alibi_slopes": alibi_slopes,
+            "sliding_window": sliding_window,
+            "logits_soft_cap": logits_soft_cap,
+            "kv_sharing_target_layer_name": kv_sharing_target_layer_name,
+        }
+        for name, value in refused.items():
+            if value:
+                raise ValueError(f"vexact attention does not support {name}={value!r}")
+        if kv_cache_dtype not in VexactAttentionBackend.supported_kv_cache_dtypes:
+            raise ValueError(
+                f"kv_cache_dtype {kv_cache_dtype!r} cannot keep rollouts bitwise equal to the trainer; "
+                "use --kv-cache-dtype auto with --model-impl vexact"
+            )
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, scale
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.attn_type = attn_type
+
+    def forward(
+        self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None
+    ):
+        if output_scale is not None or output_block_scale is not None:
+            raise ValueError("vexact attention does not fuse output quantization")
+        if attn_metadata is None:  # profiling / warm-up run without a cache
+            return output.fill_(0)
+        n = attn_metadata.num_actual_tokens
+        k_cache, v_cache = split_kv_cache(kv_cache, self.head_size)
+        write_kv_cache(key[:n], value[:n], k_cache, v_cache, attn_metadata.slot_mapping)
+        out = paged_attention(
+            query[:n],
+            k_cache,
+            v_cache,
+            attn_metadata.block_table,
+            attn_metadata.seq_lens,
+            attn_metadata.query_start_loc,
+            self.scale,
+        )
+        output[:n].copy_(out.view_as(output[:n]))
+        output[n:].fill_(0)
+        return output

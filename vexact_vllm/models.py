@@ -1,0 +1,137 @@
+"""vLLM model classes for `--model-impl vexact`: thin wrappers around the shared decoder.
+
+The decoder (`model_patches`) is the trainer's; only the attention context differs: here it is
+`PagedAttention`, which hands q/k/v to vLLM `Attention` layers bound to the vexact backend (write to
+the paged KV cache, then attend over it). Logits are the lm_head GEMM in fp32; the vexact sampler
+turns them into log-probs with the one log-prob function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.attention import Attention
+
+from vexact_vllm.kernels import linear
+from vexact_vllm.model_patches.config import DecoderConfig, UnsupportedModelError, check_dtype
+from vexact_vllm.model_patches.layers import Linear
+from vexact_vllm.model_patches.models import build_decoder
+
+from .attention import VexactAttentionBackend
+from .runner_hooks import install_v1_sampler_hook
+
+# Checkpoint tensors that hold nothing the model needs.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class PagedAttention:
+    """AttentionContext for vLLM: layer i's q/k/v go through vLLM Attention layer i."""
+
+    def __init__(self, layers: nn.ModuleList):
+        self.layers = layers
+
+    def attend(self, layer_idx, q, k, v, scale):
+        t, hq, d = q.shape
+        out = self.layers[layer_idx](q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1))
+        return out.view(t, hq, d)
+
+
+def _refuse_unsupported_engine(vllm_config: VllmConfig) -> None:
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+        raise UnsupportedModelError(
+            "tensor/pipeline parallelism is not supported yet with --model-impl vexact; "
+            "use --tensor-parallel-size 1 --pipeline-parallel-size 1 (data parallel replicas are fine)"
+        )
+    if vllm_config.quant_config is not None or vllm_config.model_config.quantization:
+        raise UnsupportedModelError(
+            "quantization is not supported with --model-impl vexact (the trainer computes in bf16/fp32); "
+            "serve the unquantized checkpoint without --quantization"
+        )
+    if vllm_config.speculative_config is not None:
+        raise UnsupportedModelError("speculative decoding is not supported with --model-impl vexact")
+    if vllm_config.lora_config is not None:
+        raise UnsupportedModelError("LoRA is not supported with --model-impl vexact")
+    check_dtype(vllm_config.model_config.dtype)
+
+
+class VexactForCausalLM(nn.Module):
+    is_vexact_model = True
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        _refuse_unsupported_engine(vllm_config)
+        hf_config = vllm_config.model_config.hf_config
+        self.config = DecoderConfig.from_hf(hf_config)
+        c = self.config
+        self.model = build_decoder(c)
+        self.lm_head = None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size)
+        self.attn = nn.ModuleList(
+            Attention(
+                c.num_heads,
+                c.head_dim,
+                c.head_dim**-0.5,
+                num_kv_heads=c.num_kv_heads,
+                cache_config=vllm_config.cache_config,
+                prefix=f"{prefix}model.layers.{i}.self_attn.attn",
+                attn_backend=VexactAttentionBackend,
+            )
+            for i in range(c.num_layers)
+        )
+        self.context = PagedAttention(self.attn)
+        install_v1_sampler_hook()
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
+        if inputs_embeds is not None or input_ids is None:
+            raise ValueError("prompt embeddings are not supported with --model-impl vexact")
+        return self.model(input_ids, positions, self.context)  # [T, H]
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return linear(hidden_states, self.lm_head_weight, out_dtype=torch.float32)  # [N, V] fp32
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Hugging Face-named tensors, the whole checkpoint or any bucket of it (RL weight sync)."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            param = params.get(name)
+            if param is None:
+                raise UnsupportedModelError(
+                    f"checkpoint tensor {name!r} does not belong to a {self.config.architecture}; "
+                    "is the checkpoint for this architecture (config.json) and unquantized?"
+                )
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise UnsupportedModelError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model expects "
+                    f"{tuple(param.shape)}; the checkpoint does not match its config.json"
+                )
+            if not tensor.is_floating_point():
+                raise UnsupportedModelError(f"checkpoint tensor {name!r} is {tensor.dtype}, not floating point")
+            with torch.no_grad():
+                param.copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+
+class VexactQwen3ForCausalLM(VexactForCausalLM):
+    pass
+
+
+class VexactQwen2ForCausalLM(VexactForCausalLM):
+    pass
+
+
+class VexactLlamaForCausalLM(VexactForCausalLM):
+    pass

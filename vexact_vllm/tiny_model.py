@@ -1,0 +1,244 @@
+"""Tiny random-weight checkpoints, built locally with no download, for tests and `vexact-vllm check`.
+
+Each checkpoint is a normal Hugging Face model directory (`config.json`, `generation_config.json`,
+`model.safetensors`, a fast tokenizer) that transformers and vLLM load offline:
+
+- tokenizer: a real byte-level BPE (384 entries, Qwen2's NFC + regex split + ByteLevel pipeline)
+  trained with `tokenizers` on a corpus generated here (built-in English paragraphs plus arithmetic
+  and counting sentences), so ordinary prompts take several tokens. `<|endoftext|>` is eos, bos
+  and pad; `<|im_start|>` / `<|im_end|>` are special too.
+- qwen3 (the default): tensors drawn by us from a seeded `torch.Generator` in a fixed name order,
+  2-D weights ~ N(0, 0.02), norm weights exactly 1, saved in bf16 with HF's parameter names. The
+  file is byte-identical for a given seed.
+- qwen2, llama: written by transformers itself (`from_config` + explicit re-initialisation, so
+  the qwen2 q/k/v biases are nonzero, then `save_pretrained`). llama uses llama3 rope scaling.
+
+vocab_size is the tokenizer length rounded up to the next multiple of 64 strictly above it, so
+there are always embedding rows past the tokenizer, as in real checkpoints.
+
+A build is written into a temporary sibling directory and renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+TINY_ARCHS = ("qwen3", "qwen2", "llama")
+CACHE_VERSION = "v1"  # bump when the tokenizer, configs or weights change
+EOS_TOKEN = "<|endoftext|>"
+SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")
+TOKENIZER_VOCAB_SIZE = 384
+INIT_STD = 0.02  # Hugging Face's initializer_range
+_REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                   "tokenizer_config.json")
+# Qwen2's pre-tokenizer split: words with one leading non-letter, single digits, punctuation runs, spaces.
+_PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                      r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_PARAGRAPHS = (
+    "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is Rome. "
+    "The capital of Spain is Madrid. The capital of Japan is Tokyo. The capital of Canada is Ottawa.",
+    "Once upon a time there was a small village by the river. The people of the village worked in "
+    "the fields in the morning and told stories in the evening. Every child knew the name of every "
+    "tree, and every tree knew the songs of the children.",
+    "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single "
+    "step. Knowledge is power, and time is money. Where there is a will, there is a way.",
+    "In mathematics, a number is prime if it has exactly two divisors. The first prime numbers are "
+    "two, three, five, seven, eleven and thirteen. The sum of two even numbers is always even.",
+    "The sun rises in the east and sets in the west. Water boils at one hundred degrees. The moon "
+    "goes around the earth, and the earth goes around the sun. Light is faster than sound.",
+    "Question: What is the color of the sky? Answer: The sky is blue. Question: How many days are "
+    "in a week? Answer: There are seven days in a week. Question: Who wrote this? Answer: We did.",
+)
+_NUMBER_WORDS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+                 "fifteen sixteen seventeen eighteen nineteen twenty").split()
+
+
+def default_cache_dir() -> Path:
+    """`$VEXACT_VLLM_CACHE` if set, else `~/.cache/vexact-vllm`."""
+    env = os.environ.get("VEXACT_VLLM_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "vexact-vllm"
+
+
+def _corpus() -> list[str]:
+    """The deterministic training corpus: paragraphs, arithmetic and counting sentences."""
+    lines = [p for p in _PARAGRAPHS for _ in range(3)]
+    for a in range(21):
+        for b in range(21):
+            lines.append(f"{a} plus {b} is {a + b}. {a + b} minus {b} is {a}. {a} times {b} is {a * b}.")
+    for n in range(1, 21):
+        lines.append("Counting: " + ", ".join(str(i) for i in range(n, n + 10)) + ".")
+        lines.append(" ".join(_NUMBER_WORDS[: n + 1]).capitalize() + ".")
+    return lines
+
+
+def _train_tokenizer() -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    # Qwen2's exact pipeline: AutoTokenizer rebuilds it for model_type qwen2 whatever tokenizer.json
+    # says, so any other pre-tokenizer would tokenize differently there than in tokenizer.json.
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE, min_frequency=2, special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    return tok
+
+
+def build_tokenizer(path: Path) -> None:
+    """Train the byte-level BPE tokenizer and save it to `path` as a Hugging Face fast tokenizer."""
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=_train_tokenizer(), eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
+        additional_special_tokens=list(SPECIAL_TOKENS[1:]), chat_template=_CHAT_TEMPLATE, model_max_length=2048,
+    )
+    hf_tok.save_pretrained(str(path))
+
+
+def _make_config(arch: str, vocab_size: int, special_id: int) -> PretrainedConfig:
+    common = dict(
+        vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6,
+        bos_token_id=special_id, eos_token_id=special_id, pad_token_id=special_id, dtype="bfloat16",
+    )
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    if arch == "qwen3":
+        return Qwen3Config(**common, head_dim=32, tie_word_embeddings=True, rope_parameters=rope,
+                           architectures=["Qwen3ForCausalLM"])
+    if arch == "qwen2":
+        return Qwen2Config(**common, tie_word_embeddings=True, rope_parameters=rope,
+                           architectures=["Qwen2ForCausalLM"])
+    if arch == "llama":
+        rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+        return LlamaConfig(**common, tie_word_embeddings=False, attention_bias=False, rope_parameters=rope,
+                           architectures=["LlamaForCausalLM"])
+    raise ValueError(f"unknown tiny arch {arch!r}; expected one of {TINY_ARCHS}")
+
+
+def _qwen3_state_dict(config: Qwen3Config, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """HF Qwen3ForCausalLM tensors, drawn in a fixed name order from one seeded generator."""
+    H, F, D = config.hidden_size, config.intermediate_size, config.head_dim  # hidden, ffn, head dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, H)}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (config.num_attention_heads * D, H),
+            p + "self_attn.k_proj.weight": (config.num_key_value_heads * D, H),
+            p + "self_attn.v_proj.weight": (config.num_key_value_heads * D, H),
+            p + "self_attn.o_proj.weight": (H, config.num_attention_heads * D),
+            p + "self_attn.q_norm.weight": (D,),
+            p + "self_attn.k_norm.weight": (D,),
+            p + "input_layernorm.weight": (H,),
+            p + "post_attention_layernorm.weight": (H,),
+            p + "mlp.gate_proj.weight": (F, H),
+            p + "mlp.up_proj.weight": (F, H),
+            p + "mlp.down_proj.weight": (H, F),
+        }
+    shapes["model.norm.weight"] = (H,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, H)
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in shapes.items():
+        if len(shape) == 1:  # norm weight
+            out[name] = torch.ones(shape, dtype=dtype)
+        else:
+            out[name] = (torch.randn(shape, generator=gen, dtype=torch.float32) * INIT_STD).to(dtype)
+    return out
+
+
+def _save_with_transformers(config: PretrainedConfig, path: Path, seed: int, dtype: torch.dtype) -> None:
+    """Instantiate with transformers, re-initialise every tensor explicitly, `save_pretrained`."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):  # tied lm_head appears once, as embed_tokens
+            if "norm" in name:
+                param.fill_(1.0)
+            else:  # Linear/Embedding weights and biases
+                param.normal_(0.0, INIT_STD, generator=gen)
+    model.to(dtype).save_pretrained(str(path), safe_serialization=True)
+
+
+def _is_complete(path: Path) -> bool:
+    return all((path / f).is_file() for f in _REQUIRED_FILES)
+
+
+def build_tiny_model(arch: str = "qwen3", path: Path | str | None = None, seed: int = 0,
+                     dtype: torch.dtype = torch.bfloat16, force: bool = False) -> Path:
+    """Build (or reuse) a tiny random checkpoint of `arch`; return its directory.
+
+    Default location: `default_cache_dir() / f"tiny-{arch}-s{seed}-v1"`. An existing complete
+    directory is reused unless `force`. The build goes to a temporary sibling and is renamed into
+    place at the end, so an interrupted build never looks complete.
+    """
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"unknown tiny arch {arch!r}; expected one of {TINY_ARCHS}")
+    path = Path(path) if path is not None else default_cache_dir() / f"tiny-{arch}-s{seed}-{CACHE_VERSION}"
+    if _is_complete(path) and not force:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        build_tokenizer(tmp)
+        tok = AutoTokenizer.from_pretrained(str(tmp))
+        vocab_size = (len(tok) // 64 + 1) * 64  # strictly above: always some padding rows
+        config = _make_config(arch, vocab_size, tok.convert_tokens_to_ids(EOS_TOKEN))
+        if arch == "qwen3":
+            config.save_pretrained(str(tmp))
+            save_file(_qwen3_state_dict(config, seed, dtype), str(tmp / "model.safetensors"),
+                      metadata={"format": "pt"})
+        else:
+            _save_with_transformers(config, tmp, seed, dtype)
+        # Only the special ids, no sampling defaults (overwrites the one save_pretrained wrote).
+        gen_cfg = {k: getattr(config, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        GenerationConfig(**gen_cfg).save_pretrained(str(tmp))
+        _install(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _install(tmp: Path, path: Path) -> None:
+    """Rename the finished `tmp` onto `path`, replacing an old or partial directory there."""
+    old = None
+    if path.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+        os.rename(path, old / "d")
+    try:
+        os.rename(tmp, path)
+    except OSError:  # a concurrent builder installed its own copy first: keep it if complete
+        if not _is_complete(path):
+            raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
