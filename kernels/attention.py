@@ -24,8 +24,13 @@ Gradients of `varlen_attention` flow through the torch ops (correct, determinist
 
 import torch
 
-from ._checks import check_contiguous, check_dim, check_dtype, check_int, check_last_dim_contiguous
-from ._checks import check_same_device
+from ._checks import (
+    check_dim,
+    check_dtype,
+    check_int,
+    check_last_dim_contiguous,
+    check_same_device,
+)
 from ._reduction import row_sum
 from .dispatch import backend_for
 
@@ -37,17 +42,18 @@ _QUERY_CHUNK = 64
 _PRODUCT_BUDGET = 1 << 22
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of queries of ONE sequence over its keys; the reduction order described above.
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, scale: float) -> torch.Tensor:
+    """Consecutive queries of ONE sequence over its keys, in the reduction order described above.
 
-    C = queries, L = keys of the sequence available (>= max(q_pos) + 1), G = Hq / Hkv,
-    NT = key tiles up to the last query's tile.
-    q: [C, Hq, D]; k, v: [L, Hkv, D]; q_pos: [C] int64 absolute positions -> [C, Hq, D] in q.dtype.
+    C = queries, at absolute positions first_pos .. first_pos + C - 1; L = keys of the sequence
+    given (positions 0 .. L - 1, L >= first_pos + C); G = Hq / Hkv; NT = key tiles up to the last
+    query's tile. q: [C, Hq, D]; k, v: [L, Hkv, D] -> [C, Hq, D] in q.dtype.
     """
     n_q, n_heads, head_dim = q.shape
     n_kv = k.shape[1]
     group = n_heads // n_kv
-    n_tiles = int(q_pos.max()) // KEY_TILE + 1
+    q_pos = torch.arange(n_q, device=q.device) + first_pos  # [C]
+    n_tiles = (first_pos + n_q - 1) // KEY_TILE + 1
     n_keys = n_tiles * KEY_TILE
     kf = k[:n_keys].float()
     vf = v[:n_keys].float()
@@ -64,7 +70,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tens
 
     # 1. Scores (D-long dot products), -inf past each query's position (padding included).
     dots = torch.cat(
-        [row_sum(qf * k_t[None, :, None, t0 * KEY_TILE : (t0 + step) * KEY_TILE, :]) for t0 in range(0, n_tiles, step)],
+        [
+            row_sum(qf * k_t[None, :, None, t0 * KEY_TILE : (t0 + step) * KEY_TILE, :])
+            for t0 in range(0, n_tiles, step)
+        ],
         dim=-1,
     ).reshape(n_q, n_kv, group, n_tiles, KEY_TILE)  # [C, Hkv, G, NT, 64]
     scores = torch.where(mask, dots * scale, float("-inf"))
@@ -105,12 +114,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tens
 def _attend_sequence(q, k, v, q_start_pos: int, scale: float) -> torch.Tensor:
     """Queries q [Q, Hq, D] at positions q_start_pos .. q_start_pos + Q - 1 of a sequence whose keys
     k, v [L, Hkv, D] hold positions 0 .. L - 1 (L >= q_start_pos + Q), in query chunks."""
-    outs = []
-    for c0 in range(0, q.shape[0], _QUERY_CHUNK):
-        q_c = q[c0 : c0 + _QUERY_CHUNK]
-        q_pos = torch.arange(q_c.shape[0], device=q.device) + (q_start_pos + c0)  # [C]
-        n_keys = min(k.shape[0], (int(q_pos[-1]) // KEY_TILE + 1) * KEY_TILE)
-        outs.append(_attend(q_c, k[:n_keys], v[:n_keys], q_pos, scale))
+    outs = [
+        _attend(q[c0 : c0 + _QUERY_CHUNK], k, v, q_start_pos + c0, scale)
+        for c0 in range(0, q.shape[0], _QUERY_CHUNK)
+    ]
     if not outs:
         return q.new_empty(q.shape)
     return torch.cat(outs)
@@ -130,17 +137,17 @@ def _varlen_attention_torch(q, k, v, cu_seqlens, scale):
 def _write_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping):
     valid = slot_mapping >= 0  # [T]
     slots = slot_mapping[valid].long()
-    n_slots = k_cache.shape[0] * k_cache.shape[1]
+    block_size = k_cache.shape[1]
+    n_slots = k_cache.shape[0] * block_size
     if slots.numel() > 0 and int(slots.max()) >= n_slots:
         raise ValueError(f"slot_mapping holds slot {int(slots.max())} but the cache has {n_slots} slots")
-    k_cache.view(n_slots, *k_cache.shape[2:])[slots] = k[valid]
-    v_cache.view(n_slots, *v_cache.shape[2:])[slots] = v[valid]
+    blocks, offsets = slots // block_size, slots % block_size  # caches may be strided views
+    k_cache[blocks, offsets] = k[valid]
+    v_cache[blocks, offsets] = v[valid]
 
 
 def _paged_attention_torch(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale):
     block_size = k_cache.shape[1]
-    k_flat = k_cache.view(-1, *k_cache.shape[2:])  # [slots, Hkv, D]
-    v_flat = v_cache.view(-1, *v_cache.shape[2:])
     lens = [int(n) for n in seq_lens.tolist()]
     starts = [int(s) for s in query_start_loc.tolist()]
     out = q.new_empty(q.shape)
@@ -152,10 +159,13 @@ def _paged_attention_torch(q, k_cache, v_cache, block_table, seq_lens, query_sta
             raise ValueError(f"sequence {b}: {hi - lo} queries but seq_lens[{b}] = {seq_len}")
         n_blocks = -(-seq_len // block_size)
         if n_blocks > block_table.shape[1]:
-            raise ValueError(f"sequence {b}: seq_len {seq_len} needs {n_blocks} blocks, block_table has {block_table.shape[1]}")
+            raise ValueError(
+                f"sequence {b}: seq_len {seq_len} needs {n_blocks} blocks, block_table has {block_table.shape[1]}"
+            )
         pos = torch.arange(seq_len, device=q.device)  # [L]
-        slots = block_table[b, pos // block_size].long() * block_size + pos % block_size  # [L]
-        out[lo:hi] = _attend_sequence(q[lo:hi], k_flat[slots], v_flat[slots], seq_len - (hi - lo), scale)
+        blocks, offsets = block_table[b, pos // block_size].long(), pos % block_size  # [L]
+        keys, values = k_cache[blocks, offsets], v_cache[blocks, offsets]  # [L, Hkv, D]
+        out[lo:hi] = _attend_sequence(q[lo:hi], keys, values, seq_len - (hi - lo), scale)
     return out
 
 
@@ -164,7 +174,9 @@ _WRITE_IMPLS = {"torch": _write_kv_cache_torch}
 _PAGED_IMPLS = {"torch": _paged_attention_torch}
 
 
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names: tuple[str, str], legend: str) -> None:
+def _check_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names: tuple[str, str], legend: str
+) -> None:
     k_name, v_name = names
     check_dtype("q", q)
     check_dtype(k_name, k)
@@ -206,7 +218,12 @@ def varlen_attention(
     check_int("cu_seqlens", cu_seqlens)
     check_dim("cu_seqlens", cu_seqlens, 1, "[B + 1]")
     bounds = cu_seqlens.tolist()
-    if not bounds or bounds[0] != 0 or bounds[-1] != q.shape[0] or any(a > b for a, b in zip(bounds, bounds[1:])):
+    if (
+        not bounds
+        or bounds[0] != 0
+        or bounds[-1] != q.shape[0]
+        or any(a > b for a, b in zip(bounds, bounds[1:], strict=False))
+    ):
         raise ValueError(f"cu_seqlens must rise from 0 to T = {q.shape[0]}, got {bounds}")
     _check_scale(scale)
     check_same_device(q=q, k=k, v=v, cu_seqlens=cu_seqlens)
@@ -232,9 +249,11 @@ def write_kv_cache(
             f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)} [num_blocks, block_size, Hkv, D]"
         )
     if len({k.dtype, v.dtype, k_cache.dtype, v_cache.dtype}) != 1:
-        raise ValueError(f"k, v and the caches must share one dtype, got {k.dtype}, {v.dtype}, {k_cache.dtype}")
-    check_contiguous("k_cache", k_cache)
-    check_contiguous("v_cache", v_cache)
+        raise ValueError(
+            f"k, v and the caches must share one dtype, got {k.dtype}, {v.dtype}, {k_cache.dtype}"
+        )
+    check_last_dim_contiguous("k_cache", k_cache)
+    check_last_dim_contiguous("v_cache", v_cache)
     check_int("slot_mapping", slot_mapping)
     if tuple(slot_mapping.shape) != (k.shape[0],):
         raise ValueError(f"slot_mapping must have shape ({k.shape[0]},), got {tuple(slot_mapping.shape)}")
@@ -260,8 +279,8 @@ def paged_attention(
     to `varlen_attention` on the same values.
     """
     _check_qkv(q, k_cache, v_cache, ("k_cache", "v_cache"), "[num_blocks, block_size, Hkv, D]")
-    check_contiguous("k_cache", k_cache)
-    check_contiguous("v_cache", v_cache)
+    check_last_dim_contiguous("k_cache", k_cache)
+    check_last_dim_contiguous("v_cache", v_cache)
     check_int("block_table", block_table)
     check_int("seq_lens", seq_lens)
     check_int("query_start_loc", query_start_loc)
@@ -274,9 +293,15 @@ def paged_attention(
             f"{tuple(query_start_loc.shape)} must be [B + 1] for B = {n_seqs}"
         )
     starts = query_start_loc.tolist()
-    if starts[0] != 0 or starts[-1] != q.shape[0] or any(a > b for a, b in zip(starts, starts[1:])):
+    if (
+        starts[0] != 0
+        or starts[-1] != q.shape[0]
+        or any(a > b for a, b in zip(starts, starts[1:], strict=False))
+    ):
         raise ValueError(f"query_start_loc must rise from 0 to T = {q.shape[0]}, got {starts}")
     _check_scale(scale)
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens)
     with torch.no_grad():
-        return _PAGED_IMPLS[backend_for(q)](q, k_cache, v_cache, block_table, seq_lens, query_start_loc, float(scale))
+        return _PAGED_IMPLS[backend_for(q)](
+            q, k_cache, v_cache, block_table, seq_lens, query_start_loc, float(scale)
+        )

@@ -49,7 +49,7 @@ def reference_mode(enabled: bool = True) -> Iterator[None]:
 
 
 def backend_for(tensor: torch.Tensor) -> str:
-    """"torch" or "triton" for a call whose main input is `tensor`.
+    """ "torch" or "triton" for a call whose main input is `tensor`.
 
     Today always "torch": CUDA tensors also run the torch reference until the Triton kernels land.
     """

@@ -84,7 +84,9 @@ def linear(
         raise ValueError(f"weight dtype {weight.dtype} differs from x dtype {x.dtype}")
     check_dim("weight", weight, 2, "[N, K]")
     if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"x {tuple(x.shape)} must end in K = {weight.shape[1]} (weight {tuple(weight.shape)})")
+        raise ValueError(
+            f"x {tuple(x.shape)} must end in K = {weight.shape[1]} (weight {tuple(weight.shape)})"
+        )
     check_last_dim_contiguous("x", x)
     check_last_dim_contiguous("weight", weight)
     if bias is not None:

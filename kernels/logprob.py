@@ -71,7 +71,7 @@ def _scaled_and_lse(logits: torch.Tensor, tau: torch.Tensor) -> tuple[torch.Tens
     pad = (-vocab) % VOCAB_BLOCK
     if pad:
         e = F.pad(e, (0, pad))  # [M, nb * 1024]
-    block_sums = row_sum(e.reshape(n_rows, -1, VOCAB_BLOCK))  # [M, nb]
+    block_sums = row_sum(e.reshape(n_rows, e.shape[1] // VOCAB_BLOCK, VOCAB_BLOCK))  # [M, nb]
     lse = mx[:, 0] + torch.log(sequential_sum(block_sums))  # [M]
     return scaled, lse
 
@@ -93,6 +93,8 @@ _TOKEN_IMPLS = {"torch": _token_log_probs_torch}
 def _check_logits(logits: torch.Tensor, name: str = "logits") -> None:
     check_dtype(name, logits, (torch.float32,))
     check_dim(name, logits, 2, "[M, V]")
+    if logits.shape[1] == 0:
+        raise ValueError(f"{name} must have a non-empty vocabulary dim, got shape {tuple(logits.shape)}")
     check_last_dim_contiguous(name, logits)
 
 
@@ -100,7 +102,9 @@ def _check_temperature(temperature, n_rows: int, device: torch.device) -> None:
     if isinstance(temperature, torch.Tensor):
         check_dtype("temperature", temperature, (torch.float32,))
         if temperature.numel() != n_rows or temperature.dim() > 1:
-            raise ValueError(f"temperature must be a float or an fp32 tensor [{n_rows}], got {tuple(temperature.shape)}")
+            raise ValueError(
+                f"temperature must be a float or an fp32 tensor [{n_rows}], got {tuple(temperature.shape)}"
+            )
         if temperature.device != device:
             raise ValueError(f"temperature is on {temperature.device}, logits on {device}")
         if bool((temperature < 0).any()) or not bool(torch.isfinite(temperature).all()):

@@ -39,7 +39,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     check_dtype("x", x)
     check_dtype("weight", weight)
     if x.dim() < 1 or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
-        raise ValueError(f"weight {tuple(weight.shape)} must be [H] with H = x.shape[-1] (x {tuple(x.shape)})")
+        raise ValueError(
+            f"weight {tuple(weight.shape)} must be [H] with H = x.shape[-1] (x {tuple(x.shape)})"
+        )
     check_last_dim_contiguous("x", x)
     check_same_device(x=x, weight=weight)
     if not isinstance(eps, (int, float)) or eps < 0:

@@ -72,7 +72,9 @@ def rope_cache(
         raise ValueError(f"head_dim ({head_dim}) and max_positions ({max_positions}) must be positive")
     rot_dim = int(head_dim * partial_rotary_factor)
     if rot_dim <= 0 or rot_dim % 2 != 0 or rot_dim > head_dim:
-        raise ValueError(f"rot_dim = int({head_dim} * {partial_rotary_factor}) = {rot_dim} must be even, in (0, head_dim]")
+        raise ValueError(
+            f"rot_dim = int({head_dim} * {partial_rotary_factor}) = {rot_dim} must be even, in (0, head_dim]"
+        )
     inv_freq = torch.tensor(_inv_freq(rot_dim, float(theta), scaling), dtype=torch.float64)  # [R/2]
     positions = torch.arange(max_positions, dtype=torch.float64)  # [P]
     freqs = positions[:, None] * inv_freq[None, :]  # [P, R/2]

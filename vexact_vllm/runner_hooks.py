@@ -3,8 +3,11 @@
 The V1 runner builds its `Sampler` before the model exists and offers no hook to replace it (the V2
 runner does: `ModelState.custom_sampler`). So the first time a vexact model is loaded in a worker,
 `install_v1_sampler_hook()` wraps `GPUModelRunner._sample` once: when the runner's model is a
-vexact model, its sampler becomes a `VexactSampler` before the step samples. Runners serving any
-other model are left exactly as they are.
+vexact model, its sampler becomes a `VexactSampler` before the step samples. Vexact sampling draws
+nothing from vLLM's per-request `torch.Generator`s (its noise is keyed by seed and position), so the
+runner's generators are dropped before each step; this also keeps the V1 runner from rewinding them
+after a partial prefill, which CPU generators cannot do. Runners serving any other model are left
+exactly as they are.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ def install_v1_sampler_hook() -> None:
     def _sample(self, logits, spec_decode_metadata):
         if not isinstance(self.sampler, VexactSampler) and _is_vexact(self.get_model()):
             self.sampler = VexactSampler(self)
+        if isinstance(self.sampler, VexactSampler):
+            self.input_batch.generators.clear()
         return original(self, logits, spec_decode_metadata)
 
     GPUModelRunner._sample = _sample

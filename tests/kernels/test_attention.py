@@ -13,7 +13,7 @@ def _reference(q, k, v, cu_seqlens, scale):
     """float64 causal softmax attention, sequence by sequence."""
     outs = []
     group = q.shape[1] // k.shape[1]
-    for lo, hi in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+    for lo, hi in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist(), strict=True):
         qs = q[lo:hi].double().transpose(0, 1)  # [Hq, n, D]
         ks = k[lo:hi].double().repeat_interleave(group, 1).transpose(0, 1)
         vs = v[lo:hi].double().repeat_interleave(group, 1).transpose(0, 1)
@@ -85,7 +85,7 @@ def _run_chunked(q, k, v, cu, block_size, chunk, scale):
     cache = _PagedCache(k, v, cu, block_size)
     out = torch.full(q.shape, float("nan"), dtype=q.dtype)
     done = [0] * len(cache.lens)
-    while any(d < n for d, n in zip(done, cache.lens)):
+    while any(d < n for d, n in zip(done, cache.lens, strict=True)):
         chunks = {b: (done[b], min(done[b] + chunk, n)) for b, n in enumerate(cache.lens) if done[b] < n}
         for b, o in cache.step(q, chunks, scale).items():
             out[cu[b] + chunks[b][0] : cu[b] + chunks[b][1]] = o
@@ -97,6 +97,8 @@ def _run_chunked(q, k, v, cu, block_size, chunk, scale):
     "n_heads,n_kv,head_dim,block_size,dtype",
     [
         (4, 2, 64, 16, torch.bfloat16),
+        (4, 2, 64, 32, torch.bfloat16),
+        (2, 2, 64, 16, torch.float32),
         (2, 2, 32, 32, torch.float32),
         (4, 2, 32, 32, torch.float32),
     ],
@@ -207,4 +209,6 @@ def test_bad_input_raises():
     with pytest.raises(ValueError):
         paged_attention(q, k_cache, k_cache.clone(), table, torch.tensor([4]), torch.tensor([0, 4.0]), 0.1)
     with pytest.raises(ValueError):
-        paged_attention(q, k_cache[:, :, :1], k_cache.clone(), table, torch.tensor([4]), torch.tensor([0, 4]), 0.1)
+        paged_attention(
+            q, k_cache[:, :, :1], k_cache.clone(), table, torch.tensor([4]), torch.tensor([0, 4]), 0.1
+        )

@@ -86,3 +86,13 @@ def test_bf16_gradients_dtype():
 def test_bad_input_raises(x, w, b, out_dtype):
     with pytest.raises(ValueError):
         linear(x, w, b, out_dtype=out_dtype)
+
+
+def test_single_output_long_k(threads):
+    """N = 1 (a value head) with K past torch's parallel-reduction grain: a row alone is one output."""
+    x = torch.randn(4, 40000)
+    w = torch.randn(1, 40000)
+    with threads(2):
+        full = linear(x, w)
+        for i in range(4):
+            assert torch.equal(linear(x[i : i + 1], w), full[i : i + 1])

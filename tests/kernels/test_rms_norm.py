@@ -44,7 +44,9 @@ def test_add_rms_norm(threads, dtype):
 def test_accuracy(dtype):
     x = torch.randn(33, 300).to(dtype)
     w = torch.rand(300).to(dtype) + 0.5
-    torch.testing.assert_close(rms_norm(x, w, EPS).double(), _reference(x, w, EPS), rtol=TOL[dtype], atol=TOL[dtype])
+    torch.testing.assert_close(
+        rms_norm(x, w, EPS).double(), _reference(x, w, EPS), rtol=TOL[dtype], atol=TOL[dtype]
+    )
 
 
 def test_fp32_weight_with_bf16_input():

@@ -41,7 +41,9 @@ def _reference_rope(x, positions, inv_freq):
     return torch.cat([xr * cos + torch.cat([-x2, x1], -1) * sin, x[..., rot:].double()], -1)
 
 
-@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 4.0}, LLAMA3], ids=["default", "linear", "llama3"])
+@pytest.mark.parametrize(
+    "scaling", [None, {"rope_type": "linear", "factor": 4.0}, LLAMA3], ids=["default", "linear", "llama3"]
+)
 @pytest.mark.parametrize("partial", [1.0, 0.5])
 def test_cache_matches_reference(scaling, partial):
     cache = rope_cache(128, 300, 500000.0, scaling, partial)
@@ -52,14 +54,20 @@ def test_cache_matches_reference(scaling, partial):
     assert torch.equal(cache, torch.cat([ang.cos(), ang.sin()], -1).float())
 
 
-@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 4.0}, LLAMA3], ids=["default", "linear", "llama3"])
+@pytest.mark.parametrize(
+    "scaling", [None, {"rope_type": "linear", "factor": 4.0}, LLAMA3], ids=["default", "linear", "llama3"]
+)
 def test_inv_freq_matches_transformers(scaling):
     transformers = pytest.importorskip("transformers")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = {"rope_type": "default", "rope_theta": 500000.0, **(scaling or {})}
     config = transformers.LlamaConfig(
-        hidden_size=256, num_attention_heads=2, head_dim=128, max_position_embeddings=16384, rope_parameters=params
+        hidden_size=256,
+        num_attention_heads=2,
+        head_dim=128,
+        max_position_embeddings=16384,
+        rope_parameters=params,
     )
     kind = params["rope_type"]
     if kind == "default":
@@ -91,8 +99,12 @@ def test_apply_accuracy_and_invariance(threads, dtype, partial):
     q_out, k_out = apply_rope(q, k, positions, cache)
     assert q_out.dtype == dtype and q_out.shape == q.shape
     inv = _reference_inv_freq(int(64 * partial), 10000.0, None)
-    torch.testing.assert_close(q_out.double(), _reference_rope(q, positions, inv), rtol=TOL[dtype], atol=TOL[dtype])
-    torch.testing.assert_close(k_out.double(), _reference_rope(k, positions, inv), rtol=TOL[dtype], atol=TOL[dtype])
+    torch.testing.assert_close(
+        q_out.double(), _reference_rope(q, positions, inv), rtol=TOL[dtype], atol=TOL[dtype]
+    )
+    torch.testing.assert_close(
+        k_out.double(), _reference_rope(k, positions, inv), rtol=TOL[dtype], atol=TOL[dtype]
+    )
     if partial < 1.0:
         assert torch.equal(q_out[..., 32:], q[..., 32:])
     with threads(1):
@@ -111,7 +123,10 @@ def test_gradients_match_float64_reference():
     ((q_out * gq).sum() + (k_out * gk).sum()).backward()
     inv = _reference_inv_freq(16, 10000.0, None)
     qd, kd = (t.detach().double().requires_grad_() for t in (q, k))
-    ((_reference_rope(qd, positions, inv) * gq.double()).sum() + (_reference_rope(kd, positions, inv) * gk.double()).sum()).backward()
+    (
+        (_reference_rope(qd, positions, inv) * gq.double()).sum()
+        + (_reference_rope(kd, positions, inv) * gk.double()).sum()
+    ).backward()
     torch.testing.assert_close(q.grad.double(), qd.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(k.grad.double(), kd.grad, rtol=1e-5, atol=1e-5)
 

@@ -1,0 +1,146 @@
+"""`vexact-vllm check`: generate with vLLM + the plugin, recompute with the trainer, compare bits.
+
+1. model: --model PATH, or the built-in tiny Qwen3 (built and cached on first use);
+2. prompts: --prompts FILE (one per line, or JSON lines with a "prompt"), or built-in ones;
+3. generate under each composition (rollout.py), also with stock vLLM when --against-stock;
+4. score every generated token with the training class under several packings (score.py);
+5. print the table (or --json) and exit 0 only when every vexact token matches.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from .report import Row, to_json, to_table, verdict
+from .rollout import RolloutSettings, run_compositions
+from .score import compare, load_trainer, trainer_log_probs
+
+COMPOSITIONS = ("alone", "batch", "shuffled", "chunked-prefill", "preemption")
+
+BUILTIN_PROMPTS = [
+    "The capital of France is",
+    "1 plus 1 is",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "12 plus 7 is 19. 20 plus 5 is",
+    "Count with me: one, two, three, four,",
+    "The quick brown fox jumps over the lazy dog. The lazy dog",
+    "Write a short poem about the moon.",
+    "Q: What is the color of the sky on a clear day? A:",
+    "In reinforcement learning, the policy that generates the data and the policy that is trained "
+    "should be the same; when they differ, the training is said to be off-policy, and the importance "
+    "weights that correct for it grow with every step in which the two drift apart, until",
+    "Numbers: 3 5 7 11 13 17 19 23 29 31 37 41 43 47 53 59 61 67 71 73 79 83 89 97 and then",
+    "Hello",
+    "A list of fruits: apple, banana, cherry, date, elderberry, fig, grape, and",
+]
+
+
+def read_prompts(path: str | None, num_prompts: int) -> list[str]:
+    if path is None:
+        prompts = BUILTIN_PROMPTS
+    else:
+        lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+        prompts = [json.loads(line)["prompt"] if line.lstrip().startswith("{") else line for line in lines]
+        if not prompts:
+            raise SystemExit(f"error: {path} holds no prompts")
+    return [prompts[i % len(prompts)] for i in range(num_prompts)]
+
+
+def tokenize(model_path: str, prompts: list[str], max_model_len: int, max_tokens: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    ids = [tokenizer(p)["input_ids"] for p in prompts]
+    for i, p in enumerate(ids):
+        if not p:
+            raise SystemExit(f"error: prompt {i} is empty after tokenization")
+        if len(p) + max_tokens > max_model_len:
+            raise SystemExit(
+                f"error: prompt {i} has {len(p)} tokens; with --max-tokens {max_tokens} it exceeds the model "
+                f"length {max_model_len}. Shorten the prompt or lower --max-tokens."
+            )
+    return ids
+
+
+def resolve_model(path: str | None) -> str:
+    if path is not None:
+        if not (Path(path) / "config.json").is_file():
+            raise SystemExit(f"error: {path} is not a Hugging Face checkpoint directory (no config.json)")
+        return path
+    from vexact_vllm.tiny_model import build_tiny_model
+
+    return str(build_tiny_model("qwen3"))
+
+
+def run_check(args) -> int:
+    from tqdm import tqdm
+
+    model_path = resolve_model(args.model)
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    max_model_len = args.max_model_len
+    prompts = read_prompts(args.prompts, args.num_prompts)
+    prompt_ids = tokenize(model_path, prompts, max_model_len, args.max_tokens)
+    names = [c.strip() for c in args.compositions.split(",") if c.strip()]
+    unknown = sorted(set(names) - set(COMPOSITIONS))
+    if unknown:
+        raise SystemExit(f"error: unknown composition(s) {unknown}; choose from {', '.join(COMPOSITIONS)}")
+    packings = [int(x) for x in args.micro_batches.split(",")]
+
+    settings = RolloutSettings(
+        model=model_path,
+        dtype=args.dtype,
+        max_model_len=max_model_len,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+    )
+    steps = len(names) + (1 if args.against_stock else 0) + 1
+    progress = tqdm(total=steps, desc="vexact-vllm check", file=sys.stderr, disable=args.json or args.quiet)
+    results = [("vexact", r) for r in run_compositions(prompt_ids, settings, names, progress)]
+    if args.against_stock:
+        stock = RolloutSettings(**{**settings.__dict__, "model_impl": "vllm"})
+        results += [("stock", r) for r in run_compositions(prompt_ids, stock, ["batch"], progress)]
+
+    trainer = load_trainer(model_path, dtype)
+    rows: list[Row] = []
+    for engine, result in results:
+        scored = [trainer_log_probs(trainer, result.rollouts, mb, args.temperature) for mb in packings]
+        comparisons = [compare(result.rollouts, s) for s in scored]
+        worst = max(comparisons, key=lambda c: (c.mismatches, c.max_abs_diff))
+        packing = ",".join("all" if mb <= 0 else str(mb) for mb in packings)
+        rows.append(Row(result.name, engine, packing, worst, result.notes))
+    progress.update(1)
+    progress.close()
+
+    meta = {"model": model_path, "prompts": len(prompt_ids), "max_tokens": args.max_tokens,
+            "temperature": args.temperature, "seed": args.seed}
+    print(to_json(rows, meta) if args.json else to_table(rows))
+    if args.plot:
+        from .plot import plot_differences
+
+        plot_differences(rows, args.plot)
+    return 0 if verdict(rows) else 1
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", help="Hugging Face checkpoint directory (default: built-in tiny Qwen3)")
+    parser.add_argument("--prompts", help="file with one prompt per line, or JSON lines with a 'prompt' field")
+    parser.add_argument("--num-prompts", type=int, default=12)
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--seed", type=int, default=0, help="request i uses seed + i")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--compositions", default=",".join(COMPOSITIONS),
+                        help=f"comma-separated subset of {', '.join(COMPOSITIONS)}")
+    parser.add_argument("--micro-batches", default="1,3,0",
+                        help="training micro-batch sizes to pack sequences into (0 = all in one)")
+    parser.add_argument("--against-stock", action="store_true",
+                        help="also run stock vLLM (--model-impl vllm) against the same training forward")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--plot", help="write a PNG of per-position |log-prob difference| (needs matplotlib)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -1,0 +1,81 @@
+"""Recompute every generated token with the training class and compare bit for bit.
+
+The training side is the real one: `AutoModelForCausalLM.from_pretrained` with the vexact training
+classes enabled, sequences (prompt + generated tokens) packed back to back into micro-batches of
+several sizes, log-probs from `packed_log_probs` (the fused lm_head + log-prob function).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .rollout import Rollout
+
+
+def load_trainer(model_path: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    from vexact_vllm.model_patches import VexactForCausalLM, training_enabled
+
+    with training_enabled():
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    if not isinstance(model, VexactForCausalLM):
+        raise TypeError(f"expected the vexact training class, got {type(model).__name__}")
+    return model.eval()
+
+
+@torch.no_grad()
+def trainer_log_probs(model, rollouts: list[Rollout], micro_batch: int, temperature: float) -> list[torch.Tensor]:
+    """Per rollout, fp32 log-probs of its generated tokens, scored in packed micro-batches."""
+    from vexact_vllm.model_patches import PackedBatch
+
+    tau = 1.0 if temperature == 0 else temperature  # greedy is scored at temperature 1
+    size = micro_batch if micro_batch > 0 else len(rollouts)
+    out: list[torch.Tensor] = []
+    for lo in range(0, len(rollouts), size):
+        chunk = rollouts[lo : lo + size]
+        batch = PackedBatch.from_sequences([r.prompt_ids + r.output_ids for r in chunk])
+        logp = model.packed_log_probs(batch, tau)  # [T]; row t scores token t+1
+        for r, start in zip(chunk, batch.cu_seqlens[:-1].tolist()):
+            first = start + len(r.prompt_ids) - 1  # row that predicts the first generated token
+            out.append(logp[first : first + len(r.output_ids)].clone())
+    return out
+
+
+@dataclass
+class Mismatch:
+    request: int
+    position: int  # index of the token in its sequence (prompt included)
+    vllm: float
+    trainer: float
+
+
+@dataclass
+class Comparison:
+    tokens: int
+    mismatches: int
+    max_abs_diff: float
+    first: Mismatch | None
+    per_position: list[tuple[int, float]]  # (position in output, |diff|) for every token, for plots
+
+
+def compare(rollouts: list[Rollout], trainer: list[torch.Tensor]) -> Comparison:
+    tokens = mismatches = 0
+    max_diff, first, per_position = 0.0, None, []
+    for i, (r, t) in enumerate(zip(rollouts, trainer)):
+        v = torch.tensor(r.logprobs, dtype=torch.float64).to(torch.float32)  # exact: they were fp32
+        if v.shape != t.shape:
+            raise ValueError(f"request {i}: {v.numel()} vLLM log-probs but {t.numel()} generated tokens")
+        diff = (v.double() - t.double()).abs()
+        bad = torch.nonzero(v != t).reshape(-1)
+        tokens += v.numel()
+        mismatches += bad.numel()
+        if v.numel():
+            max_diff = max(max_diff, float(diff.max()))
+        per_position += list(enumerate(diff.tolist()))
+        if first is None and bad.numel():
+            k = int(bad[0])
+            first = Mismatch(i, len(r.prompt_ids) + k, float(v[k]), float(t[k]))
+    return Comparison(tokens, mismatches, max_diff, first, per_position)
