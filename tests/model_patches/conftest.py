@@ -1,0 +1,52 @@
+"""Shared fixtures: the three tiny checkpoints (built once per session, offline, in a tmp dir), a
+loader for the stock and the vexact model, and guards that neither the training switch nor the
+thread count leaks out of a test."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from vexact_vllm.model_patches import disable_training, training_enabled
+from vexact_vllm.tiny_model import TINY_ARCHS, build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_paths(tmp_path_factory):
+    """arch -> checkpoint directory (bf16 on disk)."""
+    root = tmp_path_factory.mktemp("tiny_model_patches")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VEXACT_VLLM_CACHE", str(root / "cache"))
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        yield {arch: build_tiny_model(arch, path=root / arch) for arch in TINY_ARCHS}
+
+
+@pytest.fixture
+def load_model(tiny_paths):
+    """load_model(arch, dtype, vexact) -> a fresh model in eval mode; vexact=False is stock transformers."""
+
+    def _load(arch: str, dtype: torch.dtype, vexact: bool):
+        if vexact:
+            with training_enabled():
+                return AutoModelForCausalLM.from_pretrained(tiny_paths[arch], dtype=dtype).eval()
+        return AutoModelForCausalLM.from_pretrained(tiny_paths[arch], dtype=dtype).eval()
+
+    return _load
+
+
+@pytest.fixture(autouse=True)
+def _training_switch_off():
+    """Every test starts and ends with the training switch off."""
+    disable_training()
+    yield
+    disable_training()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tests run on one thread: the torch reference kernels do many small reductions, and two OpenMP
+    threads on a shared 2-core machine are 10x slower. Thread-count independence of the kernels is
+    tested in tests/kernels; test_packed_invariance.py also scores one arrangement on two threads."""
+    original = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(original)
