@@ -9,7 +9,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -76,7 +78,39 @@ def resolve_model(path: str | None) -> str:
     return str(build_tiny_model("qwen3"))
 
 
+@contextlib.contextmanager
+def diagnostics_to_stderr():
+    """vLLM (and its engine processes, which inherit the descriptor) log to stdout; send that to
+    stderr so stdout carries only the report (a table, or JSON a machine can parse)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def run_check(args) -> int:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    with diagnostics_to_stderr():
+        rows, model_path, n_prompts = _run(args)
+    meta = {"model": model_path, "prompts": n_prompts, "max_tokens": args.max_tokens,
+            "temperature": args.temperature, "seed": args.seed}
+    report = to_json(rows, meta) if args.json else to_table(rows)
+    print(report, flush=True)
+    if args.output:
+        Path(args.output).write_text(report + "\n")
+    if args.plot:
+        from .plot import plot_differences
+
+        plot_differences(rows, args.plot)
+    return 0 if verdict(rows) else 1
+
+
+def _run(args) -> tuple[list[Row], str, int]:
     from tqdm import tqdm
 
     model_path = resolve_model(args.model)
@@ -115,15 +149,7 @@ def run_check(args) -> int:
         rows.append(Row(result.name, engine, packing, worst, result.notes))
     progress.update(1)
     progress.close()
-
-    meta = {"model": model_path, "prompts": len(prompt_ids), "max_tokens": args.max_tokens,
-            "temperature": args.temperature, "seed": args.seed}
-    print(to_json(rows, meta) if args.json else to_table(rows))
-    if args.plot:
-        from .plot import plot_differences
-
-        plot_differences(rows, args.plot)
-    return 0 if verdict(rows) else 1
+    return rows, model_path, len(prompt_ids)
 
 
 def add_arguments(parser) -> None:
@@ -142,5 +168,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--against-stock", action="store_true",
                         help="also run stock vLLM (--model-impl vllm) against the same training forward")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--output", help="also write the report (table or JSON) to this file")
     parser.add_argument("--plot", help="write a PNG of per-position |log-prob difference| (needs matplotlib)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
