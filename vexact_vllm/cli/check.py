@@ -96,10 +96,12 @@ def diagnostics_to_stderr():
 def run_check(args) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     with diagnostics_to_stderr():
-        rows, model_path, n_prompts = _run(args)
+        rows, model_path, n_prompts, bisect_note = _run(args)
     meta = {"model": model_path, "prompts": n_prompts, "max_tokens": args.max_tokens,
             "temperature": args.temperature, "seed": args.seed}
-    report = to_json(rows, meta) if args.json else to_table(rows)
+    if bisect_note:
+        meta["bisect"] = bisect_note
+    report = to_json(rows, meta) if args.json else to_table(rows) + (f"\n{bisect_note}" if bisect_note else "")
     print(report, flush=True)
     if args.output:
         Path(args.output).write_text(report + "\n")
@@ -110,7 +112,21 @@ def run_check(args) -> int:
     return 0 if verdict(rows) else 1
 
 
-def _run(args) -> tuple[list[Row], str, int]:
+def _bisect(trainer, results, rows, forced: bool) -> str | None:
+    """On the first mismatching vexact request (or request 0 when --bisect asks for it anyway)."""
+    from .bisect import bisect_sequence, describe
+
+    for (engine, result), row in zip(results, rows):
+        first = row.comparison.first
+        if engine != "vexact" or (first is None and not forced):
+            continue
+        r = result.rollouts[first.request if first is not None else 0]
+        where = f"{result.name}, request {first.request if first is not None else 0}"
+        return f"{describe(bisect_sequence(trainer, r.prompt_ids + r.output_ids, len(r.prompt_ids)))} [{where}]"
+    return None
+
+
+def _run(args) -> tuple[list[Row], str, int, str | None]:
     from tqdm import tqdm
 
     model_path = resolve_model(args.model)
@@ -149,7 +165,7 @@ def _run(args) -> tuple[list[Row], str, int]:
         rows.append(Row(result.name, engine, packing, worst, result.notes))
     progress.update(1)
     progress.close()
-    return rows, model_path, len(prompt_ids)
+    return rows, model_path, len(prompt_ids), _bisect(trainer, results, rows, args.bisect)
 
 
 def add_arguments(parser) -> None:
@@ -170,4 +186,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--output", help="also write the report (table or JSON) to this file")
     parser.add_argument("--plot", help="write a PNG of per-position |log-prob difference| (needs matplotlib)")
+    parser.add_argument("--bisect", action="store_true",
+                        help="replay a request's inference steps in-process and name the first module whose "
+                        "output differs from training (runs by itself on a mismatch)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
