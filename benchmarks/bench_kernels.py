@@ -1,0 +1,247 @@
+"""Time each vexact kernel against the stock path on one GPU, in one run, and print the ratios.
+
+    python benchmarks/bench_kernels.py [--out DIR] [--quick]
+
+Sections: GEMM vs torch.mm (cuBLAS) at Qwen3-1.7B and Qwen3-8B weight shapes; paged decode attention
+vs vLLM's FlashAttention-3 (`vllm.vllm_flash_attn`, when vLLM is importable); varlen prefill vs FA3
+varlen; training attention forward+backward vs torch SDPA (flash backend); fused linear log-prob vs
+`torch.log_softmax(h @ W.T)`; a Qwen3-1.7B decoder layer's training forward+backward vs the same
+layer in stock transformers. "speed" is stock time / vexact time (1.0 = as fast as stock). Medians
+of CUDA-event timings after warm-up (triton.testing.do_bench). Full numbers go to DIR/kernels.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+
+import torch
+
+ROWS: list[dict] = []
+
+
+def bench(fn, warmup=25, rep=100) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def record(section, case, ours_ms, stock_ms, target=None, **extra):
+    speed = stock_ms / ours_ms if ours_ms and stock_ms else float("nan")
+    row = {"section": section, "case": case, "vexact_ms": ours_ms, "stock_ms": stock_ms, "speed": speed,
+           "target": target, "meets": None if target is None else speed >= target, **extra}
+    ROWS.append(row)
+    print(f"{section:10s} {case:40s} vexact {ours_ms:9.4f} ms  stock {stock_ms:9.4f} ms  speed {speed:5.2f}"
+          + (f"  (target {target})" if target else ""), flush=True)
+
+
+def section(fn):
+    def run(*args):
+        try:
+            fn(*args)
+        except Exception:  # one section failing must not hide the others
+            traceback.print_exc()
+            ROWS.append({"section": fn.__name__, "case": "ERROR", "error": traceback.format_exc(limit=3)})
+
+    return run
+
+
+@section
+def gemm(quick):
+    from vexact_vllm.kernels import linear
+
+    shapes = {
+        "1.7B": {"q/o": (2048, 2048), "kv": (1024, 2048), "gate/up": (6144, 2048), "down": (2048, 6144),
+                 "lm_head": (151936, 2048)},
+        "8B": {"q/o": (4096, 4096), "kv": (1024, 4096), "gate/up": (12288, 4096), "down": (4096, 12288),
+               "lm_head": (151936, 4096)},
+    }
+    ms = [1, 8, 64, 256, 1024, 8192] if not quick else [1, 64, 1024]
+    for model, table in shapes.items():
+        for name, (n, k) in table.items():
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            for m in ms:
+                if name == "lm_head" and m > 1024:
+                    continue
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                ours = bench(lambda x=x, w=w: linear(x, w))
+                stock = bench(lambda x=x, w=w: torch.mm(x, w.t()))
+                tflops = 2 * m * n * k / ours / 1e9
+                record("gemm", f"{model} {name} N={n} K={k} M={m}", ours, stock, 0.85 if m >= 256 else 0.7,
+                       vexact_tflops=tflops)
+
+
+def _paged_inputs(batch, context, hq, hkv, d, block_size=16):
+    blocks_per_seq = context // block_size
+    num_blocks = batch * blocks_per_seq
+    k_cache = torch.randn(num_blocks, block_size, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    block_table = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(batch, blocks_per_seq)
+    seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
+    qsl = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    return q, k_cache, v_cache, block_table, seq_lens, qsl
+
+
+@section
+def decode_attention(quick):
+    from vexact_vllm.kernels import paged_attention
+
+    batch, context, hq, hkv, d = 256, 1024, 16, 8, 128
+    q, kc, vc, bt, sl, qsl = _paged_inputs(batch, context, hq, hkv, d)
+    scale = d**-0.5
+    ours = bench(lambda: paged_attention(q, kc, vc, bt, sl, qsl, scale))
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    stock = bench(lambda: flash_attn_varlen_func(
+        q, kc, vc, max_seqlen_q=1, cu_seqlens_q=qsl, max_seqlen_k=context, seqused_k=sl,
+        softmax_scale=scale, causal=True, block_table=bt, fa_version=3))
+    bytes_moved = 2 * kc.numel() * kc.element_size()
+    record("decode", f"B={batch} ctx={context} Hq={hq} Hkv={hkv} D={d}", ours, stock, 0.8,
+           vexact_tb_s=bytes_moved / ours / 1e9)
+
+
+def _varlen_inputs(nseq, length, hq, hkv, d, grad=False):
+    t = nseq * length
+    q = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+    k = torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+    v = torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+    cu = torch.arange(0, t + 1, length, device="cuda", dtype=torch.int32)
+    return q, k, v, cu
+
+
+@section
+def prefill_attention(quick):
+    from vexact_vllm.kernels import varlen_attention
+
+    nseq, length, hq, hkv, d = 16, 1024, 16, 8, 128
+    q, k, v, cu = _varlen_inputs(nseq, length, hq, hkv, d)
+    scale = d**-0.5
+    with torch.no_grad():
+        ours = bench(lambda: varlen_attention(q, k, v, cu, scale))
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    stock = bench(lambda: flash_attn_varlen_func(
+        q, k, v, max_seqlen_q=length, cu_seqlens_q=cu, max_seqlen_k=length, cu_seqlens_k=cu,
+        softmax_scale=scale, causal=True, fa_version=3))
+    flops = 4 * nseq * length * length / 2 * hq * d
+    record("prefill", f"{nseq}x{length} Hq={hq} Hkv={hkv} D={d} fwd", ours, stock, 0.7,
+           vexact_tflops=flops / ours / 1e9)
+
+
+@section
+def training_attention(quick):
+    from vexact_vllm.kernels import varlen_attention
+
+    nseq, length, hq, hkv, d = 8, 1024, 16, 8, 128
+    q, k, v, cu = _varlen_inputs(nseq, length, hq, hkv, d, grad=True)
+    scale = d**-0.5
+    g = torch.randn(nseq * length, hq, d, device="cuda", dtype=torch.bfloat16)
+
+    def ours():
+        varlen_attention(q, k, v, cu, scale).backward(g)
+
+    qb = q.detach().view(nseq, length, hq, d).transpose(1, 2).contiguous().requires_grad_()
+    kb = k.detach().view(nseq, length, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, 1).contiguous()
+    vb = v.detach().view(nseq, length, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, 1).contiguous()
+    kb.requires_grad_(), vb.requires_grad_()
+    gb = g.view(nseq, length, hq, d).transpose(1, 2).contiguous()
+
+    def stock():
+        torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale).backward(gb)
+
+    record("train-attn", f"{nseq}x{length} D={d} fwd+bwd vs SDPA", bench(ours), bench(stock), 0.7)
+
+
+@section
+def linear_logprob(quick):
+    from vexact_vllm.kernels import linear_token_log_probs
+
+    m, h, vocab = (8192 if not quick else 2048), 2048, 151936
+    hidden = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = (torch.randn(vocab, h, device="cuda", dtype=torch.bfloat16) * 0.02).requires_grad_()
+    tokens = torch.randint(0, vocab, (m,), device="cuda")
+
+    def ours():
+        linear_token_log_probs(hidden, weight, tokens, 1.0).sum().backward()
+
+    def stock():
+        logits = (hidden @ weight.t()).float()
+        torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).sum().backward()
+
+    record("logprob", f"M={m} H={h} V={vocab} fwd+bwd", bench(ours, 5, 20), bench(stock, 5, 20), None,
+           stock_peak_gib=None)
+
+
+@section
+def decoder_layer(quick):
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
+
+    from vexact_vllm.kernels import rope_cache
+    from vexact_vllm.model_patches.attention_context import PackedAttention
+    from vexact_vllm.model_patches.config import DecoderConfig
+    from vexact_vllm.model_patches.layers import DecoderLayer
+
+    cfg = Qwen3Config(hidden_size=2048, intermediate_size=6144, num_attention_heads=16, num_key_value_heads=8,
+                      head_dim=128, num_hidden_layers=1, vocab_size=151936, max_position_embeddings=4096)
+    cfg._attn_implementation = "sdpa"
+    nseq, length = 8, 1024
+    t = nseq * length
+    stock = Qwen3DecoderLayer(cfg, 0).cuda().to(torch.bfloat16)
+    ours = DecoderLayer(DecoderConfig.from_hf(cfg), 0).cuda().to(torch.bfloat16)
+    ours.load_state_dict(stock.state_dict())
+    x = torch.randn(t, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    pos = torch.arange(length, device="cuda").repeat(nseq)
+    cu = torch.arange(0, t + 1, length, device="cuda", dtype=torch.int32)
+    rope = rope_cache(128, 4096, 1e6).cuda()
+    ctx = PackedAttention(cu)
+
+    def run_ours():
+        h, r = ours(x, None, pos, rope, ctx)
+        (h.float().sum() + r.float().sum()).backward()
+
+    xb = x.detach().view(nseq, length, -1).requires_grad_()
+    rot = Qwen3RotaryEmbedding(cfg).cuda()
+    pos_b = torch.arange(length, device="cuda")[None].expand(nseq, -1)
+    cos_sin = rot(xb, pos_b)
+
+    def run_stock():
+        out = stock(xb, attention_mask=None, position_ids=pos_b, position_embeddings=cos_sin)
+        out = out[0] if isinstance(out, tuple) else out
+        out.float().sum().backward()
+
+    record("layer", f"Qwen3-1.7B layer {nseq}x{length} fwd+bwd", bench(run_ours, 5, 30), bench(run_stock, 5, 30), 0.8)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", default="", help="comma-separated sections")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    torch.manual_seed(0)
+    sections = {"gemm": gemm, "decode": decode_attention, "prefill": prefill_attention,
+                "train-attn": training_attention, "logprob": linear_logprob, "layer": decoder_layer}
+    chosen = [s for s in args.only.split(",") if s] or list(sections)
+    for name in chosen:
+        sections[name](args.quick)
+    with open(os.path.join(args.out, "kernels.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "rows": ROWS}, f, indent=1)
+    print("\nsection    case                                      speed  target  meets")
+    for r in ROWS:
+        if "speed" in r:
+            meets = "-" if r["meets"] is None else ("yes" if r["meets"] else "NO")
+            tgt = "-" if r["target"] is None else f"{r['target']:.2f}"
+            print(f"{r['section']:10s} {r['case'][:40]:40s} {r['speed']:5.2f}  {tgt:6s}  {meets}")
+        else:
+            print(f"{r['section']:10s} ERROR (see log)")
+
+
+if __name__ == "__main__":
+    main()
