@@ -64,7 +64,36 @@ class _LinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-_IMPLS = {"torch": _LinearFunction.apply}
+class _LinearTritonFunction(torch.autograd.Function):
+    """Forward: the batch-invariant Triton kernel (`gemm_triton.linear_triton`, imported on first
+    use so that importing the kernels never imports Triton). Backward: deterministic, not
+    batch-invariant: cuBLAS matmuls in the input dtype (fp32 accumulation) on CUDA, the torch
+    path's fp32 matmuls elsewhere (the Triton interpreter in tests)."""
+
+    @staticmethod
+    def forward(ctx, x2, weight, bias, out_dtype):
+        from .gemm_triton import linear_triton
+
+        ctx.save_for_backward(x2, weight, bias)
+        return linear_triton(x2, weight, bias, out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if not grad_out.is_cuda:
+            return _LinearFunction.backward(ctx, grad_out)
+        x2, weight, bias = ctx.saved_tensors
+        g = grad_out.to(x2.dtype)  # [M, N]
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.matmul(g, weight)  # [M, K]
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.matmul(g.t(), x2)  # [N, K]
+        if bias is not None and ctx.needs_input_grad[2]:
+            grad_b = grad_out.float().sum(0).to(bias.dtype)  # [N]
+        return grad_x, grad_w, grad_b, None
+
+
+_IMPLS = {"torch": _LinearFunction.apply, "triton": _LinearTritonFunction.apply}
 
 
 def linear(

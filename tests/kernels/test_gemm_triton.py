@@ -1,0 +1,294 @@
+"""Triton GEMM (`kernels/gemm_triton.py`): the kernel's logic on CPU through the Triton interpreter
+(tiny shapes, 16x16x16 tiles so they span several tiles, K steps and persistent programs), and the
+compiled kernel on CUDA at Qwen3 weight shapes. Invariance is always `torch.equal`."""
+
+import importlib
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from vexact_vllm.kernels import gemm
+
+pytest.importorskip("triton")
+
+MODULE = "vexact_vllm.kernels.gemm_triton"
+_BF16 = torch.bfloat16
+# Accuracy against fp64, by output dtype: inputs are exact in both, so the fp32 accumulation of up
+# to 6144 products (fp32 out) or the final rounding (bf16 out) sets the error.
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+
+def _reference(x, w, b):
+    y = x.double() @ w.double().t()
+    return y if b is None else y + b.double()
+
+
+def _inputs(m, n, k, dtype, device="cpu", bias=True):
+    x = torch.randn(m, k, device=device).to(dtype)
+    w = (torch.randn(n, k, device=device) / k**0.5).to(dtype)
+    b = torch.randn(n, device=device).to(dtype) if bias else None
+    return x, w, b
+
+
+@pytest.fixture(scope="module")
+def interp():
+    """gemm_triton imported afresh with TRITON_INTERPRET=1 (it takes CPU tensors). The variable,
+    sys.modules and the package attribute are restored at once, so later imports (the CUDA tests,
+    vLLM engines started in the same run) get the compiled kernel."""
+    package = importlib.import_module("vexact_vllm.kernels")
+    saved_env = os.environ.get("TRITON_INTERPRET")
+    saved_module = sys.modules.pop(MODULE, None)
+    saved_attr = package.__dict__.get("gemm_triton")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        module = importlib.import_module(MODULE)
+    finally:
+        if saved_env is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved_env
+        if saved_module is None:
+            sys.modules.pop(MODULE, None)
+        else:
+            sys.modules[MODULE] = saved_module
+        if saved_attr is None:
+            package.__dict__.pop("gemm_triton", None)
+        else:
+            package.gemm_triton = saved_attr
+    return module
+
+
+@pytest.fixture(scope="module")
+def interp_runs(interp):
+    """`interp`, skipped where this Triton's interpreter cannot run a loop (Triton 3.6 calls int() on
+    1-element arrays, which numpy >= 2.5 refuses); the CUDA tests still cover the kernel there."""
+    try:
+        interp.linear_triton(torch.ones(1, 16), torch.ones(16, 16), None, torch.float32)
+    except Exception as e:
+        if "0-dimensional arrays" in str(e):
+            pytest.skip(f"Triton's interpreter fails with numpy {np.__version__}: {e}")
+        raise
+    return interp
+
+
+@pytest.fixture
+def small_tiles(interp_runs, monkeypatch):
+    """Every weight shape gets 16x16x16 tiles: tiny problems then have many tiles and K steps."""
+    config = interp_runs.GemmConfig(16, 16, 16, 2, 4, 2)
+    monkeypatch.setattr(interp_runs, "gemm_config", lambda n, k, dtype: config)
+    return interp_runs
+
+
+# ----------------------------------------------------------------------------- interpreter (CPU)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 16, 24), (5, 40, 64), (17, 40, 24), (33, 16, 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_accuracy_interpreted(small_tiles, m, n, k, dtype):
+    x, w, b = _inputs(m, n, k, dtype, bias=m % 2 == 1)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        y = small_tiles.linear_triton(x, w, b, out_dtype)
+        assert y.shape == (m, n) and y.dtype == out_dtype
+        tol = TOL[out_dtype]
+        torch.testing.assert_close(y.double(), _reference(x, w, b), rtol=tol, atol=tol)
+
+
+def test_default_config_interpreted(interp_runs):
+    """The real configuration table: one tile larger than the whole problem, masked everywhere."""
+    x, w, b = _inputs(17, 40, 24, torch.bfloat16)
+    y = interp_runs.linear_triton(x, w, b, torch.float32)
+    torch.testing.assert_close(y.double(), _reference(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n,k,dtype", [(40, 24, torch.bfloat16), (16, 64, torch.float32)])
+def test_rows_invariant_interpreted(small_tiles, monkeypatch, n, k, dtype):
+    x, w, b = _inputs(33, n, k, dtype)
+    full = small_tiles.linear_triton(x, w, b, torch.bfloat16)
+    for i in range(33):
+        assert torch.equal(small_tiles.linear_triton(x[i : i + 1], w, b, torch.bfloat16), full[i : i + 1]), i
+    for size in (5, 17):
+        for start in range(0, 33, size):
+            part = small_tiles.linear_triton(x[start : start + size], w, b, torch.bfloat16)
+            assert torch.equal(part, full[start : start + size]), (size, start)
+    for sms in (1, 3, 7):  # fewer or more persistent programs than tiles
+        monkeypatch.setattr(small_tiles, "_num_sms", lambda device, sms=sms: sms)
+        assert torch.equal(small_tiles.linear_triton(x, w, b, torch.bfloat16), full), sms
+
+
+def test_strided_views_interpreted(small_tiles):
+    x, w, b = _inputs(17, 40, 24, torch.bfloat16)
+    want = small_tiles.linear_triton(x, w, b, torch.float32)
+    x_wide = torch.zeros(17, 40, dtype=x.dtype)
+    x_wide[:, 8:32] = x
+    x_every_other = torch.zeros(34, 24, dtype=x.dtype)
+    x_every_other[::2] = x
+    w_wide = torch.zeros(40, 30, dtype=w.dtype)
+    w_wide[:, 3:27] = w
+    for xv in (x_wide[:, 8:32], x_every_other[::2]):
+        assert xv.stride(0) != 24
+        assert torch.equal(small_tiles.linear_triton(xv, w_wide[:, 3:27], b, torch.float32), want)
+
+
+def test_autograd_function_interpreted(small_tiles, monkeypatch):
+    """`gemm._IMPLS["triton"]` imports the module lazily; here it finds the interpreted one."""
+    monkeypatch.setitem(sys.modules, MODULE, small_tiles)
+    x, w, b = (t.requires_grad_() for t in _inputs(9, 40, 24, torch.float32))
+    g = torch.randn(9, 40)
+    (gemm._IMPLS["triton"](x, w, b, torch.float32) * g).sum().backward()
+    xd, wd, bd = (t.detach().double().requires_grad_() for t in (x, w, b))
+    (_reference(xd, wd, bd) * g.double()).sum().backward()
+    for got, want in ((x.grad, xd.grad), (w.grad, wd.grad), (b.grad, bd.grad)):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "x,w,b,out_dtype",
+    [
+        (torch.randn(2, 8).half(), torch.randn(4, 8).half(), None, torch.float32),
+        (torch.ones(2, 8, dtype=torch.int64), torch.ones(4, 8, dtype=torch.int64), None, torch.float32),
+        (torch.randn(2, 8), torch.randn(4, 8).bfloat16(), None, torch.float32),
+        (torch.randn(2, 8), torch.randn(4, 9), None, torch.float32),
+        (torch.randn(2, 1, 8), torch.randn(4, 8), None, torch.float32),
+        (torch.randn(2, 8), torch.randn(4, 8, 1), None, torch.float32),
+        (torch.randn(2, 8), torch.randn(4, 8), torch.randn(5), torch.float32),
+        (torch.randn(2, 8), torch.randn(4, 8), torch.randn(8)[::2], torch.float32),
+        (torch.randn(2, 8), torch.randn(4, 8), torch.ones(4, dtype=torch.int32), torch.float32),
+        (torch.randn(2, 8), torch.randn(4, 8), None, torch.float16),
+        (torch.randn(8, 2).t(), torch.randn(4, 8), None, torch.float32),
+        (torch.randn(2, 8), torch.randn(8, 4).t(), None, torch.float32),
+    ],
+)
+def test_bad_input_raises(interp, x, w, b, out_dtype):
+    with pytest.raises(ValueError):
+        interp.linear_triton(x, w, b, out_dtype)
+
+
+def test_cpu_tensors_refused_by_compiled_kernel(interp):
+    compiled = importlib.import_module(MODULE)
+    assert compiled is not interp
+    with pytest.raises(ValueError, match="CUDA"):
+        compiled.linear_triton(torch.randn(2, 8), torch.randn(4, 8), None, torch.float32)
+
+
+def test_config_depends_on_weight_shape_only(interp):
+    for dtype in (torch.bfloat16, torch.float32):
+        for n, k in ((2048, 2048), (6144, 2048), (2048, 6144), (1024, 4096), (151936, 2048)):
+            cfg = interp.gemm_config(n, k, dtype)
+            assert cfg == interp.gemm_config(n, k, dtype)
+            assert cfg.block_m in (16, 32, 64, 128, 256) and cfg.block_n >= 16 and cfg.block_k >= 16
+
+
+# ----------------------------------------------------------------------------- CUDA
+
+
+QWEN3_SHAPES = [  # (N, K, bias, out_dtype): 1.7B q/o, gate/up, down (+ a Qwen2-style bias), lm_head
+    (2048, 2048, False, torch.bfloat16),
+    (6144, 2048, False, torch.bfloat16),
+    (2048, 6144, True, torch.bfloat16),
+    (151936, 2048, False, torch.float32),
+]
+
+
+@pytest.mark.parametrize("n,k,bias,out_dtype", QWEN3_SHAPES)
+@pytest.mark.cuda
+@needs_cuda
+def test_rows_invariant_cuda(n, k, bias, out_dtype):
+    from vexact_vllm.kernels.gemm_triton import linear_triton
+
+    x, w, b = _inputs(300, n, k, torch.bfloat16, device="cuda", bias=bias)
+    full = linear_triton(x, w, b, out_dtype)
+    for m in range(1, 301):
+        assert torch.equal(linear_triton(x[:m], w, b, out_dtype), full[:m]), m
+    for start, size in ((1, 7), (63, 65), (129, 128), (200, 100), (299, 1)):
+        part = linear_triton(x[start : start + size], w, b, out_dtype)
+        assert torch.equal(part, full[start : start + size]), (start, size)
+    x_wide = torch.zeros(300, k + 64, dtype=x.dtype, device="cuda")
+    x_wide[:, 64:] = x
+    assert torch.equal(linear_triton(x_wide[:, 64:], w, b, out_dtype), full)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_sm_count_does_not_change_bits_cuda(monkeypatch):
+    import vexact_vllm.kernels.gemm_triton as gt
+
+    x, w, b = _inputs(257, 2048, 2048, torch.bfloat16, device="cuda")
+    full = gt.linear_triton(x, w, b, torch.bfloat16)
+    for sms in (1, 7):
+        monkeypatch.setattr(gt, "_num_sms", lambda device, sms=sms: sms)
+        assert torch.equal(gt.linear_triton(x, w, b, torch.bfloat16), full), sms
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_every_config_fits_and_is_accurate_cuda():
+    """Each tuned entry and each default rule compiles (shared memory included) for both outputs."""
+    import vexact_vllm.kernels.gemm_triton as gt
+
+    untuned = [(_BF16, 65536, 1024), (_BF16, 3072, 1024), (_BF16, 512, 1024), (torch.float32, 300, 200)]
+    for dtype, n, k in [*gt._TUNED, *untuned]:
+        x, w, b = _inputs(3, n, k, dtype, device="cuda")
+        ref = _reference(x, w, b)
+        for out_dtype in (torch.float32, torch.bfloat16):
+            tol = TOL[out_dtype]
+            torch.testing.assert_close(gt.linear_triton(x, w, b, out_dtype).double(), ref, rtol=tol, atol=tol)
+        del x, w, b, ref
+
+
+@pytest.mark.parametrize(
+    "m,n,k,dtype",
+    [
+        (300, 2048, 2048, torch.bfloat16),
+        (257, 6144, 2048, torch.bfloat16),
+        (5, 2048, 6144, torch.bfloat16),
+        (129, 1000, 1000, torch.bfloat16),  # N and K tails
+        (3, 151936, 2048, torch.bfloat16),
+        (65, 1024, 4096, torch.bfloat16),
+        (70, 200, 333, torch.float32),
+        (257, 2048, 2048, torch.float32),
+    ],
+)
+@pytest.mark.cuda
+@needs_cuda
+def test_accuracy_cuda(m, n, k, dtype):
+    from vexact_vllm.kernels.gemm_triton import linear_triton
+
+    x, w, b = _inputs(m, n, k, dtype, device="cuda")
+    ref = _reference(x, w, b)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        y = linear_triton(x, w, b, out_dtype)
+        assert y.dtype == out_dtype
+        tol = TOL[out_dtype]
+        torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(
+    "dtype,out_dtype",
+    [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32, torch.float32)],
+)
+@pytest.mark.cuda
+@needs_cuda
+def test_gradients_cuda(dtype, out_dtype):
+    """Through the autograd function `linear` dispatches CUDA tensors to: values against autograd of
+    an fp32 reference, and bitwise repeatable (DESIGN rule 7)."""
+    x, w, b = (t.requires_grad_() for t in _inputs(77, 1024, 2048, dtype, device="cuda"))
+    g = torch.randn(77, 1024, device="cuda").to(out_dtype)
+
+    def grads():
+        for t in (x, w, b):
+            t.grad = None
+        (gemm._IMPLS["triton"](x, w, b, out_dtype) * g).sum().backward()
+        return [t.grad.clone() for t in (x, w, b)]
+
+    got = grads()
+    assert all(a.dtype == dtype for a in got)
+    assert all(torch.equal(a, c) for a, c in zip(got, grads()))
+    xf, wf, bf = (t.detach().float().requires_grad_() for t in (x, w, b))
+    ((xf @ wf.t() + bf) * g.float()).sum().backward()
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    for a, want in zip(got, (xf.grad, wf.grad, bf.grad)):
+        torch.testing.assert_close(a.float(), want, rtol=tol, atol=tol * want.abs().max().item())
