@@ -43,7 +43,13 @@ class _SiluAndMulFunction(torch.autograd.Function):
         return torch.cat([grad_a, grad_b], dim=-1).to(x.dtype)
 
 
-_IMPLS = {"torch": _SiluAndMulFunction.apply}
+def _silu_and_mul_triton(x):
+    from .activation_triton import silu_and_mul_triton  # imported on first use: no Triton on CPU
+
+    return silu_and_mul_triton(x)
+
+
+_IMPLS = {"torch": _SiluAndMulFunction.apply, "triton": _silu_and_mul_triton}
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -86,8 +86,20 @@ def _token_log_probs_torch(logits, tokens, tau):
     return scaled.gather(1, tokens.long()[:, None])[:, 0] - lse  # same bits as log_softmax gathered
 
 
-_LOG_SOFTMAX_IMPLS = {"torch": _log_softmax_torch}
-_TOKEN_IMPLS = {"torch": _token_log_probs_torch}
+def _log_softmax_triton(logits, tau):
+    from .logprob_triton import log_softmax_triton  # imported on first use: no Triton on CPU
+
+    return log_softmax_triton(logits, tau)
+
+
+def _token_log_probs_triton(logits, tokens, tau):
+    from .logprob_triton import token_log_probs_triton
+
+    return token_log_probs_triton(logits, tokens, tau)
+
+
+_LOG_SOFTMAX_IMPLS = {"torch": _log_softmax_torch, "triton": _log_softmax_triton}
+_TOKEN_IMPLS = {"torch": _token_log_probs_torch, "triton": _token_log_probs_triton}
 
 
 def _check_logits(logits: torch.Tensor, name: str = "logits") -> None:
@@ -189,6 +201,15 @@ class _LinearTokenLogProbsFunction(torch.autograd.Function):
         )
 
 
+def _linear_token_log_probs_triton(hidden, weight, tokens, tau, chunk_rows):
+    from .logprob_triton import linear_token_log_probs_triton
+
+    return linear_token_log_probs_triton(hidden, weight, tokens, tau, chunk_rows)
+
+
+_LINEAR_IMPLS = {"torch": _LinearTokenLogProbsFunction.apply, "triton": _linear_token_log_probs_triton}
+
+
 def linear_token_log_probs(
     hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, temperature, chunk_rows: int = 256
 ) -> torch.Tensor:
@@ -213,7 +234,7 @@ def linear_token_log_probs(
     if not isinstance(chunk_rows, int) or chunk_rows <= 0:
         raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
     tau = _temperature_column(temperature, hidden.shape[0], hidden.device)  # [M, 1]
-    return _LinearTokenLogProbsFunction.apply(hidden, weight, tokens, tau, chunk_rows)
+    return _LINEAR_IMPLS[backend_for(hidden)](hidden, weight, tokens, tau, chunk_rows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,7 +268,8 @@ def _gumbel_argmax_torch(log_probs, seeds, positions):
     return out
 
 
-_GUMBEL_IMPLS = {"torch": _gumbel_argmax_torch}
+# Elementwise int64 hashing and an argmax with lowest-index ties: deterministic on CUDA as is.
+_GUMBEL_IMPLS = {"torch": _gumbel_argmax_torch, "triton": _gumbel_argmax_torch}
 
 
 def gumbel_argmax(log_probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -31,8 +31,20 @@ def _add_rms_norm_torch(x, residual, weight, eps):
     return _rms_norm_torch(new_residual, weight, eps), new_residual
 
 
-_IMPLS = {"torch": _rms_norm_torch}
-_ADD_IMPLS = {"torch": _add_rms_norm_torch}
+def _rms_norm_triton(x, weight, eps):
+    from .rms_norm_triton import rms_norm_triton  # imported on first use: no Triton on CPU
+
+    return rms_norm_triton(x, weight, eps)
+
+
+def _add_rms_norm_triton(x, residual, weight, eps):
+    from .rms_norm_triton import add_rms_norm_triton
+
+    return add_rms_norm_triton(x, residual, weight, eps)
+
+
+_IMPLS = {"torch": _rms_norm_torch, "triton": _rms_norm_triton}
+_ADD_IMPLS = {"torch": _add_rms_norm_torch, "triton": _add_rms_norm_triton}
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:

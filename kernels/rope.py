@@ -104,7 +104,13 @@ def _apply_rope_torch(q, k, positions, cache):
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
-_IMPLS = {"torch": _apply_rope_torch}
+def _apply_rope_triton(q, k, positions, cache):
+    from .rope_triton import apply_rope_triton  # imported on first use: no Triton on CPU
+
+    return apply_rope_triton(q, k, positions, cache)
+
+
+_IMPLS = {"torch": _apply_rope_torch, "triton": _apply_rope_triton}
 
 
 def apply_rope(

@@ -1,0 +1,185 @@
+"""Triton RoPE: the interpreter on CPU tensors (tiny shapes), the compiled kernel on CUDA."""
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")  # imported here, in compiled mode, before any interpreted import
+
+from vexact_vllm.kernels import apply_rope, dispatch, rope_cache  # noqa: E402
+
+MODULE = "vexact_vllm.kernels.rope_triton"
+TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-5}
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _import_interpreted(name):
+    """`name` imported under TRITON_INTERPRET=1 (kernels run on CPU tensors), then taken out of
+    sys.modules and the environment restored, so later imports (the dispatch tables', vLLM
+    engines') get the compiled module."""
+    package, _, attr = name.rpartition(".")
+    saved_env, saved_module = os.environ.get("TRITON_INTERPRET"), sys.modules.pop(name, None)
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.modules.pop(name, None)
+        if saved_module is not None:
+            sys.modules[name] = saved_module
+            setattr(sys.modules[package], attr, saved_module)
+        else:
+            delattr(sys.modules[package], attr)
+        if saved_env is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved_env
+
+
+@pytest.fixture(scope="module")
+def tk():
+    return _import_interpreted(MODULE)
+
+
+def _reference(x, positions, cache):
+    """fp64 rotate_half with the angles recovered from the fp32 cache."""
+    half = cache.shape[1] // 2
+    rows = cache[positions.long()].double()  # [T, R]
+    cos = torch.cat([rows[:, :half], rows[:, :half]], -1)[:, None, :]
+    sin = torch.cat([rows[:, half:], rows[:, half:]], -1)[:, None, :]
+    xr = x[..., : 2 * half].double()
+    x1, x2 = xr.chunk(2, -1)
+    return torch.cat([xr * cos + torch.cat([-x2, x1], -1) * sin, x[..., 2 * half :].double()], -1)
+
+
+def _check(mod, q, k, positions, cache, tol):
+    q_out, k_out = mod.apply_rope_triton(q, k, positions, cache)
+    assert q_out.dtype == q.dtype and q_out.shape == q.shape and k_out.shape == k.shape
+    torch.testing.assert_close(q_out.double(), _reference(q, positions, cache), rtol=tol, atol=tol)
+    torch.testing.assert_close(k_out.double(), _reference(k, positions, cache), rtol=tol, atol=tol)
+    rot = cache.shape[1]
+    assert torch.equal(q_out[..., rot:], q[..., rot:]) and torch.equal(k_out[..., rot:], k[..., rot:])
+    n = q.shape[0]
+    for t in (0, n // 2, n - 1):
+        q1, k1 = mod.apply_rope_triton(q[t : t + 1], k[t : t + 1], positions[t : t + 1], cache)
+        assert torch.equal(q1, q_out[t : t + 1]) and torch.equal(k1, k_out[t : t + 1])
+    q5, k5 = mod.apply_rope_triton(q[:5], k[:5], positions[:5], cache)
+    assert torch.equal(q5, q_out[:5]) and torch.equal(k5, k_out[:5])
+    return q_out, k_out
+
+
+# ---------------------------------------------------------------------------------------------
+# interpreter (CPU)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim,partial", [(32, 1.0), (40, 0.5), (24, 1.0)])
+def test_accuracy_and_invariance(tk, dtype, head_dim, partial):
+    cache = rope_cache(head_dim, 64, 10000.0, partial_rotary_factor=partial)
+    positions = torch.randint(0, 64, (17,))
+    q = torch.randn(17, 3, head_dim).to(dtype)
+    k = torch.randn(17, 1, head_dim).to(dtype)
+    _check(tk, q, k, positions, cache, TOL[dtype])
+
+
+def test_strided_inputs_and_int32_positions(tk):
+    cache = rope_cache(16, 32, 10000.0)
+    qkv = torch.randn(5, (4 + 2 + 2) * 16)
+    q = qkv[:, : 4 * 16].view(5, 4, 16)  # token stride 128: a view of a fused qkv projection
+    k = qkv[:, 4 * 16 : 6 * 16].view(5, 2, 16)
+    positions = torch.tensor([3, 0, 31, 7, 7], dtype=torch.int32)
+    q_out, k_out = tk.apply_rope_triton(q, k, positions, cache)
+    q_ref, k_ref = tk.apply_rope_triton(q.contiguous(), k.contiguous(), positions.long(), cache)
+    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+    empty = torch.randn(0, 4, 16)
+    assert tk.apply_rope_triton(empty, empty, torch.zeros(0, dtype=torch.long), cache)[0].shape == (0, 4, 16)
+
+
+def test_gradients_match_float64_reference(tk):
+    cache = rope_cache(40, 64, 10000.0, partial_rotary_factor=0.5)
+    positions = torch.randint(0, 64, (5,))
+    q = torch.randn(5, 3, 40, requires_grad=True)
+    k = torch.randn(5, 1, 40, requires_grad=True)
+    gq, gk = torch.randn(5, 3, 40), torch.randn(5, 1, 40)
+    q_out, k_out = tk.apply_rope_triton(q, k, positions, cache)
+    ((q_out * gq).sum() + (k_out * gk).sum()).backward()
+    qd, kd = (t.detach().double().requires_grad_() for t in (q, k))
+    (
+        (_reference(qd, positions, cache) * gq.double()).sum()
+        + (_reference(kd, positions, cache) * gk.double()).sum()
+    ).backward()
+    torch.testing.assert_close(q.grad.double(), qd.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k.grad.double(), kd.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "q,k,positions",
+    [
+        (torch.randn(4, 2, 16).half(), torch.randn(4, 2, 16).half(), torch.arange(4)),
+        (torch.randn(4, 2, 16), torch.randn(4, 2, 16).bfloat16(), torch.arange(4)),
+        (torch.randn(4, 2, 16), torch.randn(3, 2, 16), torch.arange(4)),
+        (torch.randn(4, 2, 16), torch.randn(4, 2, 16), torch.arange(4).float()),
+        (torch.randn(4, 2, 16), torch.randn(4, 2, 16), torch.tensor([0, 1, 2, 99])),
+        (torch.randn(4, 2, 16), torch.randn(4, 2, 16), torch.tensor([0, -1, 2, 3])),
+        (torch.randn(4, 32), torch.randn(4, 32), torch.arange(4)),
+        (torch.randn(4, 2, 32)[..., ::2], torch.randn(4, 2, 16), torch.arange(4)),
+    ],
+)
+def test_bad_input_raises(tk, q, k, positions):
+    with pytest.raises(ValueError):
+        tk.apply_rope_triton(q, k, positions, rope_cache(16, 8, 10000.0))
+
+
+def test_bad_cache_raises(tk):
+    q = torch.randn(2, 2, 16)
+    for cache in (rope_cache(16, 8, 10000.0).double(), rope_cache(32, 8, 10000.0), torch.randn(8, 7)):
+        with pytest.raises(ValueError):
+            tk.apply_rope_triton(q, q, torch.arange(2), cache)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA (compiled kernel, real sizes)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+def test_cuda_accuracy_and_invariance(dtype, partial):
+    mod = importlib.import_module(MODULE)
+    cache = rope_cache(128, 40960, 1000000.0, partial_rotary_factor=partial).cuda()
+    positions = torch.randint(0, 40960, (300,), device="cuda")
+    q = torch.randn(300, 32, 128, device="cuda").to(dtype)
+    k = torch.randn(300, 8, 128, device="cuda").to(dtype)
+    q_out, k_out = _check(mod, q, k, positions, cache, TOL[dtype])
+    for m in (2, 64, 257):
+        q_m, k_m = mod.apply_rope_triton(q[:m], k[:m], positions[:m], cache)
+        assert torch.equal(q_m, q_out[:m]) and torch.equal(k_m, k_out[:m])
+    with pytest.MonkeyPatch.context() as mp:  # the public op on the Triton backend is this kernel
+        mp.setattr(dispatch, "_CUDA_BACKEND", "triton")
+        q_pub, k_pub = apply_rope(q, k, positions, cache)
+        assert torch.equal(q_pub, q_out) and torch.equal(k_pub, k_out)
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_gradients():
+    mod = importlib.import_module(MODULE)
+    cache = rope_cache(128, 4096, 10000.0).cuda()
+    positions = torch.randint(0, 4096, (300,), device="cuda")
+    q = torch.randn(300, 16, 128, device="cuda", requires_grad=True)
+    k = torch.randn(300, 4, 128, device="cuda", requires_grad=True)
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    q_out, k_out = mod.apply_rope_triton(q, k, positions, cache)
+    ((q_out * gq).sum() + (k_out * gk).sum()).backward()
+    qd, kd = (t.detach().double().requires_grad_() for t in (q, k))
+    (
+        (_reference(qd, positions, cache) * gq.double()).sum()
+        + (_reference(kd, positions, cache) * gk.double()).sum()
+    ).backward()
+    torch.testing.assert_close(q.grad.double(), qd.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k.grad.double(), kd.grad, rtol=1e-5, atol=1e-5)
