@@ -169,9 +169,21 @@ def _paged_attention_torch(q, k_cache, v_cache, block_table, seq_lens, query_sta
     return out
 
 
-_VARLEN_IMPLS = {"torch": _varlen_attention_torch}
-_WRITE_IMPLS = {"torch": _write_kv_cache_torch}
-_PAGED_IMPLS = {"torch": _paged_attention_torch}
+def _triton_impl(name: str):
+    """attention_triton.<name>, imported on first call: importing this module never imports triton."""
+
+    def run(*args):
+        from . import attention_triton
+
+        return getattr(attention_triton, name)(*args)
+
+    run.__name__ = f"_{name}_triton"
+    return run
+
+
+_VARLEN_IMPLS = {"torch": _varlen_attention_torch, "triton": _triton_impl("varlen_attention")}
+_WRITE_IMPLS = {"torch": _write_kv_cache_torch, "triton": _triton_impl("write_kv_cache")}
+_PAGED_IMPLS = {"torch": _paged_attention_torch, "triton": _triton_impl("paged_attention")}
 
 
 def _check_qkv(
@@ -292,13 +304,14 @@ def paged_attention(
             f"block_table {tuple(block_table.shape)} needs >= B rows and query_start_loc "
             f"{tuple(query_start_loc.shape)} must be [B + 1] for B = {n_seqs}"
         )
-    starts = query_start_loc.tolist()
-    if (
-        starts[0] != 0
-        or starts[-1] != q.shape[0]
-        or any(a > b for a, b in zip(starts, starts[1:], strict=False))
-    ):
-        raise ValueError(f"query_start_loc must rise from 0 to T = {q.shape[0]}, got {starts}")
+    if not query_start_loc.is_cuda:  # value checks read the data: on CUDA they would sync the host
+        starts = query_start_loc.tolist()  # and break CUDA-graph capture, so only CPU tensors get them
+        if (
+            starts[0] != 0
+            or starts[-1] != q.shape[0]
+            or any(a > b for a, b in zip(starts, starts[1:], strict=False))
+        ):
+            raise ValueError(f"query_start_loc must rise from 0 to T = {q.shape[0]}, got {starts}")
     _check_scale(scale)
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens)
     with torch.no_grad():

@@ -2,7 +2,7 @@
 
 Every public op looks up its implementation with `backend_for(tensor)` in a small per-op table
 (`{"torch": _op_torch}` today). The torch path is the batch-invariant reference and runs anywhere;
-the Triton path for CUDA tensors arrives later and will be returned here, and only here.
+the Triton path serves CUDA tensors, chosen here and only here.
 
 `reference_mode()` forces the torch reference for every call (tests compare the two backends with
 it). The switch is a small symmetric API: `enable_reference_mode`, `disable_reference_mode`,
@@ -16,8 +16,8 @@ from collections.abc import Iterator
 import torch
 
 _reference_mode = False
-# Backend of CUDA tensors outside reference mode: "torch" until the Triton kernels land.
-_CUDA_BACKEND = "torch"
+# Backend of CUDA tensors outside reference mode.
+_CUDA_BACKEND = "triton"
 
 
 def enable_reference_mode() -> None:
@@ -51,7 +51,8 @@ def reference_mode(enabled: bool = True) -> Iterator[None]:
 def backend_for(tensor: torch.Tensor) -> str:
     """ "torch" or "triton" for a call whose main input is `tensor`.
 
-    Today always "torch": CUDA tensors also run the torch reference until the Triton kernels land.
+    CUDA tensors take the Triton kernels; CPU tensors (and everything in reference mode) the torch
+    path. The two backends agree only to rounding: the rollout and the trainer must use the same one.
     """
     if _reference_mode or tensor.device.type != "cuda":
         return "torch"

@@ -1,7 +1,6 @@
 """Triton RMSNorm: the interpreter on CPU tensors (tiny shapes), the compiled kernels on CUDA."""
 
 import importlib
-import os
 import subprocess
 import sys
 
@@ -19,31 +18,10 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 rms_norm_module = importlib.import_module("vexact_vllm.kernels.rms_norm")
 
 
-def _import_interpreted(name):
-    """`name` imported under TRITON_INTERPRET=1 (kernels run on CPU tensors), then taken out of
-    sys.modules and the environment restored, so later imports (the dispatch tables', vLLM
-    engines') get the compiled module."""
-    package, _, attr = name.rpartition(".")
-    saved_env, saved_module = os.environ.get("TRITON_INTERPRET"), sys.modules.pop(name, None)
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.modules.pop(name, None)
-        if saved_module is not None:
-            sys.modules[name] = saved_module
-            setattr(sys.modules[package], attr, saved_module)
-        else:
-            delattr(sys.modules[package], attr)
-        if saved_env is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = saved_env
-
 
 @pytest.fixture(scope="module")
-def tk():
-    return _import_interpreted(MODULE)
+def tk(import_interpreted):
+    return import_interpreted(MODULE)
 
 
 @pytest.fixture(params=[False, True], ids=["one-block", "chunked"])

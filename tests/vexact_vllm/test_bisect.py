@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from vexact_vllm.cli.bisect import ReplayAttention, bisect_sequence, describe
@@ -35,3 +36,14 @@ def test_first_divergence_is_named(tiny_model):
     assert (d.module, d.position) == ("model.layers.2.self_attn.attention", 20)
     assert d.inference != d.training
     assert "model.layers.2.self_attn.attention, position 20" in describe(d)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+def test_replay_equals_training_on_cuda(tiny_model, arch):
+    """The whole model on the Triton kernels: prefill chunks, then decode steps over a paged cache,
+    against one packed training forward, every module at every position (torch.equal)."""
+    model = load_trainer(tiny_model(arch), torch.bfloat16).cuda()
+    ids = _sequence(300)
+    assert bisect_sequence(model, ids, prompt_len=200, chunk=48, block_size=16) is None

@@ -1,0 +1,561 @@
+"""Triton (CUDA) causal attention with one position-anchored reduction order for training and inference.
+
+Math, for a query q at absolute position p, query head h reading kv head h // G (G = Hq / Hkv),
+c = scale * log2(e) (folded once, on the host, identically for every entry point):
+    keys in tiles of BLOCK_N = KEY_TILE = 64 anchored at position 0: tile t = positions 64t .. 64t + 63
+    m = -inf, l = 0, acc = 0
+    for t = 0, 1, ..., (largest query position of the program's row tile) // 64, in order:
+        s_j   = dot(q, k_j)            (fp32 accumulate), s_j = -inf for j > p or j >= seq_len
+        m'    = max(m, c * max_j s_j)
+        alpha = exp2(m - m'),  e_j = exp2(fma(s_j, c, -m'))
+        l     = fma(l, alpha, sum_j e_j),  acc = acc * alpha + dot(e.to(v.dtype), v),  m = m'
+    out = (acc / l).to(q.dtype);  lse = m + log2(l)  (log2 units; training saves it for the backward)
+
+Invariant: every query runs this loop in ONE @triton.jit routine, `_attend_rows`, called by both entry
+kernels (`_varlen_fwd_kernel` for training, `_paged_fwd_kernel` for prefill, chunked prefill and
+decode) with the same BLOCK_M x BLOCK_N x HEAD_DIM dot shapes, num_warps and num_stages (one config per
+head_dim, `_FWD_CONFIGS`), so the MMA shape never depends on the batch. The entry kernels differ only
+in where the K/V rows come from (packed rows vs block_table-resolved cache slots) and in which
+(token, head) pairs fill the BLOCK_M rows; rows of a dot are independent, so neither changes a row's
+bits. No split-KV: tiles 0..p // 64 are reduced in order by one program. A tile that lies entirely
+past a row's position (a neighbouring row in the same tile reaches further) is a bitwise no-op for
+that row: its scores are all -inf, so m' = m, alpha = exp2(0) = 1, e = 0 (and the K/V rows past the
+sequence are loaded as 0, so 0 * v = 0: no NaN from unused cache slots). Hence out(p, h) depends only
+on q[p, h] and K/V at positions 0..p: not on the batch, the chunking, the block size or the block
+table. Tiles wholly at or below every row's position skip the (then inert) masks; an element's
+arithmetic is the same with or without them. The fused multiply-adds are explicit (`tl.fma`) and
+the launches disable FP contraction, so no compiler choice can differ between the entry kernels.
+
+Rows of a program's tile: row r holds token first + r // G, query head kv_head * G + r % G (the G
+query heads of one kv head share every K/V load). Decode (one query per sequence) fills G rows of a
+tile; the dot shape stays the same.
+
+The varlen path is differentiable (`_VarlenAttention`, backward in `attention_triton_bwd`:
+deterministic, no atomics). The paged path is CUDA-graph safe: its grid depends on T and B only and
+every program reads the sequence metadata on the device (programs without work exit at once).
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.standard import _elementwise_max, _sum_combine
+
+from .attention import KEY_TILE
+
+_LOG2E = math.log2(math.e)
+
+# head_dim -> (BLOCK_M rows, num_warps, num_stages) of every forward launch, varlen and paged alike.
+# Keyed by head_dim only: the dot shapes (and so the MMA instructions and their summation order)
+# must never change with the batch, the entry point or the number of queries.
+_FWD_CONFIGS = {
+    16: (64, 4, 2),
+    32: (64, 4, 2),
+    64: (64, 4, 3),
+    128: (64, 4, 3),
+    256: (64, 8, 2),
+}
+
+
+# Interpreter note: reductions are spelled `tl.reduce(x, 1, _sum_combine)` / `_elementwise_max` and
+# constants `tl.full`: exactly what `tl.sum` / `tl.max` / `tl.zeros` expand to for fp32, without a call
+# to a @triton.jit library function, which stays compiled-only when Triton was imported before
+# TRITON_INTERPRET was set (the tests).
+
+
+@triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    """tl.dot(a, b, acc). DOT_FP32, interpreter only: its tl.dot reads bf16 as raw bits and numpy's
+    matmul gives a row different bits at different row indices; there each product row is summed
+    over the contiguous last axis instead (exact fp32 products of bf16, one order per length)."""
+    if DOT_FP32:
+        out = tl.reduce(
+            a.to(tl.float32)[:, None, :] * tl.trans(b.to(tl.float32))[None, :, :], 2, _sum_combine
+        )
+        if acc is not None:
+            out = acc + out
+    else:
+        out = tl.dot(a, b, acc, input_precision=PRECISION)
+    return out
+
+
+@triton.jit
+def _seq_of_tile(start_loc_ptr, n_seqs, tile, TOKENS: tl.constexpr, CHUNK: tl.constexpr = 128):
+    """The sequence owning program `tile`.
+
+    Sequence b owns programs start(b) .. start(b + 1) - 1 with start(b) = start_loc[b] // TOKENS + b,
+    at least ceil(q_len_b / TOKENS) of them (extra ones exit), and start(B) = T // TOKENS + B bounds the
+    grid by shapes alone. start rises strictly from start(0) = 0, so the owner is the number of b with
+    start(b) <= tile, minus one: counted over CHUNK sequences per (independent) vector load.
+    """
+    offs = tl.arange(0, CHUNK)
+    count = tl.full([CHUNK], 0, dtype=tl.int32)
+    for c in range(0, n_seqs, CHUNK):
+        b = c + offs
+        start = tl.load(start_loc_ptr + b, mask=b < n_seqs, other=0) // TOKENS + b
+        count += ((b < n_seqs) & (start <= tile)).to(tl.int32)
+    return tl.reduce(count, 0, _sum_combine) - 1
+
+
+@triton.jit
+def _query_rows(first, end, pos0, kv_head, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Row r of a tile: token first + r // GROUP (absolute position pos0 + r // GROUP), query head
+    kv_head * GROUP + r % GROUP. Rows past `end` (or past the last whole token) are invalid; they
+    compute at position 0 and are never stored."""
+    rows = tl.arange(0, BLOCK_M)
+    tok = rows // GROUP
+    token = first + tok
+    head = kv_head * GROUP + rows % GROUP
+    valid = (tok < BLOCK_M // GROUP) & (token < end)
+    q_pos = tl.where(valid, pos0 + tok, 0)
+    return token.to(tl.int64), head, valid, q_pos
+
+
+@triton.jit
+def _attend_tile(
+    t,
+    q,
+    q_pos,
+    m_i,
+    l_i,
+    acc,
+    seq_len,
+    k_base,
+    v_base,
+    kv_row0,
+    stride_k_row,
+    stride_v_row,
+    block_table_row,
+    stride_k_block,
+    stride_v_block,
+    qk_scale,
+    MASKED: tl.constexpr,  # False only for tiles wholly at or below every row's position
+    PAGED: tl.constexpr,
+    PAGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """One step of the online softmax: key tile t (positions t * BLOCK_N ...) into (m_i, l_i, acc).
+
+    MASKED = False skips the causal `where` and the load masks; it is used only where they would
+    change nothing (every key of the tile is <= every row's position < seq_len), so an element's
+    arithmetic, and its bits, are the same in both variants.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    # 1. K/V rows of tile t (positions past the sequence read as 0).
+    pos = t * BLOCK_N + offs_n
+    in_seq = pos < seq_len
+    if PAGED:
+        if MASKED:
+            block = tl.load(block_table_row + pos // PAGE, mask=in_seq, other=0)
+        else:
+            block = tl.load(block_table_row + pos // PAGE)
+        block = block.to(tl.int64)
+        slot = (pos % PAGE).to(tl.int64)
+        k_rows = block * stride_k_block + slot * stride_k_row
+        v_rows = block * stride_v_block + slot * stride_v_row
+    else:
+        row = (kv_row0 + pos).to(tl.int64)
+        k_rows = row * stride_k_row
+        v_rows = row * stride_v_row
+    k_ptrs = k_base + k_rows[:, None] + offs_d[None, :]
+    v_ptrs = v_base + v_rows[:, None] + offs_d[None, :]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=in_seq[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=in_seq[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    # 2. Scores, -inf past each row's position.
+    s = _dot(q, tl.trans(k), None, PRECISION, DOT_FP32)  # [BLOCK_M, BLOCK_N] fp32
+    if MASKED:
+        s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
+    # 3. Online softmax update (a tile past a row's position leaves that row's m, l, acc as is).
+    m_new = tl.maximum(m_i, tl.reduce(s, 1, _elementwise_max) * qk_scale)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(tl.fma(s, qk_scale, -m_new[:, None]))
+    l_i = tl.fma(l_i, alpha, tl.reduce(p, 1, _sum_combine))
+    acc = acc * alpha[:, None]
+    acc = _dot(p.to(v.dtype), v, acc, PRECISION, DOT_FP32)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_rows(
+    q,
+    q_pos,
+    min_pos,
+    max_pos,
+    seq_len,
+    k_base,
+    v_base,
+    kv_row0,
+    stride_k_row,
+    stride_v_row,
+    block_table_row,
+    stride_k_block,
+    stride_v_block,
+    qk_scale,
+    PAGED: tl.constexpr,  # K/V rows from cache slots through the block table (else packed rows)
+    PAGE: tl.constexpr,  # cache block size (slots per block); a power of two in practice
+    HEAD_DIM: tl.constexpr,  # the dot's reduction length for the scores
+    BLOCK_M: tl.constexpr,  # rows of the tile: fixed per head_dim (sets the MMA shape)
+    BLOCK_N: tl.constexpr,  # = KEY_TILE: sets which keys are summed together, anchored at 0
+    PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32), default otherwise
+    DOT_FP32: tl.constexpr,  # interpreter only (see `_dot`)
+):
+    """The per-tile attention shared by every entry point (module docstring: math and invariant).
+
+    q: [BLOCK_M, HEAD_DIM]; q_pos: [BLOCK_M] absolute positions, from min_pos to max_pos over the
+    valid rows; keys at positions >= seq_len are never read. K/V row of position j: packed row
+    kv_row0 + j, or cache slot (block_table_row[j // PAGE], j % PAGE). Tiles 0 .. max_pos // BLOCK_N
+    in order: those wholly at or below min_pos without masks, the rest with them. Returns
+    (out fp32 [BLOCK_M, HEAD_DIM], lse [BLOCK_M] in log2 units).
+    """
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_DIM], 0, dtype=tl.float32)
+    n_full = (min_pos + 1) // BLOCK_N
+    for t in range(0, n_full):
+        m_i, l_i, acc = _attend_tile(
+            t, q, q_pos, m_i, l_i, acc, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
+            block_table_row, stride_k_block, stride_v_block, qk_scale,
+            False, PAGED, PAGE, HEAD_DIM, BLOCK_N, PRECISION, DOT_FP32,
+        )  # fmt: skip
+    for t in range(n_full, max_pos // BLOCK_N + 1):
+        m_i, l_i, acc = _attend_tile(
+            t, q, q_pos, m_i, l_i, acc, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
+            block_table_row, stride_k_block, stride_v_block, qk_scale,
+            True, PAGED, PAGE, HEAD_DIM, BLOCK_N, PRECISION, DOT_FP32,
+        )  # fmt: skip
+    # 4. Normalise.
+    return acc / l_i[:, None], m_i + tl.log2(l_i)
+
+
+@triton.jit
+def _varlen_fwd_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    lse_ptr,
+    cu_ptr,
+    n_seqs,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_lt,
+    GROUP: tl.constexpr,  # Hq // Hkv: query heads packed along the rows of one kv head's tile
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    STORE_LSE: tl.constexpr,  # training keeps the log-sum-exp for the backward
+):
+    """Training entry: packed sequences (cu_seqlens); program (tile, kv head) -> BLOCK_M rows."""
+    TOKENS: tl.constexpr = BLOCK_M // GROUP
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # late (long) tiles first
+    kv_head = tl.program_id(1)
+    b = _seq_of_tile(cu_ptr, n_seqs, tile, TOKENS)
+    seq_start = tl.load(cu_ptr + b)
+    seq_end = tl.load(cu_ptr + b + 1)
+    first = seq_start + (tile - seq_start // TOKENS - b) * TOKENS
+    if first >= seq_end:
+        return
+    token, head, valid, q_pos = _query_rows(first, seq_end, first - seq_start, kv_head, GROUP, BLOCK_M)
+    max_pos = first - seq_start + tl.minimum(seq_end - first, TOKENS) - 1
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
+    out, lse = _attend_rows(
+        q,
+        q_pos,
+        first - seq_start,
+        max_pos,
+        seq_end - seq_start,
+        k_ptr + kv_head * stride_kh,
+        v_ptr + kv_head * stride_vh,
+        seq_start,
+        stride_kt,
+        stride_vt,
+        cu_ptr,  # no block table
+        0,
+        0,
+        qk_scale,
+        False,
+        1,
+        HEAD_DIM,
+        BLOCK_M,
+        BLOCK_N,
+        PRECISION,
+        DOT_FP32,
+    )
+    o_ptrs = o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
+    if STORE_LSE:
+        tl.store(lse_ptr + token * stride_lt + head, lse, mask=valid)
+
+
+@triton.jit
+def _paged_fwd_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    start_loc_ptr,
+    n_seqs,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """Inference entry: the new queries of each sequence (its last q_len positions) over the paged
+    cache; program (tile, kv head) -> BLOCK_M rows, as in training."""
+    TOKENS: tl.constexpr = BLOCK_M // GROUP
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+    b = _seq_of_tile(start_loc_ptr, n_seqs, tile, TOKENS)
+    q_start = tl.load(start_loc_ptr + b)
+    q_end = tl.load(start_loc_ptr + b + 1)
+    first = q_start + (tile - q_start // TOKENS - b) * TOKENS
+    if first >= q_end:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    pos0 = seq_len - q_end + first  # absolute position of token `first`
+    token, head, valid, q_pos = _query_rows(first, q_end, pos0, kv_head, GROUP, BLOCK_M)
+    max_pos = pos0 + tl.minimum(q_end - first, TOKENS) - 1
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
+    out, _ = _attend_rows(
+        q,
+        q_pos,
+        pos0,
+        max_pos,
+        seq_len,
+        k_ptr + kv_head * stride_kh,
+        v_ptr + kv_head * stride_vh,
+        0,
+        stride_ks,
+        stride_vs,
+        block_table_ptr + b.to(tl.int64) * stride_bt,
+        stride_kb,
+        stride_vb,
+        qk_scale,
+        True,
+        PAGE,
+        HEAD_DIM,
+        BLOCK_M,
+        BLOCK_N,
+        PRECISION,
+        DOT_FP32,
+    )
+    o_ptrs = o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    n_tokens,
+    n_slots,
+    block_size,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    BLOCK_T: tl.constexpr,  # tokens per program (a copy: any value gives the same cache)
+    N_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    COLS: tl.constexpr,  # next power of two of N_KV * HEAD_DIM_P (tl.arange)
+    HEAD_DIM_P: tl.constexpr,  # HEAD_DIM rounded up to a power of two
+):
+    """Copy token t's k, v rows [N_KV, HEAD_DIM] to cache slot slot_mapping[t]; slots < 0 (padding)
+    and slots past the cache are skipped (no host-side check: CUDA-graph safe)."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    col = tl.arange(0, COLS)
+    h = col // HEAD_DIM_P
+    d = col % HEAD_DIM_P
+    slot = tl.load(slot_ptr + t, mask=t < n_tokens, other=-1).to(tl.int64)
+    ok = (slot >= 0) & (slot < n_slots)
+    mask = ok[:, None] & ((h < N_KV) & (d < HEAD_DIM))[None, :]  # [BLOCK_T, COLS]
+    slot = tl.where(ok, slot, 0)
+    block = slot // block_size
+    offset = slot % block_size
+    t = t.to(tl.int64)
+    k = tl.load(k_ptr + t[:, None] * stride_kt + (h * stride_kh + d)[None, :], mask=mask)
+    v = tl.load(v_ptr + t[:, None] * stride_vt + (h * stride_vh + d)[None, :], mask=mask)
+    k_rows = (block * stride_kcb + offset * stride_kcs)[:, None]
+    v_rows = (block * stride_vcb + offset * stride_vcs)[:, None]
+    tl.store(k_cache_ptr + k_rows + (h * stride_kch + d)[None, :], k, mask=mask)
+    tl.store(v_cache_ptr + v_rows + (h * stride_vch + d)[None, :], v, mask=mask)
+
+
+def forward_config(head_dim: int, group: int) -> tuple[int, int, int]:
+    """(BLOCK_M, num_warps, num_stages) of every forward launch for this head_dim; ValueError if none."""
+    if head_dim not in _FWD_CONFIGS:
+        raise ValueError(
+            f"Triton attention supports head_dim in {sorted(_FWD_CONFIGS)}, got {head_dim}; "
+            "use the torch backend (dispatch.reference_mode) for other sizes"
+        )
+    block_m, num_warps, num_stages = _FWD_CONFIGS[head_dim]
+    if group > block_m:
+        raise ValueError(f"Triton attention needs Hq / Hkv <= {block_m} for head_dim {head_dim}, got {group}")
+    return block_m, num_warps, num_stages
+
+
+def _interpreted() -> bool:
+    return type(_attend_rows).__name__ == "InterpretedFunction"
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _varlen_forward(q, k, v, cu_seqlens, scale, store_lse):
+    """out [T, Hq, D] (q.dtype) and, if store_lse, lse [T, Hq] fp32 in log2 units."""
+    n_tokens, n_heads, head_dim = q.shape
+    n_kv = k.shape[1]
+    group = n_heads // n_kv
+    block_m, num_warps, num_stages = forward_config(head_dim, group)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((n_tokens, n_heads) if store_lse else (1, 1), dtype=torch.float32, device=q.device)
+    n_seqs = cu_seqlens.shape[0] - 1
+    if n_tokens == 0:
+        return out, lse
+    cu = cu_seqlens.to(torch.int32)
+    grid = (n_tokens // (block_m // group) + n_seqs, n_kv)
+    _varlen_fwd_kernel[grid](
+        q, k, v, out, lse, cu, n_seqs, scale * _LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=KEY_TILE,
+        PRECISION=_precision(q.dtype), DOT_FP32=_interpreted(), STORE_LSE=store_lse, enable_fp_fusion=False,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out, lse
+
+
+# The backward kernels reuse the helpers above; imported here, after them, to break the cycle.
+from .attention_triton_bwd import varlen_attention_backward  # noqa: E402
+
+
+class _VarlenAttention(torch.autograd.Function):
+    """varlen attention with the FlashAttention-2 style recomputing backward (deterministic)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, scale):
+        out, lse = _varlen_forward(q, k, v, cu_seqlens, scale, store_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens.to(torch.int32))
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+        dq, dk, dv = varlen_attention_backward(grad_out, q, k, v, out, lse, cu_seqlens, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def varlen_attention(q, k, v, cu_seqlens, scale):
+    """Triton implementation of `attention.varlen_attention` (inputs already checked there)."""
+    forward_config(q.shape[2], q.shape[1] // k.shape[1])
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return _VarlenAttention.apply(q, k, v, cu_seqlens, scale)
+    return _varlen_forward(q, k, v, cu_seqlens, scale, store_lse=False)[0]
+
+
+def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale):
+    """Triton implementation of `attention.paged_attention` (inputs already checked there).
+
+    No host synchronisation: the grid is (T // TOKENS + B, Hkv) from the shapes alone, and sequence
+    b's q_len = query_start_loc[b + 1] - query_start_loc[b] must be <= seq_lens[b] (not checked here).
+    """
+    n_tokens, n_heads, head_dim = q.shape
+    n_kv = k_cache.shape[2]
+    group = n_heads // n_kv
+    block_m, num_warps, num_stages = forward_config(head_dim, group)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    n_seqs = seq_lens.shape[0]
+    if n_tokens == 0 or n_seqs == 0:
+        return out
+    block_table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
+    seq_lens = seq_lens.to(torch.int32)
+    start_loc = query_start_loc.to(torch.int32)
+    grid = (n_tokens // (block_m // group) + n_seqs, n_kv)
+    _paged_fwd_kernel[grid](
+        q, k_cache, v_cache, out, block_table, seq_lens, start_loc, n_seqs, scale * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=KEY_TILE, PAGE=k_cache.shape[1],
+        PRECISION=_precision(q.dtype), DOT_FP32=_interpreted(), enable_fp_fusion=False, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out
+
+
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
+    """Triton implementation of `attention.write_kv_cache` (inputs already checked there).
+
+    Slots < 0 are skipped; slots past the cache are skipped too (checking them would need a host sync).
+    """
+    n_tokens, n_kv, head_dim = k.shape
+    if n_tokens == 0:
+        return
+    n_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    head_dim_p = triton.next_power_of_2(head_dim)
+    cols = triton.next_power_of_2(n_kv * head_dim_p)
+    block_t = max(1, 4096 // cols)
+    _write_kv_kernel[(triton.cdiv(n_tokens, block_t),)](
+        k, v, k_cache, v_cache, slot_mapping, n_tokens, n_blocks * block_size, block_size,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        BLOCK_T=block_t, N_KV=n_kv, HEAD_DIM=head_dim, COLS=cols, HEAD_DIM_P=head_dim_p,
+    )  # fmt: skip
