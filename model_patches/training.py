@@ -23,6 +23,9 @@ def enable_training() -> None:
     global _enabled
     for cls in TRAINING_CLASSES.values():
         AutoModelForCausalLM.register(cls.config_class, cls, exist_ok=True)
+        # Some transformers releases skip registrations keyed by their own config classes (their
+        # guard against remote code); put the entry in the registry's own table for them.
+        _mapping()[cls.config_class] = cls
     _enabled = True
 
 
