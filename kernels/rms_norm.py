@@ -47,7 +47,8 @@ _IMPLS = {"torch": _rms_norm_torch, "triton": _rms_norm_triton}
 _ADD_IMPLS = {"torch": _add_rms_norm_torch, "triton": _add_rms_norm_triton}
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> None:
+    """Input checks shared by the public ops and the Triton launchers."""
     check_dtype("x", x)
     check_dtype("weight", weight)
     if x.dim() < 1 or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
@@ -55,7 +56,15 @@ def _check(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
             f"weight {tuple(weight.shape)} must be [H] with H = x.shape[-1] (x {tuple(x.shape)})"
         )
     check_last_dim_contiguous("x", x)
-    check_same_device(x=x, weight=weight)
+    check_last_dim_contiguous("weight", weight)
+    if residual is not None:
+        check_dtype("residual", residual)
+        if residual.dtype != x.dtype or residual.shape != x.shape:
+            raise ValueError(
+                f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}"
+            )
+        check_last_dim_contiguous("residual", residual)
+    check_same_device(x=x, weight=weight, residual=residual)
     if not isinstance(eps, (int, float)) or eps < 0:
         raise ValueError(f"eps must be a non-negative number, got {eps!r}")
 
@@ -73,11 +82,5 @@ def add_rms_norm(
 
     x, residual: [..., H] of one dtype, weight: [H] -> (out [..., H], new_residual [..., H]).
     """
-    _check(x, weight, eps)
-    check_dtype("residual", residual)
-    if residual.dtype != x.dtype or residual.shape != x.shape:
-        raise ValueError(
-            f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}"
-        )
-    check_same_device(x=x, residual=residual)
+    _check(x, weight, eps, residual)
     return _ADD_IMPLS[backend_for(x)](x, residual, weight, float(eps))

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from triton.language.standard import _sum_combine
 
-from ._checks import check_dtype, check_last_dim_contiguous, check_same_device
+from .rms_norm import _check
 
 # The reductions are spelled `tl.reduce(x, 0, _sum_combine)` / `_elementwise_max`: exactly what
 # `tl.sum` / `tl.max` expand to for fp32, but with no call to a @triton.jit library function, so the
@@ -174,25 +174,6 @@ def _rms_norm_bwd_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
-    check_dtype("x", x)
-    check_dtype("weight", weight)
-    if x.dim() < 1 or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
-        raise ValueError(
-            f"weight {tuple(weight.shape)} must be [H] with H = x.shape[-1] (x {tuple(x.shape)})"
-        )
-    check_last_dim_contiguous("x", x)
-    check_last_dim_contiguous("weight", weight)
-    if residual is not None:
-        check_dtype("residual", residual)
-        if residual.dtype != x.dtype or residual.shape != x.shape:
-            raise ValueError(
-                f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}"
-            )
-        check_last_dim_contiguous("residual", residual)
-    check_same_device(x=x, weight=weight, residual=residual)
-
-
 def _forward(x, residual, weight, eps):
     """(y, new_residual or None, rstd [M] fp32); x, residual: [..., H] -> outputs [..., H]."""
     hidden = x.shape[-1]
@@ -302,7 +283,7 @@ def _needs_grad(*tensors: torch.Tensor) -> bool:
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim: x [..., H] bf16/fp32, weight [H] -> [..., H] in x.dtype."""
-    _check(x, weight, None)
+    _check(x, weight, eps)
     if _needs_grad(x, weight):
         return _RMSNormFunction.apply(x, weight, float(eps))
     return _forward(x, None, weight, float(eps))[0]
@@ -312,7 +293,7 @@ def add_rms_norm_triton(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(r), r) with r = (x + residual) formed in fp32 and stored in x.dtype."""
-    _check(x, weight, residual)
+    _check(x, weight, eps, residual)
     if _needs_grad(x, residual, weight):
         return _AddRMSNormFunction.apply(x, residual, weight, float(eps))
     y, new_res, _ = _forward(x, residual, weight, float(eps))

@@ -113,6 +113,31 @@ def _apply_rope_triton(q, k, positions, cache):
 _IMPLS = {"torch": _apply_rope_torch, "triton": _apply_rope_triton}
 
 
+def _check(q, k, positions, cache) -> None:
+    """Input checks shared by `apply_rope` and the Triton launcher."""
+    for name, t in (("q", q), ("k", k)):
+        check_dtype(name, t)
+        check_dim(name, t, 3, "[T, H, D]")
+        check_last_dim_contiguous(name, t)
+    check_dtype("cache", cache, (torch.float32,))
+    check_dim("cache", cache, 2, "[max_positions, rot_dim]")
+    check_last_dim_contiguous("cache", cache)
+    check_int("positions", positions)
+    check_dim("positions", positions, 1, "[T]")
+    if k.dtype != q.dtype:
+        raise ValueError(f"k dtype {k.dtype} differs from q dtype {q.dtype}")
+    if k.shape[0] != q.shape[0] or positions.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+        raise ValueError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, positions {tuple(positions.shape)} must share T and D"
+        )
+    if cache.shape[1] % 2 != 0 or not 0 < cache.shape[1] <= q.shape[2]:
+        raise ValueError(f"cache rot_dim {cache.shape[1]} must be even, in (0, head_dim {q.shape[2]}]")
+    check_same_device(q=q, k=k, positions=positions, cache=cache)
+    if not positions.is_cuda and positions.numel() > 0:
+        if int(positions.min()) < 0 or int(positions.max()) >= cache.shape[0]:
+            raise ValueError(f"positions must lie in [0, {cache.shape[0]}) (the cache's max_positions)")
+
+
 def apply_rope(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,23 +145,5 @@ def apply_rope(
 
     cache: fp32 [max_positions, rot_dim] from `rope_cache`, on the device of q. Returns new tensors.
     """
-    check_dtype("q", q)
-    check_dtype("k", k)
-    check_dtype("cache", cache, (torch.float32,))
-    check_int("positions", positions)
-    check_dim("q", q, 3, "[T, Hq, D]")
-    check_dim("k", k, 3, "[T, Hkv, D]")
-    check_dim("positions", positions, 1, "[T]")
-    check_dim("cache", cache, 2, "[max_positions, rot_dim]")
-    if k.dtype != q.dtype:
-        raise ValueError(f"k dtype {k.dtype} differs from q dtype {q.dtype}")
-    if k.shape[0] != q.shape[0] or positions.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
-        raise ValueError(
-            f"q {tuple(q.shape)}, k {tuple(k.shape)}, positions {tuple(positions.shape)} must share T and D"
-        )
-    if cache.shape[1] % 2 != 0 or cache.shape[1] > q.shape[2]:
-        raise ValueError(f"cache rot_dim {cache.shape[1]} must be even and at most head_dim {q.shape[2]}")
-    check_last_dim_contiguous("q", q)
-    check_last_dim_contiguous("k", k)
-    check_same_device(q=q, k=k, positions=positions, cache=cache)
+    _check(q, k, positions, cache)
     return _IMPLS[backend_for(q)](q, k, positions, cache)

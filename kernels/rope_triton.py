@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_dim, check_dtype, check_int, check_last_dim_contiguous, check_same_device
+from .rope import _check
 
 # Heads per program (at most); only tiles the elementwise work.
 _MAX_HEADS_PER_PROGRAM = 16
@@ -119,30 +119,6 @@ class _RopeFunction(torch.autograd.Function):
         dq = _launch(grad_q, positions, cache, True) if ctx.needs_input_grad[0] else None
         dk = _launch(grad_k, positions, cache, True) if ctx.needs_input_grad[1] else None
         return dq, dk, None, None
-
-
-def _check(q, k, positions, cache) -> None:
-    for name, t in (("q", q), ("k", k)):
-        check_dtype(name, t)
-        check_dim(name, t, 3, "[T, H, D]")
-        check_last_dim_contiguous(name, t)
-    check_dtype("cache", cache, (torch.float32,))
-    check_dim("cache", cache, 2, "[max_positions, rot_dim]")
-    check_last_dim_contiguous("cache", cache)
-    check_int("positions", positions)
-    check_dim("positions", positions, 1, "[T]")
-    if k.dtype != q.dtype:
-        raise ValueError(f"k dtype {k.dtype} differs from q dtype {q.dtype}")
-    if k.shape[0] != q.shape[0] or positions.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
-        raise ValueError(
-            f"q {tuple(q.shape)}, k {tuple(k.shape)}, positions {tuple(positions.shape)} must share T and D"
-        )
-    if cache.shape[1] % 2 != 0 or not 0 < cache.shape[1] <= q.shape[2]:
-        raise ValueError(f"cache rot_dim {cache.shape[1]} must be even, in (0, head_dim {q.shape[2]}]")
-    check_same_device(q=q, k=k, positions=positions, cache=cache)
-    if not positions.is_cuda and positions.numel() > 0:
-        if int(positions.min()) < 0 or int(positions.max()) >= cache.shape[0]:
-            raise ValueError(f"positions must lie in [0, {cache.shape[0]}) (the cache's max_positions)")
 
 
 def apply_rope_triton(
