@@ -46,6 +46,12 @@ class VexactAttentionBackend(AttentionBackend):
     def get_builder_cls() -> type[VexactAttentionMetadataBuilder]:
         return VexactAttentionMetadataBuilder
 
+    @staticmethod
+    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
+        """vLLM <= 0.26 asks the backend for the per-layer cache shape (newer ones derive it from
+        the KV cache spec and layout): the same [num_blocks, Hkv, block_size, 2D] view."""
+        return (num_blocks, num_kv_heads, block_size, 2 * head_size)
+
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
         return []  # any: the kernels take head_dim as data

@@ -47,7 +47,7 @@ def test_full_load_matches_the_training_class(build_vllm_model, tiny_model, arch
     model = build_vllm_model(path)
     loaded = model.load_weights(_checkpoint(path).items())
     assert loaded == {name for name, _ in model.named_parameters()}
-    trainer = load_trainer(path, torch.bfloat16)
+    trainer = load_trainer(path, torch.bfloat16, torch.device("cpu"))
     train_params = dict(trainer.named_parameters())
     for name, param in model.named_parameters():
         assert torch.equal(param, train_params[name]), name

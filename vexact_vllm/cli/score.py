@@ -14,7 +14,12 @@ import torch
 from .rollout import Rollout
 
 
-def load_trainer(model_path: str, dtype: torch.dtype):
+def trainer_device() -> torch.device:
+    """The trainer runs where vLLM runs: the CUDA and CPU kernels agree only to rounding."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_trainer(model_path: str, dtype: torch.dtype, device: torch.device | None = None):
     from transformers import AutoModelForCausalLM
 
     from vexact_vllm.model_patches import VexactForCausalLM, training_enabled
@@ -23,7 +28,7 @@ def load_trainer(model_path: str, dtype: torch.dtype):
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     if not isinstance(model, VexactForCausalLM):
         raise TypeError(f"expected the vexact training class, got {type(model).__name__}")
-    return model.eval()
+    return model.to(device or trainer_device()).eval()
 
 
 @torch.no_grad()
@@ -36,8 +41,9 @@ def trainer_log_probs(model, rollouts: list[Rollout], micro_batch: int, temperat
     out: list[torch.Tensor] = []
     for lo in range(0, len(rollouts), size):
         chunk = rollouts[lo : lo + size]
-        batch = PackedBatch.from_sequences([r.prompt_ids + r.output_ids for r in chunk])
-        logp = model.packed_log_probs(batch, tau)  # [T]; row t scores token t+1
+        device = model.lm_head.weight.device
+        batch = PackedBatch.from_sequences([r.prompt_ids + r.output_ids for r in chunk], device=device)
+        logp = model.packed_log_probs(batch, tau).cpu()  # [T]; row t scores token t+1
         for r, start in zip(chunk, batch.cu_seqlens[:-1].tolist()):
             first = start + len(r.prompt_ids) - 1  # row that predicts the first generated token
             out.append(logp[first : first + len(r.output_ids)].clone())
