@@ -35,7 +35,7 @@ class PackedBatch:
         positions = torch.cat([torch.arange(n) for n in lengths.tolist()]).to(device)
         cu = torch.zeros(len(sequences) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(lengths, 0)
-        return cls(ids, positions, cu.to(device))
+        return cls(ids, positions, cu.to(device))  # [T], [T], [B+1] on `device`
 
     @classmethod
     def from_hf_inputs(cls, input_ids, attention_mask=None, position_ids=None) -> PackedBatch:
