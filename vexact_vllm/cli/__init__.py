@@ -1,4 +1,4 @@
-"""The `vexact-vllm` command: `check` (the bitwise judge)."""
+"""The `vexact-vllm` command: `check` (the bitwise judge) and `bench` (throughput vs stock vLLM)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vexact-vllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="generate with vLLM and compare every log-prob with the trainer, bitwise")
-    from .check import add_arguments, run_check
+    from . import bench as bench_cmd
+    from . import check as check_cmd
 
-    add_arguments(check)
+    check_cmd.add_arguments(check)
+    bench = sub.add_parser("bench", help="output tokens/s of stock vLLM, stock batch-invariant and vexact")
+    bench_cmd.add_arguments(bench)
     args = parser.parse_args(argv)
     if args.command == "check":
-        return run_check(args)
-    return 2
+        return check_cmd.run_check(args)
+    return bench_cmd.run_bench(args)
 
 
 if __name__ == "__main__":
