@@ -72,7 +72,7 @@ def run_bench(args) -> int:
             raise SystemExit(f"error: unknown configuration {name!r}; choose from {', '.join(CONFIGS)}")
         cmd = [sys.executable, "-m", "vexact_vllm.cli", "bench", "--config", name, *args.forward]
         env = {**os.environ, **CONFIGS[name]["env"]}
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=sys.stderr, text=True)
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)  # its logs go to our stderr
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("VEXACT_BENCH ")), None)
         if proc.returncode != 0 or line is None:
             raise SystemExit(f"error: configuration {name} failed (exit {proc.returncode}); see its log above")
