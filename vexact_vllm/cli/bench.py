@@ -77,6 +77,7 @@ def run_bench(args) -> int:
         if proc.returncode != 0 or line is None:
             raise SystemExit(f"error: configuration {name} failed (exit {proc.returncode}); see its log above")
         results.append(json.loads(line.removeprefix("VEXACT_BENCH ")))
+        print(f"{name}: {results[-1]['output_tok_s']:.0f} output tok/s", file=sys.stderr, flush=True)
     base = next((r["output_tok_s"] for r in results if r["config"] == "stock"), None)
     print(f"{'configuration':24s} {'start-up s':>10s} {'output tok/s':>13s} {'vs stock':>9s}")
     for r in results:
