@@ -66,8 +66,8 @@ class VexactSampler(Sampler):
     def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:  # prompt log-probs: temperature 1
         return log_softmax(logits.float(), 1.0)
 
-    def _rows(self, num_rows: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(temperature, seed, position) per row; warm-up rows (no request) get greedy defaults."""
+    def _rows(self, num_rows: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(temperature, seed, position, greedy) per row; warm-up rows (no request) are greedy."""
         batch = self.runner.input_batch
         temps, seeds, positions = [1.0] * num_rows, [0] * num_rows, [0] * num_rows
         seq_lens = self.runner.seq_lens[:num_rows].tolist()

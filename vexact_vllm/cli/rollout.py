@@ -12,11 +12,6 @@ import gc
 import random
 from dataclasses import dataclass, field
 
-# Engines: name -> extra LLM(...) arguments. "default" serves several compositions.
-ENGINE_DEFAULT = "default"
-ENGINE_CHUNKED = "chunked"
-ENGINE_PREEMPT = "preempt"
-
 
 @dataclass
 class Rollout:
