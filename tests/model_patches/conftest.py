@@ -2,22 +2,22 @@
 loader for the stock and the vexact model, and guards that neither the training switch nor the
 thread count leaks out of a test."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from vexact_vllm.model_patches import disable_training, training_enabled
-from vexact_vllm.tiny_model import TINY_ARCHS, build_tiny_model
+from vexact_vllm.tiny_model import TINY_ARCHS
 
 
 @pytest.fixture(scope="session")
-def tiny_paths(tmp_path_factory):
-    """arch -> checkpoint directory (bf16 on disk)."""
-    root = tmp_path_factory.mktemp("tiny_model_patches")
+def tiny_paths(tiny_model):
+    """arch -> checkpoint directory (bf16 on disk), the session's shared tiny checkpoints."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VEXACT_VLLM_CACHE", str(root / "cache"))
         mp.setenv("HF_HUB_OFFLINE", "1")
-        yield {arch: build_tiny_model(arch, path=root / arch) for arch in TINY_ARCHS}
+        yield {arch: Path(tiny_model(arch)) for arch in TINY_ARCHS}
 
 
 @pytest.fixture
