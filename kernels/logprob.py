@@ -119,7 +119,11 @@ def _check_temperature(temperature, n_rows: int, device: torch.device) -> None:
             )
         if temperature.device != device:
             raise ValueError(f"temperature is on {temperature.device}, logits on {device}")
-        if bool((temperature < 0).any()) or not bool(torch.isfinite(temperature).all()):
+        # Values are checked on the CPU only: on CUDA the check would stall the sampler on a host
+        # sync every step (vLLM has validated each request's temperature at admission).
+        if temperature.device.type == "cpu" and (
+            bool((temperature < 0).any()) or not bool(torch.isfinite(temperature).all())
+        ):
             raise ValueError("temperature must be finite and >= 0 (0 means greedy)")
     elif not isinstance(temperature, (int, float)) or not 0 <= temperature < float("inf"):
         raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature!r}")
@@ -268,8 +272,13 @@ def _gumbel_argmax_torch(log_probs, seeds, positions):
     return out
 
 
-# Elementwise int64 hashing and an argmax with lowest-index ties: deterministic on CUDA as is.
-_GUMBEL_IMPLS = {"torch": _gumbel_argmax_torch, "triton": _gumbel_argmax_torch}
+def _gumbel_argmax_triton(log_probs, seeds, positions):
+    from .gumbel_triton import gumbel_argmax_triton  # imported on first use: no Triton on CPU
+
+    return gumbel_argmax_triton(log_probs, seeds, positions)
+
+
+_GUMBEL_IMPLS = {"torch": _gumbel_argmax_torch, "triton": _gumbel_argmax_triton}
 
 
 def gumbel_argmax(log_probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

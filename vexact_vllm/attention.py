@@ -5,6 +5,9 @@ keys back from the cache, so cached (prefix-cache hits, earlier chunks, earlier 
 keys go through one reduction: `kernels.paged_attention`, whose per-query order is anchored at
 absolute position 0 exactly like the training kernel `kernels.varlen_attention`.
 
+CUDA graphs: decode and mixed prefill/decode batches alike (the builder declares ALWAYS support and
+the vexact model asks vLLM for FULL graphs, models.py).
+
 Cache layout (one tensor per layer, allocated by vLLM from `get_kv_cache_spec`): the logical view
 [num_blocks, num_kv_heads, block_size, 2 * head_size], keys in the first half of the last axis and
 values in the second.
@@ -18,6 +21,7 @@ from typing import ClassVar
 import torch
 from vllm.v1.attention.backend import (
     AttentionBackend,
+    AttentionCGSupport,
     AttentionImpl,
     AttentionMetadataBuilder,
     AttentionType,
@@ -77,6 +81,13 @@ class VexactAttentionMetadata:
 
 
 class VexactAttentionMetadataBuilder(AttentionMetadataBuilder[VexactAttentionMetadata]):
+    """Views of vLLM's common metadata, nothing computed on the host. Any batch can be captured in
+    a CUDA graph (ALWAYS): the kernels read lengths and block tables on the device, their grids
+    depend on the padded token and request counts only, padded requests have empty queries and
+    padded tokens the slot -1 (neither written nor stored)."""
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
+
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
 

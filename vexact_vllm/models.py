@@ -3,7 +3,14 @@
 The decoder (`model_patches`) is the trainer's; only the attention context differs: here it is
 `PagedAttention`, which hands q/k/v to vLLM `Attention` layers bound to the vexact backend (write to
 the paged KV cache, then attend over it). Logits are the lm_head GEMM in fp32; the vexact sampler
-turns them into log-probs with the one log-prob function.
+turns them into log-probs with the one log-prob function: on vLLM's model runner v2 through the
+model's state class (`get_model_state_cls`, model_state.py), on the V1 runner (CPU) through
+runner_hooks.py.
+
+CUDA graphs: the model is not torch.compile'd (compilation could reorder its reductions), so vLLM's
+piecewise graphs would capture nothing; the attention backend supports full graphs for any batch,
+so the model asks for FULL graphs where vLLM's default is FULL_AND_PIECEWISE (decode AND mixed
+prefill/decode batches replay a captured graph). `--enforce-eager` still turns graphs off.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from vexact_vllm.model_patches.config import DecoderConfig, UnsupportedModelErro
 from vexact_vllm.model_patches.layers import Linear
 from vexact_vllm.model_patches.models import build_decoder
 
-from .attention import VexactAttentionBackend
+from .attention import BACKEND_NAME, VexactAttentionBackend
 from .runner_hooks import install_v1_sampler_hook
 
 # Checkpoint tensors that hold nothing the model needs.
@@ -40,6 +47,18 @@ class PagedAttention:
 
 
 def _refuse_unsupported_engine(vllm_config: VllmConfig) -> None:
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    if backend is not None and getattr(backend, "name", str(backend)) != BACKEND_NAME:
+        raise UnsupportedModelError(
+            f"--attention-backend {getattr(backend, 'name', backend)} cannot keep rollouts bitwise equal to "
+            "the trainer; vexact models use their own attention backend: drop --attention-backend"
+        )
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype not in VexactAttentionBackend.supported_kv_cache_dtypes:
+        raise UnsupportedModelError(
+            f"--kv-cache-dtype {cache_dtype} cannot keep rollouts bitwise equal to the trainer (it would "
+            "round the keys and values the trainer keeps in the model dtype); use --kv-cache-dtype auto"
+        )
     parallel = vllm_config.parallel_config
     if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
         raise UnsupportedModelError(
@@ -58,12 +77,22 @@ def _refuse_unsupported_engine(vllm_config: VllmConfig) -> None:
     check_dtype(vllm_config.model_config.dtype)
 
 
+def _full_cuda_graphs(vllm_config: VllmConfig) -> None:
+    """Piecewise graphs need a torch.compile'd model; ask for FULL graphs instead (see above)."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    compilation = vllm_config.compilation_config
+    if compilation.cudagraph_mode in (CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.PIECEWISE):
+        compilation.cudagraph_mode = CUDAGraphMode.FULL
+
+
 class VexactForCausalLM(nn.Module):
     is_vexact_model = True
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         _refuse_unsupported_engine(vllm_config)
+        _full_cuda_graphs(vllm_config)
         hf_config = vllm_config.model_config.hf_config
         self.config = DecoderConfig.from_hf(hf_config)
         c = self.config
@@ -83,6 +112,13 @@ class VexactForCausalLM(nn.Module):
         )
         self.context = PagedAttention(self.attn)
         install_v1_sampler_hook()
+
+    @classmethod
+    def get_model_state_cls(cls):
+        """Runner v2's hook: its state class, whose `custom_sampler` installs the vexact sampler."""
+        from .model_state import VexactModelState
+
+        return VexactModelState
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -43,16 +43,6 @@ def validate_model_config(model_config) -> None:
         check_dtype(getattr(torch, {"half": "float16", "float": "float32"}.get(dtype, dtype), None))
     elif dtype is not None and not isinstance(dtype, str):
         check_dtype(dtype)
-    _add_request_validator(model_config)
-
-
-def _add_request_validator(model_config) -> None:
-    """Admission-time refusal of unsupported sampling options (see request_validation.py)."""
-    from .request_validation import QUALNAME
-
-    processors = list(getattr(model_config, "logits_processors", None) or [])
-    if QUALNAME not in processors:
-        model_config.logits_processors = [*processors, QUALNAME]
 
 
 def _wrap_lookup(registry, method_name: str) -> None:

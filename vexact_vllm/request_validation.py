@@ -1,36 +1,68 @@
 """Refuse unsupported sampling options at admission, with HTTP 400, before any engine step.
 
-vLLM validates each request against the `validate_params` hook of the custom logits processors
-configured for the engine. `registry.validate_model_config` adds `VexactRequestValidator` to the
-`logits_processors` of every model config resolved with `--model-impl vexact` (and of no other), so
-a request with, say, `top_p=0.5` is answered "400: sampling options top_p are not supported ..."
-instead of reaching the sampler. It changes no logits: the vexact sampler never applies logits
-processors (it refuses the options that would need them).
+vLLM validates each request in its frontend (`InputProcessor._validate_params`, called for
+`LLM.generate` and for every OpenAI-server request; a ValueError there is a 400). Its extension
+point for extra checks is a custom logits processor's `validate_params`, but vLLM 0.26's model
+runner v2 refuses to run with any custom logits processor configured (it falls back to the V1
+runner), so `install()` wraps that one method instead, once per process (`register()` calls it).
+The wrap acts only for model configs with `model_impl == "vexact"`; every other model gets vLLM's
+validation unchanged.
+
+Refused: sampling options that change the distribution the trainer's log-probs describe (top-k,
+top-p, min-p, penalties, logit bias, bad words, allowed token ids, min_tokens: `sampler.
+refuse_unsupported`), and prompt log-probs under runner v2, whose prompt log-probs are computed by
+vLLM's own log-softmax, which no model hook replaces (the V1 runner computes them with the vexact
+sampler's function).
 """
 
 from __future__ import annotations
 
-import torch
-from vllm.v1.sample.logits_processor.interface import LogitsProcessor
+import functools
+
+from vllm.exceptions import VLLMValidationError
 
 from .sampler import refuse_unsupported
 
-QUALNAME = "vexact_vllm.request_validation:VexactRequestValidator"
+MODEL_IMPL = "vexact"
 
 
-class VexactRequestValidator(LogitsProcessor):
-    @classmethod
-    def validate_params(cls, sampling_params) -> None:
-        refuse_unsupported(sampling_params)
+class RequestRefusedError(VLLMValidationError, ValueError):
+    """vLLM's request-validation error (a 400 from the server); a ValueError in every vLLM version."""
 
-    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
-        pass
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits
+def validate_request(params, model_config, use_v2_model_runner: bool) -> None:
+    """Raise RequestRefusedError for a request the vexact path cannot serve bit for bit."""
+    if getattr(model_config, "model_impl", None) != MODEL_IMPL or not hasattr(params, "temperature"):
+        return  # not a vexact model, or not a SamplingParams (pooling)
+    try:
+        refuse_unsupported(params)
+    except ValueError as e:
+        raise RequestRefusedError(str(e)) from None
+    if use_v2_model_runner and params.prompt_logprobs is not None:
+        raise RequestRefusedError(
+            "prompt_logprobs are not supported with --model-impl vexact on vLLM's model runner v2: "
+            "vLLM computes them with its own log-softmax, not the trainer's; drop prompt_logprobs (score "
+            "prompts with the trainer) or run with VLLM_USE_V2_MODEL_RUNNER=0"
+        )
 
-    def is_argmax_invariant(self) -> bool:
-        return True
 
-    def update_state(self, batch_update) -> None:
-        pass
+def _uses_v2_runner(processor) -> bool:
+    if hasattr(processor, "use_v2_model_runner"):  # vLLM 0.26 caches it on the processor
+        return bool(processor.use_v2_model_runner)
+    return bool(processor.vllm_config.use_v2_model_runner)
+
+
+def install() -> None:
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    original = InputProcessor._validate_params
+    if getattr(original, "_vexact", False):
+        return
+
+    @functools.wraps(original)
+    def _validate_params(self, params, *args, **kwargs):
+        validate_request(params, self.model_config, _uses_v2_runner(self))
+        return original(self, params, *args, **kwargs)
+
+    _validate_params._vexact = True
+    InputProcessor._validate_params = _validate_params

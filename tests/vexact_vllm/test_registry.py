@@ -46,7 +46,7 @@ def test_vexact_resolves_and_other_impls_are_untouched(tiny_model, arch):
     path = tiny_model(arch)
     vexact = _model_config(path, model_impl="vexact")
     assert vexact._architecture.startswith("Vexact")
-    assert "vexact_vllm.request_validation:VexactRequestValidator" in vexact.logits_processors
+    assert not vexact.logits_processors  # runner v2 (vLLM 0.26) would refuse any
     for impl in ("auto", "vllm"):
         stock = _model_config(path, model_impl=impl)
         assert not stock._architecture.startswith("Vexact")

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 pytestmark = pytest.mark.vllm
+
+VEXACT = SimpleNamespace(model_impl="vexact")
+STOCK = SimpleNamespace(model_impl="auto")
 
 
 @pytest.mark.parametrize(
@@ -25,19 +30,44 @@ pytestmark = pytest.mark.vllm
 def test_unsupported_options_are_refused(option):
     from vllm import SamplingParams
 
-    from vexact_vllm.request_validation import VexactRequestValidator
+    from vexact_vllm.request_validation import validate_request
 
     with pytest.raises(ValueError, match=next(iter(option))):
-        VexactRequestValidator.validate_params(SamplingParams(**option))
+        validate_request(SamplingParams(**option), VEXACT, use_v2_model_runner=False)
+    validate_request(SamplingParams(**option), STOCK, use_v2_model_runner=True)  # other models: untouched
 
 
 def test_plain_sampling_is_accepted():
     from vllm import SamplingParams
 
-    from vexact_vllm.request_validation import VexactRequestValidator
+    from vexact_vllm.request_validation import validate_request
 
     for params in (SamplingParams(temperature=0.7, seed=3), SamplingParams(temperature=0), SamplingParams(top_k=-1)):
-        VexactRequestValidator.validate_params(params)
+        validate_request(params, VEXACT, use_v2_model_runner=True)
+
+
+def test_prompt_logprobs_refused_on_runner_v2_only():
+    from vllm import SamplingParams
+
+    from vexact_vllm.request_validation import validate_request
+
+    params = SamplingParams(prompt_logprobs=0)
+    validate_request(params, VEXACT, use_v2_model_runner=False)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        validate_request(params, VEXACT, use_v2_model_runner=True)
+
+
+def test_install_wraps_the_frontend_check_once():
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    import vexact_vllm
+    from vexact_vllm import request_validation
+
+    vexact_vllm.register()
+    wrapped = InputProcessor._validate_params
+    assert getattr(wrapped, "_vexact", False)
+    request_validation.install()
+    assert InputProcessor._validate_params is wrapped
 
 
 def test_request_seed():

@@ -1,0 +1,121 @@
+"""Pick the one GEMM launch configuration per weight shape (N, K): a sweep against cuBLAS.
+
+The batch-invariant GEMM (kernels/gemm_triton.py) uses ONE configuration per (N, K, dtype), whatever
+M is, so a configuration must serve decode (M ~ the running batch) and prefill (M up to the token
+budget) at once. For each shape this prints, per candidate, the speed vs cuBLAS (F.linear, bf16
+out; the lm_head writes fp32 like ours) at each M, timed as CUDA-graph replays, and the geometric
+mean over M; the best candidate per shape comes last, as `_TUNED` lines to paste.
+
+    python3 benchmarks/sweep_gemm.py [--shapes qwen3-1.7b,qwen3-8b] [--ms 64,256,512,2048,8192] [--json FILE]
+
+Needs CUDA. Changing a `_TUNED` entry changes the bits of that shape on both sides alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+
+# Weight shapes (N, K) of the fused projections: qkv, o, gate_up, down, lm_head.
+SHAPES = {
+    "qwen3-1.7b": [(4096, 2048), (2048, 2048), (12288, 2048), (2048, 6144), (151936, 2048)],
+    "qwen3-8b": [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096)],
+}
+# (block_m, block_n, block_k, group_m, num_warps, num_stages, programs_per_sm)
+CANDIDATES = [
+    (64, 128, 64, 8, 4, 3, 2),
+    (64, 128, 64, 8, 4, 4, 1),
+    (64, 64, 128, 8, 4, 4, 1),
+    (64, 256, 64, 8, 8, 3, 1),
+    (128, 64, 64, 8, 4, 4, 1),
+    (128, 128, 64, 8, 4, 4, 1),
+    (128, 128, 64, 8, 8, 4, 1),
+    (128, 128, 64, 8, 8, 5, 1),
+    (128, 256, 64, 8, 8, 3, 1),
+    (128, 128, 128, 8, 8, 3, 1),
+]
+
+
+def _bench(fn) -> float:
+    from triton.testing import do_bench_cudagraph
+
+    return do_bench_cudagraph(fn, rep=20)
+
+
+def sweep(shapes, ms, candidates) -> list[dict]:
+    import vexact_vllm.kernels.gemm_triton as gt
+
+    original = gt.gemm_config
+    rows = []
+    try:
+        for n, k in shapes:
+            out_dtype = torch.float32 if n > 100_000 else torch.bfloat16
+            w = (torch.randn(n, k, device="cuda") / k**0.5).bfloat16()
+            xs = {m: torch.randn(m, k, device="cuda").bfloat16() for m in ms}
+            base = {m: _bench(lambda x=xs[m], w=w: torch.nn.functional.linear(x, w)) for m in ms}
+            print(
+                f"\n(N={n}, K={k}) cuBLAS us: " + " ".join(f"M={m}:{base[m] * 1e3:.1f}" for m in ms),
+                flush=True,
+            )
+            print(
+                f"{'candidate':28s}" + "".join(f"{'M=' + str(m):>9s}" for m in ms) + "    gmean", flush=True
+            )
+            for cand in candidates:
+                cfg = gt.GemmConfig(*cand)
+                gt.gemm_config = lambda n_, k_, d_, cfg=cfg: cfg
+                try:
+                    speed = {
+                        m: base[m] / _bench(lambda x=xs[m], w=w, o=out_dtype: gt.linear_triton(x, w, None, o))
+                        for m in ms
+                    }
+                except Exception as e:  # noqa: BLE001 - a candidate that does not fit is skipped
+                    print(f"{str(cand):28s} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    continue
+                gmean = math.exp(sum(math.log(s) for s in speed.values()) / len(speed))
+                rows.append({"n": n, "k": k, "config": list(cand), "speed": speed, "gmean": gmean})
+                print(
+                    f"{str(cand):28s}" + "".join(f"{speed[m]:9.2f}" for m in ms) + f"{gmean:9.2f}", flush=True
+                )
+            del w, xs
+            torch.cuda.empty_cache()
+    finally:
+        gt.gemm_config = original
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--shapes", default="qwen3-1.7b,qwen3-8b", help=f"comma-separated of {', '.join(SHAPES)}"
+    )
+    parser.add_argument("--ms", default="64,256,512,2048,8192", help="comma-separated M values")
+    parser.add_argument("--json", help="also write every measurement to this file")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("error: the GEMM sweep needs a CUDA device")
+    shapes = [s for name in args.shapes.split(",") for s in SHAPES[name]]
+    ms = [int(m) for m in args.ms.split(",")]
+    start = time.time()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    rows = sweep(shapes, ms, CANDIDATES)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f)
+    print(
+        f"\nbest per shape (geometric mean of the speed over M = {args.ms}); sweep {time.time() - start:.0f} s"
+    )
+    for n, k in shapes:
+        best = max((r for r in rows if (r["n"], r["k"]) == (n, k)), key=lambda r: r["gmean"], default=None)
+        if best is not None:
+            speeds = " ".join(f"{best['speed'][m]:.2f}" for m in ms)
+            print(
+                f"    (_BF16, {n}, {k}): GemmConfig{tuple(best['config'])},  # {speeds} (gmean {best['gmean']:.2f})"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Triton Gumbel-max sampling (the CUDA path of `logprob.gumbel_argmax`).
+
+token[m] = argmax_v(log_probs[m, v] + g(seeds[m], positions[m], v)), ties to the lowest v, with the
+hash and the uniform of `logprob.py` (int64 arithmetic wraps mod 2^64 and values stay masked to 63
+bits, so the shifts and products give the torch path's bits) and g = -log(-log(u)) in fp32.
+
+One program per row walks the vocabulary in blocks of BLOCK ids, in index order, generating the
+noise in registers (the torch path materialises [rows, V] int64 tensors, tens of passes over
+memory per decode step) and keeping the first maximum: a row's token depends on its own log-probs,
+seed and position only, never on the batch. Triton's `log` may round differently from torch's, so
+the two backends can pick different tokens where two candidates tie to within an ulp; a rollout
+uses one backend throughout (the trainer does not sample).
+"""
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.standard import _argmax_combine_tie_break_left
+
+from . import logprob
+
+BLOCK = 2048
+_NUM_WARPS = 8
+# The hash constants of logprob.py, as compile-time constants of the kernels.
+_C1 = tl.constexpr(logprob._C1)
+_C2 = tl.constexpr(logprob._C2)
+_GOLDEN = tl.constexpr(logprob._GOLDEN)
+_MASK63 = tl.constexpr(logprob._MASK63)
+
+
+@triton.jit
+def _mix63(x):
+    """splitmix64's finalizer on 63 bits (x >= 0: `>>` is then a logical shift)."""
+    x = ((x ^ (x >> 30)) * _C1) & _MASK63
+    x = ((x ^ (x >> 27)) * _C2) & _MASK63
+    return x ^ (x >> 31)
+
+
+@triton.jit
+def _gumbel_argmax_kernel(
+    LOGP,
+    SEEDS,
+    POS,
+    OUT,
+    stride_l,
+    V,
+    BLOCK: tl.constexpr,
+    UNIFORM_BITS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    seed = tl.load(SEEDS + row).to(tl.int64) & _MASK63
+    pos = tl.load(POS + row).to(tl.int64) & _MASK63
+    row_key = _mix63(_mix63(seed ^ _GOLDEN) ^ pos)
+    cols = tl.arange(0, BLOCK).to(tl.int64)
+    best_val = tl.full([], float("-inf"), tl.float32)
+    best_idx = tl.full([], 0, tl.int64)
+    for start in range(0, V, BLOCK):
+        offs = start + cols
+        mask = offs < V
+        lp = tl.load(LOGP + row * stride_l + offs, mask=mask, other=float("-inf"))
+        h = _mix63(row_key ^ offs)
+        u = ((h >> (63 - UNIFORM_BITS)).to(tl.float32) + 0.5) * (2.0**-UNIFORM_BITS)
+        val = tl.where(mask, lp - tl.log(-tl.log(u)), float("-inf"))
+        # tl.argmax(val, 0, tie_break_left=True), spelled as its reduce (interpreter-safe: the
+        # interpreter answers with the lane, so the lane is what both modes reduce).
+        block_max, lane = tl.reduce((val, cols), 0, _argmax_combine_tie_break_left)
+        block_idx = start + lane
+        take = block_max > best_val  # strict: the earlier block keeps a tie
+        best_idx = tl.where(take, block_idx, best_idx)
+        best_val = tl.where(take, block_max, best_val)
+    tl.store(OUT + row, best_idx)
+
+
+def gumbel_argmax_triton(
+    log_probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """int64 [M] tokens (inputs already checked by `logprob.gumbel_argmax`)."""
+    n_rows, vocab = log_probs.shape
+    out = torch.empty(n_rows, dtype=torch.int64, device=log_probs.device)
+    if n_rows:
+        _gumbel_argmax_kernel[(n_rows,)](
+            log_probs, seeds.contiguous(), positions.contiguous(), out, log_probs.stride(0), vocab,
+            BLOCK=BLOCK, UNIFORM_BITS=logprob._UNIFORM_BITS, num_warps=_NUM_WARPS,
+        )  # fmt: skip
+    return out

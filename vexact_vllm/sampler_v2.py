@@ -1,0 +1,93 @@
+"""The vexact sampler for vLLM's model runner v2 (the default GPU runner of vLLM 0.26).
+
+Runner v2 builds its `Sampler` after the model and offers it to the model's `ModelState.
+custom_sampler` (model_state.py), which returns this subclass, carrying over the base sampler's
+per-request states (temperatures, seeds, logprob settings, filled by the runner's `add_request`).
+Per step, on the rows the runner samples (one per request; prefill chunks that end mid-prompt are
+sampled and discarded, as in stock vLLM):
+1. log_probs = kernels.log_softmax(logits, tau): the fp32 lm_head logits divided once by the
+   request's temperature (tau < 1e-5 is greedy, scored at 1), fp32 log-softmax with a fixed block
+   order. The trainer calls the same function, so the returned log-prob is its value.
+2. the token: greedy rows take argmax(log_probs); the others Gumbel-max with noise keyed by (request
+   seed, absolute position of the new token, token id), the same key as the V1 sampler: a request
+   samples the same tokens alone, in any batch, chunked or after preemption.
+3. the sampled token's log-prob (and top-k or `logprob_token_ids` when asked) is gathered from those
+   log-probs by vLLM's own `compute_topk_scores` in logits mode (a gather, no arithmetic).
+
+Nothing else of vLLM's sampling runs: no penalties, logit bias, min-p, top-k/top-p. Requests asking
+for them are refused at admission (request_validation.py) and again here, never ignored.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
+from vllm.v1.worker.gpu.metrics.logits import get_num_nans
+from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
+from vllm.v1.worker.gpu.sample.output import SamplerOutput
+from vllm.v1.worker.gpu.sample.sampler import Sampler
+from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
+
+from vexact_vllm.kernels import gumbel_argmax, log_softmax
+
+from .sampler import GREEDY_EPS, refuse_unsupported
+
+
+class VexactSamplerV2(Sampler):
+    @classmethod
+    def from_base(cls, base: Sampler) -> VexactSamplerV2:
+        """This sampler over `base`'s request states (no state is rebuilt or copied)."""
+        sampler = cls.__new__(cls)
+        sampler.__dict__.update(base.__dict__)
+        return sampler
+
+    def add_request(self, req_idx: int, prompt_len: int, sampling_params) -> None:
+        refuse_unsupported(sampling_params)  # admission refused these already; never sample them
+        super().add_request(req_idx, prompt_len, sampling_params)
+
+    def rows(self, input_batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tau, seed, position of the sampled token, greedy) per sampling row, on the device."""
+        idx = input_batch.expanded_idx_mapping
+        temperature = self.sampling_states.temperature.gpu[idx]  # fp32 [B]
+        greedy = temperature < GREEDY_EPS
+        tau = torch.where(greedy, torch.zeros_like(temperature), temperature)  # 0: scored at 1
+        seeds = self.sampling_states.seeds.gpu[idx]  # int64 [B]
+        positions = input_batch.positions[input_batch.logits_indices].long() + 1  # [B]
+        return tau, seeds, positions, greedy
+
+    def __call__(self, logits: torch.Tensor, input_batch) -> SamplerOutput:
+        num_nans = get_num_nans(logits) if self.compute_nans else None
+        tau, seeds, positions, greedy = self.rows(input_batch)
+        log_probs = log_softmax(logits.float(), tau)  # fp32 [B, V]
+        sampled = torch.where(greedy, log_probs.argmax(-1), gumbel_argmax(log_probs, seeds, positions))
+
+        logprobs_tensors = None
+        idx_np = input_batch.idx_mapping_np
+        if self.returns_logprobs(idx_np):
+            num_logprobs = self.sampling_states.max_num_logprobs(idx_np)
+            expanded = log_probs.shape[0] != idx_np.shape[0]
+            logprobs_tensors = compute_topk_scores(
+                log_probs,
+                num_logprobs if num_logprobs != NO_LOGPROBS else 0,
+                sampled,
+                input_batch.cu_num_logits_np.tolist() if expanded else None,
+                logprob_token_ids_state=self.logprob_token_ids_state,
+                expanded_idx_mapping=input_batch.expanded_idx_mapping,
+                max_per_req_token_ids=self.logprob_token_ids_state.max_num_token_ids(idx_np),
+                logits_mode=True,  # gather our log-probs as they are
+            )
+
+        num_sampled, num_rejected = get_num_sampled_and_rejected(
+            input_batch.seq_lens.new_ones(input_batch.num_reqs),
+            input_batch.seq_lens,
+            input_batch.cu_num_logits,
+            input_batch.idx_mapping,
+            self.req_states.prefill_len.gpu,
+        )
+        return SamplerOutput(
+            sampled_token_ids=sampled.view(-1, 1),
+            logprobs_tensors=logprobs_tensors,
+            num_nans=num_nans,
+            num_sampled=num_sampled,
+            num_rejected=num_rejected,
+        )
