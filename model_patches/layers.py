@@ -3,9 +3,16 @@
 Every module here calls one op of `vexact_vllm.kernels` and holds parameters under Hugging Face's
 names, so a checkpoint (or verl's weight sync) loads without renaming. Nothing here knows whether it
 runs in vLLM or in a trainer: attention gets its keys and values from the `AttentionContext`.
+
+The q/k/v and gate/up projections run as one GEMM each (`PackedLinear`), on both sides, so the GEMM
+sees one weight shape [Nq + 2 Nkv, K] (or [2I, K]) and one launch configuration everywhere; the
+parameters stay the separate Hugging Face ones. At inference `pack_projections` makes them row
+views of one persistent tensor, so no concatenation happens per step.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -26,6 +33,95 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+
+class PackedLinear(nn.Module):
+    """Several `Linear` layers over the same input, computed as ONE GEMM:
+        y = x [W_0; W_1; ...]^T (+ [b_0; b_1; ...])                        [..., N_0 + N_1 + ...]
+    Columns a_i .. a_i + N_i of y (a_i = N_0 + ... + N_(i-1)) are part i's output, bitwise equal to
+    `linear(x, W_i, b_i)`: output element (m, n) is one reduction over K whose order depends on K
+    alone (kernels.gemm), so stacking rows of W changes nothing but the launch shape (N, K).
+
+    The parts are the PARENT's children under their Hugging Face names (`self_attn.q_proj`, ...);
+    this module only refers to them (an unregistered tuple) and owns no parameter, buffer or
+    state_dict entry. The stacked weight comes from one of two places:
+    - unpacked (training, the default): `torch.cat` of the parts on every call; differentiable,
+      and FSDP keeps the parts as separate parameters.
+    - packed (inference, after `pack()`): one persistent [N, K] tensor (plain attribute) whose
+      row blocks ARE the parts' parameters (`param.data` is a view of it), so no cat happens and
+      in-place writes to a part (`param.copy_`, `param.data.uniform_()`) land in the packed rows.
+      A call that needs a gradient still takes the cat path. If a part's parameter was replaced
+      after packing (`param.data = ...`, `module.to(...)`), the call refuses: pack again.
+    """
+
+    def __init__(self, parts: Sequence[Linear]):
+        super().__init__()
+        if len({p.bias is None for p in parts}) != 1:
+            raise ValueError("PackedLinear parts must all have a bias or all have none")
+        self.parts = tuple(parts)  # a tuple is not registered: the parts keep their parent's names
+        self.sizes = [p.weight.shape[0] for p in parts]  # N_i: y.split(self.sizes, -1) gives the parts
+        self.packed: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (W [N, K], b [N])
+        self._packed_ptrs: tuple[int, ...] = ()  # each packed parameter's data_ptr, to detect replacement
+
+    def extra_repr(self) -> str:
+        return f"sizes={self.sizes}, packed={self.packed is not None}"
+
+    def _params(self) -> list[nn.Parameter]:
+        return [p.weight for p in self.parts] + [p.bias for p in self.parts if p.bias is not None]
+
+    @property
+    def is_packed(self) -> bool:
+        """True while packed and every part's parameter still views the packed storage."""
+        return self.packed is not None and tuple(p.data_ptr() for p in self._params()) == self._packed_ptrs
+
+    def pack(self) -> None:
+        """Allocate the packed weight (and bias) once, copy the parts in and re-point each part's
+        parameter to its rows. Idempotent; packs again if a parameter was replaced since."""
+        if self.is_packed:
+            return
+        weight = _pack_rows([p.weight for p in self.parts])
+        bias = _pack_rows([p.bias for p in self.parts]) if self.parts[0].bias is not None else None
+        self.packed = (weight, bias)
+        self._packed_ptrs = tuple(p.data_ptr() for p in self._params())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., sum N_i]."""
+        needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self._params())
+        if self.packed is not None and not needs_grad:
+            if not self.is_packed:
+                raise RuntimeError(
+                    "a packed projection's parameter was replaced after pack_projections() (param.data = "
+                    "..., or module.to()); write weights in place (param.copy_) or call pack_projections again"
+                )
+            weight, bias = self.packed
+        else:
+            weight = torch.cat([p.weight for p in self.parts])  # [N, K]
+            bias = torch.cat([p.bias for p in self.parts]) if self.parts[0].bias is not None else None
+        return linear(x, weight, bias)
+
+
+def _pack_rows(params: list[nn.Parameter]) -> torch.Tensor:
+    """One tensor [sum rows, ...] holding the params' values; each param's data becomes its rows."""
+    first = params[0]
+    if any(p.dtype != first.dtype or p.device != first.device or p.shape[1:] != first.shape[1:] for p in params):
+        raise ValueError("packed parameters must share dtype, device and trailing shape")
+    packed = torch.empty((sum(p.shape[0] for p in params), *first.shape[1:]), dtype=first.dtype, device=first.device)
+    start = 0
+    with torch.no_grad():
+        for p in params:
+            rows = packed[start : start + p.shape[0]]
+            rows.copy_(p.data)
+            p.data = rows
+            start += p.shape[0]
+    return packed
+
+
+def pack_projections(module: nn.Module) -> None:
+    """Inference: pack every `PackedLinear` inside `module` (see `PackedLinear.pack`). Call it once
+    the model is built, before the weights load; names, shapes and state_dict keys stay the same."""
+    for m in module.modules():
+        if isinstance(m, PackedLinear):
+            m.pack()
 
 
 class RMSNorm(nn.Module):
@@ -71,10 +167,11 @@ class MLP(nn.Module):
         h, i, b = config.hidden_size, config.intermediate_size, config.mlp_bias
         self.gate_proj = Linear(h, i, b)
         self.up_proj = Linear(h, i, b)
+        self.gate_up_proj = PackedLinear([self.gate_proj, self.up_proj])
         self.down_proj = Linear(i, h, b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)  # [T, 2I]
+        gate_up = self.gate_up_proj(x)  # [T, 2I]: gate then up, as silu_and_mul takes them
         return self.down_proj(silu_and_mul(gate_up))
 
 
@@ -93,6 +190,7 @@ class SelfAttention(nn.Module):
         self.q_proj = Linear(h, q_size, config.qkv_bias)
         self.k_proj = Linear(h, kv_size, config.qkv_bias)
         self.v_proj = Linear(h, kv_size, config.qkv_bias)
+        self.qkv_proj = PackedLinear([self.q_proj, self.k_proj, self.v_proj])
         self.o_proj = Linear(q_size, h, config.o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -102,9 +200,13 @@ class SelfAttention(nn.Module):
 
     def forward(self, x, positions, rope, attn: AttentionContext):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        # Views of one [T, Nq + 2 Nkv] GEMM output: rows strided, last dim contiguous, which every
+        # op below accepts (the kernels check only the last dim; the torch ones copy where they
+        # must, the Triton ones take strides).
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, positions, rope)

@@ -24,7 +24,7 @@ from vllm.model_executor.layers.attention import Attention
 
 from vexact_vllm.kernels import linear
 from vexact_vllm.model_patches.config import DecoderConfig, UnsupportedModelError, check_dtype
-from vexact_vllm.model_patches.layers import Linear
+from vexact_vllm.model_patches.layers import Linear, pack_projections
 from vexact_vllm.model_patches.models import build_decoder
 
 from .attention import BACKEND_NAME, VexactAttentionBackend
@@ -97,6 +97,7 @@ class VexactForCausalLM(nn.Module):
         self.config = DecoderConfig.from_hf(hf_config)
         c = self.config
         self.model = build_decoder(c)
+        pack_projections(self.model)  # fused q/k/v and gate/up weights in place, HF names kept
         self.lm_head = None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size)
         self.attn = nn.ModuleList(
             Attention(
