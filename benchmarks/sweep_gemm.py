@@ -4,7 +4,8 @@ The batch-invariant GEMM (kernels/gemm_triton.py) uses ONE configuration per (N,
 M is, so a configuration must serve decode (M ~ the running batch) and prefill (M up to the token
 budget) at once. For each shape this prints, per candidate, the speed vs cuBLAS (F.linear, bf16
 out; the lm_head writes fp32 like ours) at each M, timed as CUDA-graph replays, and the geometric
-mean over M; the best candidate per shape comes last, as `_TUNED` lines to paste.
+mean over M; the best candidate per shape comes last. `_TUNED` holds a (small-M, large-M) pair per
+shape sharing one BLOCK_K (kernels/gemm_triton.py): pick them from the per-M columns.
 
     python3 benchmarks/sweep_gemm.py [--shapes qwen3-1.7b,qwen3-8b] [--ms 64,256,512,2048,8192] [--json FILE]
 
@@ -66,7 +67,7 @@ def sweep(shapes, ms, candidates) -> list[dict]:
             )
             for cand in candidates:
                 cfg = gt.GemmConfig(*cand)
-                gt.gemm_config = lambda n_, k_, d_, cfg=cfg: cfg
+                gt.gemm_config = lambda *_, cfg=cfg: cfg
                 try:
                     speed = {
                         m: base[m] / _bench(lambda x=xs[m], w=w, o=out_dtype: gt.linear_triton(x, w, None, o))

@@ -5,21 +5,27 @@ Math: for each row m and output column n,
     y[m, n]   = (acc[m, n] + fp32(b[n])).to(out_dtype)   (bias added once, after the K loop)
 
 Invariant (DESIGN rule 2): the bits of output row m depend only on x[m] and W.
-- One configuration per weight shape: `gemm_config(N, K, dtype)` picks the tile shape, warps and
-  pipeline depth from (N, K, dtype) alone, never from M: no autotuning keyed on M, no small-M path.
-- No split-K: one program owns a whole [BLOCK_M, BLOCK_N] output tile and walks K from 0 upwards
-  in steps of BLOCK_K, in order, the tail masked with zeros (adding 0.0 changes no bit).
-- Every tile runs the same `tl.dot(x_tile, w_tile, acc)` of shape [BLOCK_M, BLOCK_K] x
-  [BLOCK_K, BLOCK_N]; a row's products and their accumulation order are the same whichever tile
-  row it occupies and whatever the other rows hold (rows past M read as zeros, never stored).
+- One REDUCTION per weight shape: for each (N, K, dtype) the K step BLOCK_K is fixed, and every
+  program walks K from 0 upwards in steps of BLOCK_K, in order, with one `tl.dot(x_tile, w_tile,
+  acc)` per step (on Hopper: wgmma instructions of k = 16, chained on the fp32 accumulator in K
+  order), the tail masked with zeros (adding 0.0 changes no bit). No split-K, no autotuning.
+- The TILE shape (BLOCK_M, BLOCK_N, warps, stages, persistent programs) decides only which program
+  computes which output elements, never how one is computed: an element's products and their
+  accumulation order are the same in a 64x128 tile of 4 warps as in a 128x256 tile of 8 warps. So
+  the tile may follow M: a tuned shape has a small-M tile (fills the SMs at decode batch sizes) and
+  a large-M tile (reuses loads at prefill sizes), with the SAME BLOCK_K; `_TUNED` refuses a pair
+  that differs in BLOCK_K, and the CUDA tests check `torch.equal` between the two tiles and across
+  the bucket boundary (rows of an M = 1100 call against every smaller M).
+- Rows past M read as zeros and are never stored; a row's value never depends on its neighbours.
 - Persistent grid: min(tiles, programs_per_sm * SMs) programs loop over tiles in grouped order
   (L2 reuse); a tile's value is computed from scratch by whichever program takes it, so neither
   the SM count nor the tile order can change it.
 fp32 inputs use true fp32 products ("ieee", no TF32), like torch's default matmul.
 
-Launch configurations live in one table, `_TUNED`, keyed by (dtype, N, K); shapes it lacks get
-`_default_config`. Changing an entry changes the bits for that weight shape on both sides
-(rollout and trainer) alike, so the contract holds, but recorded log-probs will differ.
+Launch configurations live in one table, `_TUNED`, keyed by (dtype, N, K): a (small-M, large-M)
+pair split at M = SMALL_M; shapes it lacks get `_default_config` (one tile for every M). Changing
+an entry's BLOCK_K changes the bits for that weight shape on both sides (rollout and trainer) alike,
+so the contract holds, but recorded log-probs will differ.
 """
 
 import dataclasses
@@ -130,26 +136,40 @@ class GemmConfig:
 
 
 _BF16 = torch.bfloat16
-# Tuned entries, keyed by (dtype, N, K) of the weight: Qwen3-1.7B and Qwen3-8B projections. Picked on
-# one H100 SXM (132 SMs; Triton 3.6, torch 2.11, 2026-11-21) from a sweep of ~25 candidates for the
-# best worst-case ratio to cuBLAS (F.linear, CUDA-graph timing) over M = 1 .. 4096. The trailing
-# comment gives that ratio at M = 1, 16, 64, 128, 256, 512, 1024, 4096 (lm_head: fp32 logits against
-# cuBLAS's bf16). Without split-K, small M gets at most N / block_n programs, and large M needs big
-# tiles: one configuration cannot serve both on the narrow shapes.
-_TUNED: dict[tuple[torch.dtype, int, int], GemmConfig] = {
+# Rows up to this use a tuned shape's small-M tile, more rows its large-M tile (same BLOCK_K).
+SMALL_M = 512
+_LARGE = GemmConfig(128, 256, 64, 8, 8, 3)  # prefill sizes, bf16 output (fp32 output: too much smem)
+# Tuned entries, keyed by (dtype, N, K) of the weight: the fused q/k/v and gate/up, o, down and lm_head
+# of Qwen3-1.7B and Qwen3-8B. Picked on one H100 SXM (132 SMs; Triton 3.6, torch 2.11, 2026-11-21)
+# with benchmarks/sweep_gemm.py (CUDA-graph timing against cuBLAS F.linear): the small tile is the
+# best at M = 256 (decode), the large one at M = 2048 and 8192 (prefill), among tiles sharing one
+# BLOCK_K. The comment gives that run's speed vs cuBLAS at M = 64, 256 | 512, 2048, 8192.
+_TUNED: dict[tuple[torch.dtype, int, int], tuple[GemmConfig, GemmConfig]] = {
     # Qwen3-1.7B: hidden 2048, intermediate 6144, q 2048, k/v 1024, vocab 151936
-    (_BF16, 2048, 2048): GemmConfig(64, 128, 64, 8, 4, 3, 2),  # .45 .46 .50 .55 .62 .91 .71 .69
-    (_BF16, 1024, 2048): GemmConfig(64, 64, 128, 8, 4, 3, 2),  # .55 .56 .63 .65 .80 .79 .82 .51
-    (_BF16, 6144, 2048): GemmConfig(64, 128, 64, 8, 4, 3, 2),  # .64 .61 .71 .69 .74 .64 .74 .68
-    (_BF16, 2048, 6144): GemmConfig(64, 64, 128, 8, 4, 4),  # .41 .42 .83 .74 .91 .71 .52 .49
-    (_BF16, 151936, 2048): GemmConfig(128, 128, 64, 8, 8, 4),  # .99 .98 .97 .95 .79 .71 .70 .84
+    (_BF16, 4096, 2048): (GemmConfig(64, 128, 64, 8, 4, 4), _LARGE),  # .58 .85 | .58 .96 .94 (qkv)
+    (_BF16, 2048, 2048): (GemmConfig(64, 128, 64, 8, 4, 3, 2), _LARGE),  # .49 .65 | .44 .96 .94 (o)
+    (_BF16, 12288, 2048): (GemmConfig(128, 128, 64, 8, 8, 5), _LARGE),  # .92 .77 | .81 .95 1.02 (gate_up)
+    (_BF16, 2048, 6144): (
+        GemmConfig(64, 64, 128, 8, 4, 4),
+        GemmConfig(128, 128, 128, 8, 8, 3),
+    ),  # .80 .91 | .66 .78 .78
+    (_BF16, 151936, 2048): (
+        GemmConfig(128, 128, 64, 8, 8, 5),
+        GemmConfig(128, 128, 64, 8, 8, 4),
+    ),  # .99 .86 | .84 .80 .67
     # Qwen3-8B: hidden 4096, intermediate 12288, q 4096, k/v 1024, vocab 151936
-    (_BF16, 4096, 4096): GemmConfig(64, 128, 64, 8, 4, 5),  # .57 .48 .46 .76 1.03 .69 .62 .63
-    (_BF16, 1024, 4096): GemmConfig(64, 64, 128, 8, 4, 4),  # .44 .47 .58 .63 .74 .85 .67 .52
-    (_BF16, 12288, 4096): GemmConfig(128, 128, 64, 8, 8, 5),  # .92 .92 .94 .96 .78 .89 .82 .79
-    (_BF16, 4096, 12288): GemmConfig(64, 128, 128, 8, 4, 3),  # .63 .66 .75 .70 .84 .65 .65 .65
-    (_BF16, 151936, 4096): GemmConfig(128, 128, 64, 8, 8, 4),  # 1.0 .99 .99 .97 .76 .76 .82 .92
+    (_BF16, 6144, 4096): (GemmConfig(128, 128, 64, 8, 8, 5), _LARGE),  # .60 .79 | .86 .95 1.01 (qkv)
+    (_BF16, 4096, 4096): (GemmConfig(64, 128, 64, 8, 4, 4), _LARGE),  # .44 .85 | .69 .99 .98 (o)
+    (_BF16, 24576, 4096): (GemmConfig(128, 128, 64, 8, 8, 5), _LARGE),  # .89 .92 | 1.01 .95 .88 (gate_up)
+    (_BF16, 4096, 12288): (GemmConfig(64, 128, 64, 8, 4, 4), _LARGE),  # .63 .79 | .65 .97 1.05 (down)
+    (_BF16, 151936, 4096): (
+        GemmConfig(128, 128, 64, 8, 8, 5),
+        GemmConfig(128, 128, 64, 8, 8, 4),
+    ),  # 1.0 .85 | .81 .79 .82
 }
+for _key, (_small, _large) in _TUNED.items():
+    if _small.block_k != _large.block_k:  # the K step is the reduction order: one per weight shape
+        raise AssertionError(f"_TUNED{_key}: small- and large-M tiles must share block_k")
 
 
 def _default_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
@@ -165,9 +185,13 @@ def _default_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
     return GemmConfig(64, 128, 64, 8, 4, 4)
 
 
-def gemm_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
-    """The one launch configuration for a weight [N, K] of `dtype`: a function of (N, K, dtype) alone."""
-    return _TUNED.get((dtype, n, k)) or _default_config(n, k, dtype)
+def gemm_config(n: int, k: int, dtype: torch.dtype, m: int = 1) -> GemmConfig:
+    """The launch configuration for x [M, K] times a weight [N, K] of `dtype`. Its BLOCK_K (the
+    reduction) is a function of (N, K, dtype) alone; only the tile follows M (see above)."""
+    pair = _TUNED.get((dtype, n, k))
+    if pair is None:
+        return _default_config(n, k, dtype)
+    return pair[0] if m <= SMALL_M else pair[1]
 
 
 @functools.cache
@@ -215,7 +239,9 @@ def linear_triton(
     y = torch.empty(m, n, dtype=out_dtype, device=x2.device)  # [M, N]
     if m == 0 or n == 0:
         return y
-    cfg = gemm_config(n, k, x2.dtype)
+    cfg = gemm_config(n, k, x2.dtype, m)
+    if out_dtype == torch.float32 and cfg.block_m * cfg.block_n >= 128 * 256 and cfg.num_stages > 2:
+        cfg = dataclasses.replace(cfg, num_stages=2)  # room for the fp32 output tile (speed only)
     num_programs = _num_sms(x2.device) * cfg.programs_per_sm
     num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     _linear_kernel[(min(num_tiles, num_programs),)](

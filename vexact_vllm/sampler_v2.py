@@ -15,7 +15,9 @@ sampled and discarded, as in stock vLLM):
    log-probs by vLLM's own `compute_topk_scores` in logits mode (a gather, no arithmetic).
 
 Nothing else of vLLM's sampling runs: no penalties, logit bias, min-p, top-k/top-p. Requests asking
-for them are refused at admission (request_validation.py) and again here, never ignored.
+for them are refused at admission (request_validation.py: `LLM.generate`, the OpenAI server and
+AsyncLLM all admit requests there), so none reaches this sampler; the runner's own warm-up requests,
+which set every option to exercise vLLM's kernels, are sampled here like any other.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 
 from vexact_vllm.kernels import gumbel_argmax, log_softmax
 
-from .sampler import GREEDY_EPS, refuse_unsupported
+from .sampler import GREEDY_EPS
 
 
 class VexactSamplerV2(Sampler):
@@ -40,10 +42,6 @@ class VexactSamplerV2(Sampler):
         sampler = cls.__new__(cls)
         sampler.__dict__.update(base.__dict__)
         return sampler
-
-    def add_request(self, req_idx: int, prompt_len: int, sampling_params) -> None:
-        refuse_unsupported(sampling_params)  # admission refused these already; never sample them
-        super().add_request(req_idx, prompt_len, sampling_params)
 
     def rows(self, input_batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(tau, seed, position of the sampled token, greedy) per sampling row, on the device."""

@@ -79,7 +79,7 @@ def interp_runs(interp):
 def small_tiles(interp_runs, monkeypatch):
     """Every weight shape gets 16x16x16 tiles: tiny problems then have many tiles and K steps."""
     config = interp_runs.GemmConfig(16, 16, 16, 2, 4, 2)
-    monkeypatch.setattr(interp_runs, "gemm_config", lambda n, k, dtype: config)
+    monkeypatch.setattr(interp_runs, "gemm_config", lambda *_: config)
     return interp_runs
 
 
@@ -174,23 +174,60 @@ def test_cpu_tensors_refused_by_compiled_kernel(interp):
         compiled.linear_triton(torch.randn(2, 8), torch.randn(4, 8), None, torch.float32)
 
 
-def test_config_depends_on_weight_shape_only(interp):
+def test_reduction_depends_on_weight_shape_only(interp):
+    """BLOCK_K (the reduction order) is one per (N, K, dtype); only the tile may follow M."""
     for dtype in (torch.bfloat16, torch.float32):
-        for n, k in ((2048, 2048), (6144, 2048), (2048, 6144), (1024, 4096), (151936, 2048)):
-            cfg = interp.gemm_config(n, k, dtype)
-            assert cfg == interp.gemm_config(n, k, dtype)
-            assert cfg.block_m in (16, 32, 64, 128, 256) and cfg.block_n >= 16 and cfg.block_k >= 16
+        for n, k in ((4096, 2048), (12288, 2048), (2048, 6144), (1024, 4096), (151936, 2048), (300, 200)):
+            configs = {
+                m: interp.gemm_config(n, k, dtype, m)
+                for m in (1, 64, interp.SMALL_M, interp.SMALL_M + 1, 8192)
+            }
+            assert len({c.block_k for c in configs.values()}) == 1, (n, k, configs)
+            for cfg in configs.values():
+                assert cfg.block_m in (16, 32, 64, 128, 256) and cfg.block_n >= 16 and cfg.block_k >= 16
+    for key, (small, large) in interp._TUNED.items():
+        assert small.block_k == large.block_k, key
 
 
 # ----------------------------------------------------------------------------- CUDA
 
 
-QWEN3_SHAPES = [  # (N, K, bias, out_dtype): 1.7B q/o, gate/up, down (+ a Qwen2-style bias), lm_head
+QWEN3_SHAPES = [  # (N, K, bias, out_dtype): 1.7B qkv (+ a Qwen2-style bias), o, gate_up, down, lm_head
+    (4096, 2048, True, torch.bfloat16),
     (2048, 2048, False, torch.bfloat16),
-    (6144, 2048, False, torch.bfloat16),
-    (2048, 6144, True, torch.bfloat16),
+    (12288, 2048, False, torch.bfloat16),
+    (2048, 6144, False, torch.bfloat16),
     (151936, 2048, False, torch.float32),
 ]
+
+
+@pytest.mark.parametrize("n,k,bias,out_dtype", QWEN3_SHAPES)
+@pytest.mark.cuda
+@needs_cuda
+def test_rows_invariant_across_tile_buckets_cuda(n, k, bias, out_dtype):
+    """Rows of an M = 1100 call (large-M tile) equal every smaller call's (small-M tile below
+    SMALL_M + 1), and the two tiles of each tuned shape give the same bits on the same rows."""
+    import vexact_vllm.kernels.gemm_triton as gt
+
+    x, w, b = _inputs(1100, n, k, torch.bfloat16, device="cuda", bias=bias)
+    full = gt.linear_triton(x, w, b, out_dtype)
+    for m in (1, 2, 7, 64, 255, 256, 300, gt.SMALL_M, gt.SMALL_M + 1, 777, 1024, 1099):
+        assert torch.equal(gt.linear_triton(x[:m], w, b, out_dtype), full[:m]), m
+    for start, size in ((3, 500), (400, 700), (1000, 100)):
+        assert torch.equal(
+            gt.linear_triton(x[start : start + size], w, b, out_dtype), full[start : start + size]
+        )
+    pair = gt._TUNED.get((torch.bfloat16, n, k))
+    if pair is not None:
+        original = gt.gemm_config
+        try:
+            outs = []
+            for cfg in pair:
+                gt.gemm_config = lambda *_, cfg=cfg: cfg
+                outs.append(gt.linear_triton(x, w, b, out_dtype))
+        finally:
+            gt.gemm_config = original
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], full)
 
 
 @pytest.mark.parametrize("n,k,bias,out_dtype", QWEN3_SHAPES)
@@ -231,12 +268,15 @@ def test_every_config_fits_and_is_accurate_cuda():
 
     untuned = [(_BF16, 65536, 1024), (_BF16, 3072, 1024), (_BF16, 512, 1024), (torch.float32, 300, 200)]
     for dtype, n, k in [*gt._TUNED, *untuned]:
-        x, w, b = _inputs(3, n, k, dtype, device="cuda")
-        ref = _reference(x, w, b)
-        for out_dtype in (torch.float32, torch.bfloat16):
-            tol = TOL[out_dtype]
-            torch.testing.assert_close(gt.linear_triton(x, w, b, out_dtype).double(), ref, rtol=tol, atol=tol)
-        del x, w, b, ref
+        for m in (3, gt.SMALL_M + 3):  # both tiles of a tuned shape
+            x, w, b = _inputs(m, n, k, dtype, device="cuda")
+            ref = _reference(x, w, b)
+            for out_dtype in (torch.float32, torch.bfloat16):
+                tol = TOL[out_dtype]
+                torch.testing.assert_close(
+                    gt.linear_triton(x, w, b, out_dtype).double(), ref, rtol=tol, atol=tol
+                )
+            del x, w, b, ref
 
 
 @pytest.mark.parametrize(

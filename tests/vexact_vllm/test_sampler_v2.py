@@ -36,11 +36,3 @@ def test_rows_follow_the_request_slots():
     assert torch.equal(seeds, torch.tensor([33, 11, 22, 44]))
     # the key is the position of the token being sampled: one past the last input token (as V1's)
     assert torch.equal(positions, torch.tensor([8, 42, 10, 4]))
-
-
-def test_add_request_refuses_before_recording():
-    from vllm import SamplingParams
-
-    sampler = _sampler([1.0], [1])
-    with pytest.raises(ValueError, match="top_p"):
-        sampler.add_request(0, 3, SamplingParams(top_p=0.5))
