@@ -194,6 +194,15 @@ def gemm_config(n: int, k: int, dtype: torch.dtype, m: int = 1) -> GemmConfig:
     return pair[0] if m <= SMALL_M else pair[1]
 
 
+_SMEM = 232448  # shared memory per block on an H100 (227 KB); Triton asks exactly the estimate below
+
+
+def _smem_bytes(cfg: GemmConfig, in_size: int, out_size: int) -> int:
+    """Pipelined x/W tiles plus the output tile staged for the store (an estimate)."""
+    stage = (cfg.block_m * cfg.block_k + cfg.block_k * cfg.block_n) * in_size
+    return cfg.num_stages * stage + cfg.block_m * cfg.block_n * out_size
+
+
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
@@ -240,8 +249,10 @@ def linear_triton(
     if m == 0 or n == 0:
         return y
     cfg = gemm_config(n, k, x2.dtype, m)
-    if out_dtype == torch.float32 and cfg.block_m * cfg.block_n >= 128 * 256 and cfg.num_stages > 2:
-        cfg = dataclasses.replace(cfg, num_stages=2)  # room for the fp32 output tile (speed only)
+    while (
+        out_dtype == torch.float32 and cfg.num_stages > 2 and _smem_bytes(cfg, x2.element_size(), 4) > _SMEM
+    ):
+        cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)  # room for the fp32 tile (speed only)
     num_programs = _num_sms(x2.device) * cfg.programs_per_sm
     num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     _linear_kernel[(min(num_tiles, num_programs),)](

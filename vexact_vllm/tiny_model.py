@@ -16,14 +16,25 @@ Each checkpoint is a normal Hugging Face model directory (`config.json`, `genera
 vocab_size is the tokenizer length rounded up to the next multiple of 64 strictly above it, so
 there are always embedding rows past the tokenizer, as in real checkpoints.
 
+Shape stand-ins (`builtin_model("qwen3-1.7b-shape")`, `vexact-vllm check --model qwen3-1.7b-shape`):
+a real model's architecture and shapes (Qwen3-1.7B: 28 layers, hidden 2048, 16/8 heads of 128,
+vocabulary 151936, tied embeddings, rope theta 1e6) with weights drawn like the tiny qwen3's and
+streamed to disk tensor by tensor (~3.4 GB in bf16), and the tiny tokenizer: sampled ids past the
+tokenizer are normal there, so callers do not detokenize.
+
 A build is written into a temporary sibling directory and renamed into place only when complete.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import shutil
+import struct
+import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -46,6 +57,14 @@ EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")
 TOKENIZER_VOCAB_SIZE = 384
 INIT_STD = 0.02  # Hugging Face's initializer_range
+# Random-weight stand-ins for real models: same architecture and shapes, the tiny tokenizer.
+QWEN3_1_7B_SHAPE = dict(
+    hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+    num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+    max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+)
+SHAPES = {"qwen3-1.7b-shape": QWEN3_1_7B_SHAPE}
+BUILTIN_MODELS = (*(f"tiny-{a}" for a in TINY_ARCHS), *SHAPES)
 _REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                    "tokenizer_config.json")
 # Qwen2's pre-tokenizer split: words with one leading non-letter, single digits, punctuation runs, spaces.
@@ -141,8 +160,8 @@ def _make_config(arch: str, vocab_size: int, special_id: int) -> PretrainedConfi
     raise ValueError(f"unknown tiny arch {arch!r}; expected one of {TINY_ARCHS}")
 
 
-def _qwen3_state_dict(config: Qwen3Config, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """HF Qwen3ForCausalLM tensors, drawn in a fixed name order from one seeded generator."""
+def _qwen3_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
+    """HF Qwen3ForCausalLM parameter names and shapes, in the fixed order the weights are drawn."""
     H, F, D = config.hidden_size, config.intermediate_size, config.head_dim  # hidden, ffn, head dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, H)}
     for i in range(config.num_hidden_layers):
@@ -163,14 +182,47 @@ def _qwen3_state_dict(config: Qwen3Config, seed: int, dtype: torch.dtype) -> dic
     shapes["model.norm.weight"] = (H,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, H)
+    return shapes
+
+
+def _qwen3_tensors(config: Qwen3Config, seed: int, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) one at a time, drawn in `_qwen3_shapes` order from one seeded generator:
+    2-D weights ~ N(0, INIT_STD) drawn in fp32 then rounded to `dtype`, norm weights exactly 1.
+    Only one fp32 tensor exists at a time."""
     gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, shape in shapes.items():
+    for name, shape in _qwen3_shapes(config).items():
         if len(shape) == 1:  # norm weight
-            out[name] = torch.ones(shape, dtype=dtype)
+            yield name, torch.ones(shape, dtype=dtype)
         else:
-            out[name] = (torch.randn(shape, generator=gen, dtype=torch.float32) * INIT_STD).to(dtype)
-    return out
+            yield name, torch.randn(shape, generator=gen, dtype=torch.float32).mul_(INIT_STD).to(dtype)
+
+
+def _qwen3_state_dict(config: Qwen3Config, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """HF Qwen3ForCausalLM tensors, drawn in a fixed name order from one seeded generator."""
+    return dict(_qwen3_tensors(config, seed, dtype))
+
+
+_SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16"}
+
+
+def _stream_safetensors(path: Path, config: Qwen3Config, seed: int, dtype: torch.dtype) -> None:
+    """Write `_qwen3_tensors` to a safetensors file tensor by tensor (the header first: it needs only
+    names and shapes), so a multi-GB checkpoint never sits in memory whole. Data in draw order."""
+    shapes = _qwen3_shapes(config)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in shapes.items():
+        size = math.prod(shape) * itemsize
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format allows trailing spaces; aligns the data to 8 bytes
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name, tensor in _qwen3_tensors(config, seed, dtype):
+            assert tuple(tensor.shape) == shapes[name]
+            f.write(tensor.contiguous().view(torch.uint8).numpy().data)
 
 
 def _save_with_transformers(config: PretrainedConfig, path: Path, seed: int, dtype: torch.dtype) -> None:
@@ -188,8 +240,28 @@ def _save_with_transformers(config: PretrainedConfig, path: Path, seed: int, dty
     model.to(dtype).save_pretrained(str(path), safe_serialization=True)
 
 
-def _is_complete(path: Path) -> bool:
-    return all((path / f).is_file() for f in _REQUIRED_FILES)
+def _is_complete(path: Path, weights: bool = True) -> bool:
+    return all((path / f).is_file() for f in _REQUIRED_FILES if weights or f != "model.safetensors")
+
+
+def _build(path: Path, force: bool, weights: bool, write) -> Path:
+    """Reuse a complete `path`, or run `write(tmp)` in a temporary sibling and rename it into place
+    (so an interrupted build never looks complete). `write` gets the tokenizer's eos id too."""
+    if _is_complete(path, weights) and not force:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        build_tokenizer(tmp)
+        tok = AutoTokenizer.from_pretrained(str(tmp))
+        config = write(tmp, len(tok), tok.convert_tokens_to_ids(EOS_TOKEN))
+        # Only the special ids, no sampling defaults (overwrites the one save_pretrained wrote).
+        gen_cfg = {k: getattr(config, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        GenerationConfig(**gen_cfg).save_pretrained(str(tmp))
+        _install(tmp, path, weights)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
 
 
 def build_tiny_model(arch: str = "qwen3", path: Path | str | None = None, seed: int = 0,
@@ -203,31 +275,68 @@ def build_tiny_model(arch: str = "qwen3", path: Path | str | None = None, seed: 
     if arch not in TINY_ARCHS:
         raise ValueError(f"unknown tiny arch {arch!r}; expected one of {TINY_ARCHS}")
     path = Path(path) if path is not None else default_cache_dir() / f"tiny-{arch}-s{seed}-{CACHE_VERSION}"
-    if _is_complete(path) and not force:
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
-        build_tokenizer(tmp)
-        tok = AutoTokenizer.from_pretrained(str(tmp))
-        vocab_size = (len(tok) // 64 + 1) * 64  # strictly above: always some padding rows
-        config = _make_config(arch, vocab_size, tok.convert_tokens_to_ids(EOS_TOKEN))
+
+    def write(tmp: Path, tokenizer_len: int, special_id: int) -> PretrainedConfig:
+        vocab_size = (tokenizer_len // 64 + 1) * 64  # strictly above: always some padding rows
+        config = _make_config(arch, vocab_size, special_id)
         if arch == "qwen3":
             config.save_pretrained(str(tmp))
             save_file(_qwen3_state_dict(config, seed, dtype), str(tmp / "model.safetensors"),
                       metadata={"format": "pt"})
         else:
             _save_with_transformers(config, tmp, seed, dtype)
-        # Only the special ids, no sampling defaults (overwrites the one save_pretrained wrote).
-        gen_cfg = {k: getattr(config, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-        GenerationConfig(**gen_cfg).save_pretrained(str(tmp))
-        _install(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+        return config
+
+    return _build(path, force, True, write)
 
 
-def _install(tmp: Path, path: Path) -> None:
+def qwen3_shape_config(shape: dict, special_id: int) -> Qwen3Config:
+    """A Qwen3ForCausalLM config of `shape` (a QWEN3_1_7B_SHAPE-like dict), bf16, special ids set."""
+    shape = dict(shape)
+    rope = {"rope_type": "default", "rope_theta": float(shape.pop("rope_theta"))}
+    return Qwen3Config(**shape, rope_parameters=rope, bos_token_id=special_id, eos_token_id=special_id,
+                       pad_token_id=special_id, dtype="bfloat16", architectures=["Qwen3ForCausalLM"])
+
+
+def build_qwen3_shape(shape: dict, path: Path | str, seed: int = 0, weights: bool = True,
+                      force: bool = False) -> Path:
+    """Build (or reuse) a random-weight Qwen3 checkpoint of `shape` at `path`, with the tiny tokenizer.
+
+    The weights are drawn like the tiny qwen3's (seeded normal, std 0.02, norms 1, bf16) and streamed
+    to `model.safetensors` one tensor at a time: byte-identical for a given shape and seed.
+    `weights=False` writes only the config, generation config and tokenizer (enough for vLLM's
+    `load_format="dummy"`). The vocabulary may exceed the tokenizer's, as Qwen's padded one does.
+    """
+    if sys.byteorder != "little":
+        raise RuntimeError("writing safetensors needs a little-endian host")
+
+    def write(tmp: Path, tokenizer_len: int, special_id: int) -> PretrainedConfig:
+        config = qwen3_shape_config(shape, special_id)
+        if config.vocab_size < tokenizer_len:
+            raise ValueError(f"vocab_size {config.vocab_size} is below the tokenizer's {tokenizer_len}")
+        config.save_pretrained(str(tmp))
+        if weights:
+            _stream_safetensors(tmp / "model.safetensors", config, seed, torch.bfloat16)
+        return config
+
+    return _build(Path(path), force, weights, write)
+
+
+def builtin_model(name: str, seed: int = 0, weights: bool = True) -> Path:
+    """The directory of the built-in model `name` (one of BUILTIN_MODELS), built on first use.
+
+    `tiny-<arch>`: build_tiny_model(arch). A shape name (`qwen3-1.7b-shape`): build_qwen3_shape in
+    `default_cache_dir() / f"{name}-s{seed}-v1"`, or `f"{name}-config-v1"` without weights.
+    """
+    if name.startswith("tiny-") and name.removeprefix("tiny-") in TINY_ARCHS:
+        return build_tiny_model(name.removeprefix("tiny-"), seed=seed)
+    if name not in SHAPES:
+        raise ValueError(f"unknown built-in model {name!r}; expected one of {', '.join(BUILTIN_MODELS)}")
+    suffix = f"s{seed}" if weights else "config"
+    return build_qwen3_shape(SHAPES[name], default_cache_dir() / f"{name}-{suffix}-{CACHE_VERSION}", seed, weights)
+
+
+def _install(tmp: Path, path: Path, weights: bool = True) -> None:
     """Rename the finished `tmp` onto `path`, replacing an old or partial directory there."""
     old = None
     if path.exists():
@@ -236,7 +345,7 @@ def _install(tmp: Path, path: Path) -> None:
     try:
         os.rename(tmp, path)
     except OSError:  # a concurrent builder installed its own copy first: keep it if complete
-        if not _is_complete(path):
+        if not _is_complete(path, weights):
             raise
     finally:
         if old is not None:

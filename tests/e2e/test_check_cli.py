@@ -37,3 +37,29 @@ def test_check_refuses_too_long_prompt(tiny_model, tmp_path):
 def test_check_refuses_missing_checkpoint(tmp_path):
     with pytest.raises(SystemExit, match="no config.json"):
         main(["check", "--model", str(tmp_path)])
+
+
+def test_check_prefix_cache_and_eager(tiny_model, tmp_path):
+    """prefix-cache reports its cache hits (and would fail on none); eager runs on request on CPU."""
+    out = tmp_path / "report.json"
+    argv = [
+        "check", "--model", tiny_model("qwen3"), "--num-prompts", "4", "--max-tokens", "8",
+        "--compositions", "prefix-cache,eager", "--micro-batches", "1,0", "--json", "--output", str(out), "--quiet",
+    ]  # fmt: skip
+    try:
+        import matplotlib  # noqa: F401
+
+        argv += ["--plot", str(tmp_path / "diff.png")]
+    except ImportError:
+        pass
+    rc = main(argv)
+    report = json.loads(out.read_text())
+    assert rc == 0, report
+    pc, eager = report["rows"]
+    assert pc["composition"].startswith("prefix-cache (") and eager["composition"] == "eager"
+    assert pc["tokens"] == 3 * 4 * 8 and eager["tokens"] == 4 * 8  # first, again, continued
+    hits = pc["notes"]["prefix-cache hits"]
+    assert hits.endswith(" tok") and int(hits.split()[0]) >= 3 * 4 * 32, hits  # 4 shared blocks, most requests
+    assert pc["problem"] is None and pc["mismatches"] == eager["mismatches"] == 0
+    if "--plot" in argv:
+        assert (tmp_path / "diff.png").read_bytes()[:4] == b"\x89PNG"

@@ -2,4 +2,5 @@ import sys
 
 from . import main
 
-sys.exit(main())
+if __name__ == "__main__":  # vLLM may spawn engine processes, which re-import the main module
+    sys.exit(main())

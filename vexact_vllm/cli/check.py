@@ -1,6 +1,7 @@
 """`vexact-vllm check`: generate with vLLM + the plugin, recompute with the trainer, compare bits.
 
-1. model: --model PATH, or the built-in tiny Qwen3 (built and cached on first use);
+1. model: --model PATH or a built-in name (default: the tiny Qwen3; qwen3-1.7b-shape: Qwen3-1.7B's
+   shapes with random weights), built and cached on first use;
 2. prompts: --prompts FILE (one per line, or JSON lines with a "prompt"), or built-in ones;
 3. generate under each composition (rollout.py), also with stock vLLM when --against-stock;
 4. score every generated token with the training class under several packings (score.py);
@@ -21,7 +22,15 @@ from .report import Row, to_json, to_table, verdict
 from .rollout import RolloutSettings, run_compositions
 from .score import compare, load_trainer, trainer_log_probs
 
-COMPOSITIONS = ("alone", "batch", "shuffled", "chunked-prefill", "preemption")
+COMPOSITIONS = ("alone", "batch", "shuffled", "prefix-cache", "chunked-prefill", "preemption", "eager")
+
+# Before every prompt of the prefix-cache composition; repeated until it fills several KV blocks.
+SHARED_PREFIX = (
+    "You are a careful assistant. Read the question, think about it step by step, and answer in "
+    "plain words. When the question is about numbers, count and add carefully and show the result. "
+    "When it is about a story, keep the names of the people and places the same from the first line to "
+    "the last. Answer briefly, and stop when the answer is complete.\n\n"
+)
 
 BUILTIN_PROMPTS = [
     "The capital of France is",
@@ -39,6 +48,12 @@ BUILTIN_PROMPTS = [
     "Hello",
     "A list of fruits: apple, banana, cherry, date, elderberry, fig, grape, and",
 ]
+
+
+def default_compositions() -> list[str]:
+    """All of them, but `eager` only on CUDA: elsewhere there are no CUDA graphs to turn off, so it
+    would repeat `batch` (it can still be asked for)."""
+    return [c for c in COMPOSITIONS if c != "eager" or torch.cuda.is_available()]
 
 
 def read_prompts(path: str | None, num_prompts: int) -> list[str]:
@@ -68,14 +83,40 @@ def tokenize(model_path: str, prompts: list[str], max_model_len: int, max_tokens
     return ids
 
 
-def resolve_model(path: str | None) -> str:
-    if path is not None:
-        if not (Path(path) / "config.json").is_file():
-            raise SystemExit(f"error: {path} is not a Hugging Face checkpoint directory (no config.json)")
-        return path
-    from vexact_vllm.tiny_model import build_tiny_model
+def shared_prefix(model_path: str, block_size: int) -> list[int]:
+    """SHARED_PREFIX's token ids, repeated and cut to 4.5 KV blocks at least (so 4 full blocks are
+    shared and the prompts start inside a block)."""
+    from transformers import AutoTokenizer
 
-    return str(build_tiny_model("qwen3"))
+    ids = AutoTokenizer.from_pretrained(model_path)(SHARED_PREFIX, add_special_tokens=False)["input_ids"]
+    want = max(len(ids), 4 * block_size + block_size // 2)
+    return (ids * -(-want // len(ids)))[:want]
+
+
+def kv_cache_bytes(model_path: str, max_model_len: int, dtype_bytes: int = 2) -> int:
+    """64 MiB, or room for 16 sequences of max_model_len tokens where that is more (larger models)."""
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    try:
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        per_token = 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes  # K and V
+    except (KeyError, TypeError):  # an unusual config: vLLM will say if 64 MiB is too small
+        per_token = 0
+    return max(64 << 20, 16 * max_model_len * per_token)
+
+
+def resolve_model(path: str | None) -> str:
+    """A checkpoint directory, or a built-in name (tiny_model.BUILTIN_MODELS), built on first use."""
+    from vexact_vllm.tiny_model import BUILTIN_MODELS, builtin_model
+
+    if path is None or path in BUILTIN_MODELS:
+        return str(builtin_model(path or "tiny-qwen3"))
+    if not (Path(path) / "config.json").is_file():
+        raise SystemExit(
+            f"error: {path} is not a Hugging Face checkpoint directory (no config.json) nor a built-in model "
+            f"({', '.join(BUILTIN_MODELS)})"
+        )
+    return path
 
 
 @contextlib.contextmanager
@@ -95,6 +136,13 @@ def diagnostics_to_stderr():
 
 def run_check(args) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # The trainer and the CUDA probes touch the GPU in this process; vLLM's engine processes must
+    # then be spawned, not forked (a forked child cannot re-initialise CUDA).
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    if args.plot:
+        from .plot import require_matplotlib
+
+        require_matplotlib()  # before minutes of generation, not after
     with diagnostics_to_stderr():
         rows, model_path, n_prompts, bisect_note = _run(args)
     meta = {"model": model_path, "prompts": n_prompts, "max_tokens": args.max_tokens,
@@ -134,7 +182,10 @@ def _run(args) -> tuple[list[Row], str, int, str | None]:
     max_model_len = args.max_model_len
     prompts = read_prompts(args.prompts, args.num_prompts)
     prompt_ids = tokenize(model_path, prompts, max_model_len, args.max_tokens)
-    names = [c.strip() for c in args.compositions.split(",") if c.strip()]
+    if args.compositions is None:
+        names = default_compositions()
+    else:
+        names = [c.strip() for c in args.compositions.split(",") if c.strip()]
     unknown = sorted(set(names) - set(COMPOSITIONS))
     if unknown:
         raise SystemExit(f"error: unknown composition(s) {unknown}; choose from {', '.join(COMPOSITIONS)}")
@@ -147,7 +198,17 @@ def _run(args) -> tuple[list[Row], str, int, str | None]:
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         seed=args.seed,
+        kv_cache_bytes=kv_cache_bytes(model_path, max_model_len, dtype.itemsize),
     )
+    if "prefix-cache" in names:
+        settings.shared_prefix = shared_prefix(model_path, settings.block_size)
+        longest = len(settings.shared_prefix) + max(map(len, prompt_ids)) + 2 * args.max_tokens  # continued
+        if longest > max_model_len:
+            raise SystemExit(
+                f"error: the prefix-cache composition needs {longest} tokens ({len(settings.shared_prefix)}-token "
+                f"prefix, the longest prompt, twice --max-tokens) but --max-model-len is {max_model_len}. "
+                "Raise --max-model-len, or leave prefix-cache out of --compositions."
+            )
     steps = len(names) + (1 if args.against_stock else 0) + 1
     progress = tqdm(total=steps, desc="vexact-vllm check", file=sys.stderr, disable=args.json or args.quiet)
     results = [("vexact", r) for r in run_compositions(prompt_ids, settings, names, progress)]
@@ -162,14 +223,16 @@ def _run(args) -> tuple[list[Row], str, int, str | None]:
         comparisons = [compare(result.rollouts, s) for s in scored]
         worst = max(comparisons, key=lambda c: (c.mismatches, c.max_abs_diff))
         packing = ",".join("all" if mb <= 0 else str(mb) for mb in packings)
-        rows.append(Row(result.name, engine, packing, worst, result.notes))
+        rows.append(Row(result.name, engine, packing, worst, result.notes, result.problem))
     progress.update(1)
     progress.close()
     return rows, model_path, len(prompt_ids), _bisect(trainer, results, rows, args.bisect)
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--model", help="Hugging Face checkpoint directory (default: built-in tiny Qwen3)")
+    parser.add_argument("--model", help="Hugging Face checkpoint directory, or a built-in random-weight model: "
+                        "tiny-qwen3 (the default), tiny-qwen2, tiny-llama, qwen3-1.7b-shape (Qwen3-1.7B's shapes, "
+                        "~3.4 GB, built once in the cache)")
     parser.add_argument("--prompts", help="file with one prompt per line, or JSON lines with a 'prompt' field")
     parser.add_argument("--num-prompts", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=24)
@@ -177,15 +240,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--max-model-len", type=int, default=1024)
-    parser.add_argument("--compositions", default=",".join(COMPOSITIONS),
-                        help=f"comma-separated subset of {', '.join(COMPOSITIONS)}")
+    parser.add_argument("--compositions",
+                        help=f"comma-separated subset of {', '.join(COMPOSITIONS)} (default: all; eager only on CUDA)")
     parser.add_argument("--micro-batches", default="1,3,0",
                         help="training micro-batch sizes to pack sequences into (0 = all in one)")
     parser.add_argument("--against-stock", action="store_true",
                         help="also run stock vLLM (--model-impl vllm) against the same training forward")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--output", help="also write the report (table or JSON) to this file")
-    parser.add_argument("--plot", help="write a PNG of per-position |log-prob difference| (needs matplotlib)")
+    parser.add_argument("--plot", help="write a PNG of per-position |log-prob difference| against the trainer, "
+                        "vexact beside stock (needs matplotlib)")
     parser.add_argument("--bisect", action="store_true",
                         help="replay a request's inference steps in-process and name the first module whose "
                         "output differs from training (runs by itself on a mismatch)")

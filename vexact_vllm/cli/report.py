@@ -15,10 +15,11 @@ class Row:
     packing: str  # training micro-batch sizes compared
     comparison: Comparison
     notes: dict = field(default_factory=dict)
+    problem: str | None = None  # the composition did not test what it is for (e.g. no cache hits)
 
     @property
     def passed(self) -> bool:
-        return self.comparison.mismatches == 0
+        return self.comparison.mismatches == 0 and self.problem is None
 
 
 def verdict(rows: list[Row]) -> bool:
@@ -31,7 +32,8 @@ def to_json(rows: list[Row], meta: dict) -> str:
     def row(r: Row):
         d = asdict(r.comparison)
         d.pop("per_position")
-        return {"composition": r.composition, "engine": r.engine, "packing": r.packing, "notes": r.notes, **d}
+        return {"composition": r.composition, "engine": r.engine, "packing": r.packing, "notes": r.notes,
+                "problem": r.problem, **d}
 
     return json.dumps({**meta, "passed": verdict(rows), "rows": [row(r) for r in rows]}, indent=2)
 
@@ -50,5 +52,6 @@ def to_table(rows: list[Row]) -> str:
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     fmt = lambda line: "  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip()  # noqa: E731
     out = [fmt(lines[0]), fmt(tuple("-" * w for w in widths))] + [fmt(line) for line in lines[1:]]
-    out.append("PASS: every token matches bit for bit" if verdict(rows) else "FAIL: see the mismatching rows")
+    out += [f"FAIL ({r.engine}, {r.composition}): {r.problem}" for r in rows if r.problem]
+    out.append("PASS: every token matches bit for bit" if verdict(rows) else "FAIL: see the rows above")
     return "\n".join(out)

@@ -2,8 +2,13 @@
 
 A composition is one way of feeding the same requests to vLLM: each prompt alone, all at once,
 shuffled, a small token budget that forces chunked prefill, a KV cache small enough to force
-preemption and recompute. Every request carries its own seed, so a bitwise-invariant engine returns
-the same tokens and log-probs in all of them.
+preemption and recompute, CUDA graphs off (`eager`). Every request carries its own seed, so a
+bitwise-invariant engine returns the same tokens and log-probs in all of them.
+
+`prefix-cache` feeds other requests, built so that most of their prompt is read from cached KV
+blocks: a shared prefix before every prompt, then the same prompts again with other seeds, and each
+first rollout continued (prompt + its output, as in a multi-turn rollout: blocks written by decode).
+It reports the prefix-cache hits (tokens) vLLM counted, and is a failure when there were none.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ class CompositionResult:
     name: str
     rollouts: list[Rollout]
     notes: dict = field(default_factory=dict)  # e.g. {"preemptions": 3}
+    problem: str | None = None  # set when the composition did not test what it is for: a failure
 
 
 @dataclass
@@ -42,10 +48,13 @@ class RolloutSettings:
     chunk_tokens: int = 32  # max_num_batched_tokens of the chunked-prefill engine
     preempt_blocks: int = 0  # KV blocks of the preemption engine (0: sized from the requests)
     block_size: int = 32  # vLLM CPU attention needs a multiple of 32 (stock runs)
+    shared_prefix: list[int] = field(default_factory=list)  # token ids before every prefix-cache prompt
     extra: dict = field(default_factory=dict)
 
 
 def sampling_params(settings: RolloutSettings, index: int):
+    """Request `index` samples with seed `settings.seed + index`. No detokenization: the check needs
+    ids and log-probs only, and a model's vocabulary may run past its tokenizer's."""
     from vllm import SamplingParams
 
     return SamplingParams(
@@ -54,6 +63,7 @@ def sampling_params(settings: RolloutSettings, index: int):
         seed=settings.seed + index,
         logprobs=0,
         ignore_eos=True,
+        detokenize=False,
     )
 
 
@@ -85,44 +95,81 @@ def _shutdown(llm) -> None:
     gc.collect()
 
 
-def _generate(llm, prompt_ids: list[list[int]], settings: RolloutSettings, order: list[int]) -> dict[int, Rollout]:
-    """Submit requests `order` (indices into prompt_ids) in one call; results keyed by index."""
-    prompts = [{"prompt_token_ids": prompt_ids[i]} for i in order]
-    params = [sampling_params(settings, i) for i in order]
+def _generate(llm, requests: list[tuple[list[int], int]], settings: RolloutSettings) -> list[Rollout]:
+    """Submit `requests`, (prompt ids, seed index) each, in one call; results in the same order."""
+    prompts = [{"prompt_token_ids": ids} for ids, _ in requests]
+    params = [sampling_params(settings, index) for _, index in requests]
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    result = {}
-    for i, out in zip(order, outputs):
+    result = []
+    for (ids, _), out in zip(requests, outputs):
         completion = out.outputs[0]
         logprobs = [step[tok].logprob for tok, step in zip(completion.token_ids, completion.logprobs)]
-        result[i] = Rollout(list(prompt_ids[i]), list(completion.token_ids), logprobs)
+        result.append(Rollout(list(ids), list(completion.token_ids), logprobs))
     return result
 
 
 def _generate_all(llm, prompt_ids, settings, order) -> list[Rollout]:
-    by_index = _generate(llm, prompt_ids, settings, order)
+    """Request i = (prompt i, seed index i), submitted in `order`; results in index order."""
+    outs = _generate(llm, [(prompt_ids[i], i) for i in order], settings)
+    by_index = dict(zip(order, outs))
     return [by_index[i] for i in range(len(prompt_ids))]
 
 
+def _counter(llm, name: str) -> int | None:
+    """The sum of vLLM's metric `name` over its label sets; None if vLLM does not expose it."""
+    try:
+        metrics = [m for m in llm.get_metrics() if getattr(m, "name", None) == name]
+    except Exception:  # metrics off, or an API this vLLM lacks: report "n/a", never crash the check
+        return None
+    values = [getattr(m, "value", None) for m in metrics]
+    if not values or any(not isinstance(v, int | float) for v in values):
+        return None
+    return int(sum(values))
+
+
 def _preemptions(llm) -> int:
-    for metric in llm.get_metrics():
-        if metric.name == "vllm:num_preemptions":
-            return int(getattr(metric, "value", 0))
-    return 0
+    return _counter(llm, "vllm:num_preemptions") or 0
+
+
+PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"  # vLLM V1's counter of prompt tokens read from cache
+
+
+def _prefix_cache(llm, prompt_ids: list[list[int]], settings: RolloutSettings) -> CompositionResult:
+    """Requests whose prompts are mostly cached KV blocks (see the module docstring); 3n rollouts."""
+    if not settings.shared_prefix:
+        raise ValueError("the prefix-cache composition needs RolloutSettings.shared_prefix")
+    n, prefix = len(prompt_ids), list(settings.shared_prefix)
+    before = _counter(llm, PREFIX_CACHE_HITS)
+    # 1. shared prefix + prompt i (seed index i): requests the scheduler takes after the first read
+    #    the prefix's full blocks from the cache (vLLM caches a block as soon as it is allocated).
+    first = _generate(llm, [(prefix + p, i) for i, p in enumerate(prompt_ids)], settings)
+    # 2. the same prompts again (seeds n + i: other samples) and each first rollout continued
+    #    (seeds 2n + i): whole prompts, and blocks filled by decode, hit.
+    again = [(prefix + p, n + i) for i, p in enumerate(prompt_ids)]
+    continued = [(r.prompt_ids + r.output_ids, 2 * n + i) for i, r in enumerate(first)]
+    second = _generate(llm, again + continued, settings)
+    after = _counter(llm, PREFIX_CACHE_HITS)
+    hits = None if before is None or after is None else after - before
+    name = f"prefix-cache ({len(prefix)}-token prefix)"
+    notes = {"prefix-cache hits": "n/a" if hits is None else f"{hits} tok"}
+    problem = "no prefix-cache hits: the composition tested nothing" if hits == 0 else None
+    return CompositionResult(name, first + second, notes, problem)
 
 
 def run_compositions(
     prompt_ids: list[list[int]], settings: RolloutSettings, names: list[str], progress=None
 ) -> list[CompositionResult]:
-    """Run the named compositions; engines are started once each and shut down after use."""
+    """Run the named compositions; engines are started once each and shut down after use
+    (alone, batch, shuffled and prefix-cache share one)."""
     results: list[CompositionResult] = []
     n = len(prompt_ids)
     step = progress.update if progress is not None else (lambda *_: None)
 
-    if {"alone", "batch", "shuffled"} & set(names):
+    if {"alone", "batch", "shuffled", "prefix-cache"} & set(names):
         llm = _engine(settings)
         try:
             if "alone" in names:
-                rollouts = [_generate(llm, prompt_ids, settings, [i])[i] for i in range(n)]
+                rollouts = [_generate(llm, [(prompt_ids[i], i)], settings)[0] for i in range(n)]
                 results.append(CompositionResult("alone", rollouts))
                 step(1)
             if "batch" in names:
@@ -132,6 +179,9 @@ def run_compositions(
                 order = list(range(n))
                 random.Random(settings.seed).shuffle(order)
                 results.append(CompositionResult("shuffled", _generate_all(llm, prompt_ids, settings, order)))
+                step(1)
+            if "prefix-cache" in names:  # last on this engine: the earlier ones share no prefix with it
+                results.append(_prefix_cache(llm, prompt_ids, settings))
                 step(1)
         finally:
             _shutdown(llm)
@@ -158,6 +208,14 @@ def run_compositions(
             results.append(
                 CompositionResult(f"preemption ({blocks} blocks)", rollouts, {"preemptions": _preemptions(llm)})
             )
+            step(1)
+        finally:
+            _shutdown(llm)
+
+    if "eager" in names:  # batch's requests with CUDA graphs (and torch.compile) off
+        llm = _engine(settings, enforce_eager=True)
+        try:
+            results.append(CompositionResult("eager", _generate_all(llm, prompt_ids, settings, list(range(n)))))
             step(1)
         finally:
             _shutdown(llm)
