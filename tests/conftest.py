@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import importlib
+import os
+import sys
+
 import pytest
+
+ATTENTION_TRITON_MODULES = (
+    "vexact_vllm.kernels.attention_triton",
+    "vexact_vllm.kernels.attention_triton_bwd",
+)
 
 
 @pytest.fixture(scope="session")
@@ -23,3 +32,46 @@ def tiny_model(tiny_cache):
         return built[arch]
 
     return build
+
+
+@pytest.fixture(scope="module")
+def interpreted_attention():
+    """attention_triton (and its backward module) imported afresh with TRITON_INTERPRET=1, so it takes
+    CPU tensors. The variable, sys.modules and the package attributes are restored at once, so later
+    imports (the CUDA tests, vLLM engines started in the same run) get the compiled kernels."""
+    pytest.importorskip("triton")
+    package = importlib.import_module("vexact_vllm.kernels")
+    attrs = [name.rsplit(".", 1)[1] for name in ATTENTION_TRITON_MODULES]
+    saved_env = os.environ.get("TRITON_INTERPRET")
+    saved_modules = {name: sys.modules.pop(name, None) for name in ATTENTION_TRITON_MODULES}
+    saved_attrs = {attr: package.__dict__.pop(attr, None) for attr in attrs}
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        module = importlib.import_module(ATTENTION_TRITON_MODULES[0])
+    finally:
+        if saved_env is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved_env
+        for name, saved in saved_modules.items():
+            sys.modules.pop(name, None)
+            if saved is not None:
+                sys.modules[name] = saved
+        for attr, saved in saved_attrs.items():
+            package.__dict__.pop(attr, None)
+            if saved is not None:
+                setattr(package, attr, saved)
+    # Triton < 3.9's interpreter turns a scalar (a 1-element array) into a loop bound with
+    # int(array), which NumPy >= 2.5 refuses; 3.9 squeezes first. Same fix here, for this module only.
+    interpreter = importlib.import_module("triton.runtime.interpreter")
+    original = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+    try:
+        yield module
+    finally:
+        interpreter._patch_lang_tensor = original

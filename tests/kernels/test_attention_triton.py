@@ -9,8 +9,6 @@ is always `torch.equal`; tolerances are only for accuracy against fp32/fp64 refe
 
 import importlib
 import math
-import os
-import sys
 
 import pytest
 import torch
@@ -19,57 +17,20 @@ from vexact_vllm.kernels import KEY_TILE
 
 pytest.importorskip("triton")
 
-MODULES = ("vexact_vllm.kernels.attention_triton", "vexact_vllm.kernels.attention_triton_bwd")
 TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 
 
 @pytest.fixture(scope="module")
-def interp():
-    """attention_triton (and its backward module) imported afresh with TRITON_INTERPRET=1, so it takes
-    CPU tensors. The variable, sys.modules and the package attributes are restored at once, so later
-    imports (the CUDA tests, vLLM engines started in the same run) get the compiled kernels."""
-    package = importlib.import_module("vexact_vllm.kernels")
-    attrs = [name.rsplit(".", 1)[1] for name in MODULES]
-    saved_env = os.environ.get("TRITON_INTERPRET")
-    saved_modules = {name: sys.modules.pop(name, None) for name in MODULES}
-    saved_attrs = {attr: package.__dict__.pop(attr, None) for attr in attrs}
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        module = importlib.import_module(MODULES[0])
-    finally:
-        if saved_env is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = saved_env
-        for name, saved in saved_modules.items():
-            sys.modules.pop(name, None)
-            if saved is not None:
-                sys.modules[name] = saved
-        for attr, saved in saved_attrs.items():
-            package.__dict__.pop(attr, None)
-            if saved is not None:
-                setattr(package, attr, saved)
-    # Triton < 3.9's interpreter turns a scalar (a 1-element array) into a loop bound with
-    # int(array), which NumPy >= 2.5 refuses; 3.9 squeezes first. Same fix here, for this module only.
-    interpreter = importlib.import_module("triton.runtime.interpreter")
-    original = interpreter._patch_lang_tensor
-
-    def patch_lang_tensor(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    interpreter._patch_lang_tensor = patch_lang_tensor
-    try:
-        yield module
-    finally:
-        interpreter._patch_lang_tensor = original
+def interp(interpreted_attention):
+    """attention_triton under the Triton interpreter (tests/conftest.py `interpreted_attention`)."""
+    return interpreted_attention
 
 
 @pytest.fixture(scope="module")
 def compiled():
     """attention_triton as vLLM and the trainer import it (compiled kernels)."""
-    return importlib.import_module(MODULES[0])
+    return importlib.import_module("vexact_vllm.kernels.attention_triton")
 
 
 def _reference(q, k, v, cu_seqlens, scale, dtype=torch.float64):

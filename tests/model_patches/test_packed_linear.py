@@ -8,9 +8,6 @@ in-place weight writes (load_weights, RL weight sync, vLLM's dummy loader) must 
 """
 
 import copy
-import importlib
-import os
-import sys
 
 import pytest
 import torch
@@ -370,48 +367,6 @@ def test_replaced_parameter_is_refused_then_repacked(load_model):
 
 
 # ---------------------------------------------------------------- the Triton kernels on the views
-
-
-@pytest.fixture(scope="module")
-def interpreted_attention():
-    """attention_triton (with its backward module) imported with TRITON_INTERPRET=1, so it runs on
-    CPU tensors; sys.modules, the package attributes and the variable are restored at once (the same
-    recipe as tests/kernels/test_attention_triton.py)."""
-    pytest.importorskip("triton")
-    names = ("vexact_vllm.kernels.attention_triton", "vexact_vllm.kernels.attention_triton_bwd")
-    package = importlib.import_module("vexact_vllm.kernels")
-    attrs = [n.rsplit(".", 1)[1] for n in names]
-    saved_env = os.environ.get("TRITON_INTERPRET")
-    saved_modules = {n: sys.modules.pop(n, None) for n in names}
-    saved_attrs = {a: package.__dict__.pop(a, None) for a in attrs}
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        module = importlib.import_module(names[0])
-    finally:
-        if saved_env is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = saved_env
-        for n, saved in saved_modules.items():
-            sys.modules.pop(n, None)
-            if saved is not None:
-                sys.modules[n] = saved
-        for a, saved in saved_attrs.items():
-            package.__dict__.pop(a, None)
-            if saved is not None:
-                setattr(package, a, saved)
-    interpreter = importlib.import_module("triton.runtime.interpreter")
-    original = interpreter._patch_lang_tensor
-
-    def patch_lang_tensor(tensor, scope):  # NumPy >= 2.5 with Triton < 3.9 (see that test file)
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    interpreter._patch_lang_tensor = patch_lang_tensor
-    try:
-        yield module
-    finally:
-        interpreter._patch_lang_tensor = original
 
 
 def _qkv_views(t, hq, hkv, d, dtype, seed):
