@@ -8,6 +8,13 @@ Temperature semantics (defined here once; every caller goes through these functi
   the same rounding.
 * tau == 0 means greedy; its log-probs are those of tau = 1.
 
+Vocabulary mask (`linear_token_log_probs(..., vocab_mask=)`): ids where the bool [V] mask is False
+get logit -inf right after the lm_head GEMM, before the temperature: exactly what verl's vLLM rollout
+does to the fp32 logits our vLLM model's `compute_logits` returns (`monkey_patch_compute_logits`
+sets ids past the tokenizer, and banned ids, to -inf). A -inf logit stays -inf through the division,
+adds exp(-inf) = +0 to its block's sum (exact) and gets log-prob -inf and gradient 0, so both sides
+normalise over the same ids and agree bitwise.
+
 Log-softmax, per row of V scaled logits:
     mx  = max_v scaled[v]                                        exact, order-free
     e   = exp(scaled - mx), zero-padded to a multiple of VOCAB_BLOCK = 1024
@@ -137,6 +144,26 @@ def _check_tokens(tokens: torch.Tensor, n_rows: int, vocab: int) -> None:
         raise ValueError(f"tokens must lie in [0, {vocab})")
 
 
+def _blocked_ids(vocab_mask, vocab: int, device: torch.device) -> torch.Tensor | None:
+    """bool [V], True where the logit becomes -inf; None when nothing is masked."""
+    if vocab_mask is None:
+        return None
+    if not isinstance(vocab_mask, torch.Tensor) or vocab_mask.dtype != torch.bool:
+        raise ValueError(f"vocab_mask must be a bool tensor [{vocab}] (True = the id may be produced)")
+    if tuple(vocab_mask.shape) != (vocab,):
+        raise ValueError(f"vocab_mask must have shape ({vocab},), got {tuple(vocab_mask.shape)}")
+    if vocab_mask.device != device:
+        raise ValueError(f"vocab_mask is on {vocab_mask.device}, hidden on {device}")
+    return ~vocab_mask
+
+
+def mask_logits_(logits: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
+    """Set logits[:, v] = -inf where blocked[v] (in place; the rollout side's vocabulary masking)."""
+    if blocked is not None:
+        logits.masked_fill_(blocked, float("-inf"))
+    return logits
+
+
 def log_softmax(logits: torch.Tensor, temperature) -> torch.Tensor:
     """fp32 [M, V] log-probs of fp32 logits [M, V] at temperature (float, or fp32 tensor [M])."""
     _check_logits(logits)
@@ -168,14 +195,14 @@ class _LinearTokenLogProbsFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, tokens, tau, chunk_rows):
+    def forward(ctx, hidden, weight, tokens, tau, chunk_rows, blocked=None):
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # [M]
         for r0 in range(0, hidden.shape[0], chunk_rows):
             rows = slice(r0, r0 + chunk_rows)
-            logits = linear(hidden[rows], weight, out_dtype=torch.float32)  # [c, V]
+            logits = mask_logits_(linear(hidden[rows], weight, out_dtype=torch.float32), blocked)  # [c, V]
             out[rows] = _TOKEN_IMPLS[backend_for(logits)](logits, tokens[rows], tau[rows])
         ctx.save_for_backward(hidden, weight, tokens, tau)
-        ctx.chunk_rows = chunk_rows
+        ctx.chunk_rows, ctx.blocked = chunk_rows, blocked
         return out
 
     @staticmethod
@@ -188,7 +215,7 @@ class _LinearTokenLogProbsFunction(torch.autograd.Function):
         for r0 in range(0, hidden.shape[0], ctx.chunk_rows):
             rows = slice(r0, r0 + ctx.chunk_rows)
             h32 = hidden[rows].float()  # [c, H]
-            scaled = (h32 @ w32.t()) / tau[rows]  # [c, V]
+            scaled = mask_logits_(h32 @ w32.t(), ctx.blocked) / tau[rows]  # [c, V]
             grad_z = -torch.softmax(scaled, dim=-1)
             grad_z.scatter_add_(1, tokens[rows].long()[:, None], torch.ones_like(grad_z[:, :1]))
             grad_z = grad_z * (grad_out[rows].float()[:, None] / tau[rows])  # [c, V]
@@ -202,26 +229,35 @@ class _LinearTokenLogProbsFunction(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
-def _linear_token_log_probs_triton(hidden, weight, tokens, tau, chunk_rows):
+def _linear_token_log_probs_triton(hidden, weight, tokens, tau, chunk_rows, blocked=None):
     from .logprob_triton import linear_token_log_probs_triton
 
-    return linear_token_log_probs_triton(hidden, weight, tokens, tau, chunk_rows)
+    return linear_token_log_probs_triton(hidden, weight, tokens, tau, chunk_rows, blocked)
 
 
 _LINEAR_IMPLS = {"torch": _LinearTokenLogProbsFunction.apply, "triton": _linear_token_log_probs_triton}
 
 
 def linear_token_log_probs(
-    hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, temperature, chunk_rows: int = 256
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature,
+    chunk_rows: int = 256,
+    *,
+    vocab_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp32 [M] = token_log_probs(linear(hidden, weight, out_dtype=fp32), tokens, temperature), fused.
 
     hidden: [M, H], weight: [V, H] (one dtype, bf16/fp32), tokens: int [M], temperature: float or
     fp32 tensor [M]. Rows are processed `chunk_rows` at a time (the result does not depend on it).
-    Differentiable w.r.t. hidden and weight.
+    vocab_mask: optional bool [V]; ids where it is False get logit -inf before the temperature (see
+    the module docstring), so a masked token's log-prob is -inf. Differentiable w.r.t. hidden and
+    weight.
     """
     check_dtype("hidden", hidden)
     check_dtype("weight", weight)
@@ -237,8 +273,9 @@ def linear_token_log_probs(
     check_same_device(hidden=hidden, weight=weight, tokens=tokens)
     if not isinstance(chunk_rows, int) or chunk_rows <= 0:
         raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
+    blocked = _blocked_ids(vocab_mask, weight.shape[0], hidden.device)  # [V] or None
     tau = _temperature_column(temperature, hidden.shape[0], hidden.device)  # [M, 1]
-    return _LINEAR_IMPLS[backend_for(hidden)](hidden, weight, tokens, tau, chunk_rows)
+    return _LINEAR_IMPLS[backend_for(hidden)](hidden, weight, tokens, tau, chunk_rows, blocked)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from triton.language.standard import _elementwise_max, _sum_combine
 
 from ._checks import check_dtype, check_last_dim_contiguous
 from .gemm import linear
+from .logprob import mask_logits_
 
 # The reductions are spelled `tl.reduce(x, 0, _sum_combine)` / `_elementwise_max`: exactly what
 # `tl.sum` / `tl.max` expand to for fp32, but with no call to a @triton.jit library function, so the
@@ -303,17 +304,17 @@ class _LinearTokenLogProbsTritonFunction(torch.autograd.Function):
     `_token_grad_kernel` in the hidden dtype, then dH = dz @ W and dW += dz^T @ H."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, tokens, tau, chunk_rows):
+    def forward(ctx, hidden, weight, tokens, tau, chunk_rows, blocked):
         n_rows = hidden.shape[0]
         out = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)  # [M]
         lse = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)  # [M]
         tau = tau.reshape(-1).contiguous()  # [M]
         for r0 in range(0, n_rows, chunk_rows):
             rows = slice(r0, r0 + chunk_rows)
-            logits = linear(hidden[rows], weight, out_dtype=torch.float32)  # [c, V]
+            logits = mask_logits_(linear(hidden[rows], weight, out_dtype=torch.float32), blocked)  # [c, V]
             _launch_rows(logits, tau[rows], tokens[rows], _MODE_TOKEN, out=out[rows], lse=lse[rows])
         ctx.save_for_backward(hidden, weight, tokens, tau, lse)
-        ctx.chunk_rows = chunk_rows
+        ctx.chunk_rows, ctx.blocked = chunk_rows, blocked
         return out
 
     @staticmethod
@@ -325,7 +326,7 @@ class _LinearTokenLogProbsTritonFunction(torch.autograd.Function):
         grad_w = None  # [V, H]
         for r0 in range(0, n_rows, chunk_rows):
             rows = slice(r0, r0 + chunk_rows)
-            logits = linear(hidden[rows], weight, out_dtype=torch.float32)  # [c, V], the forward's bits
+            logits = mask_logits_(linear(hidden[rows], weight, out_dtype=torch.float32), ctx.blocked)  # [c, V]
             dz = _token_grad(logits, tau[rows], tokens[rows], lse[rows], grad_out[rows], hidden.dtype)
             del logits
             if need_h:
@@ -340,15 +341,21 @@ class _LinearTokenLogProbsTritonFunction(torch.autograd.Function):
                     grad_w += part
         if need_w:
             grad_w = grad_w.to(weight.dtype) if grad_w is not None else torch.zeros_like(weight)
-        return grad_h, grad_w, None, None, None
+        return grad_h, grad_w, None, None, None, None
 
 
 def linear_token_log_probs_triton(
-    hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, tau: torch.Tensor, chunk_rows: int
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    tau: torch.Tensor,
+    chunk_rows: int,
+    blocked: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp32 [M] = token_log_probs_triton(linear(hidden, weight, fp32), tokens, tau), chunked over rows.
 
-    hidden [M, H], weight [V, H] (one dtype), tokens int [M], tau fp32 [M, 1] (greedy already 1).
+    hidden [M, H], weight [V, H] (one dtype), tokens int [M], tau fp32 [M, 1] (greedy already 1),
+    blocked: optional bool [V], True where the logit is set to -inf after the GEMM (see logprob.py).
     """
     if not isinstance(chunk_rows, int) or chunk_rows <= 0:
         raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
@@ -358,4 +365,4 @@ def linear_token_log_probs_triton(
             f"hidden {tuple(hidden.shape)} must be [M, H] with tau {tuple(tau.shape)} and tokens "
             f"{tuple(tokens.shape)} holding M values"
         )
-    return _LinearTokenLogProbsTritonFunction.apply(hidden, weight, tokens, tau, chunk_rows)
+    return _LinearTokenLogProbsTritonFunction.apply(hidden, weight, tokens, tau, chunk_rows, blocked)
