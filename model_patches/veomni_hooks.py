@@ -1,0 +1,134 @@
+"""VeOmni side of the training switch: VeOmni builds and scores Qwen3, Qwen2 and Llama with the
+shared model. Symmetric and idempotent: `install()`, `uninstall()`, `is_installed()` and the
+`installed()` context manager. Three table-driven hooks, each reversible:
+
+1. Modeling registry (`veomni.models.loader.MODELING_REGISTRY`, read by `build_foundation_model`
+   through `get_model_class`): a local override per supported model type returns the vexact class
+   of `veomni_modeling` wherever VeOmni's own entry would return its `*ForCausalLM`; other heads of
+   these types (the value model's `ForTokenClassification`, `ForSequenceClassification`) and every
+   other model type stay VeOmni's. Under `MODELING_BACKEND=hf` VeOmni skips this registry and asks
+   transformers' `AutoModelForCausalLM`, which `training.enable_training()` already points at the
+   vexact training classes.
+2. Kernel registry (`veomni.ops.kernel_registry.KERNEL_REGISTRY`): `vexact_causal_lm_loss` under the
+   name "vexact" for the `cross_entropy_loss` op (causal; seq_cls maps to VeOmni's eager
+   wrapper, as its chunk_loss does), so `cross_entropy_loss_implementation=vexact` binds it into
+   the OpSlot VeOmni resolves when it builds a model.
+3. Loss mapping (`veomni.ops.kernels.cross_entropy.install_loss_mapping`, which `apply_ops_config`
+   calls with that same selection): "vexact" installs `vexact_causal_lm_loss` as transformers'
+   `LOSS_MAPPING["ForCausalLM"]`; every other name goes to VeOmni's function unchanged.
+
+VeOmni's log-prob path (`ForCausalLMLoss(return_log_probs=True)` -> `chunk_logprobs_function`, which
+divides bf16 logits by the temperature before its fp32 cast) is not patched globally: a vexact
+model never reaches it (its forward calls `vexact_causal_lm_loss`), and other models keep it.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from functools import partial
+
+from .config import SUPPORTED_MODEL_TYPES
+from .veomni_modeling import VEOMNI_CLASSES, VEXACT_KERNEL_NAME, vexact_causal_lm_loss
+
+_saved: dict | None = None  # what install() replaced; None while not installed
+
+
+def _modeling_entry(model_type: str, veomni_entry):
+    """VeOmni's registry entry for `model_type`, with its causal-LM class replaced by ours."""
+
+    def build(architecture):
+        cls = veomni_entry(architecture)
+        return VEOMNI_CLASSES[model_type] if cls.__name__.endswith("ForCausalLM") else cls
+
+    build.vexact_model_type = model_type
+    return build
+
+
+def _seq_cls_loss():
+    from veomni.ops.kernels.cross_entropy import ForSequenceClassificationLoss
+    from veomni.ops.kernels.cross_entropy.eager import eager_cross_entropy
+
+    return partial(ForSequenceClassificationLoss, cross_entropy_fn=eager_cross_entropy)
+
+
+def _register_kernels() -> None:
+    """Once per process (VeOmni's kernel registry has no removal; the name is inert until selected)."""
+    from veomni.ops.kernel_registry import KERNEL_REGISTRY, HardwareRequirement, KernelSpec
+
+    factories = {"causal": lambda: vexact_causal_lm_loss, "seq_cls": _seq_cls_loss}
+    for variant, factory in factories.items():
+        if VEXACT_KERNEL_NAME in KERNEL_REGISTRY.list_available("cross_entropy_loss", variant):
+            continue
+        KERNEL_REGISTRY.register(
+            KernelSpec(
+                name=VEXACT_KERNEL_NAME,
+                op_name="cross_entropy_loss",
+                variant=variant,
+                factory=factory,
+                hardware=HardwareRequirement(device_type="any"),
+                description="vexact-vllm: the rollout's log-prob function (fused lm_head, fp32, one temperature)",
+            )
+        )
+
+
+def _loss_mapping_installer(veomni_install):
+    def install_loss_mapping(impl: str = "eager") -> str:
+        if impl != VEXACT_KERNEL_NAME:
+            return veomni_install(impl)
+        from transformers.loss.loss_utils import LOSS_MAPPING
+
+        LOSS_MAPPING["ForCausalLM"] = vexact_causal_lm_loss
+        LOSS_MAPPING["ForConditionalGeneration"] = vexact_causal_lm_loss
+        LOSS_MAPPING["ForSequenceClassification"] = _seq_cls_loss()
+        return f"CrossEntropy ({VEXACT_KERNEL_NAME})"
+
+    install_loss_mapping.vexact_wraps = veomni_install
+    return install_loss_mapping
+
+
+def install() -> None:
+    global _saved
+    if _saved is not None:
+        return
+    import veomni.ops.kernels.cross_entropy as cross_entropy
+    from veomni.models.loader import MODELING_REGISTRY
+
+    _register_kernels()
+    local = MODELING_REGISTRY._local_mapping  # the registry's own override table (`__setitem__`)
+    saved = {"modeling": {t: local.get(t) for t in SUPPORTED_MODEL_TYPES}}
+    for model_type in SUPPORTED_MODEL_TYPES:
+        MODELING_REGISTRY[model_type] = _modeling_entry(model_type, MODELING_REGISTRY[model_type])
+    saved["install_loss_mapping"] = cross_entropy.install_loss_mapping
+    cross_entropy.install_loss_mapping = _loss_mapping_installer(cross_entropy.install_loss_mapping)
+    _saved = saved
+
+
+def uninstall() -> None:
+    global _saved
+    if _saved is None:
+        return
+    import veomni.ops.kernels.cross_entropy as cross_entropy
+    from veomni.models.loader import MODELING_REGISTRY
+
+    for model_type, previous in _saved["modeling"].items():
+        if previous is None:
+            del MODELING_REGISTRY[model_type]
+        else:
+            MODELING_REGISTRY[model_type] = previous
+    cross_entropy.install_loss_mapping = _saved["install_loss_mapping"]
+    _saved = None
+
+
+def is_installed() -> bool:
+    return _saved is not None
+
+
+@contextmanager
+def installed():
+    was = is_installed()
+    install()
+    try:
+        yield
+    finally:
+        if not was:
+            uninstall()

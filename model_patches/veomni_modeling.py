@@ -1,0 +1,227 @@
+"""The shared model as VeOmni builds it: VeOmni's modeling contract on top of the vexact classes.
+
+VeOmni's generated `*ForCausalLM.forward` computes the last hidden states, then hands them with
+the lm_head weight to a loss wrapper that VeOmni picks (the `cross_entropy_loss` OpSlot, else
+`self.loss_function`, i.e. transformers' `LOSS_MAPPING`). With `return_log_probs=True` (what verl's
+`model_engine=veomni` sends) the wrapper returns per-token log-probs and entropy in a
+`FusedLinearAuxOutput` instead of a loss. The classes here speak the same contract, with one loss
+wrapper, `vexact_causal_lm_loss`, whose log-probs are `kernels.linear_token_log_probs`: the one
+log-prob function the rollout uses, temperature applied once inside it (fp32 logits divided by an
+fp32 temperature), so neither VeOmni nor verl divides the logits a second time.
+
+Kernel selection. This module declares VeOmni's causal-LM loss OpSlot, so VeOmni binds it from
+`OpsImplementationConfig.cross_entropy_loss_implementation` when it builds one of these models;
+`veomni_hooks.install()` registers `vexact_causal_lm_loss` under the name "vexact". "eager" (VeOmni's
+"the model's own code") and "vexact" both mean this wrapper; any other loss kernel, and any other
+non-eager per-op kernel (rms_norm, swiglu_mlp, rotary_pos_emb: the shared model always runs the
+vexact ones), is refused at build time. The attention implementation name is not consulted: the
+shared model's attention is the vexact varlen kernel; sequence/context parallelism is refused.
+"""
+
+from __future__ import annotations
+
+import torch
+from veomni.ops.dispatch import OpSlot
+from veomni.utils.model_outputs import CausalLMOutputWithLogProbs, FusedLinearAuxOutput
+
+from vexact_vllm.kernels import linear, linear_token_log_probs
+
+from .hf_model import TRAINING_CLASSES, PackedBatch
+
+# VeOmni binds every OpSlot of a model's module at build time (`_bind_veomni_ops`).
+veomni_causal_lm_loss = OpSlot("cross_entropy_loss", "causal")
+
+VEXACT_KERNEL_NAME = "vexact"
+# Per-op selections VeOmni offers for these model types that the shared model does not consult.
+_FIXED_OPS = ("rms_norm_implementation", "swiglu_mlp_implementation", "rotary_pos_emb_implementation")
+# Rows per chunk of the entropy's [rows, V] logits.
+_ENTROPY_CHUNK_ROWS = 256
+
+
+def _targets(labels, shift_labels, ignore_index):
+    """(targets [T] for every hidden row, valid [T]): VeOmni's label convention, flattened."""
+    if shift_labels is None:  # causal shift here; the last row of each row of `labels` has no target
+        shift_labels = torch.nn.functional.pad(labels[..., 1:], (0, 1), value=ignore_index)
+    flat = shift_labels.reshape(-1)
+    valid = flat != ignore_index
+    return torch.where(valid, flat, torch.zeros_like(flat)), valid
+
+
+def _entropy_chunk(hidden, weight, tau):
+    scaled = linear(hidden, weight, out_dtype=torch.float32) / tau  # [c, V]
+    return torch.logsumexp(scaled, -1) - (torch.softmax(scaled, -1) * scaled).sum(-1)  # [c]
+
+
+def token_entropy(hidden: torch.Tensor, weight: torch.Tensor, temperature) -> torch.Tensor:
+    """fp32 [M] softmax entropy of the vexact logits at `temperature` (same lm_head GEMM and
+    division as the log-prob function), differentiable; chunks recomputed in backward. Not part of
+    the contract (the rollout returns no entropy): accuracy only."""
+    tau = torch.as_tensor(temperature, dtype=torch.float32, device=hidden.device).reshape(-1, 1)
+    tau = torch.where(tau == 0, torch.ones_like(tau), tau)  # greedy is scored at 1, as log-probs are
+    tau = tau.expand(hidden.shape[0], 1)
+    parts = []
+    for r0 in range(0, hidden.shape[0], _ENTROPY_CHUNK_ROWS):
+        rows = slice(r0, r0 + _ENTROPY_CHUNK_ROWS)
+        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+            parts.append(
+                torch.utils.checkpoint.checkpoint(
+                    _entropy_chunk, hidden[rows], weight, tau[rows], use_reentrant=False
+                )
+            )
+        else:
+            parts.append(_entropy_chunk(hidden[rows], weight, tau[rows]))
+    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+
+
+def _refuse_sequence_parallel() -> None:
+    from veomni.distributed.parallel_state import get_parallel_state, is_parallel_state_initialized
+
+    if is_parallel_state_initialized() and get_parallel_state().sp_enabled:
+        raise ValueError(
+            "vexact models do not support VeOmni sequence/context parallelism (ulysses_size or "
+            "cp_size > 1): each rank would attend within its own slice. Set ulysses_parallel_size=1."
+        )
+
+
+def vexact_causal_lm_loss(
+    logits=None,
+    labels=None,
+    vocab_size=None,
+    num_items_in_batch=None,
+    ignore_index: int = -100,
+    shift_labels=None,
+    *,
+    hidden_states=None,
+    weights=None,
+    return_log_probs: bool = False,
+    temperature=1.0,
+    **kwargs,
+):
+    """VeOmni's causal-LM loss-wrapper contract -> (loss, logits, FusedLinearAuxOutput | None).
+
+    hidden_states [B, L, H] (or [L, H]), weights [V, H] (the lm_head), labels [B, L]; `shift_labels`
+    pre-shifted targets (verl passes them), else labels shifted by one here. return_log_probs: per
+    token log p(target) and entropy, shaped like the labels, 0 where the target is ignore_index.
+    Otherwise the cross-entropy loss (sum / num_items_in_batch, or the mean), at temperature 1.
+    """
+    if kwargs.get("teacher_topk_ids") is not None or kwargs.get("teacher_topk_log_probs") is not None:
+        raise ValueError("top-k distillation is not supported by the vexact log-prob path; unset distillation")
+    if hidden_states is None or weights is None:
+        raise ValueError("vexact_causal_lm_loss needs hidden_states and weights (the fused lm_head path)")
+    if labels is None and shift_labels is None:
+        raise ValueError("vexact_causal_lm_loss needs labels or shift_labels")
+    _refuse_sequence_parallel()
+    shape = (shift_labels if shift_labels is not None else labels).shape
+    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])  # [T, H]
+    targets, valid = _targets(labels, shift_labels, ignore_index)  # [T], [T]
+    targets, valid = targets.to(hidden.device), valid.to(hidden.device)
+    if targets.shape[0] != hidden.shape[0]:
+        raise ValueError(f"{targets.shape[0]} targets for {hidden.shape[0]} hidden rows")
+    tau = temperature if return_log_probs else 1.0
+    logp = linear_token_log_probs(hidden, weights, targets, tau)  # [T] fp32
+    logp = torch.where(valid, logp, torch.zeros_like(logp))
+    if return_log_probs:
+        entropy = token_entropy(hidden, weights, tau)
+        entropy = torch.where(valid, entropy, torch.zeros_like(entropy))
+        aux = FusedLinearAuxOutput(log_probs=logp.reshape(shape), entropy=entropy.reshape(shape))
+        return None, None, aux
+    denom = num_items_in_batch if num_items_in_batch is not None else valid.sum().clamp(min=1)
+    return -logp.sum() / denom, None, None
+
+
+def check_ops_config(ops_config) -> None:
+    """Refuse VeOmni kernel selections the shared model would not honour (run at build time)."""
+    if ops_config is None:
+        return
+    chosen = getattr(ops_config, "cross_entropy_loss_implementation", "eager")
+    if chosen not in ("eager", VEXACT_KERNEL_NAME):
+        raise ValueError(
+            f"cross_entropy_loss_implementation={chosen!r}: the trainer's log-probs would come from a "
+            "different function than the rollout's. Set it to 'vexact' (or 'eager', which means the "
+            "same for vexact models)."
+        )
+    for name in _FIXED_OPS:
+        chosen = getattr(ops_config, name, "eager")
+        if chosen != "eager":
+            raise ValueError(
+                f"{name}={chosen!r}: vexact models always run the vexact kernel for this op, so the "
+                "selection would be ignored. Set it to 'eager' (the model's own code)."
+            )
+
+
+class VeOmniVexactMixin:
+    """VeOmni's forward contract for a vexact training class (see the module docstring)."""
+
+    @classmethod
+    def _from_config(cls, config, **kwargs):
+        from veomni.ops.config.singleton import get_ops_config
+
+        _refuse_sequence_parallel()
+        check_ops_config(get_ops_config())
+        bound = veomni_causal_lm_loss.bound_kernel()
+        if bound is not None and bound is not vexact_causal_lm_loss:
+            raise ValueError(f"VeOmni bound {bound!r} as the loss of a vexact model; select 'vexact'")
+        kwargs.pop("attn_implementation", None)  # the shared model's attention is not selectable
+        return super()._from_config(config, **kwargs)
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        labels=None,
+        shift_labels=None,
+        return_log_probs: bool = False,
+        temperature=1.0,
+        **kwargs,
+    ):
+        if input_ids is None:
+            raise ValueError("vexact models take input_ids (inputs_embeds is not supported)")
+        # The shared model sets its own dtypes, as the rollout does: a trainer's autocast (verl's
+        # forward_step enters one) must not recast its ops.
+        with torch.autocast(device_type=input_ids.device.type, enabled=False):
+            if labels is None and shift_labels is None:
+                out = super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+                return CausalLMOutputWithLogProbs(logits=out.logits)
+            return self._loss_forward(input_ids, attention_mask, position_ids, labels, shift_labels,
+                                      return_log_probs, temperature, kwargs)
+
+    def _loss_forward(self, input_ids, attention_mask, position_ids, labels, shift_labels,
+                      return_log_probs, temperature, kwargs):
+        batch = PackedBatch.from_hf_inputs(input_ids, attention_mask, position_ids)
+        hidden = batch.unpack(self.hidden_states(batch))  # [B, L, H]; cu_seq_lens_* follow position_ids
+        loss_fn = veomni_causal_lm_loss if veomni_causal_lm_loss.use_non_eager_impl else vexact_causal_lm_loss
+        loss, _, aux = loss_fn(
+            labels=labels,
+            vocab_size=self.config.vocab_size,
+            num_items_in_batch=kwargs.get("num_items_in_batch"),
+            ignore_index=kwargs.get("ignore_index", -100),
+            shift_labels=shift_labels,
+            hidden_states=hidden,
+            weights=self.lm_head.weight,
+            return_log_probs=return_log_probs,
+            temperature=temperature,
+            teacher_topk_ids=kwargs.get("teacher_topk_ids"),
+            teacher_topk_log_probs=kwargs.get("teacher_topk_log_probs"),
+        )
+        return CausalLMOutputWithLogProbs(loss=loss, fused_linear_aux=aux)
+
+
+class VeOmniVexactQwen3ForCausalLM(VeOmniVexactMixin, TRAINING_CLASSES["qwen3"]):
+    pass
+
+
+class VeOmniVexactQwen2ForCausalLM(VeOmniVexactMixin, TRAINING_CLASSES["qwen2"]):
+    pass
+
+
+class VeOmniVexactLlamaForCausalLM(VeOmniVexactMixin, TRAINING_CLASSES["llama"]):
+    pass
+
+
+# model_type -> the class VeOmni's modeling registry returns for its causal-LM architecture.
+VEOMNI_CLASSES = {
+    "qwen3": VeOmniVexactQwen3ForCausalLM,
+    "qwen2": VeOmniVexactQwen2ForCausalLM,
+    "llama": VeOmniVexactLlamaForCausalLM,
+}

