@@ -38,7 +38,8 @@ def _compose(overrides: list[str]):
 @pytest.mark.parametrize("engine,strategy", [("fsdp", "fsdp"), ("veomni", "veomni")])
 @pytest.mark.parametrize("vexact", ["1", "0"])
 def test_recipe_composes_with_verl_config(vexact, engine, strategy):
-    from verl.utils.config import omega_conf_to_dataclass
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
 
     cfg = _compose(_overrides(RECIPE, VEXACT=vexact, MODEL_ENGINE=engine))
     rollout = cfg.actor_rollout_ref.rollout
@@ -51,7 +52,9 @@ def test_recipe_composes_with_verl_config(vexact, engine, strategy):
     correction = cfg.algorithm.rollout_correction  # decoupled: verl logs rollout_corr/k3_kl
     assert correction.bypass_mode is False and correction.rollout_is is None
     assert cfg.algorithm.adv_estimator == "grpo"
-    # verl's own dataclasses (type checks and __post_init__ validation) accept the result
+    # verl's own checks accept the result: main_ppo's validate_config (batch sizes against the GPU
+    # count, micro-batch settings, the actor dataclass) and the rollout/algorithm dataclasses.
+    validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
     omega_conf_to_dataclass(rollout)
     omega_conf_to_dataclass(cfg.algorithm)
 
