@@ -44,24 +44,46 @@ def _linear_torch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out
 
 
+def _grads_fp32(grad_out, x2, weight, bias_dtype, needs):
+    """(dX, dW, db) by fp32 matmuls; `needs` = (x, weight, bias) flags, db only with a bias dtype."""
+    g = grad_out.float()  # [M, N]
+    grad_x = grad_w = grad_b = None
+    if needs[0]:
+        grad_x = (g @ weight.float()).to(x2.dtype)  # [M, K]
+    if needs[1]:
+        grad_w = (g.t() @ x2.float()).to(weight.dtype)  # [N, K]
+    if bias_dtype is not None and needs[2]:
+        grad_b = g.sum(0).to(bias_dtype)  # [N]
+    return grad_x, grad_w, grad_b
+
+
+def _grads_cublas(grad_out, x2, weight, bias_dtype, needs):
+    """(dX, dW, db) by cuBLAS matmuls in the input dtype (fp32 accumulation) on CUDA; the fp32
+    path elsewhere (the Triton interpreter in tests)."""
+    if not grad_out.is_cuda:
+        return _grads_fp32(grad_out, x2, weight, bias_dtype, needs)
+    g = grad_out.to(x2.dtype)  # [M, N]
+    grad_x = grad_w = grad_b = None
+    if needs[0]:
+        grad_x = torch.matmul(g, weight)  # [M, K]
+    if needs[1]:
+        grad_w = torch.matmul(g.t(), x2)  # [N, K]
+    if bias_dtype is not None and needs[2]:
+        grad_b = grad_out.float().sum(0).to(bias_dtype)  # [N]
+    return grad_x, grad_w, grad_b
+
+
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, bias, out_dtype):
-        ctx.save_for_backward(x2, weight, bias)
+        ctx.save_for_backward(x2, weight)
+        ctx.bias_dtype = None if bias is None else bias.dtype
         return _linear_torch(x2, weight, bias).to(out_dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x2, weight, bias = ctx.saved_tensors
-        g = grad_out.float()  # [M, N]
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = (g @ weight.float()).to(x2.dtype)  # [M, K]
-        if ctx.needs_input_grad[1]:
-            grad_w = (g.t() @ x2.float()).to(weight.dtype)  # [N, K]
-        if bias is not None and ctx.needs_input_grad[2]:
-            grad_b = g.sum(0).to(bias.dtype)  # [N]
-        return grad_x, grad_w, grad_b, None
+        x2, weight = ctx.saved_tensors
+        return (*_grads_fp32(grad_out, x2, weight, ctx.bias_dtype, ctx.needs_input_grad), None)
 
 
 class _LinearTritonFunction(torch.autograd.Function):
@@ -74,26 +96,33 @@ class _LinearTritonFunction(torch.autograd.Function):
     def forward(ctx, x2, weight, bias, out_dtype):
         from .gemm_triton import linear_triton
 
-        ctx.save_for_backward(x2, weight, bias)
+        ctx.save_for_backward(x2, weight)
+        ctx.bias_dtype = None if bias is None else bias.dtype
         return linear_triton(x2, weight, bias, out_dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        if not grad_out.is_cuda:
-            return _LinearFunction.backward(ctx, grad_out)
-        x2, weight, bias = ctx.saved_tensors
-        g = grad_out.to(x2.dtype)  # [M, N]
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch.matmul(g, weight)  # [M, K]
-        if ctx.needs_input_grad[1]:
-            grad_w = torch.matmul(g.t(), x2)  # [N, K]
-        if bias is not None and ctx.needs_input_grad[2]:
-            grad_b = grad_out.float().sum(0).to(bias.dtype)  # [N]
-        return grad_x, grad_w, grad_b, None
+        x2, weight = ctx.saved_tensors
+        return (*_grads_cublas(grad_out, x2, weight, ctx.bias_dtype, ctx.needs_input_grad), None)
 
 
 _IMPLS = {"torch": _LinearFunction.apply, "triton": _LinearTritonFunction.apply}
+_GRADS = {"torch": _grads_fp32, "triton": _grads_cublas}
+
+
+def linear_grads(
+    backend: str,
+    grad_out: torch.Tensor,
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    bias_dtype: torch.dtype | None,
+    needs: tuple[bool, bool, bool] = (True, True, True),
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(dX [M, K], dW [N, K], db [N]) of `linear` as its own backward computes them on `backend`
+    (the `backend_for(x)` of the forward call), for callers with their own autograd Function (the
+    fused q/k/v projection re-stacks its weight here instead of saving it). grad_out [M, N],
+    x2 [M, K]; `needs` = which of (x, weight, bias) to compute; db only with a `bias_dtype`."""
+    return _GRADS[backend](grad_out, x2, weight, bias_dtype, needs)
 
 
 def linear(

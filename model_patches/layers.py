@@ -17,7 +17,16 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from vexact_vllm.kernels import add_rms_norm, apply_rope, linear, rms_norm, rope_cache, silu_and_mul
+from vexact_vllm.kernels import (
+    add_rms_norm,
+    apply_rope,
+    backend_for,
+    linear,
+    rms_norm,
+    rope_cache,
+    silu_and_mul,
+)
+from vexact_vllm.kernels.gemm import linear_grads
 
 from .attention_context import AttentionContext
 from .config import DecoderConfig
@@ -45,8 +54,9 @@ class PackedLinear(nn.Module):
     The parts are the PARENT's children under their Hugging Face names (`self_attn.q_proj`, ...);
     this module only refers to them (an unregistered tuple) and owns no parameter, buffer or
     state_dict entry. The stacked weight comes from one of two places:
-    - unpacked (training, the default): `torch.cat` of the parts on every call; differentiable,
-      and FSDP keeps the parts as separate parameters.
+    - unpacked (training, the default): `torch.cat` of the parts on every call, inside
+      `_PackedLinearFunction`, which saves the input and the parts (not the stacked [N, K] copy)
+      for the backward and stacks them again there; FSDP keeps the parts as separate parameters.
     - packed (inference, after `pack()`): one persistent [N, K] tensor (plain attribute) whose
       row blocks ARE the parts' parameters (`param.data` is a view of it), so no cat happens and
       in-place writes to a part (`param.copy_`, `param.data.uniform_()`) land in the packed rows.
@@ -94,10 +104,45 @@ class PackedLinear(nn.Module):
                     "..., or module.to()); write weights in place (param.copy_) or call pack_projections again"
                 )
             weight, bias = self.packed
-        else:
-            weight = torch.cat([p.weight for p in self.parts])  # [N, K]
-            bias = torch.cat([p.bias for p in self.parts]) if self.parts[0].bias is not None else None
-        return linear(x, weight, bias)
+            return linear(x, weight, bias)
+        return _PackedLinearFunction.apply(x, len(self.parts), *self._params())
+
+
+class _PackedLinearFunction(torch.autograd.Function):
+    """linear(x, cat(W_i), cat(b_i)) whose backward keeps only x and the W_i (which FSDP or the
+    module hold anyway): the stacked [N, K] weight lives for the forward GEMM, and again for dX.
+
+    Forward: the shared `linear` (so the bits are the packed path's). Backward: `linear_grads`,
+    the GEMM's own backward on the forward's backend: dX = dY . cat(W_i), dW = dY^T X split by
+    rows into the parts, db = column sums of dY split likewise. Deterministic, not batch-invariant
+    (rule 7). M = rows of x, N = sum N_i, K = in features."""
+
+    @staticmethod
+    def forward(ctx, x, n_parts: int, *params):  # params: W_0.. W_(n-1), then b_0.. b_(n-1) or none
+        weights, biases = params[:n_parts], params[n_parts:]
+        ctx.backend, ctx.n_parts = backend_for(x), n_parts
+        ctx.sizes = [w.shape[0] for w in weights]
+        ctx.bias_dtype = biases[0].dtype if biases else None
+        ctx.save_for_backward(x, *weights)
+        bias = torch.cat(biases) if biases else None  # [N]
+        return linear(x, torch.cat(weights), bias)  # the [N, K] cat is freed on return
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, *weights = ctx.saved_tensors
+        n = ctx.n_parts
+        needs = ctx.needs_input_grad
+        need_x, need_w, need_b = needs[0], any(needs[2 : 2 + n]), any(needs[2 + n :])
+        x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+        weight = torch.cat(weights) if need_x else weights[0]  # [N, K]; dW needs no stacked weight
+        grad_x, grad_w, grad_b = linear_grads(
+            ctx.backend, grad_out.reshape(-1, grad_out.shape[-1]), x2, weight, ctx.bias_dtype,
+            (need_x, need_w, need_b),
+        )
+        grads_w = grad_w.split(ctx.sizes) if grad_w is not None else [None] * n
+        grads_b = grad_b.split(ctx.sizes) if grad_b is not None else [None] * (len(needs) - 2 - n)
+        grad_x = grad_x.reshape(x.shape) if grad_x is not None else None
+        return grad_x, None, *grads_w, *grads_b
 
 
 def _pack_rows(params: list[nn.Parameter]) -> torch.Tensor:

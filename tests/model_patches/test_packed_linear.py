@@ -415,3 +415,80 @@ def test_torch_attention_accepts_strided_views():
     k_cache, v_cache = torch.zeros(2, 64, 2, 8, dtype=torch.bfloat16), torch.zeros(2, 64, 2, 8, dtype=torch.bfloat16)
     write_kv_cache(k, v, k_cache, v_cache, torch.arange(70))
     assert torch.equal(v_cache.reshape(-1, 2, 8)[:70], v) and torch.equal(k_cache.reshape(-1, 2, 8)[:70], k)
+
+
+# ---------------------------------------------------------------- what the backward keeps
+
+
+def _cat_forward(self, x):
+    """PackedLinear.forward's training path before the saved-tensor fix: autograd through torch.cat,
+    so the GEMM saves the stacked [N, K] weight (a copy) for its backward."""
+    weight = torch.cat([p.weight for p in self.parts])
+    bias = torch.cat([p.bias for p in self.parts]) if self.parts[0].bias is not None else None
+    return linear(x, weight, bias)
+
+
+def _saved_bytes(fn, exclude) -> tuple[int, list[tuple[int, ...]], torch.Tensor]:
+    """(bytes of the distinct storages autograd saves while `fn()` runs, other than those of the
+    `exclude` tensors; the saved shapes; fn's output)."""
+    storages, shapes = {}, []
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    return sum(n for ptr, n in storages.items() if ptr not in skip), shapes, out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_backward_saves_no_stacked_weight(monkeypatch, dtype, bias):
+    """The module alone saves nothing beyond its input and the parts' own parameters; the old cat
+    path saved the stacked weight, N K elements (which is what makes this measurement meaningful)."""
+    gen = torch.Generator().manual_seed(4)
+    k, sizes, m = 33, [16, 8, 8], 7
+    parts = [Linear(k, n, bias) for n in sizes]
+    for p in parts:
+        for t in p.parameters():
+            t.data = torch.randn(t.shape, generator=gen).to(dtype)
+    fused = PackedLinear(parts)
+    x = torch.randn(m, k, generator=gen).to(dtype).requires_grad_()
+    params = [x, *fused._params()]
+    extra, shapes, y = _saved_bytes(lambda: fused(x), params)
+    assert extra == 0 and (sum(sizes), k) not in shapes
+    with monkeypatch.context() as mp:
+        mp.setattr(PackedLinear, "forward", _cat_forward)
+        old_extra, old_shapes, old_y = _saved_bytes(lambda: fused(x), params)
+    assert old_extra == sum(sizes) * k * x.element_size() and (sum(sizes), k) in old_shapes
+    assert torch.equal(y, old_y)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_model_saves_less_and_trains_like_the_cat_path(load_model, monkeypatch, dtype):
+    """Whole decoders: the saved activations shrink by exactly the stacked q/k/v and gate/up weights
+    of every layer, the forward bits are the cat path's, and so are the gradients of every parameter
+    (on CPU both backwards are the same fp32 matmuls on the same stacked weight)."""
+    seqs = _sequences()
+    for name, decoder in _decoders(load_model, dtype):
+        params = list(decoder.parameters())
+        runs = {}
+        for label in ("parts", "cat"):
+            decoder.zero_grad(set_to_none=True)
+            with monkeypatch.context() as mp:
+                if label == "cat":
+                    mp.setattr(PackedLinear, "forward", _cat_forward)
+                extra, _, hidden = _saved_bytes(lambda d=decoder: _hidden(d, seqs), params)
+                hidden.float().square().mean().backward()
+            grads = {n: p.grad.clone() for n, p in decoder.named_parameters()}
+            runs[label] = (extra, hidden.detach(), grads)
+        stacked = sum(sum(m.sizes) * m.parts[0].weight[0].numel() for m in _packed_modules(decoder))
+        assert runs["cat"][0] - runs["parts"][0] == stacked * params[0].element_size(), name
+        assert torch.equal(runs["parts"][1], runs["cat"][1]), name
+        assert runs["parts"][2].keys() == dict(decoder.named_parameters()).keys(), name
+        for n, g in runs["parts"][2].items():
+            assert torch.equal(g, runs["cat"][2][n]), f"{name}: {n}"
+        assert bool(runs["parts"][2]["layers.0.self_attn.k_proj.weight"].abs().sum() > 0), name
