@@ -1,0 +1,64 @@
+"""benchmarks/bench_trainer.py on CPU with the tiny shape: one step per path, a table with every row,
+the same seeded weights on both sides, and no full [T, V] logits on the vexact path."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_trainer.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_trainer", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_table_has_both_paths(bench, tmp_path, capsys, one_thread):
+    # 2 x 160 = 320 rows: more than the fused log-prob's 256-row chunk, so it must chunk.
+    out = tmp_path / "trainer.json"
+    rc = bench.main([
+        "--shape", "tiny", "--device", "cpu", "--batch", "2", "--seq-len", "160", "--steps", "1",
+        "--warmup", "0", "--stock", "sdpa-padded,sdpa-packed", "--init-std", "0.3", "--json", str(out),
+    ])  # fmt: skip
+    table = capsys.readouterr().out
+    assert rc == 0, table
+    rows = {r["path"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["vexact", "stock-sdpa-padded", "stock-sdpa-packed"]
+    t, vocab = 2 * 160, bench.TINY_SHAPE["vocab_size"]
+    for name, r in rows.items():
+        assert r["tokens_per_s"] > 0 and r["ms_mean"] > 0 and r["vs_stock"] > 0, name
+        assert math.isfinite(r["loss"]) and r["loss"] > 0, name
+        line = next(line for line in table.splitlines() if line.startswith(name + " "))
+        assert float(line.split()[1]) > 0 and float(line.split()[2]) > 0, line
+    assert max(r["vs_stock"] for name, r in rows.items() if name != "vexact") == pytest.approx(1.0)
+    # The fused log-prob never creates a [T, V] tensor; the stock path does (the check can fire).
+    assert rows["vexact"]["full_logits"] is False and 0 < rows["vexact"]["largest_vocab_tensor"] < t * vocab
+    assert rows["stock-sdpa-padded"]["full_logits"] is True and rows["stock-sdpa-packed"]["full_logits"] is True
+    # Same seeded weights and tokens: the three losses agree to bf16 rounding (~1e-4 relative here).
+    # Packed stock that let sequences attend across each other (transformers ignores packed
+    # position_ids when given a cache) was 2e-3 off; at std 0.3 the loss is far from log(V) = 6.93.
+    assert rows["vexact"]["loss"] > 9
+    for name in ("stock-sdpa-padded", "stock-sdpa-packed"):
+        assert rows[name]["loss"] == pytest.approx(rows["vexact"]["loss"], rel=5e-4), name
+
+
+def test_unknown_stock_path_is_refused(bench):
+    with pytest.raises(SystemExit):
+        bench.main(["--shape", "tiny", "--device", "cpu", "--stock", "eager-padded"])
