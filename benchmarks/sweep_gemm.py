@@ -8,6 +8,7 @@ mean over M; the best candidate per shape comes last. `_TUNED` holds a (small-M,
 shape sharing one BLOCK_K (kernels/gemm_triton.py): pick them from the per-M columns.
 
     python3 benchmarks/sweep_gemm.py [--shapes qwen3-1.7b,qwen3-8b] [--ms 64,256,512,2048,8192] [--json FILE]
+    python3 benchmarks/sweep_gemm.py --small --ms 64,128,256,512   # the small-M (decode) tiles only
 
 Needs CUDA. Changing a `_TUNED` entry changes the bits of that shape on both sides alike.
 """
@@ -40,6 +41,33 @@ CANDIDATES = [
     (128, 128, 128, 8, 8, 3, 1),
 ]
 
+# Small-M (decode) tiles for `--small`: each shape tries only those sharing its `_TUNED` BLOCK_K (the
+# reduction order is fixed per shape; the small-M tile may change only how the work is split).
+SMALL_CANDIDATES = [
+    (64, 32, 64, 8, 4, 6, 2),
+    (64, 64, 64, 8, 4, 4, 1),
+    (64, 64, 64, 8, 4, 5, 1),
+    (64, 64, 64, 8, 4, 4, 2),
+    (64, 128, 64, 8, 4, 3, 2),
+    (64, 128, 64, 8, 4, 4, 1),
+    (64, 128, 64, 8, 4, 5, 1),
+    (64, 128, 64, 8, 8, 4, 1),
+    (64, 256, 64, 8, 4, 4, 1),
+    (64, 256, 64, 8, 8, 3, 1),
+    (128, 64, 64, 8, 4, 5, 1),
+    (128, 64, 64, 8, 8, 4, 1),
+    (128, 128, 64, 8, 4, 5, 1),
+    (128, 128, 64, 8, 8, 5, 1),
+    (128, 128, 64, 8, 8, 4, 2),
+    (128, 256, 64, 8, 8, 3, 1),
+    (64, 32, 128, 8, 4, 4, 2),
+    (64, 64, 128, 8, 4, 3, 2),
+    (64, 64, 128, 8, 4, 4, 1),
+    (64, 128, 128, 8, 4, 3, 1),
+    (128, 64, 128, 8, 4, 3, 1),
+    (128, 128, 128, 8, 8, 3, 1),
+]
+
 
 def _bench(fn) -> float:
     from triton.testing import do_bench_cudagraph
@@ -65,7 +93,10 @@ def sweep(shapes, ms, candidates) -> list[dict]:
             print(
                 f"{'candidate':28s}" + "".join(f"{'M=' + str(m):>9s}" for m in ms) + "    gmean", flush=True
             )
+            pair = gt._TUNED.get((torch.bfloat16, n, k))
             for cand in candidates:
+                if candidates is SMALL_CANDIDATES and pair is not None and cand[2] != pair[0].block_k:
+                    continue  # another reduction order than the shape's: not a small-M tile for it
                 cfg = gt.GemmConfig(*cand)
                 gt.gemm_config = lambda *_, cfg=cfg: cfg
                 try:
@@ -95,6 +126,9 @@ def main() -> None:
     )
     parser.add_argument("--ms", default="64,256,512,2048,8192", help="comma-separated M values")
     parser.add_argument("--json", help="also write every measurement to this file")
+    parser.add_argument(
+        "--small", action="store_true", help="small-M tiles sharing each tuned shape's BLOCK_K (decode bucket)"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("error: the GEMM sweep needs a CUDA device")
@@ -102,7 +136,7 @@ def main() -> None:
     ms = [int(m) for m in args.ms.split(",")]
     start = time.time()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    rows = sweep(shapes, ms, CANDIDATES)
+    rows = sweep(shapes, ms, SMALL_CANDIDATES if args.small else CANDIDATES)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f)

@@ -146,11 +146,11 @@ def _write_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping):
     v_cache[blocks, offsets] = v[valid]
 
 
-def _paged_attention_torch(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale):
+def _paged_attention_torch(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out=None):
     block_size = k_cache.shape[1]
     lens = [int(n) for n in seq_lens.tolist()]
     starts = [int(s) for s in query_start_loc.tolist()]
-    out = q.new_empty(q.shape)
+    out = q.new_empty(q.shape) if out is None else out
     for b, seq_len in enumerate(lens):
         lo, hi = starts[b], starts[b + 1]
         if hi == lo:
@@ -172,10 +172,10 @@ def _paged_attention_torch(q, k_cache, v_cache, block_table, seq_lens, query_sta
 def _triton_impl(name: str):
     """attention_triton.<name>, imported on first call: importing this module never imports triton."""
 
-    def run(*args):
+    def run(*args, **kwargs):
         from . import attention_triton
 
-        return getattr(attention_triton, name)(*args)
+        return getattr(attention_triton, name)(*args, **kwargs)
 
     run.__name__ = f"_{name}_triton"
     return run
@@ -281,6 +281,7 @@ def paged_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new queries over a paged KV cache (inference; no gradient).
 
@@ -288,7 +289,9 @@ def paged_attention(
     block_table: int [B, max_blocks]; seq_lens: int [B] (keys per sequence, new ones included);
     query_start_loc: int [B + 1]. The queries of sequence b are its LAST q_len tokens, so query i
     sits at absolute position seq_lens[b] - q_len + i. Returns [T, Hq, D] in q.dtype, bitwise equal
-    to `varlen_attention` on the same values.
+    to `varlen_attention` on the same values. `out`: an optional [T, Hq, D] tensor of q's dtype and
+    device (last dim contiguous, rows and heads may be strided, e.g. a view of the caller's output
+    buffer) written in place and returned instead of a new tensor.
     """
     _check_qkv(q, k_cache, v_cache, ("k_cache", "v_cache"), "[num_blocks, block_size, Hkv, D]")
     check_last_dim_contiguous("k_cache", k_cache)
@@ -314,7 +317,14 @@ def paged_attention(
             raise ValueError(f"query_start_loc must rise from 0 to T = {q.shape[0]}, got {starts}")
     _check_scale(scale)
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens)
+    if out is not None:
+        if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+            raise ValueError(
+                f"out must be {tuple(q.shape)} {q.dtype} on {q.device} like q, got "
+                f"{tuple(out.shape)} {out.dtype} on {out.device}"
+            )
+        check_last_dim_contiguous("out", out)
     with torch.no_grad():
         return _PAGED_IMPLS[backend_for(q)](
-            q, k_cache, v_cache, block_table, seq_lens, query_start_loc, float(scale)
+            q, k_cache, v_cache, block_table, seq_lens, query_start_loc, float(scale), out=out
         )

@@ -509,7 +509,7 @@ def varlen_attention(q, k, v, cu_seqlens, scale):
     return _varlen_forward(q, k, v, cu_seqlens, scale, store_lse=False)[0]
 
 
-def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale):
+def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out=None):
     """Triton implementation of `attention.paged_attention` (inputs already checked there).
 
     No host synchronisation: the grid is (T // TOKENS + B, Hkv) from the shapes alone, and sequence
@@ -519,7 +519,7 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
     n_kv = k_cache.shape[2]
     group = n_heads // n_kv
     block_m, num_warps, num_stages = forward_config(head_dim, group)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out  # [T, Hq, D]
     n_seqs = seq_lens.shape[0]
     if n_tokens == 0 or n_seqs == 0:
         return out

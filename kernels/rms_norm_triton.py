@@ -71,6 +71,8 @@ def _rms_norm_fwd_kernel(
     RES_OUT,
     RSTD,
     stride_x,
+    stride_xi,  # x rows may be [T, heads] of a strided 3-D view: row = t * INNER + head
+    INNER,  # heads per t (1 for 2-D x); a runtime value, so it never selects another kernel
     stride_r,
     stride_y,
     stride_o,
@@ -83,7 +85,8 @@ def _rms_norm_fwd_kernel(
     """One row per program: 1. sum of squares, chunk by chunk into an fp32 [BLOCK] vector, then one
     tree sum; 2. rstd; 3. y = r * rstd * w. Chunked rows recompute r in step 3 (same bits)."""
     row = tl.program_id(0).to(tl.int64)
-    x_row, r_row, y_row, o_row = row * stride_x, row * stride_r, row * stride_y, row * stride_o
+    x_row = (row // INNER) * stride_x + (row % INNER) * stride_xi
+    r_row, y_row, o_row = row * stride_r, row * stride_y, row * stride_o
     cols = tl.arange(0, BLOCK)
     if NUM_CHUNKS == 1:
         mask = cols < H
@@ -177,22 +180,29 @@ def _rms_norm_bwd_kernel(
 def _forward(x, residual, weight, eps):
     """(y, new_residual or None, rstd [M] fp32); x, residual: [..., H] -> outputs [..., H]."""
     hidden = x.shape[-1]
-    x2 = x.reshape(-1, hidden)  # [M, H]
+    rows = x.numel() // hidden if hidden else 0
+    if residual is None and x.dim() == 3:  # [T, heads, H] read in place (a strided q/k view: no copy)
+        x2, stride_x, stride_xi, inner = x, x.stride(0), x.stride(1), x.shape[1]
+    else:
+        x2 = x.reshape(-1, hidden)  # [M, H]
+        stride_x, stride_xi, inner = x2.stride(0), 0, 1
     r2 = residual.reshape(-1, hidden) if residual is not None else x2
-    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
     new_res = torch.empty_like(y) if residual is not None else y
-    rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)  # [M]
-    if x2.shape[0] > 0 and hidden > 0:
+    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)  # [M]
+    if rows > 0 and hidden > 0:
         block = _block_for(hidden)
-        _rms_norm_fwd_kernel[(x2.shape[0],)](
+        _rms_norm_fwd_kernel[(rows,)](
             x2,
             r2,
             weight,
             y,
             new_res,
             rstd,
-            x2.stride(0),
-            r2.stride(0),
+            stride_x,
+            stride_xi,
+            inner,
+            r2.stride(0) if residual is not None else 0,
             y.stride(0),
             new_res.stride(0),
             hidden,

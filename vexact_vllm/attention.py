@@ -160,7 +160,7 @@ class VexactAttentionImpl(AttentionImpl):
         n = attn_metadata.num_actual_tokens
         k_cache, v_cache = split_kv_cache(kv_cache, self.head_size)
         write_kv_cache(key[:n], value[:n], k_cache, v_cache, attn_metadata.slot_mapping)
-        out = paged_attention(
+        paged_attention(
             query[:n],
             k_cache,
             v_cache,
@@ -168,7 +168,7 @@ class VexactAttentionImpl(AttentionImpl):
             attn_metadata.seq_lens,
             attn_metadata.query_start_loc,
             self.scale,
+            out=output[:n].view(n, self.num_heads, self.head_size),  # written in place: no copy
         )
-        output[:n].copy_(out.view_as(output[:n]))
         output[n:].fill_(0)
         return output

@@ -57,10 +57,16 @@ class VexactSamplerV2(Sampler):
         num_nans = get_num_nans(logits) if self.compute_nans else None
         tau, seeds, positions, greedy = self.rows(input_batch)
         log_probs = log_softmax(logits.float(), tau)  # fp32 [B, V]
-        sampled = torch.where(greedy, log_probs.argmax(-1), gumbel_argmax(log_probs, seeds, positions))
+        idx_np = input_batch.idx_mapping_np
+        host_greedy = self.sampling_states.temperature.np[idx_np] < GREEDY_EPS  # host copy: no sync
+        if host_greedy.all():
+            sampled = log_probs.argmax(-1)
+        elif not host_greedy.any():
+            sampled = gumbel_argmax(log_probs, seeds, positions)
+        else:  # a mixed batch: each row takes its own rule (both are row-wise, batch-invariant)
+            sampled = torch.where(greedy, log_probs.argmax(-1), gumbel_argmax(log_probs, seeds, positions))
 
         logprobs_tensors = None
-        idx_np = input_batch.idx_mapping_np
         if self.returns_logprobs(idx_np):
             num_logprobs = self.sampling_states.max_num_logprobs(idx_np)
             expanded = log_probs.shape[0] != idx_np.shape[0]

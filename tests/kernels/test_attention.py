@@ -212,3 +212,16 @@ def test_bad_input_raises():
         paged_attention(
             q, k_cache[:, :, :1], k_cache.clone(), table, torch.tensor([4]), torch.tensor([0, 4]), 0.1
         )
+
+
+def test_paged_out_buffer_and_bad_out():
+    q, k, v = torch.randn(3, 4, 8), torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    k_cache, v_cache = torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8)
+    write_kv_cache(k, v, k_cache, v_cache, torch.tensor([0, 1, 2]))
+    args = (q, k_cache, v_cache, torch.tensor([[0]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
+            torch.tensor([0, 3], dtype=torch.int32), 0.3)  # fmt: skip
+    buffer = torch.zeros(3, 32)
+    got = paged_attention(*args, out=buffer.view(3, 4, 8))
+    assert got.data_ptr() == buffer.data_ptr() and torch.equal(buffer.view(3, 4, 8), paged_attention(*args))
+    with pytest.raises(ValueError, match="out must be"):
+        paged_attention(*args, out=torch.zeros(3, 4, 8, dtype=torch.bfloat16))

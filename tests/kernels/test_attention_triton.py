@@ -394,3 +394,17 @@ def test_public_api_dispatches_to_triton_cuda(compiled, monkeypatch):
     public = _Public()
     public.paged_attention, public.write_kv_cache = paged_attention, write_kv_cache
     assert torch.equal(_run_chunked(public, q, k, v, cu, 16, 50, 0.125), out)
+
+
+def test_paged_out_buffer_interpreted(interp):
+    """`out=` writes into a strided view of a caller's buffer (vLLM's [T, Hq * D] output): same bits."""
+    q, k, v, cu = _packed((9, 5), 4, 2, 16, torch.bfloat16)
+    engine = _Engine(interp, k, v, cu, 16)
+    want = engine.step(q, {0: (0, 9), 1: (0, 5)}, 0.25)
+    buffer = torch.full((16, 4 * 16), 7.0, dtype=torch.bfloat16)  # 2 rows past T stay untouched
+    args = (q, engine.k_cache, engine.v_cache, engine.block_table, torch.tensor([9, 5], dtype=torch.int32),
+            torch.tensor([0, 9, 14], dtype=torch.int32), 0.25)  # fmt: skip
+    got = interp.paged_attention(*args, out=buffer[:14].view(14, 4, 16))
+    assert got.data_ptr() == buffer.data_ptr()
+    assert torch.equal(buffer[:9].view(9, 4, 16), want[0]) and torch.equal(buffer[9:14].view(5, 4, 16), want[1])
+    assert bool((buffer[14:] == 7.0).all())

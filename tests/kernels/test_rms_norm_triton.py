@@ -97,6 +97,19 @@ def test_fp32_weight_bf16_input_and_leading_dims(tk):
     assert tk.rms_norm_triton(torch.randn(0, 40), w, EPS).shape == (0, 40)
 
 
+def test_strided_heads_read_in_place(tk, chunked):
+    """Per-head q/k norm: [T, heads, D] views of a fused q|k|v row, read without a copy, same bits."""
+    qkv = torch.randn(5, 4 * 130 + 2 * 2 * 130).bfloat16()  # q: 4 heads, k and v: 2 heads each
+    q = qkv[:, : 4 * 130].view(5, 4, 130)  # strides (TOTAL, 130, 1): not viewable as 2-D
+    k = qkv[:, 4 * 130 : 6 * 130].view(5, 2, 130)
+    w = torch.rand(130) + 0.5
+    for view in (q, k):
+        y = tk.rms_norm_triton(view, w, EPS)
+        assert y.shape == view.shape and y.is_contiguous()
+        assert torch.equal(y, tk.rms_norm_triton(view.contiguous().reshape(-1, 130), w, EPS).view_as(view))
+    assert not torch.equal(tk.rms_norm_triton(q, w, EPS)[:, 1], tk.rms_norm_triton(q, w, EPS)[:, 0])
+
+
 def test_gradients_match_float64_reference(tk, chunked):
     x = torch.randn(19, 130, requires_grad=True)  # two backward programs, the second one partial
     w = (torch.rand(130) + 0.5).requires_grad_()
@@ -204,3 +217,16 @@ def test_cuda_gradients_deterministic_and_accurate(hidden):
     ((_reference(s, wd, EPS) * g.double()).sum() + s.square().sum()).backward()
     torch.testing.assert_close(x.grad.double(), xd.grad, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(w.grad.double(), wd.grad, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_strided_heads_equal_contiguous():
+    mod = importlib.import_module(MODULE)
+    qkv = torch.randn(300, 4096, device="cuda").bfloat16()  # q 16 heads | k 8 | v 8, head_dim 128
+    w = (torch.rand(128, device="cuda") + 0.5).bfloat16()
+    for lo, heads in ((0, 16), (2048, 8)):
+        view = qkv[:, lo : lo + heads * 128].view(300, heads, 128)
+        y = mod.rms_norm_triton(view, w, EPS)
+        assert torch.equal(y, mod.rms_norm_triton(view.contiguous().reshape(-1, 128), w, EPS).view_as(view))
+        assert torch.equal(y[:7], mod.rms_norm_triton(view[:7], w, EPS))

@@ -100,3 +100,11 @@ def test_bench_default_configs(monkeypatch):
     assert default_configs() == ["stock", "vexact"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert default_configs() == list(CONFIGS)
+
+
+def test_preemption_blocks_fit_the_longest_request_and_one_spare():
+    from vexact_vllm.cli.rollout import RolloutSettings, preemption_blocks
+
+    settings = RolloutSettings(model="m", max_tokens=33, block_size=32)
+    prompts = [[1] * 20, [1] * 70, [1] * 5]  # 53, 103, 38 tokens at the end: 2, 4, 2 blocks
+    assert preemption_blocks(prompts, settings) == 5

@@ -2,7 +2,8 @@
 
 A composition is one way of feeding the same requests to vLLM: each prompt alone, all at once,
 shuffled, a small token budget that forces chunked prefill, a KV cache small enough to force
-preemption and recompute, CUDA graphs off (`eager`). Every request carries its own seed, so a
+preemption and recompute (its requests generate at least one block's worth of tokens, so each must
+grow into a new block mid-decode), CUDA graphs off (`eager`). Every request carries its own seed, so a
 bitwise-invariant engine returns the same tokens and log-probs in all of them.
 
 `prefix-cache` feeds other requests, built so that most of their prompt is read from cached KV
@@ -13,6 +14,7 @@ It reports the prefix-cache hits (tokens) vLLM counted, and is a failure when th
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import random
 from dataclasses import dataclass, field
@@ -127,10 +129,6 @@ def _counter(llm, name: str) -> int | None:
     return int(sum(values))
 
 
-def _preemptions(llm) -> int:
-    return _counter(llm, "vllm:num_preemptions") or 0
-
-
 PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"  # vLLM V1's counter of prompt tokens read from cache
 
 
@@ -201,13 +199,22 @@ def run_compositions(
             _shutdown(llm)
 
     if "preemption" in names:
-        blocks = settings.preempt_blocks or preemption_blocks(prompt_ids, settings)
-        llm = _engine(settings, num_gpu_blocks_override=blocks, max_model_len=(blocks - 1) * settings.block_size)
+        # Every request generates past a block boundary (at least block_size + 1 tokens), so it must
+        # take a new KV block mid-decode: with the cache sized below, that preempts another request.
+        grow = dataclasses.replace(settings, max_tokens=max(settings.max_tokens, settings.block_size + 1))
+        blocks = settings.preempt_blocks or preemption_blocks(prompt_ids, grow)
+        llm = _engine(grow, num_gpu_blocks_override=blocks, max_model_len=(blocks - 1) * settings.block_size)
         try:
-            rollouts = _generate_all(llm, prompt_ids, settings, list(range(n)))
-            results.append(
-                CompositionResult(f"preemption ({blocks} blocks)", rollouts, {"preemptions": _preemptions(llm)})
-            )
+            rollouts = _generate_all(llm, prompt_ids, grow, list(range(n)))
+            count = _counter(llm, "vllm:num_preemptions")
+            problem = None
+            if count == 0:
+                problem = (
+                    f"no preemption happened with {blocks} KV blocks of {settings.block_size} tokens: the composition "
+                    "tested nothing; raise --max-tokens (requests must grow into new blocks) or add prompts"
+                )
+            notes = {"preemptions": "n/a" if count is None else count}
+            results.append(CompositionResult(f"preemption ({blocks} blocks)", rollouts, notes, problem))
             step(1)
         finally:
             _shutdown(llm)
@@ -223,6 +230,8 @@ def run_compositions(
 
 
 def preemption_blocks(prompt_ids: list[list[int]], settings: RolloutSettings) -> int:
-    """Enough blocks for the longest request to finish alone, too few for all of them at once."""
+    """Enough blocks for the longest request to finish alone (one spare), too few for two requests
+    to grow side by side: every request whose decode crosses a block boundary while another holds
+    blocks forces a preemption."""
     per_request = [-(-(len(p) + settings.max_tokens) // settings.block_size) for p in prompt_ids]
-    return max(max(per_request) + 2, sum(per_request) // 3)
+    return max(per_request) + 1
