@@ -9,6 +9,8 @@ to 0 at each sequence start); both are turned into the packed layout the shared 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers import LlamaConfig, PreTrainedModel, Qwen2Config, Qwen3Config
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -19,6 +21,15 @@ from .attention_context import PackedAttention, cu_seqlens_from_position_ids
 from .config import DecoderConfig, check_dtype
 from .layers import Embedding, Linear, RMSNorm
 from .models import build_decoder
+from .ppo_outputs import token_log_probs_and_entropy
+
+
+@dataclass
+class VexactPPOOutput(CausalLMOutputWithPast):
+    """verl's fused-kernel model output (`CausalLMOutputForPPO`): per-token log-probs and entropy."""
+
+    log_probs: torch.FloatTensor | None = None
+    entropy: torch.FloatTensor | None = None
 
 
 class PackedBatch:
@@ -80,6 +91,17 @@ class VexactPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = False
     _supports_attention_backend = False
 
+    def _check_and_adjust_attn_implementation(self, attn_implementation, is_init_check=False, **kwargs):
+        """The shared model always runs the vexact varlen attention kernel; Hugging Face's attention
+        selection (verl's FSDP engine asks for flash_attention_2) is recorded but not consulted."""
+        return attn_implementation or "eager"
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+        raise ValueError(
+            f"{type(self).__name__} (vexact) does not support gradient checkpointing yet; turn it off "
+            "(verl: actor_rollout_ref.model.enable_gradient_checkpointing=False)"
+        )
+
     def _init_weights(self, module):
         std = getattr(self.config, "initializer_range", 0.02)
         if isinstance(module, (Linear, Embedding)):
@@ -107,16 +129,53 @@ class VexactForCausalLM(VexactPreTrainedModel):
         check_dtype(self.lm_head.weight.dtype)
         return self.model(batch.input_ids, batch.positions, PackedAttention(batch.cu_seqlens))  # [T, H]
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        labels=None,
+        *,
+        temperature=None,
+        shift_labels=None,
+        return_entropy: bool = True,
+        vocab_mask: torch.Tensor | None = None,
+        **kwargs,
+    ):
+        """Hugging Face's causal-LM forward (fp32 logits [B, L, V]), or, when `temperature` or
+        `shift_labels` is given, verl's fused-kernel output: per-token `log_probs` and `entropy`
+        [B, L] of the targets `shift_labels` (else input_ids shifted left by one in each row) from
+        the one log-prob function (see ppo_outputs). `vocab_mask` (bool [V]): ids the rollout masked.
+        Autocast is off inside: the shared kernels fix their own dtypes, as on the rollout side."""
         if input_ids is None:
             raise ValueError("vexact models take input_ids (inputs_embeds is not supported)")
         batch = PackedBatch.from_hf_inputs(input_ids, attention_mask, position_ids)
-        logits = linear(self.hidden_states(batch), self.lm_head.weight, out_dtype=torch.float32)  # [T, V]
-        logits = batch.unpack(logits)  # [B, L, V]
+        with torch.autocast(device_type=input_ids.device.type, enabled=False):
+            hidden = self.hidden_states(batch)  # [T, H]
+            if temperature is not None or shift_labels is not None:
+                return self._ppo_outputs(
+                    batch, hidden, input_ids, shift_labels, temperature, return_entropy, vocab_mask
+                )
+            logits = batch.unpack(linear(hidden, self.lm_head.weight, out_dtype=torch.float32))  # [B, L, V]
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
         return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    def _ppo_outputs(self, batch, hidden, input_ids, shift_labels, temperature, return_entropy, vocab_mask):
+        targets = shift_labels if shift_labels is not None else torch.roll(input_ids, -1, dims=-1)  # [B, L]
+        if tuple(targets.shape) != tuple(input_ids.shape):
+            raise ValueError(
+                f"shift_labels {tuple(targets.shape)} must have the shape of input_ids {tuple(input_ids.shape)}"
+            )
+        targets = targets.reshape(-1) if batch.index is None else targets.reshape(-1)[batch.index]  # [T]
+        tau = 1.0 if temperature is None else temperature
+        log_probs, entropy = token_log_probs_and_entropy(
+            hidden, self.lm_head.weight, targets, tau, vocab_mask, return_entropy
+        )
+        return VexactPPOOutput(
+            log_probs=batch.unpack(log_probs), entropy=None if entropy is None else batch.unpack(entropy)
+        )
 
     def packed_log_probs(self, batch: PackedBatch, temperature: float = 1.0) -> torch.Tensor:
         """log p(token t+1 | tokens <= t) for every packed row t, fp32 [T]; 0 at each sequence's

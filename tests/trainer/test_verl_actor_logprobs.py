@@ -1,0 +1,199 @@
+"""verl's own actor log-prob path on the shared model equals what vLLM returned, bit for bit.
+
+The path is verl 0.9.1's FSDP engine (`FSDPEngineWithLMHead`): its `__init__`, its model build
+(`_build_module`: AutoModelForCausalLM with the vexact classes registered), and `infer_batch` /
+`forward_backward_batch` on verl's no-padding TensorDict, with `verl_hooks` installed; the FSDP2
+wrap itself cannot run on a CPU-only torch (see _verl_engine.py for exactly what fails and what is
+patched). Contract checks are torch.equal only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("verl")
+sys.path.insert(0, str(Path(__file__).parent))  # the sibling helper module (importlib import mode)
+
+from _verl_engine import build_engine, cpu_verl, response_outputs, rollout_batch  # noqa: E402
+
+from vexact_vllm.cli.rollout import Rollout  # noqa: E402
+from vexact_vllm.model_patches import training, verl_hooks  # noqa: E402
+from vexact_vllm.model_patches.hf_model import VexactForCausalLM  # noqa: E402
+
+TEMPERATURES = (1.0, 0.7)
+
+
+@pytest.fixture
+def hooks(monkeypatch):
+    """The training switch and the verl hooks on (as `enable()` does), verl on CPU; restored after."""
+    cpu_verl(monkeypatch)
+    was_installed, was_enabled = verl_hooks.is_installed(), training.is_training_enabled()
+    training.enable_training()
+    verl_hooks.install()
+    yield
+    if not was_installed:
+        verl_hooks.uninstall()
+    if not was_enabled:
+        training.disable_training()
+
+
+@pytest.fixture
+def unmasked(monkeypatch):
+    """The `vllm_rollouts` fixture ran vLLM without verl's compute_logits patch, so it normalised
+    over the whole vocabulary: the trainer must not mask either."""
+    monkeypatch.setattr(verl_hooks, "rollout_vocab_mask", lambda *args, **kwargs: None)
+
+
+@pytest.fixture(scope="session")
+def masked_rollouts(tiny_model, tmp_path_factory):
+    """{temperature: [Rollout]} from vLLM (vexact) after verl's `monkey_patch_compute_logits`."""
+    pytest.importorskip("vllm")
+    out = tmp_path_factory.mktemp("masked") / "rollouts.json"
+    script = Path(__file__).with_name("_generate_verl_masked.py")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    temps = ",".join(str(t) for t in TEMPERATURES)
+    proc = subprocess.run(
+        [sys.executable, str(script), tiny_model("qwen3"), str(out), temps],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, f"vLLM generation failed:\n{proc.stderr[-4000:]}"
+    data = json.loads(out.read_text())
+    return {float(t): [Rollout(**r) for r in rows] for t, rows in data.items()}
+
+
+def _verl_log_probs(engine, rollouts, temperature, **flags):
+    data = rollout_batch(rollouts, temperature, engine.model_config.tokenizer.pad_token_id, **flags)
+    return response_outputs(engine.infer_batch(data), data)
+
+
+def _assert_equal_to_rollouts(outputs, rollouts):
+    for i, r in enumerate(rollouts):
+        got = outputs["log_probs"][i, : len(r.output_ids)]
+        assert torch.equal(got, torch.tensor(r.logprobs, dtype=torch.float32)), (i, got, r.logprobs)
+
+
+@pytest.mark.parametrize("use_remove_padding", [True, False], ids=["rmpad", "padded"])
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_verl_actor_log_probs_equal_vllm(hooks, unmasked, vllm_rollouts, tiny_model, temperature, use_remove_padding):
+    engine = build_engine(tiny_model("qwen3"), use_remove_padding=use_remove_padding)
+    assert isinstance(engine.module, VexactForCausalLM)  # built by verl through AutoModelForCausalLM
+    rollouts = vllm_rollouts[temperature]
+    outputs = _verl_log_probs(engine, rollouts, temperature, use_remove_padding=use_remove_padding)
+    _assert_equal_to_rollouts(outputs, rollouts)
+    entropy = outputs["entropy"]
+    assert torch.isfinite(entropy).all() and bool((entropy[:, 0] > 0).all())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_verl_masked_vocabulary_equals_masked_rollout(hooks, masked_rollouts, tiny_model, temperature):
+    """vLLM under verl's compute_logits mask (ids >= len(tokenizer) at -inf) vs verl's trainer with
+    the mask it builds from its own tokenizer: equal; without the mask: not equal."""
+    engine = build_engine(tiny_model("qwen3"))
+    tokenizer_len, vocab = len(engine.model_config.tokenizer), engine.module.config.vocab_size
+    assert tokenizer_len < vocab  # the tiny model has vocabulary rows past its tokenizer
+    rollouts = masked_rollouts[temperature]
+    _assert_equal_to_rollouts(_verl_log_probs(engine, rollouts, temperature), rollouts)
+    mask = verl_hooks.rollout_vocab_mask(engine.model_config, vocab, torch.device("cpu"))
+    assert int(mask.sum()) == tokenizer_len
+    engine._vexact_vocab_mask = None  # what the trainer would compute without the mask
+    unmasked = _verl_log_probs(engine, rollouts, temperature)["log_probs"]
+    assert not torch.equal(unmasked[0, : len(rollouts[0].logprobs)], torch.tensor(rollouts[0].logprobs))
+
+
+def _loss(model_output, data, dp_group=None):
+    """verl's loss-function signature; a policy-gradient-like loss plus an entropy bonus."""
+    log_probs, entropy = model_output["log_probs"].values(), model_output["entropy"].values()
+    loss = -(log_probs * 0.5).mean() - 0.01 * entropy.mean()
+    return loss, {"loss": loss.detach().item()}
+
+
+def test_gradient_flows_through_the_shared_log_prob(hooks, vllm_rollouts, tiny_model):
+    engine = build_engine(tiny_model("qwen3"), forward_only=False)
+    model = engine.module
+    model.train()
+    data = rollout_batch(vllm_rollouts[0.7], 0.7, engine.model_config.tokenizer.pad_token_id)
+    engine.forward_backward_batch(data, _loss, forward_only=False)  # verl calls loss.backward()
+    for name in ("lm_head.weight", "model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.o_proj.weight"):
+        grad = model.get_parameter(name).grad
+        assert grad is not None, name
+        assert torch.isfinite(grad).all() and grad.abs().sum() > 0, name
+
+
+def test_verl_divides_nothing(hooks, unmasked, vllm_rollouts, tiny_model, monkeypatch):
+    """For vexact models verl's own temperature scaling and log-softmax are never called."""
+    import verl.workers.engine.fsdp.transformer_impl as impl
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("verl's own logits path ran for a vexact model")
+
+    monkeypatch.setattr(impl, "_scale_logits_by_temperature", refuse)
+    monkeypatch.setattr(impl, "logprobs_from_logits", refuse)
+    engine = build_engine(tiny_model("qwen3"))
+    _assert_equal_to_rollouts(_verl_log_probs(engine, vllm_rollouts[0.7], 0.7), vllm_rollouts[0.7])
+
+
+def test_stock_model_untouched(hooks, vllm_rollouts, tiny_model):
+    """A stock transformers model (training switch off) takes verl's own path, hooks or not."""
+    training.disable_training()
+    engine = build_engine(tiny_model("qwen3"), override_config={"attn_implementation": "sdpa"})  # no flash-attn on CPU
+    assert not isinstance(engine.module, VexactForCausalLM)
+    rollouts = vllm_rollouts[1.0]
+    with_hooks = _verl_log_probs(engine, rollouts, 1.0)
+    verl_hooks.uninstall()
+    without = _verl_log_probs(engine, rollouts, 1.0)
+    verl_hooks.install()
+    assert torch.equal(with_hooks["log_probs"], without["log_probs"])
+    assert torch.equal(with_hooks["entropy"], without["entropy"])
+
+
+def test_refusals(hooks, vllm_rollouts, tiny_model):
+    engine = build_engine(tiny_model("qwen3"))
+    pad = engine.model_config.tokenizer.pad_token_id
+    rollouts = vllm_rollouts[1.0]
+    with pytest.raises(ValueError, match="calculate_sum_pi_squared"):
+        engine.infer_batch(rollout_batch(rollouts, 1.0, pad, calculate_sum_pi_squared=True))
+    with pytest.raises(ValueError, match="distillation"):
+        engine.infer_batch(rollout_batch(rollouts, 1.0, pad, distillation_use_topk=True))
+    with pytest.raises(ValueError, match="temperature"):
+        engine.infer_batch(rollout_batch(rollouts, torch.full((len(rollouts),), 0.7), pad))
+    engine.use_ulysses_sp = True
+    with pytest.raises(ValueError, match="ulysses_sequence_parallel_size=1"):
+        engine.infer_batch(rollout_batch(rollouts, 1.0, pad))
+
+
+def test_install_is_idempotent_and_reversible():
+    from verl.models.transformers import monkey_patch
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    was = verl_hooks.is_installed()
+    verl_hooks.uninstall()
+    original = FSDPEngineWithLMHead.__dict__["prepare_model_inputs"]
+    original_patch = monkey_patch.patch_forward_with_backends
+    verl_hooks.install()
+    verl_hooks.install()
+    assert FSDPEngineWithLMHead.__dict__["prepare_model_inputs"].__wrapped__ is original
+    assert monkey_patch.patch_forward_with_backends.__wrapped__ is original_patch
+    verl_hooks.uninstall()
+    assert FSDPEngineWithLMHead.__dict__["prepare_model_inputs"] is original
+    assert monkey_patch.patch_forward_with_backends is original_patch
+    if was:
+        verl_hooks.install()
+
+
+def test_fused_kernel_flag_keeps_the_vexact_forward(hooks, tiny_model):
+    """With verl's use_fused_kernels=True, apply_monkey_patch would swap verl's fused forward onto
+    the model class; vexact classes keep theirs."""
+    from verl.models.transformers.monkey_patch import apply_monkey_patch
+
+    engine = build_engine(tiny_model("qwen3"))
+    forward = type(engine.module).forward
+    apply_monkey_patch(engine.module, use_remove_padding=True, use_fused_kernels=True, fused_kernels_backend="torch")
+    assert type(engine.module).forward is forward
