@@ -1,11 +1,10 @@
-"""Pick the one GEMM launch configuration per weight shape (N, K): a sweep against cuBLAS.
+"""Pick the GEMM tiles per weight shape (N, K) and M bucket: a sweep against cuBLAS.
 
-The batch-invariant GEMM (kernels/gemm_triton.py) uses ONE configuration per (N, K, dtype), whatever
-M is, so a configuration must serve decode (M ~ the running batch) and prefill (M up to the token
-budget) at once. For each shape this prints, per candidate, the speed vs cuBLAS (F.linear, bf16
+The batch-invariant GEMM (kernels/gemm_triton.py) uses ONE reduction (BLOCK_K) per (N, K, dtype),
+whatever M is; only the tile (and pointer vs TMA loads) may follow M. For each shape this prints, per candidate, the speed vs cuBLAS (F.linear, bf16
 out; the lm_head writes fp32 like ours) at each M, timed as CUDA-graph replays, and the geometric
-mean over M; the best candidate per shape comes last. `_TUNED` holds a (small-M, large-M) pair per
-shape sharing one BLOCK_K (kernels/gemm_triton.py): pick them from the per-M columns.
+mean over M; the best candidate per shape comes last. `_TUNED` holds a tile per M bucket for each
+shape, all sharing one BLOCK_K (kernels/gemm_triton.py): pick them from the per-M columns.
 
     python3 benchmarks/sweep_gemm.py [--shapes qwen3-1.7b,qwen3-8b] [--ms 64,256,512,2048,8192] [--json FILE]
     python3 benchmarks/sweep_gemm.py --small --ms 64,128,256,512   # the small-M (decode) tiles only
@@ -75,7 +74,7 @@ def _bench(fn) -> float:
     return do_bench_cudagraph(fn, rep=20)
 
 
-def sweep(shapes, ms, candidates) -> list[dict]:
+def sweep(shapes, ms, candidates, small_only: bool = False) -> list[dict]:
     import vexact_vllm.kernels.gemm_triton as gt
 
     original = gt.gemm_config
@@ -93,9 +92,9 @@ def sweep(shapes, ms, candidates) -> list[dict]:
             print(
                 f"{'candidate':28s}" + "".join(f"{'M=' + str(m):>9s}" for m in ms) + "    gmean", flush=True
             )
-            pair = gt._TUNED.get((torch.bfloat16, n, k))
+            buckets = gt._TUNED.get((torch.bfloat16, n, k))
             for cand in candidates:
-                if candidates is SMALL_CANDIDATES and pair is not None and cand[2] != pair[0].block_k:
+                if small_only and buckets is not None and cand[2] != buckets[0][1].block_k:
                     continue  # another reduction order than the shape's: not a small-M tile for it
                 cfg = gt.GemmConfig(*cand)
                 gt.gemm_config = lambda *_, cfg=cfg: cfg
@@ -129,6 +128,9 @@ def main() -> None:
     parser.add_argument(
         "--small", action="store_true", help="small-M tiles sharing each tuned shape's BLOCK_K (decode bucket)"
     )
+    parser.add_argument(
+        "--tma", action="store_true", help="each candidate also with TMA loads, and with warp specialization"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("error: the GEMM sweep needs a CUDA device")
@@ -136,7 +138,10 @@ def main() -> None:
     ms = [int(m) for m in args.ms.split(",")]
     start = time.time()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    rows = sweep(shapes, ms, SMALL_CANDIDATES if args.small else CANDIDATES)
+    candidates = SMALL_CANDIDATES if args.small else CANDIDATES
+    if args.tma:  # GemmConfig's tma and warp_specialize fields after the seven above
+        candidates = [*candidates, *((*c, True) for c in candidates), *((*c, True, True) for c in candidates)]
+    rows = sweep(shapes, ms, candidates, small_only=args.small)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f)

@@ -9,21 +9,22 @@ Invariant (DESIGN rule 2): the bits of output row m depend only on x[m] and W.
   program walks K from 0 upwards in steps of BLOCK_K, in order, with one `tl.dot(x_tile, w_tile,
   acc)` per step (on Hopper: wgmma instructions of k = 16, chained on the fp32 accumulator in K
   order), the tail masked with zeros (adding 0.0 changes no bit). No split-K, no autotuning.
-- The TILE shape (BLOCK_M, BLOCK_N, warps, stages, persistent programs) decides only which program
-  computes which output elements, never how one is computed: an element's products and their
-  accumulation order are the same in a 64x128 tile of 4 warps as in a 128x256 tile of 8 warps. So
-  the tile may follow M: a tuned shape has a small-M tile (fills the SMs at decode batch sizes) and
-  a large-M tile (reuses loads at prefill sizes), with the SAME BLOCK_K; `_TUNED` refuses a pair
-  that differs in BLOCK_K, and the CUDA tests check `torch.equal` between the two tiles and across
-  the bucket boundary (rows of an M = 1100 call against every smaller M).
+- The TILE shape (BLOCK_M, BLOCK_N, warps, stages, persistent programs) and how tiles reach shared
+  memory (pointer loads, or TMA descriptors with optional warp specialization: `_linear_kernel_tma`)
+  decide only which program computes which output elements, never how one is computed: an
+  element's products and their accumulation order are the same in a 64x128 tile of 4 warps as in a
+  128x256 tile of 8 warps. So the tile may follow M: a tuned shape has one tile per M bucket (small
+  tiles fill the SMs at decode batch sizes, large ones reuse loads at prefill sizes), all with the
+  SAME BLOCK_K; `_TUNED` refuses buckets that differ in BLOCK_K, and the CUDA tests check
+  `torch.equal` between every bucket's tile, across bucket boundaries, and TMA against pointer loads.
 - Rows past M read as zeros and are never stored; a row's value never depends on its neighbours.
 - Persistent grid: min(tiles, programs_per_sm * SMs) programs loop over tiles in grouped order
   (L2 reuse); a tile's value is computed from scratch by whichever program takes it, so neither
   the SM count nor the tile order can change it.
 fp32 inputs use true fp32 products ("ieee", no TF32), like torch's default matmul.
 
-Launch configurations live in one table, `_TUNED`, keyed by (dtype, N, K): a (small-M, large-M)
-pair split at M = SMALL_M; shapes it lacks get `_default_config` (one tile for every M). Changing
+Launch configurations live in one table, `_TUNED`, keyed by (dtype, N, K): tiles by M bucket;
+shapes it lacks get `_default_config` (one tile for every M). Changing
 an entry's BLOCK_K changes the bits for that weight shape on both sides (rollout and trainer) alike,
 so the contract holds, but recorded log-probs will differ.
 """
@@ -122,6 +123,53 @@ def _linear_kernel(
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
+# TMA variant (Hopper): the same math and reduction, only how tiles reach shared memory differs. The
+# descriptors zero-fill rows past M, columns past N and the K tail (exact zeros, as the masked loads
+# above), and the store drops what lies past M or N; so an element's bits equal the pointer kernel's
+# for the same BLOCK_K whatever the tile. The tests compare the two.
+@triton.jit(do_not_specialize=["M"])
+def _linear_kernel_tma(
+    x_desc,  # [M, K] descriptor, block [BLOCK_M, BLOCK_K]
+    w_desc,  # [N, K] descriptor, block [BLOCK_N, BLOCK_K]
+    y_desc,  # [M, N] descriptor, block [BLOCK_M, BLOCK_N]
+    b_ptr,  # [N] or a dummy when HAS_BIAS is False
+    M,  # not specialized: M must not select a different compiled kernel
+    N,
+    K,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # K step: fixes the accumulation order
+    GROUP_M: tl.constexpr,  # tile order only (L2 reuse)
+    NUM_PROGRAMS: tl.constexpr,  # persistent programs: who computes a tile, not its value
+    DOT_FP32: tl.constexpr,  # interpreter only (see gemm_triton.py)
+    WARP_SPECIALIZE: tl.constexpr,  # producer/consumer warps (speed only)
+):
+    start_pid = tl.program_id(0)
+    num_pid_m = (M + BLOCK_M - 1) // BLOCK_M
+    num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
+    num_tiles = num_pid_m * num_pid_n
+    k_tiles = (K + BLOCK_K - 1) // BLOCK_K
+    tile_id_out = start_pid - NUM_PROGRAMS
+    for tile_id in tl.range(start_pid, num_tiles, NUM_PROGRAMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        for ki in range(k_tiles):  # from 0, in order, one dot shape; OOB parts load as exact zeros
+            x = x_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])  # [BLOCK_M, BLOCK_K]
+            w = w_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])  # [BLOCK_N, BLOCK_K]
+            if DOT_FP32:
+                x = x.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(x, w.T, acc, input_precision="ieee")
+        tile_id_out += NUM_PROGRAMS
+        pid_m, pid_n = _tile_coords(tile_id_out, num_pid_m, num_pid_n, GROUP_M)
+        if HAS_BIAS:
+            offs_yn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            bias = tl.load(b_ptr + offs_yn, mask=offs_yn < N, other=0.0)
+            acc = acc + bias.to(tl.float32)[None, :]
+        y_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(y_desc.dtype))
+
+
 @dataclasses.dataclass(frozen=True)
 class GemmConfig:
     """One launch configuration; fixed per (dtype, N, K), whatever M is."""
@@ -133,43 +181,70 @@ class GemmConfig:
     num_warps: int
     num_stages: int  # software pipelining depth (speed only)
     programs_per_sm: int = 1  # persistent programs per SM (speed only): 2 hides small tiles' latency
+    tma: bool = False  # tensor-descriptor loads/stores (_linear_kernel_tma; speed only, same bits)
+    warp_specialize: bool = False  # TMA kernel only: producer/consumer warps (speed only)
 
 
 _BF16 = torch.bfloat16
-# Rows up to this use a tuned shape's small-M tile, more rows its large-M tile (same BLOCK_K).
-SMALL_M = 512
-_LARGE = GemmConfig(128, 256, 64, 8, 8, 3)  # prefill sizes, bf16 output (fp32 output: too much smem)
-# Tuned entries, keyed by (dtype, N, K) of the weight: the fused q/k/v and gate/up, o, down and lm_head
-# of Qwen3-1.7B and Qwen3-8B. Picked on one H100 SXM (132 SMs; Triton 3.6, torch 2.11, 2026-11-21)
-# with benchmarks/sweep_gemm.py (CUDA-graph timing against cuBLAS F.linear): the small tile is the
-# best at M = 256 (decode), the large one at M = 2048 and 8192 (prefill), among tiles sharing one
-# BLOCK_K. The comment gives that run's speed vs cuBLAS at M = 64, 256 | 512, 2048, 8192.
-_TUNED: dict[tuple[torch.dtype, int, int], tuple[GemmConfig, GemmConfig]] = {
+C = GemmConfig
+_LARGE = C(128, 256, 64, 8, 8, 3)  # a prefill tile of the 8B shapes (pointer kernel)
+T = True  # shorthand in the table: tma, warp_specialize
+# Tuned entries, keyed by (dtype, N, K) of the weight: the fused q/k/v and gate/up, o, down and
+# lm_head of Qwen3-1.7B and Qwen3-8B. Each is a list of M buckets ((largest M, tile), ..., (None,
+# tile)) whose tiles all share ONE BLOCK_K (the reduction order). Picked on one H100 SXM (132 SMs;
+# Triton 3.6, torch 2.11) with benchmarks/sweep_gemm.py (CUDA-graph timing against cuBLAS
+# F.linear): the comment gives the sweep's speed vs cuBLAS in each bucket (M = 64 | 128 | 256 | 512 |
+# 2048 8192). 1.7B: 2026-11-21, `--small --tma` and `--tma`; 8B: the earlier two-tile sweep.
+_TUNED: dict[tuple[torch.dtype, int, int], tuple[tuple[int | None, GemmConfig], ...]] = {
     # Qwen3-1.7B: hidden 2048, intermediate 6144, q 2048, k/v 1024, vocab 151936
-    (_BF16, 4096, 2048): (GemmConfig(64, 128, 64, 8, 4, 4), _LARGE),  # .58 .85 | .58 .96 .94 (qkv)
-    (_BF16, 2048, 2048): (GemmConfig(64, 128, 64, 8, 4, 3, 2), _LARGE),  # .49 .65 | .44 .96 .94 (o)
-    (_BF16, 12288, 2048): (GemmConfig(128, 128, 64, 8, 8, 5), _LARGE),  # .92 .77 | .81 .95 1.02 (gate_up)
-    (_BF16, 2048, 6144): (
-        GemmConfig(64, 64, 128, 8, 4, 4),
-        GemmConfig(128, 128, 128, 8, 8, 3),
-    ),  # .80 .91 | .66 .78 .78
-    (_BF16, 151936, 2048): (
-        GemmConfig(128, 128, 64, 8, 8, 5),
-        GemmConfig(128, 128, 64, 8, 8, 4),
-    ),  # .99 .86 | .84 .80 .67
-    # Qwen3-8B: hidden 4096, intermediate 12288, q 4096, k/v 1024, vocab 151936
-    (_BF16, 6144, 4096): (GemmConfig(128, 128, 64, 8, 8, 5), _LARGE),  # .60 .79 | .86 .95 1.01 (qkv)
-    (_BF16, 4096, 4096): (GemmConfig(64, 128, 64, 8, 4, 4), _LARGE),  # .44 .85 | .69 .99 .98 (o)
-    (_BF16, 24576, 4096): (GemmConfig(128, 128, 64, 8, 8, 5), _LARGE),  # .89 .92 | 1.01 .95 .88 (gate_up)
-    (_BF16, 4096, 12288): (GemmConfig(64, 128, 64, 8, 4, 4), _LARGE),  # .63 .79 | .65 .97 1.05 (down)
+    (_BF16, 4096, 2048): (  # qkv: .74 | .95 | .99 | 1.0 | .93 .92
+        (128, C(64, 64, 64, 8, 4, 4, 2, T, T)),
+        (256, C(64, 128, 64, 8, 4, 5, 1, T, T)),
+        (512, C(64, 256, 64, 8, 4, 4, 1, T, T)),
+        (None, C(128, 128, 64, 8, 4, 4, 1, T, T)),
+    ),
+    (_BF16, 2048, 2048): (  # o: .63 | .72 | .82 | 1.13 | .98 .99
+        (64, C(64, 32, 64, 8, 4, 6, 2)),
+        (128, C(64, 64, 64, 8, 4, 4, 1, T)),
+        (256, C(64, 64, 64, 8, 4, 4, 1, T, T)),
+        (512, C(64, 128, 64, 8, 4, 5, 1, T, T)),
+        (None, C(128, 256, 64, 8, 8, 3, 1, T)),
+    ),
+    (_BF16, 12288, 2048): (  # gate_up: .95 | .95 | .85 | 1.06 | 1.02 .97
+        (64, C(64, 128, 64, 8, 4, 5, 1, T, T)),
+        (128, C(128, 128, 64, 8, 4, 5, 1, T)),
+        (256, C(128, 256, 64, 8, 8, 3, 1, T, T)),
+        (512, C(128, 128, 64, 8, 4, 5, 1, T, T)),
+        (None, C(128, 256, 64, 8, 8, 3, 1, T, T)),
+    ),
+    (_BF16, 2048, 6144): (  # down: 1.15 | .95 | 1.08 | 1.02 | .92 .83
+        (128, C(64, 32, 128, 8, 4, 4, 2, T, T)),
+        (256, C(64, 64, 128, 8, 4, 4, 1, T, T)),
+        (512, C(64, 128, 128, 8, 4, 3, 1)),
+        (None, C(128, 128, 128, 8, 8, 3, 1, T)),
+    ),
+    (_BF16, 151936, 2048): (  # lm_head (fp32 out): 1.02 | .98 | .88 | .93 | .93 .86
+        (64, C(64, 128, 64, 8, 4, 5, 1, T, T)),
+        (128, C(128, 128, 64, 8, 4, 5, 1, T)),
+        (512, C(128, 128, 64, 8, 4, 5, 1, T, T)),
+        (None, C(128, 128, 64, 8, 4, 4, 1, T, T)),
+    ),
+    # Qwen3-8B: hidden 4096, intermediate 12288, q 4096, k/v 1024, vocab 151936 (pointer kernel; M = 64
+    # 256 | 512 2048 8192)
+    (_BF16, 6144, 4096): ((512, C(128, 128, 64, 8, 8, 5)), (None, _LARGE)),  # .60 .79 | .86 .95 1.01 (qkv)
+    (_BF16, 4096, 4096): ((512, C(64, 128, 64, 8, 4, 4)), (None, _LARGE)),  # .44 .85 | .69 .99 .98 (o)
+    (_BF16, 24576, 4096): ((512, C(128, 128, 64, 8, 8, 5)), (None, _LARGE)),  # .89 .92 | 1.01 .95 .88
+    (_BF16, 4096, 12288): ((512, C(64, 128, 64, 8, 4, 4)), (None, _LARGE)),  # .63 .79 | .65 .97 1.05 (down)
     (_BF16, 151936, 4096): (
-        GemmConfig(128, 128, 64, 8, 8, 5),
-        GemmConfig(128, 128, 64, 8, 8, 4),
+        (512, C(128, 128, 64, 8, 8, 5)),
+        (None, C(128, 128, 64, 8, 8, 4)),
     ),  # 1.0 .85 | .81 .79 .82
 }
-for _key, (_small, _large) in _TUNED.items():
-    if _small.block_k != _large.block_k:  # the K step is the reduction order: one per weight shape
-        raise AssertionError(f"_TUNED{_key}: small- and large-M tiles must share block_k")
+for _key, _buckets in _TUNED.items():
+    if len({cfg.block_k for _, cfg in _buckets}) != 1:  # the K step is the reduction order: one per shape
+        raise AssertionError(f"_TUNED{_key}: the tiles of one weight shape must share block_k")
+    if _buckets[-1][0] is not None or any(b is None for b, _ in _buckets[:-1]):
+        raise AssertionError(f"_TUNED{_key}: buckets rise to a last one without bound (None)")
 
 
 def _default_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
@@ -188,10 +263,10 @@ def _default_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
 def gemm_config(n: int, k: int, dtype: torch.dtype, m: int = 1) -> GemmConfig:
     """The launch configuration for x [M, K] times a weight [N, K] of `dtype`. Its BLOCK_K (the
     reduction) is a function of (N, K, dtype) alone; only the tile follows M (see above)."""
-    pair = _TUNED.get((dtype, n, k))
-    if pair is None:
+    buckets = _TUNED.get((dtype, n, k))
+    if buckets is None:
         return _default_config(n, k, dtype)
-    return pair[0] if m <= SMALL_M else pair[1]
+    return next(cfg for bound, cfg in buckets if bound is None or m <= bound)
 
 
 _SMEM = 232448  # shared memory per block on an H100 (227 KB); Triton asks exactly the estimate below
@@ -255,6 +330,9 @@ def linear_triton(
         cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)  # room for the fp32 tile (speed only)
     num_programs = _num_sms(x2.device) * cfg.programs_per_sm
     num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    if cfg.tma and all(_tma_ok(t) for t in (x2, weight, y)):
+        _launch_tma(x2, weight, bias, y, cfg, min(num_tiles, num_programs), num_programs)
+        return y
     _linear_kernel[(min(num_tiles, num_programs),)](
         x2,
         weight,
@@ -278,3 +356,27 @@ def linear_triton(
         num_stages=cfg.num_stages,
     )
     return y
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """A 2-D tensor a TMA descriptor can address: unit last stride, 16-byte aligned base and rows."""
+    size = t.element_size()
+    return t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * size) % 16 == 0
+
+
+def _launch_tma(x2, weight, bias, y, cfg: GemmConfig, grid: int, num_programs: int) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, k = x2.shape
+    n = weight.shape[0]
+    _linear_kernel_tma[(grid,)](
+        TensorDescriptor.from_tensor(x2, [cfg.block_m, cfg.block_k]),
+        TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]),
+        TensorDescriptor.from_tensor(y, [cfg.block_m, cfg.block_n]),
+        bias if bias is not None else y,
+        m, n, k,
+        HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, NUM_PROGRAMS=num_programs,
+        DOT_FP32=_interpreted(), WARP_SPECIALIZE=cfg.warp_specialize,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip

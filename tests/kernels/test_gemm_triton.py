@@ -174,19 +174,34 @@ def test_cpu_tensors_refused_by_compiled_kernel(interp):
         compiled.linear_triton(torch.randn(2, 8), torch.randn(4, 8), None, torch.float32)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_tma_kernel_equals_pointer_kernel_interpreted(interp_runs, monkeypatch, bias):
+    """Tensor-descriptor loads (zero-filled past M, N and the K tail) give the pointer kernel's bits."""
+    x, w, b = _inputs(37, 48, 40, torch.bfloat16, bias=bias)  # K = 40: a K tail for BLOCK_K = 16
+    outs = []
+    for tma in (False, True):
+        config = interp_runs.GemmConfig(16, 32, 16, 2, 4, 2, 1, tma)
+        monkeypatch.setattr(interp_runs, "gemm_config", lambda *_, c=config: c)
+        outs.append([interp_runs.linear_triton(x, w, b, dt) for dt in (torch.float32, torch.bfloat16)])
+    assert all(torch.equal(p, t) for p, t in zip(*outs))
+    torch.testing.assert_close(outs[1][0].double(), _reference(x, w, b), rtol=1e-5, atol=1e-5)
+
+
 def test_reduction_depends_on_weight_shape_only(interp):
     """BLOCK_K (the reduction order) is one per (N, K, dtype); only the tile may follow M."""
     for dtype in (torch.bfloat16, torch.float32):
         for n, k in ((4096, 2048), (12288, 2048), (2048, 6144), (1024, 4096), (151936, 2048), (300, 200)):
             configs = {
                 m: interp.gemm_config(n, k, dtype, m)
-                for m in (1, 64, interp.SMALL_M, interp.SMALL_M + 1, 8192)
+                for m in (1, 63, 64, 65, 128, 129, 256, 257, 512, 513, 8192)
             }
             assert len({c.block_k for c in configs.values()}) == 1, (n, k, configs)
             for cfg in configs.values():
                 assert cfg.block_m in (16, 32, 64, 128, 256) and cfg.block_n >= 16 and cfg.block_k >= 16
-    for key, (small, large) in interp._TUNED.items():
-        assert small.block_k == large.block_k, key
+    for key, buckets in interp._TUNED.items():
+        assert len({cfg.block_k for _, cfg in buckets}) == 1, key
+        bounds = [bound for bound, _ in buckets]
+        assert bounds[-1] is None and bounds[:-1] == sorted(bounds[:-1]), key
 
 
 # ----------------------------------------------------------------------------- CUDA
@@ -205,29 +220,51 @@ QWEN3_SHAPES = [  # (N, K, bias, out_dtype): 1.7B qkv (+ a Qwen2-style bias), o,
 @pytest.mark.cuda
 @needs_cuda
 def test_rows_invariant_across_tile_buckets_cuda(n, k, bias, out_dtype):
-    """Rows of an M = 1100 call (large-M tile) equal every smaller call's (small-M tile below
-    SMALL_M + 1), and the two tiles of each tuned shape give the same bits on the same rows."""
+    """Rows of an M = 1100 call (the last bucket's tile) equal every smaller call's (each bucket's
+    tile, on both sides of every boundary), and all tiles of a tuned shape give the same bits on the
+    same rows."""
     import vexact_vllm.kernels.gemm_triton as gt
 
     x, w, b = _inputs(1100, n, k, torch.bfloat16, device="cuda", bias=bias)
     full = gt.linear_triton(x, w, b, out_dtype)
-    for m in (1, 2, 7, 64, 255, 256, 300, gt.SMALL_M, gt.SMALL_M + 1, 777, 1024, 1099):
+    buckets = gt._TUNED.get((torch.bfloat16, n, k), ())
+    edges = {e for bound, _ in buckets if bound is not None for e in (bound, bound + 1)}
+    for m in sorted({1, 2, 7, 300, 777, 1024, 1099} | edges):
         assert torch.equal(gt.linear_triton(x[:m], w, b, out_dtype), full[:m]), m
     for start, size in ((3, 500), (400, 700), (1000, 100)):
         assert torch.equal(
             gt.linear_triton(x[start : start + size], w, b, out_dtype), full[start : start + size]
         )
-    pair = gt._TUNED.get((torch.bfloat16, n, k))
-    if pair is not None:
-        original = gt.gemm_config
-        try:
+    original = gt.gemm_config
+    try:
+        for _, cfg in buckets:
+            gt.gemm_config = lambda *_, cfg=cfg: cfg
+            assert torch.equal(gt.linear_triton(x, w, b, out_dtype), full), cfg
+    finally:
+        gt.gemm_config = original
+
+
+@pytest.mark.parametrize("n,k,bias,out_dtype", QWEN3_SHAPES)
+@pytest.mark.cuda
+@needs_cuda
+def test_tma_kernel_equals_pointer_kernel_cuda(n, k, bias, out_dtype):
+    """The TMA variant of a tile (with and without warp specialization) gives the pointer kernel's bits."""
+    import vexact_vllm.kernels.gemm_triton as gt
+
+    x, w, b = _inputs(700, n, k, torch.bfloat16, device="cuda", bias=bias)
+    block_k = gt.gemm_config(n, k, torch.bfloat16, 1).block_k
+    original = gt.gemm_config
+    try:
+        for tile in ((64, 64), (128, 128)):
             outs = []
-            for cfg in pair:
+            for tma, ws in ((False, False), (True, False), (True, True)):
+                cfg = gt.GemmConfig(*tile, block_k, 8, 4, 3, 1, tma, ws)
                 gt.gemm_config = lambda *_, cfg=cfg: cfg
-                outs.append(gt.linear_triton(x, w, b, out_dtype))
-        finally:
-            gt.gemm_config = original
-        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], full)
+                outs.append([gt.linear_triton(x[:m], w, b, out_dtype) for m in (1, 256, 700)])
+            for other in outs[1:]:
+                assert all(torch.equal(a, c) for a, c in zip(outs[0], other)), tile
+    finally:
+        gt.gemm_config = original
 
 
 @pytest.mark.parametrize("n,k,bias,out_dtype", QWEN3_SHAPES)
@@ -268,7 +305,8 @@ def test_every_config_fits_and_is_accurate_cuda():
 
     untuned = [(_BF16, 65536, 1024), (_BF16, 3072, 1024), (_BF16, 512, 1024), (torch.float32, 300, 200)]
     for dtype, n, k in [*gt._TUNED, *untuned]:
-        for m in (3, gt.SMALL_M + 3):  # both tiles of a tuned shape
+        bounds = [bound for bound, _ in gt._TUNED.get((dtype, n, k), ()) if bound is not None]
+        for m in sorted({3, *(bound - 1 for bound in bounds), 1100}):  # every tile of a tuned shape
             x, w, b = _inputs(m, n, k, dtype, device="cuda")
             ref = _reference(x, w, b)
             for out_dtype in (torch.float32, torch.bfloat16):
