@@ -44,6 +44,8 @@ pytest.importorskip("verl")
 
 from verl.plugin.platform.platform_base import PlatformBase  # noqa: E402
 
+from .test_veomni_hooks import veomni_process_state  # noqa: E402
+
 
 class PlatformCPU(PlatformBase):
     """The CPU as a verl platform (verl ships CUDA, NPU and ROCm ones)."""
@@ -156,7 +158,7 @@ def veomni_engine(tiny_model):
     try:
         verl_was = verl_hooks.is_installed()
         verl_hooks.install()
-        with training.training_enabled(), veomni_hooks.installed():
+        with veomni_process_state(), training.training_enabled(), veomni_hooks.installed():
             model_config = HFModelConfig(path=path, enable_gradient_checkpointing=False)
             engine_config = VeOmniEngineConfig(init_device="cpu", use_torch_compile=False, mixed_precision=False)
             engine = transformer_impl.VeOmniEngineWithLMHead(

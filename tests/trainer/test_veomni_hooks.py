@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -37,9 +39,25 @@ def _build(config, **ops):
     return build_foundation_model(config, torch_dtype="bfloat16", ops_implementation=_ops(**ops), init_device="cpu")
 
 
+@contextlib.contextmanager
+def veomni_process_state():
+    """Restore what VeOmni's apply_ops_config changes process-wide (transformers' LOSS_MAPPING, whose
+    VeOmni wrappers return 3-tuples that stock HF forwards cannot use, and its ops-config singleton)."""
+    from transformers.loss.loss_utils import LOSS_MAPPING
+    from veomni.ops.config import singleton
+
+    mapping, ops = dict(LOSS_MAPPING), singleton.get_ops_config()
+    try:
+        yield
+    finally:
+        LOSS_MAPPING.clear()
+        LOSS_MAPPING.update(mapping)
+        singleton.set_ops_config(ops)
+
+
 @pytest.fixture
 def hooks():
-    with veomni_hooks.installed():
+    with veomni_process_state(), veomni_hooks.installed():
         yield
 
 
@@ -54,6 +72,8 @@ def test_install_is_idempotent_and_reversible():
     import veomni.ops.kernels.cross_entropy as cross_entropy
     from veomni.models.loader import MODELING_REGISTRY
 
+    was = veomni_hooks.is_installed()  # enable() (verl's plugin entry point) may have installed them
+    veomni_hooks.uninstall()
     before = {t: MODELING_REGISTRY[t] for t in VEOMNI_CLASSES}
     installer = cross_entropy.install_loss_mapping
     with veomni_hooks.installed():
@@ -64,6 +84,8 @@ def test_install_is_idempotent_and_reversible():
     assert not veomni_hooks.is_installed()
     assert {t: MODELING_REGISTRY[t] for t in VEOMNI_CLASSES} == before
     assert cross_entropy.install_loss_mapping is installer
+    if was:
+        veomni_hooks.install()
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
