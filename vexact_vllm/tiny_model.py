@@ -63,7 +63,12 @@ QWEN3_1_7B_SHAPE = dict(
     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
     max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
 )
-SHAPES = {"qwen3-1.7b-shape": QWEN3_1_7B_SHAPE}
+QWEN3_8B_SHAPE = dict(
+    hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+    max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+)
+SHAPES = {"qwen3-1.7b-shape": QWEN3_1_7B_SHAPE, "qwen3-8b-shape": QWEN3_8B_SHAPE}
 BUILTIN_MODELS = (*(f"tiny-{a}" for a in TINY_ARCHS), *SHAPES)
 _REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                    "tokenizer_config.json")

@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from vexact_vllm.tiny_model import (
     BUILTIN_MODELS,
     QWEN3_1_7B_SHAPE,
+    SHAPES,
     _qwen3_shapes,
     _qwen3_state_dict,
     build_qwen3_shape,
@@ -96,6 +97,7 @@ def test_small_shape_weights_deterministic(tmp_path):
 
 
 def test_builtin_names():
-    assert BUILTIN_MODELS == ("tiny-qwen3", "tiny-qwen2", "tiny-llama", "qwen3-1.7b-shape")
+    assert BUILTIN_MODELS == ("tiny-qwen3", "tiny-qwen2", "tiny-llama", "qwen3-1.7b-shape", "qwen3-8b-shape")
+    assert SHAPES["qwen3-8b-shape"]["hidden_size"] == 4096 and not SHAPES["qwen3-8b-shape"]["tie_word_embeddings"]
     with pytest.raises(ValueError, match="unknown built-in model"):
-        builtin_model("qwen3-8b-shape")
+        builtin_model("qwen3-32b-shape")
