@@ -151,7 +151,9 @@ def _linear_kernel_tma(
     num_tiles = num_pid_m * num_pid_n
     k_tiles = (K + BLOCK_K - 1) // BLOCK_K
     tile_id_out = start_pid - NUM_PROGRAMS
-    for tile_id in tl.range(start_pid, num_tiles, NUM_PROGRAMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
+    for tile_id in tl.range(
+        start_pid, num_tiles, NUM_PROGRAMS, flatten=True, warp_specialize=WARP_SPECIALIZE
+    ):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         for ki in range(k_tiles):  # from 0, in order, one dot shape; OOB parts load as exact zeros
@@ -187,14 +189,13 @@ class GemmConfig:
 
 _BF16 = torch.bfloat16
 C = GemmConfig
-_LARGE = C(128, 256, 64, 8, 8, 3)  # a prefill tile of the 8B shapes (pointer kernel)
 T = True  # shorthand in the table: tma, warp_specialize
 # Tuned entries, keyed by (dtype, N, K) of the weight: the fused q/k/v and gate/up, o, down and
 # lm_head of Qwen3-1.7B and Qwen3-8B. Each is a list of M buckets ((largest M, tile), ..., (None,
 # tile)) whose tiles all share ONE BLOCK_K (the reduction order). Picked on one H100 SXM (132 SMs;
 # Triton 3.6, torch 2.11) with benchmarks/sweep_gemm.py (CUDA-graph timing against cuBLAS
 # F.linear): the comment gives the sweep's speed vs cuBLAS in each bucket (M = 64 | 128 | 256 | 512 |
-# 2048 8192). 1.7B: 2026-11-21, `--small --tma` and `--tma`; 8B: the earlier two-tile sweep.
+# 2048 8192, per merged bucket).
 _TUNED: dict[tuple[torch.dtype, int, int], tuple[tuple[int | None, GemmConfig], ...]] = {
     # Qwen3-1.7B: hidden 2048, intermediate 6144, q 2048, k/v 1024, vocab 151936
     (_BF16, 4096, 2048): (  # qkv: .74 | .95 | .99 | 1.0 | .93 .92
@@ -229,16 +230,42 @@ _TUNED: dict[tuple[torch.dtype, int, int], tuple[tuple[int | None, GemmConfig], 
         (512, C(128, 128, 64, 8, 4, 5, 1, T, T)),
         (None, C(128, 128, 64, 8, 4, 4, 1, T, T)),
     ),
-    # Qwen3-8B: hidden 4096, intermediate 12288, q 4096, k/v 1024, vocab 151936 (pointer kernel; M = 64
-    # 256 | 512 2048 8192)
-    (_BF16, 6144, 4096): ((512, C(128, 128, 64, 8, 8, 5)), (None, _LARGE)),  # .60 .79 | .86 .95 1.01 (qkv)
-    (_BF16, 4096, 4096): ((512, C(64, 128, 64, 8, 4, 4)), (None, _LARGE)),  # .44 .85 | .69 .99 .98 (o)
-    (_BF16, 24576, 4096): ((512, C(128, 128, 64, 8, 8, 5)), (None, _LARGE)),  # .89 .92 | 1.01 .95 .88
-    (_BF16, 4096, 12288): ((512, C(64, 128, 64, 8, 4, 4)), (None, _LARGE)),  # .63 .79 | .65 .97 1.05 (down)
-    (_BF16, 151936, 4096): (
-        (512, C(128, 128, 64, 8, 8, 5)),
-        (None, C(128, 128, 64, 8, 8, 4)),
-    ),  # 1.0 .85 | .81 .79 .82
+    # Qwen3-8B: hidden 4096, intermediate 12288, q 4096, k/v 1024, vocab 151936 (qkv, o, gate_up, down,
+    # lm_head); 2026-11-21 `--small --tma` and `--tma` sweeps of the 8B shapes
+    (_BF16, 6144, 4096): (  # 0.92 | 0.85 | 0.88 | 0.85 | 0.92
+        (64, C(64, 32, 64, 8, 4, 6, 2)),
+        (128, C(128, 64, 64, 8, 4, 5, 1, T)),
+        (256, C(128, 128, 64, 8, 4, 5, 1, T)),
+        (512, C(128, 256, 64, 8, 8, 3, 1, T)),
+        (None, C(128, 128, 64, 8, 4, 4, 1, T)),
+    ),
+    (_BF16, 4096, 4096): (  # 0.62 | 0.97 | 0.88 | 1.08 | 1.01
+        (64, C(64, 64, 64, 8, 4, 4, 2, T, T)),
+        (128, C(64, 64, 64, 8, 4, 5, 1)),
+        (256, C(64, 128, 64, 8, 4, 5, 1, T, T)),
+        (512, C(128, 128, 64, 8, 8, 5, 1, T)),
+        (None, C(128, 256, 64, 8, 8, 3, 1, T)),
+    ),
+    (_BF16, 24576, 4096): (  # 1.01 | 0.96 | 0.94 | 0.96 | 1.03
+        (64, C(64, 128, 64, 8, 4, 3, 2)),
+        (128, C(64, 128, 64, 8, 4, 5, 1, T, T)),
+        (256, C(128, 128, 64, 8, 4, 5, 1, T, T)),
+        (512, C(128, 256, 64, 8, 8, 3, 1, T, T)),
+        (None, C(128, 256, 64, 8, 8, 3, 1, T)),
+    ),
+    (_BF16, 4096, 12288): (  # 0.90/0.77 | 0.97 | 1.02 | 1.01
+        (128, C(64, 32, 64, 8, 4, 6, 2, T, T)),
+        (256, C(64, 128, 64, 8, 4, 5, 1, T)),
+        (512, C(128, 128, 64, 8, 4, 5, 1, T, T)),
+        (None, C(128, 256, 64, 8, 8, 3, 1, T, T)),
+    ),
+    (_BF16, 151936, 4096): (  # 1.04 | 0.99 | 0.97 | 1.04 | 0.93
+        (64, C(64, 128, 64, 8, 4, 5, 1, T)),
+        (128, C(128, 128, 64, 8, 8, 5, 1, T, T)),
+        (256, C(128, 128, 64, 8, 4, 5, 1, T, T)),
+        (512, C(128, 128, 64, 8, 4, 5, 1, T)),
+        (None, C(128, 128, 64, 8, 4, 4, 1, T)),
+    ),
 }
 for _key, _buckets in _TUNED.items():
     if len({cfg.block_k for _, cfg in _buckets}) != 1:  # the K step is the reduction order: one per shape

@@ -214,9 +214,12 @@ QWEN3_SHAPES = [  # (N, K, bias, out_dtype): 1.7B qkv (+ a Qwen2-style bias), o,
     (2048, 6144, False, torch.bfloat16),
     (151936, 2048, False, torch.float32),
 ]
+QWEN3_8B_SHAPES = [(6144, 4096, False, torch.bfloat16), (4096, 4096, False, torch.bfloat16),
+                   (24576, 4096, False, torch.bfloat16), (4096, 12288, False, torch.bfloat16),
+                   (151936, 4096, False, torch.float32)]  # fmt: skip
 
 
-@pytest.mark.parametrize("n,k,bias,out_dtype", QWEN3_SHAPES)
+@pytest.mark.parametrize("n,k,bias,out_dtype", QWEN3_SHAPES + QWEN3_8B_SHAPES)
 @pytest.mark.cuda
 @needs_cuda
 def test_rows_invariant_across_tile_buckets_cuda(n, k, bias, out_dtype):
