@@ -90,6 +90,15 @@ class VexactPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["DecoderLayer"]
     supports_gradient_checkpointing = False
     _supports_attention_backend = False
+    hf_architecture = ""  # the Hugging Face class this one stands in for, written to saved configs
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """A checkpoint names Hugging Face's architecture (e.g. Qwen3ForCausalLM), not this class, so
+        vLLM (stock or `--model-impl vexact`), transformers and verl load what a trainer saved."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        self.config.architectures = [self.hf_architecture]
+        if kwargs.get("is_main_process", True):
+            self.config.save_pretrained(save_directory)
 
     def _check_and_adjust_attn_implementation(self, attn_implementation, is_init_check=False, **kwargs):
         """The shared model always runs the vexact varlen attention kernel; Hugging Face's attention
@@ -188,14 +197,17 @@ class VexactForCausalLM(VexactPreTrainedModel):
 
 class VexactQwen3ForCausalLM(VexactForCausalLM):
     config_class = Qwen3Config
+    hf_architecture = "Qwen3ForCausalLM"
 
 
 class VexactQwen2ForCausalLM(VexactForCausalLM):
     config_class = Qwen2Config
+    hf_architecture = "Qwen2ForCausalLM"
 
 
 class VexactLlamaForCausalLM(VexactForCausalLM):
     config_class = LlamaConfig
+    hf_architecture = "LlamaForCausalLM"
 
 
 TRAINING_CLASSES = {

@@ -14,6 +14,18 @@ ATTENTION_TRITON_MODULES = (
 )
 
 
+@pytest.fixture(autouse=True)
+def _training_switch_off():
+    """Every test starts and ends with the training switch off: importing verl (collected by the
+    trainer tests) turns it on through the verl.plugins entry point, and a transformers model built
+    elsewhere with it on would be the vexact class."""
+    from vexact_vllm.model_patches import disable_training
+
+    disable_training()
+    yield
+    disable_training()
+
+
 @pytest.fixture(scope="session")
 def tiny_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("vexact-cache")

@@ -1,6 +1,6 @@
 """Shared fixtures: the three tiny checkpoints (built once per session, offline, in a tmp dir), a
-loader for the stock and the vexact model, and guards that neither the training switch nor the
-thread count leaks out of a test."""
+loader for the stock and the vexact model, and a guard that the thread count does not leak out of
+a test (the training switch is guarded for every test in tests/conftest.py)."""
 
 from pathlib import Path
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from vexact_vllm.model_patches import disable_training, training_enabled
+from vexact_vllm.model_patches import training_enabled
 from vexact_vllm.tiny_model import TINY_ARCHS
 
 
@@ -31,14 +31,6 @@ def load_model(tiny_paths):
         return AutoModelForCausalLM.from_pretrained(tiny_paths[arch], dtype=dtype).eval()
 
     return _load
-
-
-@pytest.fixture(autouse=True)
-def _training_switch_off():
-    """Every test starts and ends with the training switch off."""
-    disable_training()
-    yield
-    disable_training()
 
 
 @pytest.fixture(autouse=True)
