@@ -7,20 +7,24 @@ from __future__ import annotations
 import json
 import sys
 
+PROMPTS = (
+    "The quick brown fox jumps over the lazy dog.",
+    "Reinforcement learning needs on-policy samples;",
+    "1 + 1 = 2, 2 + 2 =",
+    "def f(x):\n    return",
+)
 
-def main(model: str, out: str, temperatures: list[float]) -> None:
+
+def main(model: str, out: str, temperatures: list[float], prepare=None) -> None:
+    """`prepare(llm)`, if given, runs on the started engine before generating (e.g. verl's masking)."""
     from vexact_vllm.cli.check import tokenize
     from vexact_vllm.cli.rollout import RolloutSettings, _engine, _generate, _shutdown
 
-    prompts = [
-        "The quick brown fox jumps over the lazy dog.",
-        "Reinforcement learning needs on-policy samples;",
-        "1 + 1 = 2, 2 + 2 =",
-        "def f(x):\n    return",
-    ]
     settings = RolloutSettings(model=model, max_model_len=256, max_tokens=12)
-    prompt_ids = tokenize(model, prompts, settings.max_model_len, settings.max_tokens)
+    prompt_ids = tokenize(model, list(PROMPTS), settings.max_model_len, settings.max_tokens)
     llm = _engine(settings)
+    if prepare is not None:
+        prepare(llm)
     result = {}
     for t in temperatures:
         settings.temperature = t

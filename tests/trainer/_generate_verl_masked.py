@@ -9,18 +9,10 @@ this process and of vLLM's (spawned) workers, answers it."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from importlib.metadata import version
 from pathlib import Path
-
-PROMPTS = (
-    "The quick brown fox jumps over the lazy dog.",
-    "Reinforcement learning needs on-policy samples;",
-    "1 + 1 = 2, 2 + 2 =",
-    "def f(x):\n    return",
-)
 
 
 def _mask_compute_logits(worker, vocab_size: int) -> int:
@@ -46,26 +38,17 @@ def _vllm_distribution_name(out: str) -> None:
 
 def main(model: str, out: str, temperatures: list[float]) -> None:
     _vllm_distribution_name(out)
+    from _generate import main as generate  # this script's folder is sys.path[0]
     from transformers import AutoTokenizer
 
-    from vexact_vllm.cli.check import tokenize
-    from vexact_vllm.cli.rollout import RolloutSettings, _engine, _generate, _shutdown
-
-    settings = RolloutSettings(model=model, max_model_len=256, max_tokens=12)
-    prompt_ids = tokenize(model, list(PROMPTS), settings.max_model_len, settings.max_tokens)
     tokenizer_len = len(AutoTokenizer.from_pretrained(model))
-    llm = _engine(settings)
-    vocab = llm.collective_rpc(_mask_compute_logits, args=(tokenizer_len,))[0]
-    if tokenizer_len >= vocab:
-        raise RuntimeError(f"tokenizer ({tokenizer_len}) covers the vocabulary ({vocab}): nothing is masked")
-    result = {}
-    for t in temperatures:
-        settings.temperature = t
-        rollouts = _generate(llm, [(ids, i) for i, ids in enumerate(prompt_ids)], settings)
-        result[str(t)] = [r.__dict__ for r in rollouts]
-    _shutdown(llm)
-    with open(out, "w") as f:
-        json.dump(result, f)
+
+    def mask(llm) -> None:
+        vocab = llm.collective_rpc(_mask_compute_logits, args=(tokenizer_len,))[0]
+        if tokenizer_len >= vocab:
+            raise RuntimeError(f"tokenizer ({tokenizer_len}) covers the vocabulary ({vocab}): nothing is masked")
+
+    generate(model, out, temperatures, prepare=mask)
 
 
 if __name__ == "__main__":
