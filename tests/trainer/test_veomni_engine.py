@@ -29,12 +29,8 @@ What does not run on CPU, and what stands in for it:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -116,23 +112,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def masked_rollouts(tiny_model, tmp_path_factory):
-    """{temperature: [Rollout]} from vLLM with verl's compute_logits mask, on the tiny Qwen3."""
-    pytest.importorskip("vllm")
-    from vexact_vllm.cli.rollout import Rollout
-
-    out = tmp_path_factory.mktemp("masked") / "rollouts.json"
-    script = Path(__file__).with_name("_generate_verl_masked.py")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
-    proc = subprocess.run(
-        [sys.executable, str(script), tiny_model("qwen3"), str(out), "1.0,0.7"],
-        env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, f"vLLM generation failed:\n{proc.stderr[-4000:]}"
-    return {float(t): [Rollout(**r) for r in rows] for t, rows in json.loads(out.read_text()).items()}
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,6 @@ patched). Contract checks are torch.equal only.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,7 +20,6 @@ sys.path.insert(0, str(Path(__file__).parent))  # the sibling helper module (imp
 
 from _verl_engine import build_engine, cpu_verl, response_outputs, rollout_batch  # noqa: E402
 
-from vexact_vllm.cli.rollout import Rollout  # noqa: E402
 from vexact_vllm.model_patches import training, verl_hooks  # noqa: E402
 from vexact_vllm.model_patches.hf_model import VexactForCausalLM  # noqa: E402
 
@@ -49,23 +45,6 @@ def unmasked(monkeypatch):
     """The `vllm_rollouts` fixture ran vLLM without verl's compute_logits patch, so it normalised
     over the whole vocabulary: the trainer must not mask either."""
     monkeypatch.setattr(verl_hooks, "rollout_vocab_mask", lambda *args, **kwargs: None)
-
-
-@pytest.fixture(scope="session")
-def masked_rollouts(tiny_model, tmp_path_factory):
-    """{temperature: [Rollout]} from vLLM (vexact) after verl's `monkey_patch_compute_logits`."""
-    pytest.importorskip("vllm")
-    out = tmp_path_factory.mktemp("masked") / "rollouts.json"
-    script = Path(__file__).with_name("_generate_verl_masked.py")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
-    temps = ",".join(str(t) for t in TEMPERATURES)
-    proc = subprocess.run(
-        [sys.executable, str(script), tiny_model("qwen3"), str(out), temps],
-        env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, f"vLLM generation failed:\n{proc.stderr[-4000:]}"
-    data = json.loads(out.read_text())
-    return {float(t): [Rollout(**r) for r in rows] for t, rows in data.items()}
 
 
 def _verl_log_probs(engine, rollouts, temperature, **flags):
