@@ -208,29 +208,34 @@ class _LinearTokenLogProbsFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, tokens, tau = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        w32 = weight.float()  # [V, H]
-        grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
-        grad_w = torch.zeros_like(w32) if need_w else None
-        for r0 in range(0, hidden.shape[0], ctx.chunk_rows):
-            rows = slice(r0, r0 + ctx.chunk_rows)
-            h32 = hidden[rows].float()  # [c, H]
+
+        def grad_logits(rows, h32, w32):
             scaled = mask_logits_(h32 @ w32.t(), ctx.blocked) / tau[rows]  # [c, V]
             grad_z = -torch.softmax(scaled, dim=-1)
             grad_z.scatter_add_(1, tokens[rows].long()[:, None], torch.ones_like(grad_z[:, :1]))
-            grad_z = grad_z * (grad_out[rows].float()[:, None] / tau[rows])  # [c, V]
-            if need_h:
-                grad_h[rows] = grad_z @ w32
-            if need_w:
-                grad_w += grad_z.t() @ h32
-        return (
-            grad_h.to(hidden.dtype) if need_h else None,
-            grad_w.to(weight.dtype) if need_w else None,
-            None,
-            None,
-            None,
-            None,
-        )
+            return grad_z * (grad_out[rows].float()[:, None] / tau[rows])  # [c, V]
+
+        grads = chunked_linear_backward(hidden, weight, ctx.chunk_rows, ctx.needs_input_grad[:2], grad_logits)
+        return (*grads, None, None, None, None)
+
+
+def chunked_linear_backward(hidden, weight, chunk_rows, needs, grad_logits):
+    """(dH or None, dW or None) for logits z = hidden @ weight^T taken `chunk_rows` rows at a time:
+    `grad_logits(rows, h32, w32)` gives dL/dz [c, V] of a chunk; dH = dZ @ W, dW = sum of dZ^T @ H
+    over chunks in order (fp32 matmuls; deterministic). `needs`: (need dH, need dW)."""
+    need_h, need_w = needs
+    w32 = weight.float()  # [V, H]
+    grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
+    grad_w = torch.zeros_like(w32) if need_w else None
+    for r0 in range(0, hidden.shape[0], chunk_rows):
+        rows = slice(r0, r0 + chunk_rows)
+        h32 = hidden[rows].float()  # [c, H]
+        grad_z = grad_logits(rows, h32, w32)
+        if need_h:
+            grad_h[rows] = grad_z @ w32
+        if need_w:
+            grad_w += grad_z.t() @ h32
+    return (grad_h.to(hidden.dtype) if need_h else None, grad_w.to(weight.dtype) if need_w else None)
 
 
 def _linear_token_log_probs_triton(hidden, weight, tokens, tau, chunk_rows, blocked=None):

@@ -17,7 +17,12 @@ from __future__ import annotations
 import torch
 
 from vexact_vllm.kernels import linear, linear_token_log_probs, log_softmax
-from vexact_vllm.kernels.logprob import _blocked_ids, _temperature_column, mask_logits_
+from vexact_vllm.kernels.logprob import (
+    _blocked_ids,
+    _temperature_column,
+    chunked_linear_backward,
+    mask_logits_,
+)
 
 # Rows per chunk of the entropy's [rows, V] logits; only bounds memory.
 ENTROPY_CHUNK_ROWS = 256
@@ -49,27 +54,15 @@ class _LinearEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, tau, entropy = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        w32 = weight.float()  # [V, H]
-        grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
-        grad_w = torch.zeros_like(w32) if need_w else None
-        for r0 in range(0, hidden.shape[0], ctx.chunk_rows):
-            rows = slice(r0, r0 + ctx.chunk_rows)
+
+        def grad_logits(rows, h32, w32):
             log_p = _chunk_log_probs(hidden[rows], weight, tau[rows], ctx.blocked)  # [c, V]
             p, p_log_p = _entropy_terms(log_p)
             grad_z = -(p_log_p + p * entropy[rows, None])  # dH/ds [c, V]
-            grad_z = grad_z * (grad_out[rows].float()[:, None] / tau[rows])
-            if need_h:
-                grad_h[rows] = grad_z @ w32
-            if need_w:
-                grad_w += grad_z.t() @ hidden[rows].float()
-        return (
-            grad_h.to(hidden.dtype) if need_h else None,
-            grad_w.to(weight.dtype) if need_w else None,
-            None,
-            None,
-            None,
-        )
+            return grad_z * (grad_out[rows].float()[:, None] / tau[rows])
+
+        grads = chunked_linear_backward(hidden, weight, ctx.chunk_rows, ctx.needs_input_grad[:2], grad_logits)
+        return (*grads, None, None, None)
 
 
 def linear_entropy(
