@@ -8,12 +8,14 @@
 #
 #   STEPS=2 LOG_DIR=./vexact-verify MODEL_ENGINE=fsdp bash verify_rollout_match.sh [overrides...]
 # The recipe's variables (MODEL_PATH, DATA_DIR, NGPUS_PER_NODE, ...) pass through; so do extra Hydra
-# overrides. DRY_RUN=1 writes each run's overrides to its log instead of training.
+# overrides. DRY_RUN=1 writes each run's overrides to its log instead of training. RUNS picks the
+# runs ("1 0" by default; "1" or "0" for one side, "" to only compare the logs already in LOG_DIR).
 
 set -euo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd)
 STEPS=${STEPS:-2}
+RUNS=${RUNS-1 0}
 LOG_DIR=${LOG_DIR:-./vexact-verify-logs}
 METRICS=(training/rollout_probs_diff_max rollout_corr/k3_kl)
 mkdir -p "$LOG_DIR"
@@ -26,7 +28,7 @@ SHORT=(
     'trainer.logger=["console"]'
 )
 
-for vexact in 1 0; do
+for vexact in $RUNS; do
     log="$LOG_DIR/vexact$vexact.log"
     echo "== VEXACT=$vexact -> $log"
     VEXACT=$vexact bash "$HERE/run_qwen3_grpo_gsm8k.sh" "${SHORT[@]}" "$@" 2>&1 | tee "$log"
@@ -36,7 +38,8 @@ done
 
 # verl's console logger prints one line a step, "step:N - key:value - key:value ...", behind Ray's
 # "(TaskRunner pid=...)" prefix.
-metric() {  # metric LOG KEY -> "step value" lines
+metric() {  # metric LOG KEY -> "step value" lines (none when LOG is missing)
+    [ -f "$1" ] || return 0
     awk -v key="$2" 'match($0, /step:[0-9]+ - /) {
         n = split(substr($0, RSTART), f, " - ")
         for (i = 2; i <= n; i++) {
