@@ -13,6 +13,7 @@ Backward (custom, for a NaN-free gradient at large |a|):
 
 import torch
 
+from ._autograd import backward_without_autocast
 from ._checks import check_dtype, check_last_dim_contiguous
 from .dispatch import backend_for
 
@@ -31,6 +32,7 @@ class _SiluAndMulFunction(torch.autograd.Function):
         return _silu_and_mul_fp32(x).to(x.dtype)
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensors
         half = x.shape[-1] // 2

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._autograd import backward_without_autocast
 from ._checks import check_dtype, check_last_dim_contiguous
 
 # Elements of one row half per program; only tiles the elementwise work.
@@ -84,6 +85,7 @@ class _SiluAndMulTritonFunction(torch.autograd.Function):
         return _forward(x)
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensors
         return _backward(x, grad_out)

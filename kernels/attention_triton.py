@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 from triton.language.standard import _elementwise_max, _sum_combine
 
+from ._autograd import backward_without_autocast
 from .attention import KEY_TILE
 
 _LOG2E = math.log2(math.e)
@@ -495,6 +496,7 @@ class _VarlenAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx, grad_out):
         q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
         dq, dk, dv = varlen_attention_backward(grad_out, q, k, v, out, lse, cu_seqlens, ctx.scale)

@@ -16,6 +16,7 @@ dX = dY @ W, dW = dY^T @ X, db = sum_m dY.
 
 import torch
 
+from ._autograd import backward_without_autocast
 from ._checks import SUPPORTED_DTYPES, check_dim, check_dtype, check_last_dim_contiguous, check_same_device
 from ._reduction import row_sum
 from .dispatch import backend_for
@@ -81,6 +82,7 @@ class _LinearFunction(torch.autograd.Function):
         return _linear_torch(x2, weight, bias).to(out_dtype)
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx, grad_out):
         x2, weight = ctx.saved_tensors
         return (*_grads_fp32(grad_out, x2, weight, ctx.bias_dtype, ctx.needs_input_grad), None)
@@ -101,6 +103,7 @@ class _LinearTritonFunction(torch.autograd.Function):
         return linear_triton(x2, weight, bias, out_dtype)
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx, grad_out):
         x2, weight = ctx.saved_tensors
         return (*_grads_cublas(grad_out, x2, weight, ctx.bias_dtype, ctx.needs_input_grad), None)

@@ -37,6 +37,7 @@ So a request samples the same tokens alone or in any batch, in any order.
 import torch
 import torch.nn.functional as F
 
+from ._autograd import backward_without_autocast
 from ._checks import check_dim, check_dtype, check_int, check_last_dim_contiguous, check_same_device
 from ._reduction import row_sum, sequential_sum
 from .dispatch import backend_for
@@ -206,6 +207,7 @@ class _LinearTokenLogProbsFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx, grad_out):
         hidden, weight, tokens, tau = ctx.saved_tensors
 

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 from triton.language.standard import _elementwise_max, _sum_combine
 
+from ._autograd import backward_without_autocast
 from ._checks import check_dtype, check_last_dim_contiguous
 from .gemm import linear
 from .logprob import mask_logits_
@@ -241,6 +242,7 @@ class _LogSoftmaxFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx, grad_out):
         log_probs, tau = ctx.saved_tensors
         g = grad_out.float()
@@ -272,6 +274,7 @@ class _TokenLogProbsFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx, grad_out):
         logits, tokens, tau, lse = ctx.saved_tensors
         return _token_grad(logits, tau, tokens, lse, grad_out, torch.float32), None, None
@@ -318,6 +321,7 @@ class _LinearTokenLogProbsTritonFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx, grad_out):
         hidden, weight, tokens, tau, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 from triton.language.standard import _sum_combine
 
+from ._autograd import backward_without_autocast
 from .rms_norm import _check
 
 # The reductions are spelled `tl.reduce(x, 0, _sum_combine)` / `_elementwise_max`: exactly what
@@ -266,6 +267,7 @@ class _RMSNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
         dx, dw = _backward(dy, x, weight, rstd, None)
@@ -280,6 +282,7 @@ class _AddRMSNormFunction(torch.autograd.Function):
         return y, new_res
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx, dy, dres):
         new_res, weight, rstd = ctx.saved_tensors
         dr, dw = _backward(dy, new_res, weight, rstd, dres)

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._autograd import backward_without_autocast
 from .rope import _check
 
 # Heads per program (at most); only tiles the elementwise work.
@@ -114,6 +115,7 @@ class _RopeFunction(torch.autograd.Function):
         return _launch(q, positions, cache, False), _launch(k, positions, cache, False)
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx, grad_q, grad_k):
         positions, cache = ctx.saved_tensors
         dq = _launch(grad_q, positions, cache, True) if ctx.needs_input_grad[0] else None

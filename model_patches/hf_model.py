@@ -18,6 +18,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from vexact_vllm.kernels import linear, linear_token_log_probs
 
 from .attention_context import PackedAttention, cu_seqlens_from_position_ids
+from .autocast import follows_autocast
 from .config import DecoderConfig, check_dtype
 from .layers import Embedding, Linear, RMSNorm
 from .models import build_decoder
@@ -138,6 +139,7 @@ class VexactForCausalLM(VexactPreTrainedModel):
         check_dtype(self.lm_head.weight.dtype)
         return self.model(batch.input_ids, batch.positions, PackedAttention(batch.cu_seqlens))  # [T, H]
 
+    @follows_autocast
     def forward(
         self,
         input_ids=None,
@@ -155,7 +157,8 @@ class VexactForCausalLM(VexactPreTrainedModel):
         `shift_labels` is given, verl's fused-kernel output: per-token `log_probs` and `entropy`
         [B, L] of the targets `shift_labels` (else input_ids shifted left by one in each row) from
         the one log-prob function (see ppo_outputs). `vocab_mask` (bool [V]): ids the rollout masked.
-        Autocast is off inside: the shared kernels fix their own dtypes, as on the rollout side."""
+        Autocast is off inside: the shared kernels fix their own dtypes, as on the rollout side; an
+        enclosing bf16 autocast over fp32 parameters runs the forward on their bf16 casts (autocast.py)."""
         if input_ids is None:
             raise ValueError("vexact models take input_ids (inputs_embeds is not supported)")
         batch = PackedBatch.from_hf_inputs(input_ids, attention_mask, position_ids)

@@ -26,6 +26,7 @@ from vexact_vllm.kernels import (
     rope_cache,
     silu_and_mul,
 )
+from vexact_vllm.kernels._autograd import backward_without_autocast
 from vexact_vllm.kernels.gemm import linear_grads
 
 from .attention_context import AttentionContext
@@ -128,6 +129,7 @@ class _PackedLinearFunction(torch.autograd.Function):
         return linear(x, torch.cat(weights), bias)  # the [N, K] cat is freed on return
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx, grad_out):
         x, *weights = ctx.saved_tensors
         n = ctx.n_parts

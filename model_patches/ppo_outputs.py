@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from vexact_vllm.kernels import linear, linear_token_log_probs, log_softmax
+from vexact_vllm.kernels._autograd import backward_without_autocast
 from vexact_vllm.kernels.logprob import (
     _blocked_ids,
     _temperature_column,
@@ -52,6 +53,7 @@ class _LinearEntropyFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx, grad_out):
         hidden, weight, tau, entropy = ctx.saved_tensors
 

@@ -24,6 +24,7 @@ import torch
 from veomni.ops.dispatch import OpSlot
 from veomni.utils.model_outputs import CausalLMOutputWithLogProbs, FusedLinearAuxOutput
 
+from .autocast import follows_autocast
 from .hf_model import TRAINING_CLASSES, PackedBatch
 from .ppo_outputs import token_log_probs_and_entropy
 
@@ -138,6 +139,7 @@ class VeOmniVexactMixin:
         kwargs.pop("attn_implementation", None)  # the shared model's attention is not selectable
         return super()._from_config(config, **kwargs)
 
+    @follows_autocast
     def forward(
         self,
         input_ids=None,
@@ -154,7 +156,8 @@ class VeOmniVexactMixin:
         if input_ids is None:
             raise ValueError("vexact models take input_ids (inputs_embeds is not supported)")
         # The shared model sets its own dtypes, as the rollout does: a trainer's autocast (verl's
-        # forward_step enters one) must not recast its ops.
+        # forward_step enters one) must not recast its ops. Over fp32 parameters (VeOmni on one
+        # rank: no FSDP mixed precision) follows_autocast has cast them to bf16 already.
         with torch.autocast(device_type=input_ids.device.type, enabled=False):
             if labels is None and shift_labels is None:
                 out = super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)

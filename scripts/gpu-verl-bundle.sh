@@ -19,12 +19,12 @@ for p in manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux_2
 dl=("$py" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp "${plat[@]}")
 
 if [ ! -f "$cache/.done" ]; then
-  # The pins are what the CPU tests use; hydra-core and omegaconf pinned, or pip backtracks to 2019
+  # The pins are what the CPU tests use (TransferQueue: verl's default v1 trainer imports it); hydra-core and omegaconf pinned, or pip backtracks to 2019
   # releases (antlr4-python3-runtime and pylatexenc are source-only: built here as wheels).
   "${dl[@]}" -d "$cache/dl" 'ray[default]==2.60.0' codetiming==1.4.0 'tensordict==0.10.0' torchdata==0.11.0 \
       datasets==5.2.0 dill==0.4.1 'numpy<2.4'
   "${dl[@]}" --no-deps -d "$cache/dl" hydra-core==1.3.8 omegaconf==2.3.1 verl==0.9.1 veomni==0.1.12 \
-      blobfile==3.3.0 pycryptodomex
+      blobfile==3.3.0 pycryptodomex TransferQueue==0.1.11
   "$py" -m pip wheel -q --no-deps -w "$cache/dl" antlr4-python3-runtime==4.9.3 pylatexenc==2.11
   touch "$cache/.done"
 fi

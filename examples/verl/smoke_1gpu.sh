@@ -23,4 +23,13 @@ export TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-8} PPO_MINI_BATCH_SIZE=${PPO_MINI_BA
 export MICRO_BATCH_SIZE_PER_GPU=${MICRO_BATCH_SIZE_PER_GPU:-8} ROLLOUT_N=${ROLLOUT_N:-4}
 export MAX_PROMPT_LENGTH=${MAX_PROMPT_LENGTH:-256} MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-128}
 export ROLLOUT_GPU_MEM_UTIL=${ROLLOUT_GPU_MEM_UTIL:-0.3}
-exec bash "$HERE/verify_rollout_match.sh" "$@"
+# One agent-loop worker and one reward worker (verl starts 8 of each by default): 32 sequences a step.
+SMOKE=(actor_rollout_ref.rollout.agent.num_workers=1 reward.num_workers=1)
+# VeOmni shards with FSDP only on more than one rank. On one it refuses verl's default meta-device
+# initialisation ("Only FSDP training supports `init_device=meta`") and cannot offload (verl's
+# offload_veomni_model_to_cpu calls FSDP's reshard): build on the GPU and keep the reference there.
+if [ "${MODEL_ENGINE:-fsdp}" = veomni ] && [ "$NGPUS_PER_NODE" = 1 ] && [ "${NNODES:-1}" = 1 ]; then
+    SMOKE+=(actor_rollout_ref.actor.veomni.init_device=cuda actor_rollout_ref.ref.veomni.init_device=cuda
+            actor_rollout_ref.ref.veomni.param_offload=False)
+fi
+exec bash "$HERE/verify_rollout_match.sh" "${SMOKE[@]}" "$@"

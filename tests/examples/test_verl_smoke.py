@@ -53,19 +53,23 @@ def test_synthetic_gsm8k_reads_through_verls_dataset_and_reward(tmp_path, tiny_m
     assert not pd.read_parquet(tmp_path / "other" / "train.parquet").equals(frame)
 
 
-def test_smoke_overrides_validate_for_one_gpu(tmp_path, tiny_model):
+@pytest.mark.parametrize("engine", ["fsdp", "veomni"])
+def test_smoke_overrides_validate_for_one_gpu(tmp_path, tiny_model, engine):
     tiny_model = tiny_model()
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
     env = {**os.environ, "DRY_RUN": "1", "WORK": str(tmp_path), "MODEL_PATH": str(tiny_model),
-           "PYTHON": sys.executable}
+           "PYTHON": sys.executable, "MODEL_ENGINE": engine}
     subprocess.run(["bash", str(SMOKE)], env=env, check=True, capture_output=True)
     assert (tmp_path / "data" / "train.parquet").is_file()
     for vexact in ("1", "0"):
         cfg = _compose((tmp_path / "logs" / f"vexact{vexact}.log").read_text().splitlines())
         assert cfg.trainer.n_gpus_per_node == 1 and cfg.trainer.total_training_steps == 1
         assert cfg.actor_rollout_ref.model.path == str(tiny_model)
+        if engine == "veomni":  # one rank: VeOmni builds without FSDP, so not on the meta device
+            assert cfg.actor_rollout_ref.actor.veomni.init_device == cfg.actor_rollout_ref.ref.veomni.init_device == "cuda"
+            assert cfg.actor_rollout_ref.ref.veomni.param_offload is False  # offloading needs FSDP
         validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
 
 

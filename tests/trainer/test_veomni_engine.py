@@ -29,6 +29,7 @@ What does not run on CPU, and what stands in for it:
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import socket
 
@@ -212,6 +213,25 @@ def test_engine_log_probs_equal_vllm(veomni_engine, masked_rollouts, micro_batch
             assert torch.equal(torch.tensor(r.logprobs, dtype=torch.float32), s), (temperature, micro_batch_size)
         entropy = out["model_output"]["entropy"]
         assert bool(torch.isfinite(entropy.values()).all()) and bool((entropy.values() >= 0).all())
+
+
+def test_engine_with_fp32_master_weights_equals_vllm(veomni_engine, masked_rollouts):
+    """VeOmni on one GPU: `build_parallelize_model` upcasts the module to fp32 (mixed precision on)
+    and, with no FSDP to hand the forward bf16 parameters, verl's `forward_step` autocast to bf16 is
+    what asks for bf16 compute. The module here is that fp32 upcast; the log-probs stay vLLM's."""
+    module = veomni_engine.module
+    veomni_engine.module = copy.deepcopy(module).float()
+    try:
+        for temperature, rollouts in masked_rollouts.items():
+            with veomni_engine.eval_mode():
+                out = veomni_engine.forward_backward_batch(_batch(rollouts, temperature, 2), loss_function=None,
+                                                           forward_only=True)
+            scored = _generated_log_probs(out["model_output"]["log_probs"], rollouts)
+            for r, s in zip(rollouts, scored):
+                assert torch.equal(torch.tensor(r.logprobs, dtype=torch.float32), s), temperature
+        assert all(p.dtype == torch.float32 for p in veomni_engine.module.parameters())
+    finally:
+        veomni_engine.module = module
 
 
 def test_engine_backward_through_log_probs(veomni_engine, masked_rollouts):

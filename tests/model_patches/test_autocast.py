@@ -1,0 +1,61 @@
+"""Under a trainer's bf16 autocast, a model holding fp32 master weights (VeOmni on one rank, plain
+single-GPU training) computes exactly what the bf16 model computes: the rollout's numbers."""
+
+import pytest
+import torch
+
+from vexact_vllm.model_patches import UnsupportedModelError
+
+VOCAB = 448
+
+
+def _ids(shape, seed):
+    return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _ppo(model, ids, mask):
+    return model(input_ids=ids, attention_mask=mask, temperature=0.7, shift_labels=torch.roll(ids, -1, dims=-1))
+
+
+def test_bf16_autocast_over_fp32_weights_equals_the_bf16_model(load_model):
+    bf16 = load_model("qwen3", torch.bfloat16, True)
+    fp32 = load_model("qwen3", torch.float32, True)
+    ids = _ids((2, 9), seed=1)
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0  # a right-padded row
+    want = _ppo(bf16, ids, mask)
+    plain = _ppo(fp32, ids, mask)
+    assert not torch.equal(plain.log_probs, want.log_probs)  # fp32 compute differs: the test can fail
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = _ppo(fp32, ids, mask)
+        logits = fp32(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(got.log_probs, want.log_probs) and torch.equal(got.entropy, want.entropy)
+    assert torch.equal(logits, bf16(input_ids=ids, attention_mask=mask).logits)
+    assert all(p.dtype == torch.float32 for p in fp32.parameters())  # the masters are untouched
+
+
+@pytest.mark.parametrize("backward_in_autocast", [False, True])
+def test_gradients_reach_the_fp32_weights_as_the_bf16_models(load_model, backward_in_autocast):
+    """The fp32 masters get the bf16 model's gradients, exactly, wherever the caller calls backward
+    (the kernels' backwards turn autocast off as their forwards do: kernels/_autograd.py)."""
+    bf16 = load_model("qwen3", torch.bfloat16, True)
+    fp32 = load_model("qwen3", torch.float32, True)
+    ids = _ids((2, 7), seed=2)
+    mask = torch.ones_like(ids)
+    _ppo(bf16, ids, mask).log_probs.sum().backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = _ppo(fp32, ids, mask).log_probs.sum()
+        if backward_in_autocast:
+            loss.backward()
+    if not backward_in_autocast:
+        loss.backward()
+    want = dict(bf16.named_parameters())
+    for name, p in fp32.named_parameters():
+        assert p.grad is not None and p.grad.dtype == torch.float32, name
+        assert torch.equal(p.grad, want[name].grad.float()), name
+
+
+def test_float16_autocast_is_refused(load_model):
+    fp32 = load_model("qwen3", torch.float32, True)
+    with torch.autocast("cpu", dtype=torch.float16), pytest.raises(UnsupportedModelError, match="bfloat16"):
+        fp32(input_ids=_ids((1, 5), seed=0))
