@@ -11,7 +11,7 @@ cache=$root/.gpu/vcache
 out=$root/.gpu/v1
 py=${PYTHON:-python3}
 image=${IMAGE_PACKAGES:-$root/../shared/gpu/gpu-image-packages.txt}
-mkdir -p "$cache/dl" "$out"
+mkdir -p "$cache/dl"
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo '/.gpu/' >> .git/info/exclude; }
 plat=()
 for p in manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux_2_26 manylinux_2_24 \
@@ -19,8 +19,9 @@ for p in manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux_2
 dl=("$py" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp "${plat[@]}")
 
 if [ ! -f "$cache/.done" ]; then
-  # The pins are what the CPU tests use (TransferQueue: verl's default v1 trainer imports it); hydra-core and omegaconf pinned, or pip backtracks to 2019
-  # releases (antlr4-python3-runtime and pylatexenc are source-only: built here as wheels).
+  # The versions the CPU tests use, plus TransferQueue (verl's default v1 trainer imports it). hydra-core
+  # and omegaconf are pinned, or pip backtracks to 2019 releases: antlr4-python3-runtime is source-only
+  # (built here as a wheel, with pylatexenc, the other one).
   "${dl[@]}" -d "$cache/dl" 'ray[default]==2.60.0' codetiming==1.4.0 'tensordict==0.10.0' torchdata==0.11.0 \
       datasets==5.2.0 dill==0.4.1 'numpy<2.4'
   "${dl[@]}" --no-deps -d "$cache/dl" hydra-core==1.3.8 omegaconf==2.3.1 verl==0.9.1 veomni==0.1.12 \

@@ -84,12 +84,17 @@ def _log(path: Path, values: dict[str, float]) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def _compare(log_dir: Path) -> subprocess.CompletedProcess:
+    """verify_rollout_match.sh with RUNS="": only the comparison of the logs in `log_dir`."""
+    return subprocess.run(["bash", str(VERIFY)], env={**os.environ, "RUNS": "", "LOG_DIR": str(log_dir)},
+                          capture_output=True, text=True)
+
+
 @pytest.mark.parametrize("vexact_value,status", [(0.0, 0), (3.0517578125e-05, 1)])
 def test_verify_compares_verl_console_logs(tmp_path, vexact_value, status):
     _log(tmp_path / "vexact1.log", dict.fromkeys(METRICS, vexact_value))
     _log(tmp_path / "vexact0.log", dict.fromkeys(METRICS, 0.0123))
-    proc = subprocess.run(["bash", str(VERIFY)], env={**os.environ, "RUNS": "", "LOG_DIR": str(tmp_path)},
-                          capture_output=True, text=True)
+    proc = _compare(tmp_path)
     assert proc.returncode == status, proc.stdout + proc.stderr
     table = [line.split() for line in proc.stdout.splitlines() if line.startswith(METRICS)]
     assert [(row[0], row[1]) for row in table] == [(m, s) for m in METRICS for s in ("1", "2")]
@@ -100,6 +105,5 @@ def test_verify_compares_verl_console_logs(tmp_path, vexact_value, status):
 def test_verify_fails_when_a_metric_is_missing(tmp_path):
     _log(tmp_path / "vexact1.log", {METRICS[0]: 0.0})  # no k3_kl: rollout correction off
     _log(tmp_path / "vexact0.log", dict.fromkeys(METRICS, 0.0123))
-    proc = subprocess.run(["bash", str(VERIFY)], env={**os.environ, "RUNS": "", "LOG_DIR": str(tmp_path)},
-                          capture_output=True, text=True)
+    proc = _compare(tmp_path)
     assert proc.returncode == 1 and "rollout_corr/k3_kl: not logged" in proc.stderr

@@ -222,7 +222,7 @@ QWEN3_8B_SHAPES = [(6144, 4096, False, torch.bfloat16), (4096, 4096, False, torc
 @pytest.mark.parametrize("n,k,bias,out_dtype", QWEN3_SHAPES + QWEN3_8B_SHAPES)
 @pytest.mark.cuda
 @needs_cuda
-def test_rows_invariant_across_tile_buckets_cuda(n, k, bias, out_dtype):
+def test_rows_invariant_across_tile_buckets_cuda(monkeypatch, n, k, bias, out_dtype):
     """Rows of an M = 1100 call (the last bucket's tile) equal every smaller call's (each bucket's
     tile, on both sides of every boundary), and all tiles of a tuned shape give the same bits on the
     same rows."""
@@ -238,36 +238,28 @@ def test_rows_invariant_across_tile_buckets_cuda(n, k, bias, out_dtype):
         assert torch.equal(
             gt.linear_triton(x[start : start + size], w, b, out_dtype), full[start : start + size]
         )
-    original = gt.gemm_config
-    try:
-        for _, cfg in buckets:
-            gt.gemm_config = lambda *_, cfg=cfg: cfg
-            assert torch.equal(gt.linear_triton(x, w, b, out_dtype), full), cfg
-    finally:
-        gt.gemm_config = original
+    for _, cfg in buckets:
+        monkeypatch.setattr(gt, "gemm_config", lambda *_, cfg=cfg: cfg)
+        assert torch.equal(gt.linear_triton(x, w, b, out_dtype), full), cfg
 
 
 @pytest.mark.parametrize("n,k,bias,out_dtype", QWEN3_SHAPES)
 @pytest.mark.cuda
 @needs_cuda
-def test_tma_kernel_equals_pointer_kernel_cuda(n, k, bias, out_dtype):
+def test_tma_kernel_equals_pointer_kernel_cuda(monkeypatch, n, k, bias, out_dtype):
     """The TMA variant of a tile (with and without warp specialization) gives the pointer kernel's bits."""
     import vexact_vllm.kernels.gemm_triton as gt
 
     x, w, b = _inputs(700, n, k, torch.bfloat16, device="cuda", bias=bias)
     block_k = gt.gemm_config(n, k, torch.bfloat16, 1).block_k
-    original = gt.gemm_config
-    try:
-        for tile in ((64, 64), (128, 128)):
-            outs = []
-            for tma, ws in ((False, False), (True, False), (True, True)):
-                cfg = gt.GemmConfig(*tile, block_k, 8, 4, 3, 1, tma, ws)
-                gt.gemm_config = lambda *_, cfg=cfg: cfg
-                outs.append([gt.linear_triton(x[:m], w, b, out_dtype) for m in (1, 256, 700)])
-            for other in outs[1:]:
-                assert all(torch.equal(a, c) for a, c in zip(outs[0], other)), tile
-    finally:
-        gt.gemm_config = original
+    for tile in ((64, 64), (128, 128)):
+        outs = []
+        for tma, ws in ((False, False), (True, False), (True, True)):
+            cfg = gt.GemmConfig(*tile, block_k, 8, 4, 3, 1, tma, ws)
+            monkeypatch.setattr(gt, "gemm_config", lambda *_, cfg=cfg: cfg)
+            outs.append([gt.linear_triton(x[:m], w, b, out_dtype) for m in (1, 256, 700)])
+        for other in outs[1:]:
+            assert all(torch.equal(a, c) for a, c in zip(outs[0], other)), tile
 
 
 @pytest.mark.parametrize("n,k,bias,out_dtype", QWEN3_SHAPES)

@@ -4,13 +4,8 @@ single-GPU training) computes exactly what the bf16 model computes: the rollout'
 import pytest
 import torch
 
+from tests.model_patches.test_training_model import _ids
 from vexact_vllm.model_patches import UnsupportedModelError
-
-VOCAB = 448
-
-
-def _ids(shape, seed):
-    return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
 
 
 def _ppo(model, ids, mask):

@@ -199,20 +199,25 @@ def _generated_log_probs(log_probs, rollouts):
     return out
 
 
-@pytest.mark.parametrize("micro_batch_size", [1, 2, 4])
-def test_engine_log_probs_equal_vllm(veomni_engine, masked_rollouts, micro_batch_size):
-    from vexact_vllm.model_patches.veomni_modeling import VEOMNI_CLASSES
-
-    assert type(veomni_engine.module) is VEOMNI_CLASSES["qwen3"]
+def _assert_engine_equals_vllm(engine, masked_rollouts, micro_batch_size):
+    """The engine's log-probs of every generated token are torch.equal to vLLM's, at each temperature."""
     for temperature, rollouts in masked_rollouts.items():
         data = _batch(rollouts, temperature, micro_batch_size)
-        with veomni_engine.eval_mode():
-            out = veomni_engine.forward_backward_batch(data, loss_function=None, forward_only=True)
+        with engine.eval_mode():
+            out = engine.forward_backward_batch(data, loss_function=None, forward_only=True)
         scored = _generated_log_probs(out["model_output"]["log_probs"], rollouts)
         for r, s in zip(rollouts, scored):
             assert torch.equal(torch.tensor(r.logprobs, dtype=torch.float32), s), (temperature, micro_batch_size)
         entropy = out["model_output"]["entropy"]
         assert bool(torch.isfinite(entropy.values()).all()) and bool((entropy.values() >= 0).all())
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 2, 4])
+def test_engine_log_probs_equal_vllm(veomni_engine, masked_rollouts, micro_batch_size):
+    from vexact_vllm.model_patches.veomni_modeling import VEOMNI_CLASSES
+
+    assert type(veomni_engine.module) is VEOMNI_CLASSES["qwen3"]
+    _assert_engine_equals_vllm(veomni_engine, masked_rollouts, micro_batch_size)
 
 
 def test_engine_with_fp32_master_weights_equals_vllm(veomni_engine, masked_rollouts):
@@ -222,13 +227,7 @@ def test_engine_with_fp32_master_weights_equals_vllm(veomni_engine, masked_rollo
     module = veomni_engine.module
     veomni_engine.module = copy.deepcopy(module).float()
     try:
-        for temperature, rollouts in masked_rollouts.items():
-            with veomni_engine.eval_mode():
-                out = veomni_engine.forward_backward_batch(_batch(rollouts, temperature, 2), loss_function=None,
-                                                           forward_only=True)
-            scored = _generated_log_probs(out["model_output"]["log_probs"], rollouts)
-            for r, s in zip(rollouts, scored):
-                assert torch.equal(torch.tensor(r.logprobs, dtype=torch.float32), s), temperature
+        _assert_engine_equals_vllm(veomni_engine, masked_rollouts, micro_batch_size=2)
         assert all(p.dtype == torch.float32 for p in veomni_engine.module.parameters())
     finally:
         veomni_engine.module = module
