@@ -18,6 +18,7 @@ from .gemm import linear
 from .logprob import VOCAB_BLOCK, gumbel_argmax, linear_token_log_probs, log_softmax, token_log_probs
 from .rms_norm import add_rms_norm, rms_norm
 from .rope import apply_rope, rope_cache
+from .truncation import truncation_threshold
 
 __all__ = [
     "KEY_TILE",
@@ -38,6 +39,7 @@ __all__ = [
     "rope_cache",
     "silu_and_mul",
     "token_log_probs",
+    "truncation_threshold",
     "varlen_attention",
     "write_kv_cache",
 ]

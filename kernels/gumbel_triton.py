@@ -42,10 +42,12 @@ def _gumbel_argmax_kernel(
     SEEDS,
     POS,
     OUT,
+    THR,  # fp32 [M] truncation thresholds, or a dummy when HAS_THRESHOLD is False
     stride_l,
     V,
     BLOCK: tl.constexpr,
     UNIFORM_BITS: tl.constexpr,
+    HAS_THRESHOLD: tl.constexpr,  # a different kernel with and without truncation, never per row
 ):
     row = tl.program_id(0).to(tl.int64)
     seed = tl.load(SEEDS + row).to(tl.int64) & _MASK63
@@ -54,10 +56,14 @@ def _gumbel_argmax_kernel(
     cols = tl.arange(0, BLOCK).to(tl.int64)
     best_val = tl.full([], float("-inf"), tl.float32)
     best_idx = tl.full([], 0, tl.int64)
+    if HAS_THRESHOLD:
+        thr = tl.load(THR + row)
     for start in range(0, V, BLOCK):
         offs = start + cols
         mask = offs < V
         lp = tl.load(LOGP + row * stride_l + offs, mask=mask, other=float("-inf"))
+        if HAS_THRESHOLD:  # truncated sampling: ids below the threshold cannot win
+            lp = tl.where(lp >= thr, lp, float("-inf"))
         h = _mix63(row_key ^ offs)
         u = ((h >> (63 - UNIFORM_BITS)).to(tl.float32) + 0.5) * (2.0**-UNIFORM_BITS)
         val = tl.where(mask, lp - tl.log(-tl.log(u)), float("-inf"))
@@ -72,14 +78,16 @@ def _gumbel_argmax_kernel(
 
 
 def gumbel_argmax_triton(
-    log_probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
+    log_probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, threshold: torch.Tensor | None = None
 ) -> torch.Tensor:
     """int64 [M] tokens (inputs already checked by `logprob.gumbel_argmax`)."""
     n_rows, vocab = log_probs.shape
     out = torch.empty(n_rows, dtype=torch.int64, device=log_probs.device)
     if n_rows:
+        thr = threshold.contiguous() if threshold is not None else log_probs
         _gumbel_argmax_kernel[(n_rows,)](
-            log_probs, seeds.contiguous(), positions.contiguous(), out, log_probs.stride(0), vocab,
-            BLOCK=BLOCK, UNIFORM_BITS=logprob._UNIFORM_BITS, num_warps=_NUM_WARPS,
+            log_probs, seeds.contiguous(), positions.contiguous(), out, thr, log_probs.stride(0), vocab,
+            BLOCK=BLOCK, UNIFORM_BITS=logprob._UNIFORM_BITS, HAS_THRESHOLD=threshold is not None,
+            num_warps=_NUM_WARPS,
         )  # fmt: skip
     return out

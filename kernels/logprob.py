@@ -2,11 +2,13 @@
 
 Temperature semantics (defined here once; every caller goes through these functions):
 * logits z are fp32: the lm_head is `linear(hidden, weight, out_dtype=torch.float32)`.
-* for temperature tau > 0, scaled = z / tau: fp32 TRUE division by a per-row fp32 tensor, applied
-  exactly once (tau == 1.0 still divides, a bitwise no-op). A Python float becomes a tensor first:
-  dividing by a scalar may be compiled as a multiply by its reciprocal (CUDA does), which is not
-  the same rounding.
-* tau == 0 means greedy; its log-probs are those of tau = 1.
+* the effective temperature (`effective_temperature`, the one definition both sides use): tau == 0
+  means greedy and is scored at 1; 0 < tau < MIN_TEMPERATURE (0.01) counts as 0.01, because vLLM
+  raises such temperatures to 0.01 before any sampler sees them (`SamplingParams.__post_init__`), so
+  a trainer told tau = 0.005 scores what the rollout sampled, at 0.01; any other tau is itself.
+* scaled = z / tau: fp32 TRUE division by a per-row fp32 tensor, applied exactly once (tau == 1.0
+  still divides, a bitwise no-op). A Python float becomes a tensor first: dividing by a scalar may
+  be compiled as a multiply by its reciprocal (CUDA does), which is not the same rounding.
 
 Vocabulary mask (`linear_token_log_probs(..., vocab_mask=)`): ids where the bool [V] mask is False
 get logit -inf right after the lm_head GEMM, before the temperature: exactly what verl's vLLM rollout
@@ -45,6 +47,8 @@ from .gemm import linear
 
 # Vocabulary entries per block of the exp-sum. Fixed: it sets the order of the additions.
 VOCAB_BLOCK = 1024
+# vLLM raises temperatures in (0, MIN_TEMPERATURE) to it (`vllm.sampling_params._MAX_TEMP`).
+MIN_TEMPERATURE = 1e-2
 
 _MASK63 = (1 << 63) - 1
 _GOLDEN = 0x9E3779B97F4A7C15 & _MASK63
@@ -61,13 +65,20 @@ _GUMBEL_ELEMENTS = 1 << 22
 # ---------------------------------------------------------------------------------------------
 
 
+def effective_temperature(tau: torch.Tensor) -> torch.Tensor:
+    """The divisor for requested temperatures `tau` (fp32 tensor, any shape): 1 where tau == 0
+    (greedy), MIN_TEMPERATURE where 0 < tau < MIN_TEMPERATURE (vLLM's clamp), tau elsewhere."""
+    floor = torch.full_like(tau, MIN_TEMPERATURE)
+    return torch.where(tau == 0, torch.ones_like(tau), torch.where(tau < MIN_TEMPERATURE, floor, tau))
+
+
 def _temperature_column(temperature, n_rows: int, device: torch.device) -> torch.Tensor:
-    """fp32 [M, 1] divisor: tau, with tau == 0 (greedy) replaced by 1."""
+    """fp32 [M, 1] divisor: `effective_temperature` of the requested temperature(s)."""
     if isinstance(temperature, torch.Tensor):
         tau = temperature.to(device=device, dtype=torch.float32).reshape(n_rows, 1)
     else:
         tau = torch.full((n_rows, 1), float(temperature), dtype=torch.float32, device=device)
-    return torch.where(tau == 0, torch.ones_like(tau), tau)
+    return effective_temperature(tau)
 
 
 def _scaled_and_lse(logits: torch.Tensor, tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -306,35 +317,49 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> to
     return -torch.log(-torch.log(u))
 
 
-def _gumbel_argmax_torch(log_probs, seeds, positions):
+def _gumbel_argmax_torch(log_probs, seeds, positions, threshold=None):
     n_rows, vocab = log_probs.shape
     step = max(1, _GUMBEL_ELEMENTS // max(vocab, 1))
     out = torch.empty(n_rows, dtype=torch.int64, device=log_probs.device)
     for r0 in range(0, n_rows, step):
         rows = slice(r0, r0 + step)
-        out[rows] = (log_probs[rows] + gumbel_noise(seeds[rows], positions[rows], vocab)).argmax(-1)
+        lp = log_probs[rows]
+        if threshold is not None:  # truncated sampling: ids below the row's threshold cannot win
+            lp = torch.where(lp >= threshold[rows, None], lp, float("-inf"))
+        out[rows] = (lp + gumbel_noise(seeds[rows], positions[rows], vocab)).argmax(-1)
     return out
 
 
-def _gumbel_argmax_triton(log_probs, seeds, positions):
+def _gumbel_argmax_triton(log_probs, seeds, positions, threshold=None):
     from .gumbel_triton import gumbel_argmax_triton  # imported on first use: no Triton on CPU
 
-    return gumbel_argmax_triton(log_probs, seeds, positions)
+    return gumbel_argmax_triton(log_probs, seeds, positions, threshold)
 
 
 _GUMBEL_IMPLS = {"torch": _gumbel_argmax_torch, "triton": _gumbel_argmax_triton}
 
 
-def gumbel_argmax(log_probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """int64 [M]: argmax_v(log_probs[m, v] + gumbel(seeds[m], positions[m], v)).
+def gumbel_argmax(
+    log_probs: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    threshold: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """int64 [M]: argmax_v(log_probs[m, v] + gumbel(seeds[m], positions[m], v)) over the ids with
+    log_probs[m, v] >= threshold[m] (all of them without a threshold).
 
     log_probs: fp32 [M, V] (already at the request's temperature; greedy rows should take
-    log_probs.argmax(-1) instead); seeds, positions: int64 [M]. Ties go to the lowest token id.
+    log_probs.argmax(-1) instead); seeds, positions: int64 [M]; threshold: fp32 [M] or None
+    (`kernels.truncation.truncation_threshold`: top-k, top-p, min-p). Ties go to the lowest token id.
     """
     _check_logits(log_probs, "log_probs")
     for name, t in (("seeds", seeds), ("positions", positions)):
         check_int(name, t)
         if tuple(t.shape) != (log_probs.shape[0],):
             raise ValueError(f"{name} must have shape ({log_probs.shape[0]},), got {tuple(t.shape)}")
-    check_same_device(log_probs=log_probs, seeds=seeds, positions=positions)
-    return _GUMBEL_IMPLS[backend_for(log_probs)](log_probs, seeds, positions)
+    if threshold is not None:
+        check_dtype("threshold", threshold, (torch.float32,))
+        if tuple(threshold.shape) != (log_probs.shape[0],):
+            raise ValueError(f"threshold must have shape ({log_probs.shape[0]},), got {tuple(threshold.shape)}")
+    check_same_device(log_probs=log_probs, seeds=seeds, positions=positions, threshold=threshold)
+    return _GUMBEL_IMPLS[backend_for(log_probs)](log_probs, seeds, positions, threshold)

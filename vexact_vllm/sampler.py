@@ -9,19 +9,24 @@ Replaces vLLM's sampler for vexact models (installed by `runner_hooks`). For eac
    alone, in any batch, after preemption or with chunked prefill.
 3. the sampled token's log-prob (and the top-k when asked) is gathered from those log-probs.
 
-Sampling options that would change the distribution the trainer cannot see (top-k, top-p, min-p,
-penalties, logit bias, bad words, allowed token ids, min_tokens) are refused, never ignored.
+Truncated sampling (top-k, top-p, min-p, from the request or the checkpoint's generation_config
+defaults) narrows only WHICH tokens Gumbel-max may draw, by a per-row log-prob threshold computed
+batch-invariantly (`kernels.truncation`); the returned log-prob is still the full-vocabulary
+tempered one above, the value the trainer computes. Options that would change the distribution
+itself, or that the trainer cannot see (penalties, logit bias, bad words, allowed token ids,
+min_tokens, structured outputs / guided decoding), are refused, never ignored (`refuse_unsupported`).
 """
 
 from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import torch
 from vllm.v1.outputs import SamplerOutput
 from vllm.v1.sample.sampler import Sampler
 
-from vexact_vllm.kernels import gumbel_argmax, log_softmax
+from vexact_vllm.kernels import gumbel_argmax, log_softmax, truncation_threshold
 
 GREEDY_EPS = 1e-5  # vLLM's threshold below which a temperature means greedy
 
@@ -34,11 +39,9 @@ def request_seed(req_id: str, seed: int | None) -> int:
 
 
 def refuse_unsupported(params) -> None:
-    """Raise for sampling options the bitwise contract cannot keep."""
+    """Raise for sampling options the bitwise contract cannot keep (top-k, top-p, min-p are kept:
+    see the module docstring)."""
     checks = {
-        "top_k": params.top_k not in (None, 0, -1),
-        "top_p": params.top_p is not None and params.top_p < 1.0,
-        "min_p": bool(params.min_p),
         "presence_penalty": bool(params.presence_penalty),
         "frequency_penalty": bool(params.frequency_penalty),
         "repetition_penalty": params.repetition_penalty not in (None, 1.0),
@@ -46,13 +49,52 @@ def refuse_unsupported(params) -> None:
         "bad_words": bool(params.bad_words),
         "allowed_token_ids": bool(params.allowed_token_ids),
         "min_tokens": bool(params.min_tokens),
+        "structured_outputs (guided decoding, response_format)": getattr(params, "structured_outputs", None)
+        is not None,
     }
     bad = [name for name, on in checks.items() if on]
     if bad:
         raise ValueError(
             f"sampling options {', '.join(bad)} are not supported with --model-impl vexact: they change "
-            "the sampling distribution that the trainer's log-probs describe; drop them from the request"
+            "the sampling distribution that the trainer's log-probs describe; drop them from the request "
+            "(temperature, seed, top_k, top_p and min_p are supported)"
         )
+
+
+def draw_tokens(
+    log_probs: torch.Tensor,
+    greedy: torch.Tensor,
+    host_greedy: np.ndarray,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    threshold: torch.Tensor | None,
+) -> torch.Tensor:
+    """int64 [B]: argmax for greedy rows, truncated Gumbel-max for the others (both row-wise, so
+    batch-invariant). `host_greedy` (bool [B], on the host) lets an all-greedy or all-sampled batch
+    skip the other pass without a device sync."""
+    if host_greedy.all():
+        return log_probs.argmax(-1)
+    sampled = gumbel_argmax(log_probs, seeds, positions, threshold)
+    if not host_greedy.any():
+        return sampled
+    return torch.where(greedy, log_probs.argmax(-1), sampled)
+
+
+def truncation(log_probs, top_k, top_p, min_p, host_top_k, host_top_p, host_min_p) -> torch.Tensor | None:
+    """The per-row threshold of `kernels.truncation_threshold` for the options that are on in this
+    batch (decided from host copies: no sync), or None when no row truncates."""
+    vocab = log_probs.shape[1]
+    k_on = (host_top_k > 0) & (host_top_k < vocab)
+    p_on, m_on = host_top_p < 1.0, host_min_p > 0.0
+    if not (k_on.any() or p_on.any() or m_on.any()):
+        return None
+    return truncation_threshold(
+        log_probs,
+        top_k if k_on.any() else None,
+        top_p if p_on.any() else None,
+        min_p if m_on.any() else None,
+        max_top_k=int(host_top_k[k_on].max()) if k_on.any() else 0,
+    )
 
 
 class VexactSampler(Sampler):
@@ -66,36 +108,42 @@ class VexactSampler(Sampler):
     def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:  # prompt log-probs: temperature 1
         return log_softmax(logits.float(), 1.0)
 
-    def _rows(self, num_rows: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(temperature, seed, position, greedy) per row; warm-up rows (no request) are greedy."""
+    def _rows(self, num_rows: int) -> dict[str, np.ndarray]:
+        """Per row (host arrays): temperature, seed, position of the token being sampled, greedy,
+        top_k, top_p, min_p; warm-up rows (no request) are greedy."""
         batch = self.runner.input_batch
-        temps, seeds, positions = [1.0] * num_rows, [0] * num_rows, [0] * num_rows
+        rows = {
+            "temperature": np.ones(num_rows, np.float32), "seed": np.zeros(num_rows, np.int64),
+            "position": np.zeros(num_rows, np.int64), "greedy": np.ones(num_rows, bool),
+            "top_k": np.zeros(num_rows, np.int64), "top_p": np.ones(num_rows, np.float32),
+            "min_p": np.zeros(num_rows, np.float32),
+        }  # fmt: skip
         seq_lens = self.runner.seq_lens[:num_rows].tolist()
-        greedy = [True] * num_rows
         for i, req_id in enumerate(batch.req_ids[:num_rows]):
             state = self.runner.requests.get(req_id)
             if state is None or state.sampling_params is None:
                 continue
             params = state.sampling_params
             refuse_unsupported(params)
-            greedy[i] = params.temperature < GREEDY_EPS
-            temps[i] = 1.0 if greedy[i] else float(params.temperature)
-            seeds[i] = request_seed(req_id, params.seed)
-            positions[i] = seq_lens[i]  # index of the token being sampled
-        as_tensor = lambda v, dt: torch.tensor(v, dtype=dt, device=device)  # noqa: E731
-        return (
-            as_tensor(temps, torch.float32),
-            as_tensor(seeds, torch.int64),
-            as_tensor(positions, torch.int64),
-            as_tensor(greedy, torch.bool),
-        )
+            greedy = params.temperature < GREEDY_EPS
+            rows["greedy"][i] = greedy
+            rows["temperature"][i] = 1.0 if greedy else params.temperature
+            rows["seed"][i] = request_seed(req_id, params.seed)
+            rows["position"][i] = seq_lens[i]  # index of the token being sampled
+            rows["top_k"][i] = params.top_k or 0
+            rows["top_p"][i] = 1.0 if params.top_p is None else params.top_p
+            rows["min_p"][i] = params.min_p or 0.0
+        return rows
 
     def forward(self, logits, sampling_metadata, predict_bonus_token=False, logprobs_mode_override=None):
         if predict_bonus_token:
             raise ValueError("speculative decoding is not supported with --model-impl vexact")
-        temps, seeds, positions, greedy = self._rows(logits.shape[0], logits.device)
-        log_probs = log_softmax(logits.float(), temps)  # [B, V] fp32
-        sampled = torch.where(greedy, log_probs.argmax(-1), gumbel_argmax(log_probs, seeds, positions))
+        rows = self._rows(logits.shape[0])
+        dev = {k: torch.from_numpy(v).to(logits.device) for k, v in rows.items()}
+        log_probs = log_softmax(logits.float(), dev["temperature"])  # [B, V] fp32
+        threshold = truncation(log_probs, dev["top_k"], dev["top_p"], dev["min_p"],
+                               rows["top_k"], rows["top_p"], rows["min_p"])  # fmt: skip
+        sampled = draw_tokens(log_probs, dev["greedy"], rows["greedy"], dev["seed"], dev["position"], threshold)
         logprobs_tensors = None
         if sampling_metadata.max_num_logprobs is not None:
             k = sampling_metadata.max_num_logprobs

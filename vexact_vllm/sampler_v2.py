@@ -13,11 +13,14 @@ sampled and discarded, as in stock vLLM):
    samples the same tokens alone, in any batch, chunked or after preemption.
 3. the sampled token's log-prob (and top-k or `logprob_token_ids` when asked) is gathered from those
    log-probs by vLLM's own `compute_topk_scores` in logits mode (a gather, no arithmetic).
+Top-k, top-p and min-p (vLLM's per-request states, filled from the request or the checkpoint's
+generation_config) narrow which tokens Gumbel-max may draw through the batch-invariant threshold of
+`kernels.truncation` (sampler.py's `truncation`); the returned log-prob stays the full-vocabulary one.
 
-Nothing else of vLLM's sampling runs: no penalties, logit bias, min-p, top-k/top-p. Requests asking
-for them are refused at admission (request_validation.py: `LLM.generate`, the OpenAI server and
-AsyncLLM all admit requests there), so none reaches this sampler; the runner's own warm-up requests,
-which set every option to exercise vLLM's kernels, are sampled here like any other.
+Nothing else of vLLM's sampling runs: no penalties, logit bias, bad words, structured outputs.
+Requests asking for them are refused at admission (request_validation.py: `LLM.generate`, the
+OpenAI server and AsyncLLM all admit requests there), so none reaches this sampler; the runner's own
+warm-up requests, which set every option to exercise vLLM's kernels, are sampled here like any other.
 """
 
 from __future__ import annotations
@@ -30,9 +33,9 @@ from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.sample.sampler import Sampler
 from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 
-from vexact_vllm.kernels import gumbel_argmax, log_softmax
+from vexact_vllm.kernels import log_softmax
 
-from .sampler import GREEDY_EPS
+from .sampler import GREEDY_EPS, draw_tokens, truncation
 
 
 class VexactSamplerV2(Sampler):
@@ -58,13 +61,16 @@ class VexactSamplerV2(Sampler):
         tau, seeds, positions, greedy = self.rows(input_batch)
         log_probs = log_softmax(logits.float(), tau)  # fp32 [B, V]
         idx_np = input_batch.idx_mapping_np
-        host_greedy = self.sampling_states.temperature.np[idx_np] < GREEDY_EPS  # host copy: no sync
-        if host_greedy.all():
-            sampled = log_probs.argmax(-1)
-        elif not host_greedy.any():
-            sampled = gumbel_argmax(log_probs, seeds, positions)
-        else:  # a mixed batch: each row takes its own rule (both are row-wise, batch-invariant)
-            sampled = torch.where(greedy, log_probs.argmax(-1), gumbel_argmax(log_probs, seeds, positions))
+        states = self.sampling_states
+        host_greedy = states.temperature.np[idx_np] < GREEDY_EPS  # host copies: no sync
+        threshold = None
+        if not host_greedy.all():
+            idx = input_batch.expanded_idx_mapping
+            threshold = truncation(
+                log_probs, states.top_k.gpu[idx], states.top_p.gpu[idx], states.min_p.gpu[idx],
+                states.top_k.np[idx_np], states.top_p.np[idx_np], states.min_p.np[idx_np],
+            )  # fmt: skip
+        sampled = draw_tokens(log_probs, greedy, host_greedy, seeds, positions, threshold)
 
         logprobs_tensors = None
         if self.returns_logprobs(idx_np):

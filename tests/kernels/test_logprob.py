@@ -16,7 +16,7 @@ VOCABS = (1000, VOCAB_BLOCK, 3001)
 
 def _reference(logits, temperature):
     tau = torch.as_tensor(temperature, dtype=torch.float64).reshape(-1, 1)
-    tau = torch.where(tau == 0, torch.ones_like(tau), tau)
+    tau = torch.where(tau == 0, torch.ones_like(tau), tau.clamp_min(0.01))
     return torch.log_softmax(logits.double() / tau, dim=-1)
 
 
@@ -41,6 +41,10 @@ def test_temperature_semantics():
     assert torch.equal(log_softmax(logits, 0.7), log_softmax(logits, torch.full((6,), 0.7)))
     # true fp32 division, never a multiply by the reciprocal
     assert torch.equal(log_softmax(logits, 0.7), log_softmax(logits / torch.tensor(0.7), 1.0))
+    # vLLM raises temperatures in (0, 0.01) to 0.01 before sampling: the one definition does too
+    for tiny in (0.005, 1e-6, 0.0099):
+        assert torch.equal(log_softmax(logits, tiny), log_softmax(logits, 0.01))
+    assert not torch.equal(log_softmax(logits, 0.011), log_softmax(logits, 0.01))
     mixed = log_softmax(logits, torch.tensor([0.0, 1.0, 0.5, 2.0, 0.0, 0.9]))
     for i, t in enumerate((0.0, 1.0, 0.5, 2.0, 0.0, 0.9)):
         assert torch.equal(mixed[i : i + 1], log_softmax(logits[i : i + 1], t))
@@ -49,7 +53,7 @@ def test_temperature_semantics():
 @pytest.mark.parametrize("vocab", VOCABS)
 def test_accuracy(vocab):
     logits = torch.randn(17, vocab) * 4
-    temps = torch.tensor([0.0, 0.5, 1.0, 1.7] * 4 + [3.0])
+    temps = torch.tensor([0.0, 0.5, 1.0, 1.7] * 4 + [0.003])
     torch.testing.assert_close(
         log_softmax(logits, temps).double(), _reference(logits, temps), rtol=1e-5, atol=1e-5
     )

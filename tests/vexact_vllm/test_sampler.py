@@ -15,9 +15,6 @@ STOCK = SimpleNamespace(model_impl="auto")
 @pytest.mark.parametrize(
     "option",
     [
-        {"top_k": 5},
-        {"top_p": 0.9},
-        {"min_p": 0.1},
         {"presence_penalty": 0.5},
         {"frequency_penalty": 0.5},
         {"repetition_penalty": 1.1},
@@ -25,13 +22,17 @@ STOCK = SimpleNamespace(model_impl="auto")
         {"bad_words": ["x"]},
         {"allowed_token_ids": [1, 2]},
         {"min_tokens": 2},
+        {"structured_outputs": "json"},
     ],
 )
 def test_unsupported_options_are_refused(option):
     from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
     from vexact_vllm.request_validation import validate_request
 
+    if "structured_outputs" in option:  # guided decoding (the OpenAI server's response_format too)
+        option = {"structured_outputs": StructuredOutputsParams(json={"type": "object"})}
     with pytest.raises(ValueError, match=next(iter(option))):
         validate_request(SamplingParams(**option), VEXACT, use_v2_model_runner=False)
     validate_request(SamplingParams(**option), STOCK, use_v2_model_runner=True)  # other models: untouched
@@ -42,7 +43,11 @@ def test_plain_sampling_is_accepted():
 
     from vexact_vllm.request_validation import validate_request
 
-    for params in (SamplingParams(temperature=0.7, seed=3), SamplingParams(temperature=0), SamplingParams(top_k=-1)):
+    accepted = (
+        SamplingParams(temperature=0.7, seed=3), SamplingParams(temperature=0), SamplingParams(top_k=-1),
+        SamplingParams(top_k=20, top_p=0.95, min_p=0.05),  # truncated sampling: Qwen3's generation defaults
+    )  # fmt: skip
+    for params in accepted:
         validate_request(params, VEXACT, use_v2_model_runner=True)
 
 
