@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .args import existing_file, micro_batches, positive_int, temperature
 from .report import Row, to_json, to_table, verdict
 from .rollout import RolloutSettings, run_compositions
 from .score import compare, load_trainer, trainer_log_probs
@@ -189,7 +190,7 @@ def _run(args) -> tuple[list[Row], str, int, str | None]:
     unknown = sorted(set(names) - set(COMPOSITIONS))
     if unknown:
         raise SystemExit(f"error: unknown composition(s) {unknown}; choose from {', '.join(COMPOSITIONS)}")
-    packings = [int(x) for x in args.micro_batches.split(",")]
+    packings = args.micro_batches
 
     settings = RolloutSettings(
         model=model_path,
@@ -217,33 +218,45 @@ def _run(args) -> tuple[list[Row], str, int, str | None]:
         results += [("stock", r) for r in run_compositions(prompt_ids, stock, ["batch"], progress)]
 
     trainer = load_trainer(model_path, dtype)
-    rows: list[Row] = []
-    for engine, result in results:
-        scored = [trainer_log_probs(trainer, result.rollouts, mb, args.temperature) for mb in packings]
-        comparisons = [compare(result.rollouts, s) for s in scored]
-        worst = max(comparisons, key=lambda c: (c.mismatches, c.max_abs_diff))
-        packing = ",".join("all" if mb <= 0 else str(mb) for mb in packings)
-        rows.append(Row(result.name, engine, packing, worst, result.notes, result.problem))
+    rows = score_rows(trainer, results, packings)
     progress.update(1)
     progress.close()
     return rows, model_path, len(prompt_ids), _bisect(trainer, results, rows, args.bisect)
+
+
+def score_rows(trainer, results, packings: list[int]) -> list[Row]:
+    """One row per (engine, composition result): every rollout scored by the trainer in each packing
+    (micro-batch size, 0 = all in one) at the rollout's own temperature, the worst packing shown."""
+    rows: list[Row] = []
+    for engine, result in results:
+        labels = ["all" if mb <= 0 else str(mb) for mb in packings]
+        comparisons = {
+            label: compare(result.rollouts, trainer_log_probs(trainer, result.rollouts, mb))
+            for label, mb in zip(labels, packings)
+        }
+        worst = max(comparisons.values(), key=lambda c: (c.mismatches, c.max_abs_diff))
+        per_packing = {label: c.mismatches for label, c in comparisons.items()}
+        rows.append(Row(result.name, engine, ",".join(labels), worst, result.notes, result.problem, per_packing))
+    return rows
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--model", help="Hugging Face checkpoint directory, or a built-in random-weight model: "
                         "tiny-qwen3 (the default), tiny-qwen2, tiny-llama, qwen3-1.7b-shape (Qwen3-1.7B's shapes, "
                         "~3.4 GB, built once in the cache)")
-    parser.add_argument("--prompts", help="file with one prompt per line, or JSON lines with a 'prompt' field")
-    parser.add_argument("--num-prompts", type=int, default=12)
-    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--prompts", type=existing_file,
+                        help="file with one prompt per line, or JSON lines with a 'prompt' field")
+    parser.add_argument("--num-prompts", type=positive_int, default=12)
+    parser.add_argument("--max-tokens", type=positive_int, default=24)
     parser.add_argument("--seed", type=int, default=0, help="request i uses seed + i")
-    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--temperature", type=temperature, default=1.0,
+                        help="0 (greedy) to 2; below 0.01 counts as 0.01 on both sides, as vLLM does")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--max-model-len", type=positive_int, default=1024)
     parser.add_argument("--compositions",
                         help=f"comma-separated subset of {', '.join(COMPOSITIONS)} (default: all; eager only on CUDA)")
-    parser.add_argument("--micro-batches", default="1,3,0",
-                        help="training micro-batch sizes to pack sequences into (0 = all in one)")
+    parser.add_argument("--micro-batches", type=micro_batches, default=[1, 3, 0],
+                        help="comma-separated training micro-batch sizes to pack sequences into (0 = all in one)")
     parser.add_argument("--against-stock", action="store_true",
                         help="also run stock vLLM (--model-impl vllm) against the same training forward")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -16,6 +16,9 @@ class Row:
     comparison: Comparison
     notes: dict = field(default_factory=dict)
     problem: str | None = None  # the composition did not test what it is for (e.g. no cache hits)
+    # Mismatching tokens per trainer packing ("1", "3", "all"): `comparison` is the worst of them.
+    # Packings that disagree with each other point at the trainer, not at vLLM.
+    per_packing: dict[str, int] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -33,7 +36,7 @@ def to_json(rows: list[Row], meta: dict) -> str:
         d = asdict(r.comparison)
         d.pop("per_position")
         return {"composition": r.composition, "engine": r.engine, "packing": r.packing, "notes": r.notes,
-                "problem": r.problem, **d}
+                "problem": r.problem, "per_packing": r.per_packing, **d}
 
     return json.dumps({**meta, "passed": verdict(rows), "rows": [row(r) for r in rows]}, indent=2)
 
@@ -48,7 +51,10 @@ def to_table(rows: list[Row]) -> str:
             f = c.first
             first = f"request {f.request}, position {f.position}: vLLM {f.vllm!r} trainer {f.trainer!r}"
         name = r.composition + "".join(f" [{k}: {v}]" for k, v in r.notes.items())
-        lines.append((r.engine, name, r.packing, str(c.tokens), str(c.mismatches), f"{c.max_abs_diff:.3g}", first))
+        packing = r.packing
+        if len(set(r.per_packing.values())) > 1:  # the packings disagree: show each one's count
+            packing = ",".join(f"{k}:{v}" for k, v in r.per_packing.items())
+        lines.append((r.engine, name, packing, str(c.tokens), str(c.mismatches), f"{c.max_abs_diff:.3g}", first))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     fmt = lambda line: "  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip()  # noqa: E731
     out = [fmt(lines[0]), fmt(tuple("-" * w for w in widths))] + [fmt(line) for line in lines[1:]]

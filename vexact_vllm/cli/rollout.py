@@ -22,11 +22,13 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Rollout:
-    """One request's result: prompt and sampled tokens, and vLLM's log-prob of each sampled token."""
+    """One request's result: prompt and sampled tokens, vLLM's log-prob of each sampled token, and
+    the temperature the request asked for (the trainer scores at the same one)."""
 
     prompt_ids: list[int]
     output_ids: list[int]
     logprobs: list[float]
+    temperature: float = 1.0
 
 
 @dataclass
@@ -51,17 +53,26 @@ class RolloutSettings:
     preempt_blocks: int = 0  # KV blocks of the preemption engine (0: sized from the requests)
     block_size: int = 32  # vLLM CPU attention needs a multiple of 32 (stock runs)
     shared_prefix: list[int] = field(default_factory=list)  # token ids before every prefix-cache prompt
+    # Per-request sampling options, request i taking per_request[i % len]: any of temperature,
+    # top_k, top_p, min_p, max_tokens (overriding the fields above). Empty: every request the same.
+    per_request: list[dict] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
+
+    def request_options(self, index: int) -> dict:
+        """temperature, max_tokens (and top_k/top_p/min_p when set) of request `index`."""
+        options = {"temperature": self.temperature, "max_tokens": self.max_tokens}
+        if self.per_request:
+            options.update(self.per_request[index % len(self.per_request)])
+        return options
 
 
 def sampling_params(settings: RolloutSettings, index: int):
-    """Request `index` samples with seed `settings.seed + index`. No detokenization: the check needs
-    ids and log-probs only, and a model's vocabulary may run past its tokenizer's."""
+    """Request `index` samples with seed `settings.seed + index` and its options. No detokenization:
+    the check needs ids and log-probs only, and a model's vocabulary may run past its tokenizer's."""
     from vllm import SamplingParams
 
     return SamplingParams(
-        max_tokens=settings.max_tokens,
-        temperature=settings.temperature,
+        **settings.request_options(index),
         seed=settings.seed + index,
         logprobs=0,
         ignore_eos=True,
@@ -103,10 +114,11 @@ def _generate(llm, requests: list[tuple[list[int], int]], settings: RolloutSetti
     params = [sampling_params(settings, index) for _, index in requests]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     result = []
-    for (ids, _), out in zip(requests, outputs):
+    for (ids, index), out in zip(requests, outputs):
         completion = out.outputs[0]
         logprobs = [step[tok].logprob for tok, step in zip(completion.token_ids, completion.logprobs)]
-        result.append(Rollout(list(ids), list(completion.token_ids), logprobs))
+        temperature = settings.request_options(index)["temperature"]
+        result.append(Rollout(list(ids), list(completion.token_ids), logprobs, temperature))
     return result
 
 
@@ -154,33 +166,50 @@ def _prefix_cache(llm, prompt_ids: list[list[int]], settings: RolloutSettings) -
     return CompositionResult(name, first + second, notes, problem)
 
 
+SHARED_ENGINE = ("alone", "batch", "shuffled", "prefix-cache")  # run on one engine, in this order
+# Seed offset between rounds on the shared engine: each round samples other tokens.
+ROUND_SEED_STRIDE = 100_003
+
+
+def _shared_engine_round(llm, prompt_ids, settings, names, suffix, step) -> list[CompositionResult]:
+    results: list[CompositionResult] = []
+    n = len(prompt_ids)
+    if "alone" in names:
+        rollouts = [_generate(llm, [(prompt_ids[i], i)], settings)[0] for i in range(n)]
+        results.append(CompositionResult("alone" + suffix, rollouts))
+        step(1)
+    if "batch" in names:
+        results.append(CompositionResult("batch" + suffix, _generate_all(llm, prompt_ids, settings, list(range(n)))))
+        step(1)
+    if "shuffled" in names:
+        order = list(range(n))
+        random.Random(settings.seed).shuffle(order)
+        results.append(CompositionResult("shuffled" + suffix, _generate_all(llm, prompt_ids, settings, order)))
+        step(1)
+    if "prefix-cache" in names:  # last in a round: the earlier ones share no prefix with it
+        result = _prefix_cache(llm, prompt_ids, settings)
+        result.name += suffix
+        results.append(result)
+        step(1)
+    return results
+
+
 def run_compositions(
-    prompt_ids: list[list[int]], settings: RolloutSettings, names: list[str], progress=None
+    prompt_ids: list[list[int]], settings: RolloutSettings, names: list[str], progress=None, rounds: int = 1
 ) -> list[CompositionResult]:
     """Run the named compositions; engines are started once each and shut down after use
-    (alone, batch, shuffled and prefix-cache share one)."""
+    (alone, batch, shuffled and prefix-cache share one, on which they run `rounds` times in a row,
+    round r with seeds shifted by r * ROUND_SEED_STRIDE and its results named "<name> #r")."""
     results: list[CompositionResult] = []
     n = len(prompt_ids)
     step = progress.update if progress is not None else (lambda *_: None)
 
-    if {"alone", "batch", "shuffled", "prefix-cache"} & set(names):
+    if set(SHARED_ENGINE) & set(names):
         llm = _engine(settings)
         try:
-            if "alone" in names:
-                rollouts = [_generate(llm, [(prompt_ids[i], i)], settings)[0] for i in range(n)]
-                results.append(CompositionResult("alone", rollouts))
-                step(1)
-            if "batch" in names:
-                results.append(CompositionResult("batch", _generate_all(llm, prompt_ids, settings, list(range(n)))))
-                step(1)
-            if "shuffled" in names:
-                order = list(range(n))
-                random.Random(settings.seed).shuffle(order)
-                results.append(CompositionResult("shuffled", _generate_all(llm, prompt_ids, settings, order)))
-                step(1)
-            if "prefix-cache" in names:  # last on this engine: the earlier ones share no prefix with it
-                results.append(_prefix_cache(llm, prompt_ids, settings))
-                step(1)
+            for r in range(rounds):
+                shifted = dataclasses.replace(settings, seed=settings.seed + r * ROUND_SEED_STRIDE)
+                results += _shared_engine_round(llm, prompt_ids, shifted, names, f" #{r}" if rounds > 1 else "", step)
         finally:
             _shutdown(llm)
 
@@ -201,7 +230,12 @@ def run_compositions(
     if "preemption" in names:
         # Every request generates past a block boundary (at least block_size + 1 tokens), so it must
         # take a new KV block mid-decode: with the cache sized below, that preempts another request.
-        grow = dataclasses.replace(settings, max_tokens=max(settings.max_tokens, settings.block_size + 1))
+        least = settings.block_size + 1
+        grow = dataclasses.replace(
+            settings,
+            max_tokens=max(settings.max_tokens, least),
+            per_request=[{**o, "max_tokens": max(o.get("max_tokens", least), least)} for o in settings.per_request],
+        )
         blocks = settings.preempt_blocks or preemption_blocks(prompt_ids, grow)
         llm = _engine(grow, num_gpu_blocks_override=blocks, max_model_len=(blocks - 1) * settings.block_size)
         try:
@@ -233,5 +267,7 @@ def preemption_blocks(prompt_ids: list[list[int]], settings: RolloutSettings) ->
     """Enough blocks for the longest request to finish alone (one spare), too few for two requests
     to grow side by side: every request whose decode crosses a block boundary while another holds
     blocks forces a preemption."""
-    per_request = [-(-(len(p) + settings.max_tokens) // settings.block_size) for p in prompt_ids]
+    per_request = [
+        -(-(len(p) + settings.request_options(i)["max_tokens"]) // settings.block_size) for i, p in enumerate(prompt_ids)
+    ]
     return max(per_request) + 1

@@ -32,18 +32,23 @@ def load_trainer(model_path: str, dtype: torch.dtype, device: torch.device | Non
 
 
 @torch.no_grad()
-def trainer_log_probs(model, rollouts: list[Rollout], micro_batch: int, temperature: float) -> list[torch.Tensor]:
-    """Per rollout, fp32 log-probs of its generated tokens, scored in packed micro-batches."""
+def trainer_log_probs(
+    model, rollouts: list[Rollout], micro_batch: int, temperature: float | None = None
+) -> list[torch.Tensor]:
+    """Per rollout, fp32 log-probs of its generated tokens, scored in packed micro-batches at the
+    temperature the rollout asked for, or at `temperature` for all when given (the one log-prob
+    function applies the effective temperature: greedy scores at 1)."""
     from vexact_vllm.model_patches import PackedBatch
 
-    tau = 1.0 if temperature == 0 else temperature  # greedy is scored at temperature 1
     size = micro_batch if micro_batch > 0 else len(rollouts)
     out: list[torch.Tensor] = []
     for lo in range(0, len(rollouts), size):
         chunk = rollouts[lo : lo + size]
         device = model.lm_head.weight.device
         batch = PackedBatch.from_sequences([r.prompt_ids + r.output_ids for r in chunk], device=device)
-        logp = model.packed_log_probs(batch, tau).cpu()  # [T]; row t scores token t+1
+        taus = [r.temperature if temperature is None else temperature for r in chunk]
+        tau = torch.cat([torch.full((len(r.prompt_ids) + len(r.output_ids),), t) for r, t in zip(chunk, taus)])  # [T]
+        logp = model.packed_log_probs(batch, tau.to(device)).cpu()  # [T]; row t scores token t+1
         for r, start in zip(chunk, batch.cu_seqlens[:-1].tolist()):
             first = start + len(r.prompt_ids) - 1  # row that predicts the first generated token
             out.append(logp[first : first + len(r.output_ids)].clone())
