@@ -23,11 +23,12 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 
 from vexact_vllm.kernels import linear
-from vexact_vllm.model_patches.config import DecoderConfig, UnsupportedModelError, check_dtype
+from vexact_vllm.model_patches.config import DecoderConfig, UnsupportedModelError
 from vexact_vllm.model_patches.layers import Linear, pack_projections
 from vexact_vllm.model_patches.models import build_decoder
 
-from .attention import BACKEND_NAME, VexactAttentionBackend
+from .attention import VexactAttentionBackend
+from .engine_checks import refuse_unsupported_engine
 from .runner_hooks import install_v1_sampler_hook
 
 # Checkpoint tensors that hold nothing the model needs.
@@ -46,37 +47,6 @@ class PagedAttention:
         return out.view(t, hq, d)
 
 
-def _refuse_unsupported_engine(vllm_config: VllmConfig) -> None:
-    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
-    if backend is not None and getattr(backend, "name", str(backend)) != BACKEND_NAME:
-        raise UnsupportedModelError(
-            f"--attention-backend {getattr(backend, 'name', backend)} cannot keep rollouts bitwise equal to "
-            "the trainer; vexact models use their own attention backend: drop --attention-backend"
-        )
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    if cache_dtype not in VexactAttentionBackend.supported_kv_cache_dtypes:
-        raise UnsupportedModelError(
-            f"--kv-cache-dtype {cache_dtype} cannot keep rollouts bitwise equal to the trainer (it would "
-            "round the keys and values the trainer keeps in the model dtype); use --kv-cache-dtype auto"
-        )
-    parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
-        raise UnsupportedModelError(
-            "tensor/pipeline parallelism is not supported yet with --model-impl vexact; "
-            "use --tensor-parallel-size 1 --pipeline-parallel-size 1 (data parallel replicas are fine)"
-        )
-    if vllm_config.quant_config is not None or vllm_config.model_config.quantization:
-        raise UnsupportedModelError(
-            "quantization is not supported with --model-impl vexact (the trainer computes in bf16/fp32); "
-            "serve the unquantized checkpoint without --quantization"
-        )
-    if vllm_config.speculative_config is not None:
-        raise UnsupportedModelError("speculative decoding is not supported with --model-impl vexact")
-    if vllm_config.lora_config is not None:
-        raise UnsupportedModelError("LoRA is not supported with --model-impl vexact")
-    check_dtype(vllm_config.model_config.dtype)
-
-
 def _full_cuda_graphs(vllm_config: VllmConfig) -> None:
     """Piecewise graphs need a torch.compile'd model; ask for FULL graphs instead (see above)."""
     from vllm.config.compilation import CUDAGraphMode
@@ -91,7 +61,7 @@ class VexactForCausalLM(nn.Module):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
-        _refuse_unsupported_engine(vllm_config)
+        refuse_unsupported_engine(vllm_config)  # post-condition: the front-end ran it already (engine_checks)
         _full_cuda_graphs(vllm_config)
         hf_config = vllm_config.model_config.hf_config
         self.config = DecoderConfig.from_hf(hf_config)

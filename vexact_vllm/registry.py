@@ -4,12 +4,14 @@ vLLM resolves a model class through `ModelRegistry.inspect_model_cls` / `resolve
 vexact classes are registered lazily under their own names (`VexactQwen3ForCausalLM`, ...), and the
 two lookups are wrapped on the registry instance: with `model_impl == "vexact"` the checkpoint's
 architecture is mapped to its vexact class (or refused, naming the supported ones); with any other
-model_impl the original lookups run untouched.
+model_impl the original lookups run untouched. Each vexact architecture also gets vLLM's
+per-architecture config hooks (`MODELS_CONFIG_MAP`, engine_checks.py), which refuse unsupported
+checkpoints and engine options while vLLM builds its configuration.
 """
 
 from __future__ import annotations
 
-from vexact_vllm.model_patches.config import SUPPORTED_ARCHITECTURES, DecoderConfig, check_dtype
+from vexact_vllm.model_patches.config import SUPPORTED_ARCHITECTURES
 
 MODEL_IMPL = "vexact"
 VEXACT_ARCHITECTURES = {arch: f"Vexact{arch}" for arch in SUPPORTED_ARCHITECTURES}
@@ -30,21 +32,6 @@ def vexact_architectures(architectures: list[str]) -> list[str]:
     return mapped
 
 
-def validate_model_config(model_config) -> None:
-    """Refuse, in the process that parses the arguments, what the vexact path cannot serve bit for
-    bit: the checkpoint's features (DecoderConfig.from_hf) and an explicitly requested dtype."""
-    hf_config = getattr(model_config, "hf_config", None)
-    if hf_config is not None:
-        DecoderConfig.from_hf(hf_config)
-    dtype = getattr(model_config, "dtype", "auto")
-    if isinstance(dtype, str) and dtype != "auto":
-        import torch
-
-        check_dtype(getattr(torch, {"half": "float16", "float": "float32"}.get(dtype, dtype), None))
-    elif dtype is not None and not isinstance(dtype, str):
-        check_dtype(dtype)
-
-
 def _wrap_lookup(registry, method_name: str) -> None:
     original = getattr(registry, method_name)
     if getattr(original, "_vexact", False):
@@ -55,7 +42,6 @@ def _wrap_lookup(registry, method_name: str) -> None:
             if isinstance(architectures, str):
                 architectures = [architectures]
             architectures = vexact_architectures(list(architectures))
-            validate_model_config(model_config)
         return original(architectures, model_config, *args, **kwargs)
 
     lookup._vexact = True
@@ -64,9 +50,13 @@ def _wrap_lookup(registry, method_name: str) -> None:
 
 def register_models() -> None:
     from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    from .engine_checks import VexactModelConfig
 
     for vexact_name in VEXACT_ARCHITECTURES.values():
         if vexact_name not in ModelRegistry.models:
             ModelRegistry.register_model(vexact_name, f"vexact_vllm.models:{vexact_name}")
+        MODELS_CONFIG_MAP[vexact_name] = VexactModelConfig
     for name in ("inspect_model_cls", "resolve_model_cls"):
         _wrap_lookup(ModelRegistry, name)

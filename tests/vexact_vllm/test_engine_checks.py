@@ -1,0 +1,117 @@
+"""Engine-level refusals happen while vLLM builds its configuration, in the calling process (real vLLM
+config objects, no engine), and again in the model's constructor as a post-condition; the same
+engine arguments without `model_impl="vexact"` are not refused by us."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+
+def _engine_config(model, **kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    import vexact_vllm
+
+    vexact_vllm.register()
+    return EngineArgs(model=str(model), **kwargs).create_engine_config()
+
+
+@pytest.fixture(scope="module")
+def float16_model(tiny_model, tmp_path_factory):
+    """The tiny Qwen3 whose config.json says float16 (read by `--dtype auto`)."""
+    path = tmp_path_factory.mktemp("fp16") / "tiny-qwen3-fp16"
+    shutil.copytree(tiny_model("qwen3"), path)
+    config = json.loads((path / "config.json").read_text())
+    config["dtype"] = config["torch_dtype"] = "float16"
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+class _CustomProcessor:  # never instantiated: the configuration is refused first
+    pass
+
+
+REFUSED = {
+    "kv_cache_fp8": ({"kv_cache_dtype": "fp8"}, "--kv-cache-dtype fp8 cannot keep rollouts bitwise equal"),
+    "kv_cache_rounds_fp32": (
+        {"dtype": "float32", "kv_cache_dtype": "bfloat16"},
+        "round the keys and values the trainer keeps in float32",
+    ),
+    "tensor_parallel": ({"tensor_parallel_size": 2}, "use --tensor-parallel-size 1"),
+    "logits_processors": ({"logits_processors": [_CustomProcessor]}, "custom logits processors .*_CustomProcessor"),
+    "attention_backend": ({"attention_backend": "FLASH_ATTN"}, "--attention-backend FLASH_ATTN .* drop --attention-backend"),
+    "dtype": ({"dtype": "float16"}, "dtype torch.float16 is not supported by vexact-vllm; use bfloat16 or float32"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_refused_at_configuration(tiny_model, case):
+    kwargs, message = REFUSED[case]
+    with pytest.raises(ValueError, match=message):
+        _engine_config(tiny_model("qwen3"), model_impl="vexact", **kwargs)
+    _engine_config(tiny_model("qwen3"), model_impl="auto", **kwargs)  # stock vLLM: not refused by us
+
+
+def test_float16_checkpoint_refused_under_dtype_auto(float16_model):
+    from vllm.engine.arg_utils import EngineArgs
+
+    with pytest.raises(ValueError, match="dtype torch.float16 is not supported by vexact-vllm"):
+        _engine_config(float16_model, model_impl="vexact")
+    with pytest.raises(ValueError, match="dtype torch.float16"):  # the model config alone already refuses
+        EngineArgs(model=str(float16_model), model_impl="vexact").create_model_config()
+    assert _engine_config(float16_model, model_impl="auto").model_config.dtype.is_floating_point
+    assert _engine_config(float16_model, model_impl="vexact", dtype="bfloat16").model_config.architecture == (
+        "VexactQwen3ForCausalLM"
+    )
+
+
+def test_installed_logits_processor_plugins_are_refused(tiny_model, monkeypatch):
+    from vexact_vllm import engine_checks
+
+    monkeypatch.setattr(engine_checks, "_logits_processor_plugins", lambda: ["dummy (pkg.mod:Processor)"])
+    with pytest.raises(ValueError, match=r"vllm.logits_processors entry points dummy \(pkg.mod:Processor\)"):
+        _engine_config(tiny_model("qwen3"), model_impl="vexact")
+
+
+def test_llm_refuses_before_any_engine_starts(tiny_model):
+    from vllm import LLM
+
+    import vexact_vllm
+
+    vexact_vllm.register()
+    with pytest.raises(ValueError, match="tensor/pipeline parallelism is not supported"):
+        LLM(model=tiny_model("qwen3"), model_impl="vexact", tensor_parallel_size=2)
+
+
+def test_every_vexact_architecture_has_the_config_hook():
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    import vexact_vllm
+    from vexact_vllm.engine_checks import VexactModelConfig
+    from vexact_vllm.registry import VEXACT_ARCHITECTURES
+
+    vexact_vllm.register()
+    assert all(MODELS_CONFIG_MAP[name] is VexactModelConfig for name in VEXACT_ARCHITECTURES.values())
+
+
+def test_the_model_checks_again_in_the_worker(tiny_model):
+    """A configuration changed after the front-end checked it is refused by the model's constructor."""
+    import torch
+    from vllm.config import set_current_vllm_config
+
+    from vexact_vllm.models import VexactForCausalLM
+
+    cfg = _engine_config(tiny_model("qwen3"), model_impl="vexact", block_size=32)
+    cfg.cache_config.cache_dtype = "fp8_e4m3"
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with set_current_vllm_config(cfg), pytest.raises(ValueError, match="--kv-cache-dtype fp8_e4m3"):
+            VexactForCausalLM(vllm_config=cfg)
+    finally:
+        torch.set_default_dtype(old)

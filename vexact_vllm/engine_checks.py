@@ -1,0 +1,116 @@
+"""Refuse, when vLLM builds its configuration, the engine options that would break the bitwise contract.
+
+One function per level, called from two places each:
+- `refuse_unsupported_model(model_config)`: the checkpoint (`DecoderConfig.from_hf`), the resolved
+  dtype, `--quantization`, custom logits processors;
+- `refuse_unsupported_engine(vllm_config)`: the above plus the attention backend, the KV cache
+  dtype, tensor/pipeline parallelism, quantization, speculative decoding and LoRA.
+
+Where they run:
+1. In the front-end, while vLLM builds its configuration: `VexactModelConfig` is registered in
+   vLLM's per-architecture config hooks (`MODELS_CONFIG_MAP`, keyed by the resolved architecture,
+   which under `--model-impl vexact` is ours: `VexactQwen3ForCausalLM`, ...). vLLM calls
+   `verify_and_update_model_config` at the end of `ModelConfig.__post_init__` (after the dtype is
+   resolved from `--dtype` and the checkpoint's `dtype`/`torch_dtype`, so a float16 checkpoint under
+   `--dtype auto` is seen as torch.float16) and `verify_and_update_config` early in
+   `VllmConfig.__post_init__` (vLLM 0.26 and 0.32 alike). `vllm serve`, `LLM(...)` and
+   `EngineArgs.create_engine_config()` therefore fail in the calling process, before any engine
+   process starts (as a pydantic ValidationError, a ValueError, carrying the message).
+2. In the worker, as a post-condition: `VexactForCausalLM.__init__` runs `refuse_unsupported_engine`
+   again on the configuration the worker received.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+
+from vllm.model_executor.models.config import VerifyAndUpdateConfig
+
+from vexact_vllm.model_patches.config import DecoderConfig, UnsupportedModelError, check_dtype
+
+LOGITS_PROCESSOR_PLUGINS = "vllm.logits_processors"  # vLLM's entry-point group (LOGITSPROCS_GROUP)
+
+
+def _logits_processor_plugins() -> list[str]:
+    return [f"{ep.name} ({ep.value})" for ep in entry_points(group=LOGITS_PROCESSOR_PLUGINS)]
+
+
+def refuse_unsupported_model(model_config) -> None:
+    """The checkpoint, dtype and model-level options (`model_config.dtype` resolved to a torch.dtype)."""
+    DecoderConfig.from_hf(model_config.hf_config)
+    check_dtype(model_config.dtype)
+    if model_config.quantization:
+        raise UnsupportedModelError(
+            f"--quantization {model_config.quantization} is not supported with --model-impl vexact (the "
+            "trainer computes in bf16/fp32); serve the unquantized checkpoint without --quantization"
+        )
+    processors = [getattr(p, "__qualname__", p) for p in model_config.logits_processors or ()]
+    plugins = _logits_processor_plugins()
+    if processors or plugins:
+        where = []
+        if processors:
+            where.append(f"--logits-processors {', '.join(map(str, processors))}")
+        if plugins:
+            where.append(f"installed {LOGITS_PROCESSOR_PLUGINS} entry points {', '.join(plugins)}")
+        raise UnsupportedModelError(
+            f"custom logits processors ({'; '.join(where)}) are not supported with --model-impl vexact: the "
+            "vexact sampler takes its log-probs from the model's logits and would ignore them, and vLLM "
+            "0.26's model runner v2 refuses them. Drop --logits-processors (or uninstall the package that "
+            "provides the entry point)"
+        )
+
+
+def refuse_unsupported_engine(vllm_config) -> None:
+    """Everything `refuse_unsupported_model` refuses, plus the engine options."""
+    from .attention import BACKEND_NAME, VexactAttentionBackend
+
+    model_config = vllm_config.model_config
+    refuse_unsupported_model(model_config)
+    attention = getattr(vllm_config, "attention_config", None)
+    backends = [getattr(attention, "backend", None), *getattr(attention, "backend_per_kind", {}).values()]
+    for backend in backends:
+        if backend is not None and getattr(backend, "name", str(backend)) != BACKEND_NAME:
+            raise UnsupportedModelError(
+                f"--attention-backend {getattr(backend, 'name', backend)} cannot keep rollouts bitwise equal "
+                "to the trainer; vexact models use their own attention backend: drop --attention-backend "
+                "(and any backend_per_kind entry of --attention-config)"
+            )
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    model_dtype = str(model_config.dtype).removeprefix("torch.")
+    if cache_dtype not in VexactAttentionBackend.supported_kv_cache_dtypes or cache_dtype not in ("auto", model_dtype):
+        raise UnsupportedModelError(
+            f"--kv-cache-dtype {cache_dtype} cannot keep rollouts bitwise equal to the trainer (it would "
+            f"round the keys and values the trainer keeps in {model_dtype}); use --kv-cache-dtype auto"
+        )
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+        raise UnsupportedModelError(
+            "tensor/pipeline parallelism is not supported yet with --model-impl vexact; "
+            "use --tensor-parallel-size 1 --pipeline-parallel-size 1 (data parallel replicas are fine)"
+        )
+    if vllm_config.quant_config is not None:
+        raise UnsupportedModelError(
+            "quantization is not supported with --model-impl vexact (the trainer computes in bf16/fp32); "
+            "serve the unquantized checkpoint without --quantization"
+        )
+    if vllm_config.speculative_config is not None:
+        raise UnsupportedModelError(
+            "speculative decoding is not supported with --model-impl vexact; drop --speculative-config"
+        )
+    if vllm_config.lora_config is not None:
+        raise UnsupportedModelError(
+            "LoRA is not supported with --model-impl vexact; merge the adapter into the checkpoint and "
+            "serve it without --enable-lora"
+        )
+
+
+class VexactModelConfig(VerifyAndUpdateConfig):
+    """vLLM's per-architecture config hooks for every vexact architecture (registry.register_models)."""
+
+    @staticmethod
+    def verify_and_update_model_config(model_config) -> None:
+        refuse_unsupported_model(model_config)
+
+    @staticmethod
+    def verify_and_update_config(vllm_config) -> None:
+        refuse_unsupported_engine(vllm_config)
