@@ -1,5 +1,5 @@
 """What the shared model does under a trainer's autocast: compute in the autocast dtype, like torch's own
-layers, with the fp32 master weights rounded to it once per forward.
+layers, with the fp32 master weights rounded to it once per call.
 
 Trainers keep fp32 master weights and compute in bf16 one of two ways. FSDP2's mixed-precision
 policy hands the forward bf16 parameters (verl's FSDP engine; VeOmni on more than one rank): nothing
@@ -8,15 +8,17 @@ plain single-GPU training): torch's Linear then multiplies bf16 casts of its fp3
 shared kernels fix their own dtypes and run with autocast off, so without this they would compute
 in fp32 there, while the rollout computes in bf16: every log-prob would differ.
 
-`follows_autocast` wraps a model's forward: when autocast is on for the inputs' device, asks for a
-dtype below the parameters' fp32, the forward runs through `torch.func.functional_call` on the
-parameters cast to that dtype (round to nearest, the cast FSDP's policy and vLLM's weight loading
-apply). Gradients flow back through the cast to the fp32 parameters. An autocast dtype the shared
-kernels do not support (float16) is refused with the usual dtype error.
+`follows_autocast` wraps a model's entry points (`forward`, `packed_log_probs`): when autocast is on
+for the parameters' device, the method runs with autocast off and, if autocast asks for a dtype
+below the parameters' fp32, inside `cast_parameters`: every parameter replaced by its cast to that
+dtype (round to nearest, the cast FSDP's policy and vLLM's weight loading apply), the masters put
+back on the way out. Gradients flow back through the cast to the fp32 parameters. An autocast dtype
+the shared kernels do not support (float16) is refused with the usual dtype error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -25,7 +27,7 @@ from .config import check_dtype
 
 
 def autocast_dtype(module: torch.nn.Module, device_type: str) -> torch.dtype | None:
-    """The dtype to cast `module`'s fp32 parameters to for a forward on `device_type`, or None."""
+    """The dtype to cast `module`'s fp32 parameters to for a call on `device_type`, or None."""
     if not torch.is_autocast_enabled(device_type):
         return None
     dtype = torch.get_autocast_dtype(device_type)
@@ -35,16 +37,43 @@ def autocast_dtype(module: torch.nn.Module, device_type: str) -> torch.dtype | N
     return check_dtype(dtype)
 
 
-def follows_autocast(forward):
-    """Decorate a model's `forward(self, input_ids, ...)` (see the module docstring)."""
+@contextlib.contextmanager
+def cast_parameters(module: torch.nn.Module, dtype: torch.dtype):
+    """Within the block, every parameter of `module` (submodules included) is its cast to `dtype`.
 
-    @functools.wraps(forward)
-    def wrapper(self, input_ids=None, *args, **kwargs):
-        dtype = None if input_ids is None else autocast_dtype(self, input_ids.device.type)
-        if dtype is None:
-            return forward(self, input_ids, *args, **kwargs)
-        params = {name: p.to(dtype) for name, p in self.named_parameters()}
-        # Re-enters this wrapper with the cast parameters in place: then dtype is None and it runs.
-        return torch.func.functional_call(self, params, (input_ids, *args), kwargs)
+    One cast per parameter tensor, so tied weights stay tied; the casts are differentiable, so a
+    backward reaches the original parameters. The originals are put back in `finally`.
+    """
+    casts: dict[int, torch.Tensor] = {}
+    slots = []  # (submodule, name, original parameter)
+    for sub in module.modules():
+        for name, param in sub._parameters.items():
+            if param is not None:
+                if id(param) not in casts:
+                    casts[id(param)] = param.to(dtype)
+                slots.append((sub, name, param))
+    try:
+        for sub, name, param in slots:
+            sub._parameters[name] = casts[id(param)]  # what torch.func.functional_call swaps in, too
+        yield
+    finally:
+        for sub, name, param in slots:
+            sub._parameters[name] = param
+
+
+def follows_autocast(method):
+    """Decorate a model method that runs the shared model (see the module docstring)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        param = next(self.parameters(), None)
+        device_type = None if param is None else param.device.type  # where the model computes
+        if not (device_type and torch.amp.is_autocast_available(device_type)
+                and torch.is_autocast_enabled(device_type)):
+            return method(self, *args, **kwargs)
+        dtype = autocast_dtype(self, device_type)
+        cast = contextlib.nullcontext() if dtype is None else cast_parameters(self, dtype)
+        with torch.autocast(device_type=device_type, enabled=False), cast:
+            return method(self, *args, **kwargs)
 
     return wrapper

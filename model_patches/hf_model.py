@@ -33,6 +33,34 @@ class VexactPPOOutput(CausalLMOutputWithPast):
     entropy: torch.FloatTensor | None = None
 
 
+def token_ids(ids: torch.Tensor) -> torch.Tensor:
+    """`ids` as an integer tensor the embedding takes; float, complex or bool ids are refused (a cast
+    to int would silently truncate 3.7 to 3). Ids against the vocabulary: `check_in_vocabulary`."""
+    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+        raise ValueError(
+            f"token ids must be integers, got {ids.dtype} ids; pass the tokenizer's ids as int64 "
+            "(a float or bool id is not a token)"
+        )
+    return ids if ids.dtype in (torch.int64, torch.int32) else ids.long()
+
+
+def check_in_vocabulary(ids: torch.Tensor, vocab_size: int) -> None:
+    """Refuse a batch with no tokens, or an id outside [0, vocab_size). One min/max reduction and
+    one host sync per call (the trainer calls it once per forward)."""
+    if ids.numel() == 0:
+        raise ValueError(
+            "no tokens to score: every sequence is empty or fully padded (attention_mask all 0); "
+            "pass at least one token"
+        )
+    lo, hi = torch.stack(torch.aminmax(ids)).tolist()
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(
+            f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {vocab_size}) of this model: "
+            "check that the tokenizer matches the checkpoint, and mark padding 0 in attention_mask "
+            "(a padding id such as -100 may only sit where the mask drops it)"
+        )
+
+
 class PackedBatch:
     """input_ids [T], positions [T], cu_seqlens [B+1] and where each packed row came from."""
 
@@ -42,8 +70,16 @@ class PackedBatch:
 
     @classmethod
     def from_sequences(cls, sequences: list[list[int]], device=None) -> PackedBatch:
+        """Sequences of token ids (lists, tuples, 1-D integer arrays or tensors), each non-empty."""
+        if len(sequences) == 0:
+            raise ValueError("no sequences: PackedBatch.from_sequences needs at least one sequence of token ids")
         lengths = torch.tensor([len(s) for s in sequences])
-        ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long, device=device)
+        if not bool(lengths.all()):
+            empty = int(torch.nonzero(lengths == 0)[0])
+            raise ValueError(
+                f"sequence {empty} is empty: a sequence of length 0 has no token to score; drop it from the batch"
+            )
+        ids = token_ids(torch.tensor([t for s in sequences for t in s])).long().to(device)
         positions = torch.cat([torch.arange(n) for n in lengths.tolist()]).to(device)
         cu = torch.zeros(len(sequences) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(lengths, 0)
@@ -51,6 +87,12 @@ class PackedBatch:
 
     @classmethod
     def from_hf_inputs(cls, input_ids, attention_mask=None, position_ids=None) -> PackedBatch:
+        if input_ids.dim() != 2:
+            raise ValueError(
+                f"input_ids must be [B, L] (batch, length), got shape {tuple(input_ids.shape)}; "
+                "give one sequence as input_ids[None]"
+            )
+        input_ids = token_ids(input_ids)
         b, length = input_ids.shape
         if attention_mask is not None and not bool(attention_mask.all()):
             mask = attention_mask.bool()
@@ -137,6 +179,7 @@ class VexactForCausalLM(VexactPreTrainedModel):
 
     def hidden_states(self, batch: PackedBatch) -> torch.Tensor:
         check_dtype(self.lm_head.weight.dtype)
+        check_in_vocabulary(batch.input_ids, self.decoder_config.vocab_size)
         return self.model(batch.input_ids, batch.positions, PackedAttention(batch.cu_seqlens))  # [T, H]
 
     @follows_autocast
@@ -162,13 +205,10 @@ class VexactForCausalLM(VexactPreTrainedModel):
         if input_ids is None:
             raise ValueError("vexact models take input_ids (inputs_embeds is not supported)")
         batch = PackedBatch.from_hf_inputs(input_ids, attention_mask, position_ids)
-        with torch.autocast(device_type=input_ids.device.type, enabled=False):
-            hidden = self.hidden_states(batch)  # [T, H]
-            if temperature is not None or shift_labels is not None:
-                return self._ppo_outputs(
-                    batch, hidden, input_ids, shift_labels, temperature, return_entropy, vocab_mask
-                )
-            logits = batch.unpack(linear(hidden, self.lm_head.weight, out_dtype=torch.float32))  # [B, L, V]
+        hidden = self.hidden_states(batch)  # [T, H]
+        if temperature is not None or shift_labels is not None:
+            return self._ppo_outputs(batch, hidden, input_ids, shift_labels, temperature, return_entropy, vocab_mask)
+        logits = batch.unpack(linear(hidden, self.lm_head.weight, out_dtype=torch.float32))  # [B, L, V]
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
@@ -189,9 +229,12 @@ class VexactForCausalLM(VexactPreTrainedModel):
             log_probs=batch.unpack(log_probs), entropy=None if entropy is None else batch.unpack(entropy)
         )
 
+    @follows_autocast
     def packed_log_probs(self, batch: PackedBatch, temperature: float = 1.0) -> torch.Tensor:
         """log p(token t+1 | tokens <= t) for every packed row t, fp32 [T]; 0 at each sequence's
-        last row. The same function, temperature and GEMM as the rollout (see kernels.logprob)."""
+        last row. The same function, temperature and GEMM as the rollout (see kernels.logprob).
+        Autocast is off inside, and a bf16 autocast over fp32 parameters runs on their bf16 casts,
+        as in `forward`."""
         hidden = self.hidden_states(batch)
         targets, valid = batch.next_tokens()
         logp = linear_token_log_probs(hidden, self.lm_head.weight, targets, temperature)

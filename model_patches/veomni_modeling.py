@@ -156,15 +156,14 @@ class VeOmniVexactMixin:
         if input_ids is None:
             raise ValueError("vexact models take input_ids (inputs_embeds is not supported)")
         # The shared model sets its own dtypes, as the rollout does: a trainer's autocast (verl's
-        # forward_step enters one) must not recast its ops. Over fp32 parameters (VeOmni on one
-        # rank: no FSDP mixed precision) follows_autocast has cast them to bf16 already.
-        with torch.autocast(device_type=input_ids.device.type, enabled=False):
-            if labels is None and shift_labels is None:
-                out = super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-                return CausalLMOutputWithLogProbs(logits=out.logits)
-            kwargs.update(vocab_mask=vocab_mask, return_entropy=return_entropy)
-            return self._loss_forward(input_ids, attention_mask, position_ids, labels, shift_labels,
-                                      return_log_probs, temperature, kwargs)
+        # forward_step enters one) must not recast its ops, so follows_autocast has turned it off
+        # here, and over fp32 parameters (VeOmni on one rank: no FSDP mixed precision) cast them to bf16.
+        if labels is None and shift_labels is None:
+            out = super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+            return CausalLMOutputWithLogProbs(logits=out.logits)
+        kwargs.update(vocab_mask=vocab_mask, return_entropy=return_entropy)
+        return self._loss_forward(input_ids, attention_mask, position_ids, labels, shift_labels,
+                                  return_log_probs, temperature, kwargs)
 
     def _loss_forward(self, input_ids, attention_mask, position_ids, labels, shift_labels,
                       return_log_probs, temperature, kwargs):
