@@ -1,6 +1,7 @@
 """VeOmni side of the training switch: VeOmni builds and scores Qwen3, Qwen2 and Llama with the
 shared model. Symmetric and idempotent: `install()`, `uninstall()`, `is_installed()` and the
-`installed()` context manager. Three table-driven hooks, each reversible:
+`installed()` context manager. The patches are rows of `PATCHES` (vexact_vllm.patching: checked
+against VeOmni's signatures at install, undone by `uninstall()`):
 
 1. Modeling registry (`veomni.models.loader.MODELING_REGISTRY`, read by `build_foundation_model`
    through `get_model_class`): a local override per supported model type returns the vexact class
@@ -15,7 +16,13 @@ shared model. Symmetric and idempotent: `install()`, `uninstall()`, `is_installe
    the OpSlot VeOmni resolves when it builds a model.
 3. Loss mapping (`veomni.ops.kernels.cross_entropy.install_loss_mapping`, which `apply_ops_config`
    calls with that same selection): "vexact" installs `vexact_causal_lm_loss` as transformers'
-   `LOSS_MAPPING["ForCausalLM"]`; every other name goes to VeOmni's function unchanged.
+   `LOSS_MAPPING["ForCausalLM"]` (and "ForConditionalGeneration", and VeOmni's eager
+   sequence-classification loss), written through `PATCHES.set_item`, so `uninstall()` puts back
+   what was there before (an entry VeOmni wrote later stays); every other name goes to VeOmni's
+   function unchanged.
+
+Step 2 is a registration, not a patch: VeOmni's kernel registry has no removal, so the "vexact"
+kernel stays registered after `uninstall()` (inert until a config selects it).
 
 VeOmni's log-prob path (`ForCausalLMLoss(return_log_probs=True)` -> `chunk_logprobs_function`, which
 divides bf16 logits by the temperature before its fp32 cast) is not patched globally: a vexact
@@ -27,10 +34,10 @@ from __future__ import annotations
 from contextlib import contextmanager
 from functools import partial
 
+from vexact_vllm.patching import Patch, PatchTable
+
 from .config import SUPPORTED_MODEL_TYPES
 from .veomni_modeling import VEOMNI_CLASSES, VEXACT_KERNEL_NAME, vexact_causal_lm_loss
-
-_saved: dict | None = None  # what install() replaced; None while not installed
 
 
 def _modeling_entry(model_type: str, veomni_entry):
@@ -77,50 +84,39 @@ def _loss_mapping_installer(veomni_install):
             return veomni_install(impl)
         from transformers.loss.loss_utils import LOSS_MAPPING
 
-        LOSS_MAPPING["ForCausalLM"] = vexact_causal_lm_loss
-        LOSS_MAPPING["ForConditionalGeneration"] = vexact_causal_lm_loss
-        LOSS_MAPPING["ForSequenceClassification"] = _seq_cls_loss()
+        PATCHES.set_item(LOSS_MAPPING, "ForCausalLM", vexact_causal_lm_loss)  # undone by uninstall()
+        PATCHES.set_item(LOSS_MAPPING, "ForConditionalGeneration", vexact_causal_lm_loss)
+        PATCHES.set_item(LOSS_MAPPING, "ForSequenceClassification", _seq_cls_loss())
         return f"CrossEntropy ({VEXACT_KERNEL_NAME})"
 
-    install_loss_mapping.vexact_wraps = veomni_install
     return install_loss_mapping
 
 
+WRITTEN_FOR = "VeOmni 0.1.12"
+
+# The whole patch set, one row per target (vexact_vllm.patching).
+PATCHES = PatchTable(
+    "veomni",
+    (
+        *(
+            Patch(f"veomni.models.loader:MODELING_REGISTRY[{model_type}]", partial(_modeling_entry, model_type),
+                  ("architecture",), WRITTEN_FOR)
+            for model_type in SUPPORTED_MODEL_TYPES
+        ),
+        Patch("veomni.ops.kernels.cross_entropy:install_loss_mapping", _loss_mapping_installer, ("impl",),
+              WRITTEN_FOR),
+    ),
+)  # fmt: skip
+
+
 def install() -> None:
-    global _saved
-    if _saved is not None:
-        return
-    import veomni.ops.kernels.cross_entropy as cross_entropy
-    from veomni.models.loader import MODELING_REGISTRY
-
-    _register_kernels()
-    local = MODELING_REGISTRY._local_mapping  # the registry's own override table (`__setitem__`)
-    saved = {"modeling": {t: local.get(t) for t in SUPPORTED_MODEL_TYPES}}
-    for model_type in SUPPORTED_MODEL_TYPES:
-        MODELING_REGISTRY[model_type] = _modeling_entry(model_type, MODELING_REGISTRY[model_type])
-    saved["install_loss_mapping"] = cross_entropy.install_loss_mapping
-    cross_entropy.install_loss_mapping = _loss_mapping_installer(cross_entropy.install_loss_mapping)
-    _saved = saved
+    if not PATCHES.is_installed():
+        _register_kernels()
+    PATCHES.install()
 
 
-def uninstall() -> None:
-    global _saved
-    if _saved is None:
-        return
-    import veomni.ops.kernels.cross_entropy as cross_entropy
-    from veomni.models.loader import MODELING_REGISTRY
-
-    for model_type, previous in _saved["modeling"].items():
-        if previous is None:
-            del MODELING_REGISTRY[model_type]
-        else:
-            MODELING_REGISTRY[model_type] = previous
-    cross_entropy.install_loss_mapping = _saved["install_loss_mapping"]
-    _saved = None
-
-
-def is_installed() -> bool:
-    return _saved is not None
+uninstall = PATCHES.uninstall  # VeOmni's registry entries, its installer and the LOSS_MAPPING entries
+is_installed = PATCHES.is_installed
 
 
 @contextmanager

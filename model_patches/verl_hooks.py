@@ -12,8 +12,9 @@ also the base of its VeOmni engine) calls `prepare_model_inputs`, the model, the
   only unpads and re-nests them. verl's own fused forward (`dense_common.forward_with_*_backend`)
   is swapped onto the model class by `patch_forward_with_backends`.
 
-What `install()` changes (each a small reversible wrapper; every one acts only when the module is a
-vexact model, so stock models run verl's code untouched):
+What `install()` changes (`PATCHES`, one row each, checked against verl's signatures at install and
+undone by `uninstall()`; every one acts only when the module is a vexact model, so stock models run
+verl's code untouched):
 1. `FSDPEngineWithLMHead.prepare_model_inputs`: for a vexact module the micro-batch is marked
    `use_fused_kernels=True`, so verl takes its fused path (both in prepare_model_inputs and in
    prepare_model_outputs); the model gets `return_entropy` (verl's `calculate_entropy`) and
@@ -47,14 +48,14 @@ tokenizer is shorter than the vocabulary.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 
 import torch
 
+from vexact_vllm.patching import Patch, PatchTable
+
 from .hf_model import VexactForCausalLM
 
-_installed: dict[tuple[str, str], object] = {}  # (module, attribute) -> the original
 _UNSET = object()
 
 
@@ -146,7 +147,6 @@ def _wrap_prepare_model_inputs(original):
             )
         return model_inputs, output_args
 
-    prepare_model_inputs.__wrapped__ = original
     return prepare_model_inputs
 
 
@@ -156,43 +156,24 @@ def _wrap_patch_forward_with_backends(original):
             return None  # the vexact forward already returns verl's fused outputs from the shared function
         return original(model, use_fused_kernels=use_fused_kernels, fused_kernels_backend=fused_kernels_backend)
 
-    patch_forward_with_backends.__wrapped__ = original
     return patch_forward_with_backends
 
 
-# (module, owner attribute or "", attribute, wrapper factory): the whole patch set.
-_PATCHES = (
-    ("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead", "prepare_model_inputs",
-     _wrap_prepare_model_inputs),
-    ("verl.models.transformers.monkey_patch", "", "patch_forward_with_backends",
-     _wrap_patch_forward_with_backends),
-)
+WRITTEN_FOR = "verl 0.9.1"
 
+# The whole patch set, one row per target (vexact_vllm.patching).
+PATCHES = PatchTable(
+    "verl",
+    (
+        Patch("verl.workers.engine.fsdp.transformer_impl:FSDPEngineWithLMHead.prepare_model_inputs",
+              _wrap_prepare_model_inputs, ("self", "micro_batch"), WRITTEN_FOR),
+        Patch("verl.models.transformers.monkey_patch:patch_forward_with_backends",
+              _wrap_patch_forward_with_backends, ("model", "use_fused_kernels", "fused_kernels_backend"),
+              WRITTEN_FOR),
+    ),
+)  # fmt: skip
 
-def _owner(module_name: str, owner: str):
-    module = importlib.import_module(module_name)
-    return getattr(module, owner) if owner else module
-
-
-def install() -> None:
-    """Apply the patches (idempotent)."""
-    for module_name, owner, attr, wrap in _PATCHES:
-        key = (f"{module_name}.{owner}".rstrip("."), attr)
-        if key in _installed:
-            continue
-        target = _owner(module_name, owner)
-        original = target.__dict__[attr] if owner else getattr(target, attr)
-        setattr(target, attr, wrap(original))
-        _installed[key] = original
-
-
-def uninstall() -> None:
-    """Restore verl's originals."""
-    for module_name, owner, attr, _ in _PATCHES:
-        key = (f"{module_name}.{owner}".rstrip("."), attr)
-        if key in _installed:
-            setattr(_owner(module_name, owner), attr, _installed.pop(key))
-
-
-def is_installed() -> bool:
-    return len(_installed) == len(_PATCHES)
+install = PATCHES.install  # apply the patches (idempotent; a PatchError if verl's targets changed)
+uninstall = PATCHES.uninstall  # restore verl's originals
+is_installed = PATCHES.is_installed
+installed = PATCHES.installed

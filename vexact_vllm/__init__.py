@@ -2,8 +2,10 @@
 
 `register()` is vLLM's general-plugin entry point (`vllm.general_plugins: vexact`); vLLM calls it in
 every process it starts. It is idempotent and cheap: it registers the vexact model classes lazily
-(by name) and the attention backend, makes `--model-impl vexact` resolve to them, and adds the
-admission check that refuses sampling options vexact models cannot serve (request_validation.py).
+(by name), their config hooks (engine_checks.py) and the attention backend, and installs vLLM's
+patch table (vllm_patches.py: `--model-impl vexact` resolution, the admission check that refuses
+sampling options vexact models cannot serve, the V1 runner's sampler, the post-condition that the
+model vLLM built is ours). Every patch acts only for `--model-impl vexact`.
 """
 
 __version__ = "0.1.0"
@@ -11,10 +13,9 @@ __version__ = "0.1.0"
 
 def register() -> None:
     from .registry import register_models
+    from .vllm_patches import install
 
     register_models()
-    from .request_validation import install
-
     install()
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 

@@ -5,7 +5,7 @@ The decoder (`model_patches`) is the trainer's; only the attention context diffe
 the paged KV cache, then attend over it). Logits are the lm_head GEMM in fp32; the vexact sampler
 turns them into log-probs with the one log-prob function: on vLLM's model runner v2 through the
 model's state class (`get_model_state_cls`, model_state.py), on the V1 runner (CPU) through
-runner_hooks.py.
+runner_hooks.py (installed with vLLM's patch table by `register()`).
 
 CUDA graphs: the model is not torch.compile'd (compilation could reorder its reductions), so vLLM's
 piecewise graphs would capture nothing; the attention backend supports full graphs for any batch,
@@ -29,7 +29,6 @@ from vexact_vllm.model_patches.models import build_decoder
 
 from .attention import VexactAttentionBackend
 from .engine_checks import refuse_unsupported_engine
-from .runner_hooks import install_v1_sampler_hook
 
 # Checkpoint tensors that hold nothing the model needs.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -82,7 +81,6 @@ class VexactForCausalLM(nn.Module):
             for i in range(c.num_layers)
         )
         self.context = PagedAttention(self.attn)
-        install_v1_sampler_hook()
 
     @classmethod
     def get_model_state_cls(cls):

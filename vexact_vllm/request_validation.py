@@ -4,7 +4,8 @@ vLLM validates each request in its frontend (`InputProcessor._validate_params`, 
 `LLM.generate` and for every OpenAI-server request; a ValueError there is a 400). Its extension
 point for extra checks is a custom logits processor's `validate_params`, but vLLM 0.26's model
 runner v2 refuses to run with any custom logits processor configured (it falls back to the V1
-runner), so `install()` wraps that one method instead, once per process (`register()` calls it).
+runner), so that one method is wrapped instead (`wrap_validate_params`, a row of vllm_patches.py,
+installed in every process by `register()`).
 The wrap acts only for model configs with `model_impl == "vexact"`; every other model gets vLLM's
 validation unchanged.
 
@@ -52,17 +53,19 @@ def _uses_v2_runner(processor) -> bool:
     return bool(processor.vllm_config.use_v2_model_runner)
 
 
-def install() -> None:
-    from vllm.v1.engine.input_processor import InputProcessor
-
-    original = InputProcessor._validate_params
-    if getattr(original, "_vexact", False):
-        return
+def wrap_validate_params(original):
+    """`InputProcessor._validate_params` (a row of vllm_patches.py): the vexact refusals first."""
 
     @functools.wraps(original)
     def _validate_params(self, params, *args, **kwargs):
         validate_request(params, self.model_config, _uses_v2_runner(self))
         return original(self, params, *args, **kwargs)
 
-    _validate_params._vexact = True
-    InputProcessor._validate_params = _validate_params
+    return _validate_params
+
+
+def install() -> None:
+    """Install vLLM's patch table (this wrap is one row of it); `register()` does it in every process."""
+    from .vllm_patches import install
+
+    install()

@@ -69,21 +69,31 @@ def _config(tiny_model, arch, architectures=None):
 
 
 def test_install_is_idempotent_and_reversible():
+    """uninstall() restores VeOmni's registry (its local overrides included), its loss-mapping installer
+    and the transformers LOSS_MAPPING entries that the installer wrote for "vexact", by identity."""
     import veomni.ops.kernels.cross_entropy as cross_entropy
+    from transformers.loss.loss_utils import LOSS_MAPPING
     from veomni.models.loader import MODELING_REGISTRY
 
-    was = veomni_hooks.is_installed()  # enable() (verl's plugin entry point) may have installed them
+    was = veomni_hooks.is_installed()  # enable() may have installed them
     veomni_hooks.uninstall()
     before = {t: MODELING_REGISTRY[t] for t in VEOMNI_CLASSES}
+    local = dict(MODELING_REGISTRY._local_mapping)
     installer = cross_entropy.install_loss_mapping
+    mapping = dict(LOSS_MAPPING)
     with veomni_hooks.installed():
         entries = {t: MODELING_REGISTRY[t] for t in VEOMNI_CLASSES}
         veomni_hooks.install()
         assert {t: MODELING_REGISTRY[t] for t in VEOMNI_CLASSES} == entries
         assert all(entries[t] is not before[t] for t in VEOMNI_CLASSES)
+        cross_entropy.install_loss_mapping("vexact")  # what apply_ops_config does for the selection
+        assert LOSS_MAPPING["ForCausalLM"] is vexact_causal_lm_loss
+        assert LOSS_MAPPING["ForConditionalGeneration"] is vexact_causal_lm_loss
     assert not veomni_hooks.is_installed()
     assert {t: MODELING_REGISTRY[t] for t in VEOMNI_CLASSES} == before
+    assert MODELING_REGISTRY._local_mapping == local
     assert cross_entropy.install_loss_mapping is installer
+    assert LOSS_MAPPING.keys() == mapping.keys() and all(LOSS_MAPPING[k] is v for k, v in mapping.items())
     if was:
         veomni_hooks.install()
 

