@@ -230,7 +230,9 @@ def _stream_safetensors(path: Path, config: Qwen3Config, seed: int, dtype: torch
             f.write(tensor.contiguous().view(torch.uint8).numpy().data)
 
 
-def _save_with_transformers(config: PretrainedConfig, path: Path, seed: int, dtype: torch.dtype) -> None:
+def _save_with_transformers(
+    config: PretrainedConfig, path: Path, seed: int, dtype: torch.dtype, std: float = INIT_STD
+) -> None:
     """Instantiate with transformers, re-initialise every tensor explicitly, `save_pretrained`."""
     gen = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):
@@ -241,7 +243,7 @@ def _save_with_transformers(config: PretrainedConfig, path: Path, seed: int, dty
             if "norm" in name:
                 param.fill_(1.0)
             else:  # Linear/Embedding weights and biases
-                param.normal_(0.0, INIT_STD, generator=gen)
+                param.normal_(0.0, std, generator=gen)
     model.to(dtype).save_pretrained(str(path), safe_serialization=True)
 
 
@@ -293,6 +295,25 @@ def build_tiny_model(arch: str = "qwen3", path: Path | str | None = None, seed: 
         return config
 
     return _build(path, force, True, write)
+
+
+def build_random_model(
+    model_type: str, fields: dict, path: Path | str, seed: int = 0, std: float = INIT_STD, force: bool = False
+) -> Path:
+    """Build (or reuse) a random-weight checkpoint of any transformers `model_type` ("qwen3", "llama",
+    ...) at `path`: its config from `fields` (vocab_size is raised to cover the tiny tokenizer if
+    smaller), the tiny tokenizer, every weight ~ N(0, std) from `seed`, norms 1, bf16. For the fuzzer
+    and tests that need shapes the built-ins do not have."""
+    from transformers import AutoConfig
+
+    def write(tmp: Path, tokenizer_len: int, special_id: int) -> PretrainedConfig:
+        specials = dict(bos_token_id=special_id, eos_token_id=special_id, pad_token_id=special_id)
+        config = AutoConfig.for_model(model_type, **{**specials, "dtype": "bfloat16", **fields})
+        config.vocab_size = max(config.vocab_size, tokenizer_len)
+        _save_with_transformers(config, tmp, seed, torch.bfloat16, std)
+        return config
+
+    return _build(Path(path), force, True, write)
 
 
 def qwen3_shape_config(shape: dict, special_id: int) -> Qwen3Config:

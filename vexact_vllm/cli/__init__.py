@@ -1,4 +1,5 @@
-"""The `vexact-vllm` command: `check` (the bitwise judge) and `bench` (throughput vs stock vLLM)."""
+"""The `vexact-vllm` command: `check` (the bitwise judge), `fuzz` (random cases, repeatedly: the flake
+hunter) and `bench` (throughput vs stock vLLM)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,19 @@ def main(argv: list[str] | None = None) -> int:
     check = sub.add_parser("check", help="generate with vLLM and compare every log-prob with the trainer, bitwise")
     from . import bench as bench_cmd
     from . import check as check_cmd
+    from . import fuzz as fuzz_cmd
 
     check_cmd.add_arguments(check)
     bench = sub.add_parser("bench", help="output tokens/s of stock vLLM, stock batch-invariant and vexact")
     bench_cmd.add_arguments(bench)
+    fuzz = sub.add_parser("fuzz", help="random checkpoints, prompts and engine settings, every composition "
+                          "checked bit for bit, repeatedly: flake rate and reproducers")
+    fuzz_cmd.add_arguments(fuzz)
     args = parser.parse_args(argv)
     if args.command == "check":
         return check_cmd.run_check(args)
+    if args.command == "fuzz":
+        return fuzz_cmd.run_fuzz(args)
     return bench_cmd.run_bench(args)
 
 

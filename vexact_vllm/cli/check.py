@@ -145,12 +145,12 @@ def run_check(args) -> int:
 
         require_matplotlib()  # before minutes of generation, not after
     with diagnostics_to_stderr():
-        rows, model_path, n_prompts, bisect_note = _run(args)
+        rows, model_path, n_prompts, note = _run(args)
     meta = {"model": model_path, "prompts": n_prompts, "max_tokens": args.max_tokens,
             "temperature": args.temperature, "seed": args.seed}
-    if bisect_note:
-        meta["bisect"] = bisect_note
-    report = to_json(rows, meta) if args.json else to_table(rows) + (f"\n{bisect_note}" if bisect_note else "")
+    if note:
+        meta["bisect"] = note
+    report = to_json(rows, meta) if args.json else to_table(rows) + (f"\n{note}" if note else "")
     print(report, flush=True)
     if args.output:
         Path(args.output).write_text(report + "\n")
@@ -161,7 +161,7 @@ def run_check(args) -> int:
     return 0 if verdict(rows) else 1
 
 
-def _bisect(trainer, results, rows, forced: bool) -> str | None:
+def bisect_note(trainer, results, rows, forced: bool) -> str | None:
     """On the first mismatching vexact request (or request 0 when --bisect asks for it anyway)."""
     from .bisect import bisect_sequence, describe
 
@@ -221,7 +221,7 @@ def _run(args) -> tuple[list[Row], str, int, str | None]:
     rows = score_rows(trainer, results, packings)
     progress.update(1)
     progress.close()
-    return rows, model_path, len(prompt_ids), _bisect(trainer, results, rows, args.bisect)
+    return rows, model_path, len(prompt_ids), bisect_note(trainer, results, rows, args.bisect)
 
 
 def score_rows(trainer, results, packings: list[int]) -> list[Row]:

@@ -1,0 +1,78 @@
+"""`vexact-vllm fuzz`: cases are reproducible and within the kernels' limits, the report counts every
+failure per composition with a command that rebuilds the case; one CPU case end to end (CI's bound)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from vexact_vllm.cli.fuzz import reproducer, summary, to_table
+from vexact_vllm.cli.fuzz_cases import PROFILES, draw_case
+
+
+@pytest.mark.parametrize("profile", ["cpu", "cuda"])
+def test_cases_are_reproducible_and_vary(profile):
+    cases = [draw_case(3, i, profile, 500) for i in range(40)]
+    assert [c.to_dict() for c in cases] == [draw_case(3, i, profile, 500).to_dict() for i in range(40)]
+    assert draw_case(4, 0, profile, 500).to_dict() != cases[0].to_dict()
+    limits = PROFILES[profile]
+    for c in cases:
+        f = c.fields
+        head_dim = f.get("head_dim") or f["hidden_size"] // f["num_attention_heads"]
+        assert head_dim in limits["head_dims"]
+        assert f["num_attention_heads"] % f["num_key_value_heads"] == 0
+        assert all(1 <= n <= 500 for n in c.prompt_lens)
+        assert len(c.per_request) == len(c.prompt_lens)
+        assert {"batch", "shuffled"} <= set(c.compositions)
+        assert ("prefix-cache" in c.compositions) == c.engine["enable_prefix_caching"]
+        assert c.prefix_len >= 4 * c.block_size + c.block_size // 2
+    # the draws cover what the fuzzer is for: every family, greedy mixed with sampling, truncation,
+    # caching off, a token budget that forces chunked prefill, long and short prompts
+    assert {c.model_type for c in cases} == {"qwen3", "qwen2", "llama"}
+    temps = [o["temperature"] for c in cases for o in c.per_request]
+    assert 0.0 in temps and 0.005 in temps and max(temps) > 1.0
+    assert any("top_p" in o for c in cases for o in c.per_request)
+    assert any(not c.engine["enable_prefix_caching"] for c in cases)
+    assert any(c.engine.get("enable_chunked_prefill") for c in cases)
+    assert min(min(c.prompt_lens) for c in cases) < 5 and max(max(c.prompt_lens) for c in cases) > 200
+    assert any(c.fields["tie_word_embeddings"] for c in cases) and any(not c.fields["tie_word_embeddings"] for c in cases)
+
+
+def _record(composition, passed, case=1):
+    return {"case": case, "seed": 9, "composition": composition, "run": f"{composition} #0", "passed": passed,
+            "tokens": 40, "mismatches": 0 if passed else 3, "max_abs_diff": 0.0 if passed else 5e-3,
+            "first": None if passed else "request 0, position 12: vLLM -1.0 trainer -1.5", "per_packing": {},
+            "problem": None, "notes": {}, "bisect": None, "describe": "qwen3 ..."}  # fmt: skip
+
+
+def test_report_counts_failures_per_composition_with_a_reproducer():
+    records = [_record("batch", True), _record("batch", False), _record("prefix-cache", True), _record("batch", True)]
+    assert summary(records) == [("batch", 3, 1), ("prefix-cache", 1, 0), ("total", 4, 1)]
+    args = SimpleNamespace(profile="cuda", max_prompt_len=3000, rounds=2)
+    assert reproducer(args, records[1]) == (
+        "vexact-vllm fuzz --seed 9 --case 1 --profile cuda --max-prompt-len 3000 --rounds 2 --compositions batch"
+    )
+    table = to_table(args, records, cases=2, elapsed=1.0)
+    assert "FAIL case 1 (seed 9), batch #0" in table and "3 of 40 tokens differ" in table
+    assert "reproduce: vexact-vllm fuzz --seed 9 --case 1" in table and table.endswith("s)")
+    assert "FAIL: 1 failing runs" in table
+    assert "PASS" in to_table(args, [_record("batch", True)], cases=1, elapsed=1.0)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_one_cpu_case_end_to_end(tmp_path):
+    from vexact_vllm.cli import main
+
+    out = tmp_path / "fuzz.json"
+    rc = main(["fuzz", "--cases", "1", "--seed", "1", "--profile", "cpu", "--max-prompt-len", "96", "--rounds", "2",
+               "--workdir", str(tmp_path), "--output", str(out)])  # fmt: skip
+    records = json.loads(out.read_text())["records"]
+    assert rc == 0, records
+    assert all(r["passed"] and r["mismatches"] == 0 for r in records)
+    assert sum(r["tokens"] for r in records) > 0
+    runs = [r["run"] for r in records]
+    assert "batch #0" in runs and "batch #1" in runs  # both rounds on the shared engine
+    assert not list(tmp_path.glob("case-*"))  # passing checkpoints are deleted

@@ -1,0 +1,179 @@
+"""Random cases for `vexact-vllm fuzz`: a checkpoint, prompts, sampling options, engine settings.
+
+A case is a pure function of (seed, index, profile, limits): `draw_case` uses only its own
+`random.Random`, so `vexact-vllm fuzz --seed S --case I` rebuilds exactly the case that failed.
+
+What varies (each within what the kernels and the families support):
+- the family (Qwen3, Qwen2, Llama) and its options: hidden size, layers, head_dim (32, 64, 128, and
+  256 on CUDA), query heads and the GQA ratio, intermediate size, vocabulary larger than the
+  tokenizer by a random amount, tied or untied embeddings, q/k/v, o and MLP biases where the family
+  has them, RoPE theta and scaling (default, linear, llama3), weight scale;
+- prompts: random token ids, lengths from 1 to `max_prompt_len` (log-uniform: short and long);
+- per request: temperature (greedy, below vLLM's 0.01 floor, and several others mixed in one batch),
+  top-k, top-p, min-p, output length;
+- the engine: KV block size, max_num_seqs, a token budget that forces chunked prefill, prefix
+  caching on or off, CUDA graphs or eager, async scheduling (CUDA);
+- the compositions (see rollout.py): batch and shuffled always, prefix-cache when caching is on,
+  alone for small batches, and a random subset of the ones that need their own engine.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import asdict, dataclass, field
+
+from vexact_vllm.tiny_model import TOKENIZER_VOCAB_SIZE
+
+# Size limits per profile: CPU cases must run in CI in seconds, CUDA cases may be larger.
+PROFILES = {
+    "cpu": dict(layers=(1, 2), hidden=(64, 96, 128, 192), head_dims=(16, 32, 64), max_heads=8,
+                prompts=(2, 6), max_tokens=(1, 12), block_sizes=(16, 32, 64)),
+    "cuda": dict(layers=(1, 4), hidden=(128, 256, 384, 512, 1024), head_dims=(32, 64, 64, 128, 128, 256),
+                 max_heads=16, prompts=(3, 24), max_tokens=(1, 48), block_sizes=(16, 32, 64, 128)),
+}  # fmt: skip
+FAMILIES = ("qwen3", "qwen2", "llama")
+TEMPERATURES = (0.0, 0.005, 0.3, 0.7, 1.0, 1.3)
+SHARED = ("batch", "shuffled", "prefix-cache", "alone")
+FRESH = {"cpu": ("chunked-prefill", "preemption"), "cuda": ("chunked-prefill", "preemption", "eager")}
+
+
+@dataclass
+class FuzzCase:
+    seed: int
+    index: int
+    profile: str
+    model_type: str
+    fields: dict  # Hugging Face config fields
+    weight_std: float
+    prompt_lens: list[int]
+    per_request: list[dict]  # RolloutSettings.per_request
+    engine: dict  # extra LLM(...) arguments
+    block_size: int
+    chunk_tokens: int  # the chunked-prefill composition's token budget
+    compositions: list[str]
+    prefix_len: int  # tokens of the prefix-cache composition's shared prefix
+    tokenizer_len: int = 0  # filled once the checkpoint exists (prompt ids are drawn below it)
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"case {self.index} (seed {self.seed})"
+
+    def describe(self) -> str:
+        f = self.fields
+        head_dim = f.get("head_dim") or f["hidden_size"] // f["num_attention_heads"]
+        shape = (f"{self.model_type} L{f['num_hidden_layers']} H{f['hidden_size']} heads {f['num_attention_heads']}/"
+                 f"{f['num_key_value_heads']}x{head_dim} I{f['intermediate_size']} V{f['vocab_size']}"
+                 f"{' tied' if f['tie_word_embeddings'] else ''}")  # fmt: skip
+        engine = ",".join(f"{k}={v}" for k, v in sorted(self.engine.items()))
+        lens = f"{len(self.prompt_lens)} prompts of {min(self.prompt_lens)}-{max(self.prompt_lens)} tok"
+        return f"{shape}; {lens}; block {self.block_size}; {engine}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _log_uniform_int(rng: random.Random, lo: int, hi: int) -> int:
+    return min(hi, max(lo, int(math.exp(rng.uniform(math.log(lo), math.log(hi + 1))))))
+
+
+def _model_fields(rng: random.Random, family: str, limits: dict) -> dict:
+    head_dim = rng.choice(limits["head_dims"])
+    kv_heads = rng.choice((1, 1, 2, 4))
+    heads = kv_heads * rng.choice([g for g in (1, 2, 3, 4, 8) if kv_heads * g <= limits["max_heads"]])
+    hidden = heads * head_dim if family == "qwen2" else rng.choice(limits["hidden"])  # Qwen2: no head_dim field
+    fields = dict(
+        hidden_size=hidden,
+        intermediate_size=32 * rng.randint(max(1, hidden // 32), 4 * max(1, hidden // 32)),
+        num_hidden_layers=rng.randint(*limits["layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=TOKENIZER_VOCAB_SIZE + rng.choice((0, 1, 64, 333)),  # rows past the tokenizer: padding
+        tie_word_embeddings=rng.random() < 0.5,
+        max_position_embeddings=32768,
+        rms_norm_eps=rng.choice((1e-6, 1e-5)),
+        architectures=[{"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[family]],
+    )
+    if family != "qwen2":
+        fields["head_dim"] = head_dim
+    theta = rng.choice((10000.0, 500000.0, 1000000.0))
+    rope = rng.choice(("default", "default", "linear", "llama3"))
+    if rope == "linear":
+        fields["rope_parameters"] = {"rope_type": "linear", "rope_theta": theta, "factor": rng.choice((2.0, 4.0))}
+    elif rope == "llama3":
+        fields["rope_parameters"] = {"rope_type": "llama3", "rope_theta": theta, "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}  # fmt: skip
+    else:
+        fields["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    if family == "llama":
+        fields["attention_bias"] = rng.random() < 0.3
+        fields["mlp_bias"] = rng.random() < 0.3
+    elif family == "qwen3":
+        fields["attention_bias"] = rng.random() < 0.2
+    return fields
+
+
+def _request_options(rng: random.Random, limits: dict) -> dict:
+    options = {"temperature": rng.choice(TEMPERATURES), "max_tokens": rng.randint(*limits["max_tokens"])}
+    if options["temperature"] > 0:
+        if rng.random() < 0.3:
+            options["top_k"] = rng.choice((1, 2, 5, 20, 100))
+        if rng.random() < 0.3:
+            options["top_p"] = rng.choice((0.5, 0.8, 0.95))
+        if rng.random() < 0.15:
+            options["min_p"] = rng.choice((0.05, 0.2))
+    return options
+
+
+def _engine(rng: random.Random, profile: str) -> dict:
+    engine = {"enable_prefix_caching": rng.random() < 0.8, "max_num_seqs": rng.choice((2, 3, 8, 256))}
+    if rng.random() < 0.4:  # a token budget below the prompts: chunked prefill in every composition
+        engine["enable_chunked_prefill"] = True
+        engine["max_num_batched_tokens"] = max(engine["max_num_seqs"], rng.choice((16, 48, 128, 512)))
+    if profile == "cuda":
+        engine["enforce_eager"] = rng.random() < 0.25
+        engine["async_scheduling"] = rng.random() < 0.5
+    return engine
+
+
+def draw_case(seed: int, index: int, profile: str, max_prompt_len: int) -> FuzzCase:
+    """The case `index` of the run `seed` (see the module docstring)."""
+    if profile not in PROFILES:
+        raise ValueError(f"unknown fuzz profile {profile!r}; choose from {', '.join(PROFILES)}")
+    rng = random.Random(f"vexact-fuzz/{seed}/{index}/{profile}/{max_prompt_len}")
+    limits = PROFILES[profile]
+    family = rng.choice(FAMILIES)
+    n_prompts = rng.randint(*limits["prompts"])
+    engine = _engine(rng, profile)
+    block_size = rng.choice(limits["block_sizes"])
+    compositions = ["batch", "shuffled"]
+    if engine["enable_prefix_caching"]:
+        compositions.append("prefix-cache")
+    if n_prompts <= 6 and rng.random() < 0.5:
+        compositions.insert(0, "alone")
+    compositions += [c for c in FRESH[profile] if rng.random() < 0.5]
+    return FuzzCase(
+        seed=seed,
+        index=index,
+        profile=profile,
+        model_type=family,
+        fields=_model_fields(rng, family, limits),
+        weight_std=rng.choice((0.02, 0.05, 0.1)),
+        prompt_lens=[_log_uniform_int(rng, 1, max_prompt_len) for _ in range(n_prompts)],
+        per_request=[_request_options(rng, limits) for _ in range(n_prompts)],
+        engine=engine,
+        block_size=block_size,
+        chunk_tokens=rng.choice((16, 32, 64)),
+        compositions=compositions,
+        prefix_len=4 * block_size + block_size // 2 + rng.randint(0, block_size),
+    )
+
+
+def prompt_ids(case: FuzzCase) -> tuple[list[list[int]], list[int]]:
+    """(prompts, shared prefix): random token ids below the tokenizer's size, from the case alone."""
+    if case.tokenizer_len <= 0:
+        raise ValueError("the case's checkpoint is not built yet (tokenizer_len unknown)")
+    rng = random.Random(f"vexact-fuzz-prompts/{case.seed}/{case.index}")
+    draw = lambda n: [rng.randrange(case.tokenizer_len) for _ in range(n)]  # noqa: E731
+    return [draw(n) for n in case.prompt_lens], draw(case.prefix_len)
