@@ -237,7 +237,7 @@ def _attend_rows(
     return acc / l_i[:, None], m_i + tl.log2(l_i)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_seqs"])  # the batch size must not select another kernel
 def _varlen_fwd_kernel(
     q_ptr,
     k_ptr,
@@ -311,7 +311,7 @@ def _varlen_fwd_kernel(
         tl.store(lse_ptr + token * stride_lt + head, lse, mask=valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_seqs"])  # the batch size must not select another kernel
 def _paged_fwd_kernel(
     q_ptr,
     k_ptr,
@@ -389,7 +389,7 @@ def _paged_fwd_kernel(
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tokens"])  # the batch size must not select another kernel
 def _write_kv_kernel(
     k_ptr,
     v_ptr,

@@ -162,3 +162,16 @@ def linear(
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
     out = _IMPLS[backend_for(x)](x2, weight, bias, out_dtype)  # [M, N]
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+@torch.no_grad()
+def warm_up_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> None:
+    """Compile every kernel variant `linear(x, weight, bias, out_dtype)` can launch, whatever M (one
+    call per tile bucket: `gemm_triton.warmup_sizes`). Nothing to do off CUDA."""
+    if backend_for(weight) != "triton":
+        return
+    from .gemm_triton import warmup_sizes
+
+    n, k = weight.shape
+    for m in warmup_sizes(n, k, weight.dtype):
+        linear(torch.zeros(m, k, dtype=weight.dtype, device=weight.device), weight, bias, out_dtype)

@@ -296,6 +296,17 @@ def gemm_config(n: int, k: int, dtype: torch.dtype, m: int = 1) -> GemmConfig:
     return next(cfg for bound, cfg in buckets if bound is None or m <= bound)
 
 
+def warmup_sizes(n: int, k: int, dtype: torch.dtype) -> list[int]:
+    """One M per tile bucket of the weight shape (N, K): running `linear` once at each compiles every
+    kernel variant a batch can reach, so none compiles while serving (vLLM's warm-up and CUDA-graph
+    capture reach only some sizes, and none with --enforce-eager)."""
+    buckets = _TUNED.get((dtype, n, k))
+    if buckets is None:
+        return [1]
+    bounds = [bound for bound, _ in buckets[:-1]]
+    return bounds + [bounds[-1] + 1]
+
+
 _SMEM = 232448  # shared memory per block on an H100 (227 KB); Triton asks exactly the estimate below
 
 

@@ -23,8 +23,9 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 
 from vexact_vllm.kernels import linear
+from vexact_vllm.kernels.gemm import warm_up_linear
 from vexact_vllm.model_patches.config import DecoderConfig, UnsupportedModelError
-from vexact_vllm.model_patches.layers import Linear, pack_projections
+from vexact_vllm.model_patches.layers import Linear, PackedLinear, pack_projections
 from vexact_vllm.model_patches.models import build_decoder
 
 from .attention import VexactAttentionBackend
@@ -99,7 +100,24 @@ class VexactForCausalLM(nn.Module):
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
         if inputs_embeds is not None or input_ids is None:
             raise ValueError("prompt embeddings are not supported with --model-impl vexact")
+        if not self._kernels_warm and input_ids.is_cuda and not torch.cuda.is_current_stream_capturing():
+            self.warm_up_kernels()  # vLLM's first call (its profile run), before any request
         return self.model(input_ids, positions, self.context)  # [T, H]
+
+    _kernels_warm = False
+
+    def warm_up_kernels(self) -> None:
+        """Compile every GEMM variant a batch can reach (one per tile bucket of each weight shape:
+        kernels.gemm.warm_up_linear), so no Triton kernel compiles while serving; the other ops'
+        kernels do not depend on the batch (their batch sizes are never specialised)."""
+        parts = {id(p) for m in self.model.modules() if isinstance(m, PackedLinear) for p in m.parts}
+        for m in self.model.modules():
+            if isinstance(m, PackedLinear) and m.packed is not None:
+                warm_up_linear(*m.packed)
+            elif isinstance(m, Linear) and id(m) not in parts:
+                warm_up_linear(m.weight, m.bias)
+        warm_up_linear(self.lm_head_weight, out_dtype=torch.float32)
+        self._kernels_warm = True
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return linear(hidden_states, self.lm_head_weight, out_dtype=torch.float32)  # [N, V] fp32

@@ -33,7 +33,7 @@ from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.sample.sampler import Sampler
 from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 
-from vexact_vllm.kernels import log_softmax
+from vexact_vllm.kernels import gumbel_argmax, log_softmax
 
 from .sampler import GREEDY_EPS, draw_tokens, truncation
 
@@ -71,6 +71,10 @@ class VexactSamplerV2(Sampler):
                 states.top_k.np[idx_np], states.top_p.np[idx_np], states.min_p.np[idx_np],
             )  # fmt: skip
         sampled = draw_tokens(log_probs, greedy, host_greedy, seeds, positions, threshold)
+        if not getattr(self, "_kernels_warm", False):  # vLLM's warm-up step: compile both draw variants
+            gumbel_argmax(log_probs[:1], seeds[:1], positions[:1])
+            gumbel_argmax(log_probs[:1], seeds[:1], positions[:1], torch.full_like(tau[:1], float("-inf")))
+            self._kernels_warm = True
 
         logprobs_tensors = None
         if self.returns_logprobs(idx_np):

@@ -365,3 +365,21 @@ def test_gradients_cuda(dtype, out_dtype):
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     for a, want in zip(got, (xf.grad, wf.grad, bf.grad)):
         torch.testing.assert_close(a.float(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+def test_warmup_sizes_reach_every_bucket():
+    """One M per tile bucket: warming up at these sizes compiles every variant a batch can launch."""
+    gt = importlib.import_module(MODULE)
+    for (dtype, n, k), buckets in gt._TUNED.items():
+        sizes = gt.warmup_sizes(n, k, dtype)
+        assert {gt.gemm_config(n, k, dtype, m) for m in sizes} == {cfg for _, cfg in buckets}
+        assert len(sizes) == len(buckets)
+    assert gt.warmup_sizes(40, 24, torch.bfloat16) == [1]  # an untuned shape: one tile for every M
+
+
+def test_warm_up_linear_is_a_no_op_off_cuda(monkeypatch):
+    calls = []
+    monkeypatch.setattr(gemm, "linear", lambda *a, **k: calls.append(a))
+    gemm.warm_up_linear(torch.zeros(8, 4, dtype=torch.bfloat16))
+    assert calls == []
+
