@@ -1,32 +1,203 @@
-"""`vexact-vllm bench` runs each configuration in its own process and reports output tokens/s."""
+"""`vexact-vllm bench`: runs in fresh processes in alternating order, a timed window of whole passes,
+the summary over repeats (medians, spread, ratios to stock) and the markdown report. The first test
+starts vLLM; the others are pure (fake run records, a fake clock, a fake child)."""
 
 from __future__ import annotations
 
 import json
+import shlex
+import subprocess
+import sys
 
 import pytest
 
-from vexact_vllm.cli import main
-
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+from vexact_vllm.cli import bench, bench_report, main
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_bench_reports_throughput(tiny_model, tmp_path, capsys):
     out = tmp_path / "bench.json"
     rc = main([
         "bench", "--model", tiny_model("qwen3"), "--configs", "vexact", "--num-prompts", "4",
-        "--input-len", "8-20", "--output-len", "6", "--output", str(out),
+        "--input-len", "8-20", "--output-len", "6", "--output", str(out), "--repeats", "2",
+        "--warmup-passes", "1", "--duration", "0.3", "--report",
         "--engine-kwargs", json.dumps({"kv_cache_memory_bytes": 64 << 20, "block_size": 32}),
     ])  # fmt: skip
     assert rc == 0
     report = json.loads(out.read_text())
-    (result,) = report["results"]
-    assert result["config"] == "vexact"
-    assert result["output_tokens"] == 4 * 6
-    assert result["output_tok_s"] > 0 and result["startup_s"] > 0
-    assert "vexact" in capsys.readouterr().out
+    assert [(r["config"], r["repeat"]) for r in report["results"]] == [("vexact", 0), ("vexact", 1)]
+    for result in report["results"]:
+        assert result["pass_tokens"] == [4 * 6] * result["passes"]  # every pass the whole workload
+        assert result["output_tokens"] == 4 * 6 * result["passes"]
+        assert result["elapsed_s"] >= 0.3 and result["warmup_s"] > 0 and result["startup_s"] > 0
+        assert result["output_tok_s"] == pytest.approx(result["output_tokens"] / result["elapsed_s"])
+        assert result["device"] == "CPU"
+    (row,) = report["summary"]
+    assert row["runs"] == 2 and row["tok_s_min"] <= row["tok_s_median"] <= row["tok_s_max"]
+    stdout = capsys.readouterr().out
+    table, markdown = stdout.split("\n## ")
+    assert table.splitlines()[2].split()[:2] == ["vexact", "2"]
+    assert "| vexact | 2 |" in markdown and "--duration 0.3" in markdown
 
 
-def test_bench_refuses_unknown_configuration(tiny_model):
+def test_bench_refuses_unknown_configuration_and_bad_counts():
     with pytest.raises(SystemExit, match="unknown configuration"):
-        main(["bench", "--model", tiny_model("qwen3"), "--configs", "fastest"])
+        main(["bench", "--model", "tiny-qwen3", "--configs", "fastest"])
+    with pytest.raises(SystemExit, match="--repeats must be at least 1"):
+        main(["bench", "--model", "tiny-qwen3", "--configs", "vexact", "--repeats", "0"])
+
+
+def test_run_order_alternates():
+    names = ["stock", "stock-batch-invariant", "vexact"]
+    assert bench.run_order(names, 3) == [
+        (0, "stock"), (0, "stock-batch-invariant"), (0, "vexact"),
+        (1, "vexact"), (1, "stock-batch-invariant"), (1, "stock"),
+        (2, "stock"), (2, "stock-batch-invariant"), (2, "vexact"),
+    ]  # fmt: skip
+    assert bench.run_order(["vexact"], 2) == [(0, "vexact"), (1, "vexact")]
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("duration, passes", [(0, 1), (2.9, 1), (3, 1), (10, 4), (12, 4), (12.5, 5)])
+def test_timed_passes_fill_the_window(duration, passes):
+    clock, calls = FakeClock(), []
+
+    def generate() -> int:  # a pass of 3 s and 24 tokens
+        calls.append("generate")
+        clock.now += 3.0
+        return 24
+
+    def before() -> None:  # untimed: resetting the prefix cache must not count
+        calls.append("before")
+        clock.now += 100.0
+
+    got = bench.timed_passes(generate, duration, before=before, clock=clock)
+    assert got == [(24, 3.0)] * passes
+    assert calls == ["before", "generate"] * passes
+
+
+def _run(config, repeat, tok_s, startup):
+    return {"config": config, "repeat": repeat, "output_tok_s": tok_s, "startup_s": startup}
+
+
+RUNS = [
+    _run("stock", 0, 20000.0, 60.0), _run("stock-batch-invariant", 0, 19000.0, 90.0), _run("vexact", 0, 16000.0, 20.0),
+    _run("vexact", 1, 21000.0, 15.0), _run("stock-batch-invariant", 1, 19000.0, 80.0), _run("stock", 1, 22000.0, 40.0),
+    _run("stock", 2, 21000.0, 50.0), _run("stock-batch-invariant", 2, 20000.0, 70.0),
+    {"config": "vexact", "repeat": 2, "failed": "exit 1, see its log on stderr"},
+]  # fmt: skip
+
+
+def test_summary_medians_spread_and_ratios():
+    stock, bi, vexact = bench_report.summarize(RUNS)
+    assert [stock["config"], bi["config"], vexact["config"]] == ["stock", "stock-batch-invariant", "vexact"]
+    assert (stock["runs"], stock["started"], vexact["runs"], vexact["started"]) == (3, 3, 2, 3)
+    assert (stock["tok_s_median"], stock["tok_s_min"], stock["tok_s_max"]) == (21000, 20000, 22000)
+    assert stock["spread"] == pytest.approx(0.1) and stock["startup_s_median"] == 50
+    assert vexact["tok_s_median"] == 18500 and vexact["startup_s_median"] == 17.5
+    assert vexact["tok_s_vs_stock"] == pytest.approx(18500 / 21000)
+    assert vexact["startup_vs_stock"] == pytest.approx(0.35)
+    assert vexact["per_repeat_vs_stock"] == pytest.approx([16000 / 20000, 21000 / 22000])  # failed repeat 2 left out
+    assert vexact["vs_bi"] == pytest.approx(18500 / 19000)
+    assert vexact["failed"] == ["repeat 2: exit 1, see its log on stderr"]
+    assert "per_repeat_vs_stock" not in stock and "vs_bi" not in bi
+
+
+def test_summary_table():
+    lines = bench_report.summary_table(bench_report.summarize(RUNS)).splitlines()
+    assert lines[0].split()[:3] == ["configuration", "runs", "start-up"]
+    assert lines[1].split() == ["stock", "3", "50.0", "1.000", "21000", "20000", "22000", "10.0%", "1.000", "-", "-"]
+    assert lines[3].split() == ["vexact", "2/3", "17.5", "0.350", "18500", "16000", "21000", "31.2%", "0.881",
+                                "0.800..0.955", "0.974"]  # fmt: skip
+    assert lines[-1] == "failed: vexact: run of repeat 2: exit 1, see its log on stderr"
+    alone = bench_report.summary_table(bench_report.summarize(RUNS[2:4])).splitlines()[1].split()
+    assert alone[-4:] == ["31.2%", "-", "-", "-"]  # no stock: no ratios
+    all_failed = bench_report.summary_table(bench_report.summarize(RUNS[8:])).splitlines()[1]
+    assert all_failed.split() == ["vexact", "0/1", "failed:", "repeat", "2:", "exit", "1,", "see", "its", "log", "on",
+                                  "stderr"]  # fmt: skip
+
+
+def test_markdown_report():
+    meta = {"date": "2026-11-25", "device": "NVIDIA H100 80GB HBM3", "commit": "abc1234",
+            "command": "vexact-vllm bench --repeats 3", "workload": "qwen3-1.7b-shape (dummy weights)"}  # fmt: skip
+    text = bench_report.markdown_report(bench_report.summarize(RUNS), meta)
+    lines = text.splitlines()
+    assert lines[0] == "## 2026-11-25: `vexact-vllm bench`, NVIDIA H100 80GB HBM3"
+    assert "Commit: abc1234. Command: `vexact-vllm bench --repeats 3`" in lines
+    table = [ln for ln in lines if ln.startswith("|")]
+    assert table[0].startswith("| configuration | runs |") and set(table[1].replace(" ", "")) == {"|", "-"}
+    assert table[2] == "| stock | 3 | 50.0 | 1.000 | 21,000 | 20,000 | 22,000 | 10.0% | 1.000 | - | - |"
+    assert table[4] == "| vexact | 2/3 | 17.5 | 0.350 | 18,500 | 16,000 | 21,000 | 31.2% | 0.881 | 0.800..0.955 | 0.974 |"
+    assert {ln.count("|") for ln in table} == {12}  # every row has the header's 11 cells
+    failed_only = bench_report.markdown_report(bench_report.summarize(RUNS[8:]), meta)
+    assert "| vexact | 0/1 | failed: repeat 2: exit 1, see its log on stderr | - |" in failed_only
+    assert failed_only.count("|") == 3 * 12
+
+
+def test_run_bench_alternates_keeps_going_after_a_failure_and_prints_the_table_last(monkeypatch, tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 448}))
+    monkeypatch.setattr(bench, "resolve_model", lambda name, load_format: str(tmp_path))
+    by_repeat = {(r["config"], r["repeat"]): r for r in RUNS}
+    calls = []
+
+    def fake_child(name, repeat, args):
+        calls.append((repeat, name))
+        assert args.forward[args.forward.index("--duration") + 1] == "5.0"
+        return {**by_repeat[(name, repeat)], "device": "Fake GPU"}
+
+    monkeypatch.setattr(bench, "_run_child", fake_child)
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--model", "tiny-qwen3", "--configs", "stock,stock-batch-invariant,vexact", "--repeats", "3",
+               "--duration", "5", "--report", "--output", str(out)])  # fmt: skip
+    assert rc == 1  # vexact's repeat 2 failed; every other run still ran
+    assert calls == bench.run_order(["stock", "stock-batch-invariant", "vexact"], 3)
+    stdout = capsys.readouterr().out.splitlines()
+    assert stdout[0].startswith("tiny-qwen3 (dummy weights), 256 prompts") and "5 s timed per run" in stdout[0]
+    assert stdout[1].startswith("configuration") and stdout[4].startswith("vexact")
+    assert stdout[-1] == "Failed: vexact: run of repeat 2: exit 1, see its log on stderr."
+    assert any(ln.startswith("## ") and ln.endswith("Fake GPU") for ln in stdout)
+    saved = json.loads(out.read_text())
+    assert [r["position"] for r in saved["results"]] == list(range(9))
+    assert {"model", "model_name", "workload", "forwarded", "results", "summary", "commit", "command"} <= set(saved)
+    assert saved["repeats"] == 3 and saved["duration_s"] == 5.0 and saved["device"] == "Fake GPU"
+
+
+def test_command_line_reparses_to_the_same_workload(monkeypatch, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 448}))
+    monkeypatch.setattr(bench, "resolve_model", lambda name, load_format: str(tmp_path))
+    seen = []
+
+    def fake_child(name, repeat, args):
+        seen.append(args)
+        return {"config": name, "repeat": repeat, "failed": "fake"}
+
+    monkeypatch.setattr(bench, "_run_child", fake_child)
+    monkeypatch.setattr(sys, "argv", ["pytest"])  # called as a function: the command is rebuilt from the options
+    main(["bench", "--model", "tiny-qwen3", "--configs", "vexact", "--num-prompts", "4", "--duration", "0",
+          "--enforce-eager", "--repeats", "1"])  # fmt: skip
+    argv = shlex.split(bench._command_line(seen[0]))
+    assert argv[:2] == ["vexact-vllm", "bench"] and argv[argv.index("--model") + 1] == "tiny-qwen3"
+    main(argv[1:])
+    assert seen[1].forward == seen[0].forward and (seen[1].configs, seen[1].repeats) == ("vexact", 1)
+    assert "--enforce-eager" in seen[1].forward and seen[1].num_prompts == 4
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/vexact-vllm", "bench", "--duration", "0"])  # run from the shell
+    assert bench._command_line(seen[0]) == "vexact-vllm bench --duration 0"
+
+
+def test_git_commit(monkeypatch):
+    commit = bench_report.git_commit()
+    assert commit == "unknown" or len(commit.split()[0]) >= 7
+
+    def no_git(*args, **kwargs):
+        raise subprocess.CalledProcessError(128, "git")
+
+    monkeypatch.setattr(bench_report.subprocess, "run", no_git)
+    assert bench_report.git_commit() == "unknown"

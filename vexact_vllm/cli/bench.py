@@ -1,27 +1,44 @@
 """`vexact-vllm bench`: stock vLLM, stock with VLLM_BATCH_INVARIANT=1, and vexact on one workload.
 
-Each engine runs in its own process (VLLM_BATCH_INVARIANT is read at import), on the same model and
-the same requests: random prompt token ids with lengths drawn from a range, a fixed number of output
-tokens with `ignore_eos`, temperature and seed as given. Prints start-up time (engine ready) and
-output tokens/s per configuration, their ratios to stock, and vexact's to stock-batch-invariant.
-All three run by default; without CUDA, stock-batch-invariant is left out (vLLM's batch-invariant
-mode is Triton kernels). A configuration that fails is reported and the others still run (exit 1).
+Each run of a configuration is its own process (VLLM_BATCH_INVARIANT is read at import), on the same
+model and the same requests: random prompt token ids with lengths drawn from a range, a fixed number
+of output tokens with `ignore_eos`, temperature and seed as given. One pass is one `generate` of the
+whole workload, the prefix cache reset before it (untimed) so every pass does the same prefill work.
+A run starts the engine (start-up: until it is ready), makes `--warmup-passes` untimed passes (so
+every batch shape, prefill chunk and kernel variant the timed passes reach is compiled), then repeats
+timed passes until `--duration` seconds of generation have accumulated (at least one pass) and
+reports output tokens / timed seconds.
+
+`--repeats` runs every configuration that many times, alternating the order (stock,
+stock-batch-invariant, vexact; then reversed; ...) so neither side always runs first on a fresh
+host; every run counts, the first included. The table, printed last, gives per configuration the
+median output tok/s, min, max and spread, the median start-up, the ratios of medians to stock, and
+each run's ratio to the stock run of the same repeat (`bench_report`). `--report` adds a markdown
+section for docs/BENCHMARKS.md; `--output` writes every run's numbers as JSON. All three
+configurations run by default; without CUDA, stock-batch-invariant is left out (vLLM's
+batch-invariant mode is Triton kernels). A run that fails is reported and the others still run
+(exit 1). vLLM's logs, progress and each repeat's table go to stderr; stdout holds only the report.
 
 Default workload (the one ../shared/gpu reports stock vLLM on): the built-in `qwen3-1.7b-shape`
 (Qwen3-1.7B's config, 28 layers, hidden 2048, 16/8 heads of 128, vocabulary 151936) with dummy
 weights (only its config is written: `--load-format dummy` never reads weights), 256 prompts of
 64-511 random token ids below the vocabulary size, 256 output tokens, temperature 1, seed 7,
-CUDA graphs on (vLLM's default). One 8-request warm-up generate before timing.
+CUDA graphs on (vLLM's default); one warm-up pass, 20 s timed per run, 3 repeats.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+
+from .bench_report import git_commit, markdown_report, summarize, summary_table, to_table
 
 CONFIGS = {
     "stock": {"model_impl": "vllm", "env": {}},
@@ -38,8 +55,22 @@ def _requests(args) -> list[list[int]]:
     return [[rng.randrange(10, args.vocab_limit) for _ in range(rng.randint(lo, hi))] for _ in range(args.num_prompts)]
 
 
+def timed_passes(generate: Callable[[], int], duration: float, before: Callable[[], object] = lambda: None,
+                 clock: Callable[[], float] = time.perf_counter) -> list[tuple[int, float]]:  # fmt: skip
+    """(output tokens, seconds) of each pass: `before()` untimed, then `generate()` timed, until the
+    timed seconds add up to at least `duration`; one pass when `duration` is 0."""
+    passes: list[tuple[int, float]] = []
+    while not passes or sum(s for _, s in passes) < duration:
+        before()
+        t = clock()
+        tokens = generate()
+        passes.append((tokens, clock() - t))
+    return passes
+
+
 def run_one(args) -> dict:
-    """One configuration in this process; returns its measurements."""
+    """One run of one configuration in this process; returns its measurements."""
+    import torch
     from vllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
@@ -55,13 +86,33 @@ def run_one(args) -> dict:
                        detokenize=False)
         for i in range(len(prompts))
     ]  # fmt: skip
-    llm.generate(prompts[: min(8, len(prompts))], params[:8], use_tqdm=False)  # warm-up
+
+    def reset_prefix_cache() -> None:  # else a repeated pass would skip most of its prefill
+        for _ in range(20):  # vLLM says False while finished requests still hold blocks
+            if llm.reset_prefix_cache() is not False:
+                return
+            time.sleep(0.05)
+        raise RuntimeError("vLLM could not reset its prefix cache between passes")
+
+    def generate() -> int:
+        return sum(len(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False))
+
     t1 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t1
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    for _ in range(args.warmup_passes):
+        reset_prefix_cache()
+        generate()
+    warmup = time.perf_counter() - t1
+    passes = timed_passes(generate, args.duration, before=reset_prefix_cache)
+    tokens, elapsed = sum(n for n, _ in passes), sum(s for _, s in passes)
     return {"config": args.config, "startup_s": startup, "elapsed_s": elapsed, "output_tokens": tokens,
-            "output_tok_s": tokens / elapsed}
+            "output_tok_s": tokens / elapsed, "warmup_s": warmup, "passes": len(passes),
+            "pass_tokens": [n for n, _ in passes], "pass_s": [s for _, s in passes],
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"}  # fmt: skip
+
+
+def run_order(names: list[str], repeats: int) -> list[tuple[int, str]]:
+    """(repeat, configuration) in running order: `names` in repeat 0, reversed in repeat 1, and so on."""
+    return [(r, name) for r in range(repeats) for name in (names if r % 2 == 0 else names[::-1])]
 
 
 def resolve_model(name: str, load_format: str) -> str:
@@ -84,10 +135,6 @@ def _vocab_size(model: str) -> int:
     return int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
 
 
-def _ratio(a: float | None, b: float | None) -> str:
-    return f"{a / b:.3f}" if a and b else "-"
-
-
 def default_configs() -> list[str]:
     """All of them on CUDA. Elsewhere not stock-batch-invariant: vLLM's batch-invariant kernels are
     Triton kernels (it can still be asked for)."""
@@ -96,32 +143,7 @@ def default_configs() -> list[str]:
     return [c for c in CONFIGS if c != "stock-batch-invariant" or torch.cuda.is_available()]
 
 
-def to_table(results: list[dict]) -> str:
-    """Start-up and throughput per configuration, with their ratios to stock (and vexact's to
-    stock-batch-invariant). A configuration that failed has `failed` set and no numbers."""
-    ok = {r["config"]: r for r in results if not r.get("failed")}
-    base, bi = ok.get("stock", {}), ok.get("stock-batch-invariant", {})
-    header = (f"{'configuration':24s} {'start-up s':>10s} {'vs stock':>9s} {'output tok/s':>13s} {'vs stock':>9s} "
-              f"{'vs BI':>7s}")  # fmt: skip
-    lines = [header]
-    for r in results:
-        if r.get("failed"):
-            lines.append(f"{r['config']:24s} failed: {r['failed']}")
-            continue
-        vs_bi = _ratio(r["output_tok_s"], bi.get("output_tok_s")) if r["config"] == "vexact" else ""
-        lines.append(
-            f"{r['config']:24s} {r['startup_s']:10.1f} {_ratio(r['startup_s'], base.get('startup_s')):>9s} "
-            f"{r['output_tok_s']:13.0f} {_ratio(r['output_tok_s'], base.get('output_tok_s')):>9s} {vs_bi:>7s}".rstrip()
-        )
-    lines.append("vs stock: this configuration / stock; vs BI: vexact / stock-batch-invariant "
-                 "(start-up: lower is better; tok/s: higher is better)")  # fmt: skip
-    return "\n".join(lines)
-
-
-def run_bench(args) -> int:
-    if args.config:  # child process
-        print("VEXACT_BENCH " + json.dumps(run_one(args)), flush=True)
-        return 0
+def _config_names(args) -> list[str]:
     if args.configs is None:
         names = default_configs()
         if len(names) < len(CONFIGS):
@@ -132,34 +154,68 @@ def run_bench(args) -> int:
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         raise SystemExit(f"error: unknown configuration {unknown[0]!r}; choose from {', '.join(CONFIGS)}")
-    model_name = args.model
+    return names
+
+
+def _run_child(name: str, repeat: int, args) -> dict:
+    """One run in a fresh process; its logs go to our stderr, its record comes back on its stdout."""
+    cmd = [sys.executable, "-m", "vexact_vllm.cli", "bench", "--config", name, *args.forward]
+    proc = subprocess.run(cmd, env={**os.environ, **CONFIGS[name]["env"]}, stdout=subprocess.PIPE, text=True)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("VEXACT_BENCH ")), None)
+    if proc.returncode != 0 or line is None:
+        print(f"error: configuration {name} (repeat {repeat}) failed (exit {proc.returncode}); see its log above",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return {"config": name, "repeat": repeat, "failed": f"exit {proc.returncode}, see its log on stderr"}
+    result = {**json.loads(line.removeprefix("VEXACT_BENCH ")), "repeat": repeat}
+    print(f"{name} (repeat {repeat}): {result['output_tok_s']:.0f} output tok/s over {result['elapsed_s']:.1f} s "
+          f"({result['passes']} passes), start-up {result['startup_s']:.1f} s", file=sys.stderr, flush=True)  # fmt: skip
+    return result
+
+
+def _command_line(args) -> str:
+    """How this was invoked: the real command line, or (when called as a function) every option."""
+    if sys.argv[1:2] == ["bench"]:
+        return shlex.join(["vexact-vllm", *sys.argv[1:]])
+    shown = list(args.forward)
+    shown[shown.index("--model") + 1] = args.model_name  # as given, not resolved
+    shown += (["--configs", args.configs] if args.configs else []) + ["--repeats", str(args.repeats)]
+    return shlex.join(["vexact-vllm", "bench", *shown])
+
+
+def run_bench(args) -> int:
+    if args.config:  # child process
+        print("VEXACT_BENCH " + json.dumps(run_one(args)), flush=True)
+        return 0
+    names = _config_names(args)
+    if args.repeats < 1 or args.warmup_passes < 0 or args.duration < 0:
+        raise SystemExit("error: --repeats must be at least 1, --warmup-passes and --duration at least 0")
+    args.model_name = args.model
     args.model = resolve_model(args.model, args.load_format)
     if args.vocab_limit is None:
         args.vocab_limit = _vocab_size(args.model)
     args.forward = forward_args(args)
     results = []
-    for name in names:  # a failure is reported and the others still run: each can take minutes
-        cmd = [sys.executable, "-m", "vexact_vllm.cli", "bench", "--config", name, *args.forward]
-        env = {**os.environ, **CONFIGS[name]["env"]}
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)  # its logs go to our stderr
-        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("VEXACT_BENCH ")), None)
-        if proc.returncode != 0 or line is None:
-            results.append({"config": name, "failed": f"exit {proc.returncode}, see its log on stderr"})
-            print(f"error: configuration {name} failed (exit {proc.returncode}); see its log above",
-                  file=sys.stderr, flush=True)  # fmt: skip
-            continue
-        results.append(json.loads(line.removeprefix("VEXACT_BENCH ")))
-        print(f"{name}: {results[-1]['output_tok_s']:.0f} output tok/s, start-up {results[-1]['startup_s']:.1f} s",
-              file=sys.stderr, flush=True)  # fmt: skip
-    workload = (f"{model_name} ({args.load_format} weights), {args.num_prompts} prompts of {args.input_len} tokens, "
-                f"{args.output_len} output tokens, temperature {args.temperature}, seed {args.seed}"
-                f"{', eager' if args.enforce_eager else ''}")  # fmt: skip
+    for position, (repeat, name) in enumerate(run_order(names, args.repeats)):  # a failure does not stop the rest
+        results.append({**_run_child(name, repeat, args), "position": position})
+        if position % len(names) == len(names) - 1:
+            print(f"repeat {repeat}:\n{to_table(results[-len(names):])}", file=sys.stderr, flush=True)
+    workload = (f"{args.model_name} ({args.load_format} weights), {args.num_prompts} prompts of {args.input_len} "
+                f"tokens, {args.output_len} output tokens, temperature {args.temperature}, seed {args.seed}"
+                f"{', eager' if args.enforce_eager else ''}; {args.warmup_passes} warm-up pass(es), "
+                f"{args.duration:g} s timed per run, {args.repeats} repeat(s) in alternating order")  # fmt: skip
+    rows = summarize(results)
+    meta = {"date": datetime.date.today().isoformat(), "command": _command_line(args), "commit": git_commit(),
+            "workload": workload, "device": next((r["device"] for r in results if "device" in r), "unknown")}  # fmt: skip
     print(workload)
-    print(to_table(results))
+    print(summary_table(rows))
+    if args.report:
+        print("\n" + markdown_report(rows, meta))
     if args.output:
         with open(args.output, "w") as f:
-            json.dump({"model": args.model, "model_name": model_name, "workload": workload,
-                       "forwarded": args.forward, "results": results}, f, indent=1)  # fmt: skip
+            json.dump({"model": args.model, "model_name": args.model_name, "workload": workload,
+                       "forwarded": args.forward, "results": results, "summary": rows, "order": names,
+                       "repeats": args.repeats, "duration_s": args.duration, "warmup_passes": args.warmup_passes,
+                       **meta}, f, indent=1)  # fmt: skip
     return 1 if any(r.get("failed") for r in results) else 0
 
 
@@ -168,9 +224,9 @@ def add_arguments(parser) -> None:
                         help="checkpoint directory, or a built-in model: qwen3-1.7b-shape (the default; only its "
                         "config is written when --load-format is dummy), qwen3-8b-shape, tiny-qwen3, tiny-qwen2, "
                         "tiny-llama")
-    parser.add_argument("--configs", help=f"comma-separated subset of {', '.join(CONFIGS)} (default: all; "
-                        "stock-batch-invariant only on CUDA)")
-    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--configs", help=f"comma-separated subset of {', '.join(CONFIGS)}, in the order of the "
+                        "first repeat (default: all; stock-batch-invariant only on CUDA)")
+    parser.add_argument("--num-prompts", type=int, default=256, help="requests in one pass of the workload")
     parser.add_argument("--input-len", default="64-511", help="prompt length range, inclusive")
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -182,12 +238,23 @@ def add_arguments(parser) -> None:
                         help="prompt token ids are drawn from [10, this) (default: the model's vocab_size)")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--engine-kwargs", default="{}", help="JSON of extra LLM(...) arguments")
-    parser.add_argument("--output", help="write the results as JSON")
+    parser.add_argument("--duration", type=float, default=20.0,
+                        help="seconds of timed generation per run: passes of the workload (same requests and "
+                        "seeds) repeat until this much has accumulated; 0: exactly one pass (default: 20)")
+    parser.add_argument("--warmup-passes", type=int, default=1,
+                        help="untimed passes of the whole workload before timing (default: 1)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs per configuration, each in a fresh process, the order reversed every other "
+                        "repeat (default: 3)")
+    parser.add_argument("--report", action="store_true",
+                        help="after the table, print a markdown section (date, device, commit, command, table) "
+                        "for docs/BENCHMARKS.md")
+    parser.add_argument("--output", help="write every run's numbers and the summary as JSON")
     parser.add_argument("--config", help=argparse.SUPPRESS)  # set for the per-configuration child
 
 
 FORWARDED = ("model", "num_prompts", "input_len", "output_len", "temperature", "seed", "dtype", "max_model_len",
-             "load_format", "vocab_limit", "enforce_eager", "engine_kwargs")
+             "load_format", "vocab_limit", "enforce_eager", "engine_kwargs", "duration", "warmup_passes")
 
 
 def forward_args(args) -> list[str]:
