@@ -1,6 +1,7 @@
-"""The training side turns on in verl's processes: through the `verl.plugins` entry point on
-`import verl`, and through `actor_rollout_ref.model.external_lib` (verl's `import_external_libs`).
-Each case runs in a fresh interpreter."""
+"""The training side is off until asked for: installing vexact-vllm registers no `verl.plugins` entry
+point, so a fresh `import verl` changes nothing; `actor_rollout_ref.model.external_lib` (verl's
+`import_external_libs`) or `enable()` turns it on, and `disable()` off again. Each case runs in a fresh
+interpreter."""
 
 from __future__ import annotations
 
@@ -29,23 +30,37 @@ def _run(code: str, **env) -> str:
     return [line for line in proc.stdout.splitlines() if line.startswith("STATE")][-1]
 
 
-def test_entry_point_is_installed():
+def test_no_verl_plugin_entry_point():
     names = {ep.value for ep in entry_points(group="verl.plugins")}
-    assert "vexact_vllm.model_patches.enable" in names, (
-        "reinstall the project (pip install --no-deps --no-build-isolation -e .) to register the entry point"
+    assert not any(name.startswith("vexact_vllm") for name in names), (
+        "reinstall the project (pip install --no-deps -e .) to drop the old verl.plugins entry point"
     )
 
 
-def test_import_verl_turns_the_hooks_on():
-    assert _run("import verl\n" + _STATE) == "STATE True True True"
+def test_import_verl_changes_nothing():
+    assert _run("import verl\n" + _STATE) == "STATE False False False"
 
 
 def test_external_lib_turns_the_hooks_on():
     code = (
         "import verl\n"
         "from vexact_vllm.model_patches import verl_hooks\n"
-        "assert not verl_hooks.is_installed()  # plugins off: nothing yet\n"
+        "assert not verl_hooks.is_installed()\n"
         "from verl.utils.import_utils import import_external_libs\n"
         "import_external_libs('vexact_vllm.model_patches.enable')\n" + _STATE
     )
-    assert _run(code, VERL_USE_EXTERNAL_PLUGINS="none") == "STATE True True True"
+    assert _run(code) == "STATE True True True"
+
+
+def test_enable_and_disable_are_symmetric():
+    code = (
+        "from vexact_vllm.model_patches import enable as switch\n"  # importing it is the switch
+        "assert switch.is_enabled()\n"
+        "switch.disable()\n"
+        "assert not switch.is_enabled()\n"
+        "with switch.enabled():\n"
+        "    assert switch.is_enabled()\n"
+        "assert not switch.is_enabled()\n"
+        "switch.enable()\n" + _STATE
+    )
+    assert _run(code) == "STATE True True True"
