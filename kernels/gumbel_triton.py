@@ -56,8 +56,8 @@ def _gumbel_argmax_kernel(
     cols = tl.arange(0, BLOCK).to(tl.int64)
     best_val = tl.full([], float("-inf"), tl.float32)
     best_idx = tl.full([], 0, tl.int64)
-    if HAS_THRESHOLD:
-        thr = tl.load(THR + row)
+    if HAS_THRESHOLD:  # the row's threshold in every lane (a vector load: interpreter-safe)
+        thr = tl.load(THR + row + cols * 0)
     for start in range(0, V, BLOCK):
         offs = start + cols
         mask = offs < V

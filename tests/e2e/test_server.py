@@ -110,10 +110,12 @@ def test_served_logprobs_equal_training_forward(server, temperature):
 
 def test_server_refuses_unsupported_sampling_with_400(server):
     base, model = server
-    body = {"model": model, "prompt": [1, 2, 3], "max_tokens": 2, "top_p": 0.5, "seed": 1}
-    r = requests.post(f"{base}/v1/completions", json=body, timeout=60)
-    assert r.status_code == 400, r.text
-    assert "top_p" in r.text
-    # the server keeps serving afterwards
-    ok = requests.post(f"{base}/v1/completions", json={**body, "top_p": 1.0}, timeout=60)
+    body = {"model": model, "prompt": [1, 2, 3], "max_tokens": 2, "seed": 1}
+    for refused, name in (({"presence_penalty": 0.5}, "presence_penalty"),
+                          ({"response_format": {"type": "json_object"}}, "structured_outputs")):  # fmt: skip
+        r = requests.post(f"{base}/v1/completions", json={**body, **refused}, timeout=60)
+        assert r.status_code == 400, r.text
+        assert name in r.text
+    # the server keeps serving afterwards, truncated sampling included
+    ok = requests.post(f"{base}/v1/completions", json={**body, "top_p": 0.5, "top_k": 5}, timeout=60)
     assert ok.status_code == 200, ok.text

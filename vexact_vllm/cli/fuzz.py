@@ -53,9 +53,13 @@ def _settings(case: FuzzCase, model_path: str, names: list[str]):
     return prompts, settings
 
 
-def run_case(case: FuzzCase, rounds: int, workdir: Path, only: list[str] | None = None, keep: bool = False) -> list[dict]:
+def run_case(
+    case: FuzzCase, rounds: int, workdir: Path, only: list[str] | None = None, keep: bool = False,
+    engine_extra: dict | None = None,
+) -> list[dict]:
     """Every composition run of one case, as records (see `_record`); the checkpoint is deleted
-    afterwards unless a run failed or `keep`."""
+    afterwards unless a run failed or `keep`. `engine_extra`: LLM(...) arguments of the run, not of
+    the case (e.g. gpu_memory_utilization when several cases share a GPU)."""
     import random
 
     import torch
@@ -72,6 +76,7 @@ def run_case(case: FuzzCase, rounds: int, workdir: Path, only: list[str] | None 
     build_random_model(case.model_type, case.fields, path, seed=case.index, std=case.weight_std, force=True)
     case.tokenizer_len = len(AutoTokenizer.from_pretrained(str(path)))
     prompts, settings = _settings(case, str(path), names)
+    settings.extra = {**settings.extra, **(engine_extra or {})}
     results = run_compositions(prompts, settings, names, rounds=rounds)
     trainer = load_trainer(str(path), torch.bfloat16)
     packings = [1, 0, random.Random(case.index).choice((2, 3, 5))]
@@ -157,6 +162,8 @@ def _case_in_child(args, index: int) -> list[dict]:
 def _forwarded(args) -> list[str]:
     out = ["--seed", str(args.seed), "--profile", args.profile, "--max-prompt-len", str(args.max_prompt_len),
            "--rounds", str(args.rounds), "--workdir", str(args.workdir)]  # fmt: skip
+    if args.gpu_memory_utilization is not None:
+        out += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     if args.compositions:
         out += ["--compositions", ",".join(args.compositions)]
     return out + (["--keep"] if args.keep else [])
@@ -165,14 +172,15 @@ def _forwarded(args) -> list[str]:
 def _case_here(args, index: int) -> list[dict]:
     case = draw_case(args.seed, index, args.profile, args.max_prompt_len)
     try:
-        return run_case(case, args.rounds, Path(args.workdir), args.compositions, args.keep)
+        extra = {} if args.gpu_memory_utilization is None else {"gpu_memory_utilization": args.gpu_memory_utilization}
+        return run_case(case, args.rounds, Path(args.workdir), args.compositions, args.keep, extra)
     except Exception as e:  # an engine or trainer error fails this case; the others still run
         traceback.print_exc(file=sys.stderr)
         return [_error_record(case, f"{type(e).__name__}: {e}")]
 
 
 def run_fuzz(args) -> int:
-    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import ThreadPoolExecutor, as_completed
 
     from .check import diagnostics_to_stderr
 
@@ -187,25 +195,33 @@ def run_fuzz(args) -> int:
     if args.workdir is None:
         args.workdir = tempfile.mkdtemp(prefix="vexact-fuzz-")
     indices = [args.case] if args.case is not None else list(range(args.start, args.start + args.cases))
+    if args.workers > 1 and args.gpu_memory_utilization is None:
+        args.gpu_memory_utilization = round(0.6 / args.workers, 3)  # vLLM checks this much is free at start
     t0 = time.perf_counter()
+    records: list[dict] = []
+
+    def done(index: int, recs: list[dict]) -> None:  # every finished case is written at once
+        records.extend(recs)
+        if args.output:
+            Path(args.output).write_text(json.dumps({"args": _forwarded(args), "records": records}, indent=1) + "\n")
+        print(f"fuzz: case {index} done ({sum(not r['passed'] for r in records)} failing runs so far, "
+              f"{time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)  # fmt: skip
+
     with diagnostics_to_stderr():
         if args.records:  # a --workers child: one case, its records on stdout (restored below)
             records = _case_here(args, indices[0])
         elif args.workers > 1:
             with ThreadPoolExecutor(args.workers) as pool:
-                records = [r for recs in pool.map(lambda i: _case_in_child(args, i), indices) for r in recs]
+                futures = {pool.submit(_case_in_child, args, i): i for i in indices}
+                for future in as_completed(futures):
+                    done(futures[future], future.result())
         else:
-            records = []
             for i in indices:
-                records += _case_here(args, i)
-                print(f"fuzz: case {i} done ({sum(not r['passed'] for r in records)} failing runs so far)",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                done(i, _case_here(args, i))
     if args.records:
         print(RECORD_PREFIX + json.dumps(records), flush=True)
         return 0
     report = to_table(args, records, len(indices), time.perf_counter() - t0)
-    if args.output:
-        Path(args.output).write_text(json.dumps({"args": _forwarded(args), "records": records}, indent=1) + "\n")
     print(json.dumps({"passed": all(r["passed"] for r in records), "summary": summary(records), "records": records})
           if args.json else report, flush=True)  # fmt: skip
     return 0 if all(r["passed"] for r in records) else 1
@@ -233,6 +249,8 @@ def add_arguments(parser) -> None:
                         help="times the shared-engine compositions run in a row on one engine")
     parser.add_argument("--compositions", type=_compositions, help="only these compositions (comma-separated)")
     parser.add_argument("--workers", type=positive_int, default=1, help="cases run at once, each in its own process")
+    parser.add_argument("--gpu-memory-utilization", type=float,
+                        help="vLLM's, per engine (default: vLLM's; 0.6 / --workers with several workers)")
     parser.add_argument("--workdir", help="where checkpoints are built (default: a temporary directory)")
     parser.add_argument("--keep", action="store_true", help="keep every checkpoint (failing ones are always kept)")
     parser.add_argument("--json", action="store_true", help="print the records as JSON")
