@@ -45,7 +45,7 @@ class DecoderConfig:
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2 always; Llama/Qwen3 when attention_bias
-    o_bias: bool = False  # Llama's attention_bias also puts a bias on o_proj
+    o_bias: bool = False  # Llama's and Qwen3's attention_bias also put a bias on o_proj (Qwen2's never)
     mlp_bias: bool = False  # Llama's mlp_bias
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
     extra: dict[str, Any] = field(default_factory=dict)  # informational only
@@ -95,7 +95,7 @@ class DecoderConfig:
             rope_scaling=None if rope.get("rope_type", "default") == "default" else rope,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type == "llama" and attention_bias,
+            o_bias=model_type != "qwen2" and attention_bias,
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
             qk_norm=model_type == "qwen3",
         )

@@ -39,7 +39,7 @@ def test_from_hf_optional_biases_and_rope():
     llama = DecoderConfig.from_hf(LlamaConfig(attention_bias=True, mlp_bias=True))
     assert (llama.qkv_bias, llama.o_bias, llama.mlp_bias, llama.qk_norm) == (True, True, True, False)
     qwen3 = DecoderConfig.from_hf(Qwen3Config(attention_bias=True))
-    assert (qwen3.qkv_bias, qwen3.o_bias, qwen3.qk_norm) == (True, False, True)
+    assert (qwen3.qkv_bias, qwen3.o_bias, qwen3.qk_norm) == (True, True, True)  # as HF's Qwen3Attention
     # head_dim defaults to hidden // heads when the config has none
     assert DecoderConfig.from_hf(LlamaConfig(hidden_size=256, num_attention_heads=8)).head_dim == 32
     linear = DecoderConfig.from_hf(LlamaConfig(rope_parameters={"rope_type": "linear", "factor": 2.0,
@@ -125,3 +125,23 @@ def test_check_dtype_refuses(dtype):
     with pytest.raises(UnsupportedModelError, match="bfloat16") as info:
         check_dtype(dtype)
     assert str(dtype) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("arch", "options"),
+    [("qwen3", {}), ("qwen3", {"attention_bias": True}), ("qwen2", {}), ("llama", {}),
+     ("llama", {"attention_bias": True, "mlp_bias": True}), ("qwen3", {"tie_word_embeddings": False})],
+)  # fmt: skip
+def test_parameters_are_hugging_faces(arch, options):
+    """Every option that adds or removes a tensor gives the vexact training class exactly the
+    parameter names and shapes of Hugging Face's own class (a checkpoint loads both ways)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from vexact_vllm.model_patches.hf_model import TRAINING_CLASSES
+
+    fields = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=100, head_dim=16, tie_word_embeddings=True)  # fmt: skip
+    config = AutoConfig.for_model(arch, **{**fields, **options})
+    hf = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    ours = {k: tuple(v.shape) for k, v in TRAINING_CLASSES[arch](config).state_dict().items()}
+    assert ours == hf

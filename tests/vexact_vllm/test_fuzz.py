@@ -28,6 +28,8 @@ def test_cases_are_reproducible_and_vary(profile):
         assert {"batch", "shuffled"} <= set(c.compositions)
         assert ("prefix-cache" in c.compositions) == c.engine["enable_prefix_caching"]
         assert c.prefix_len >= 4 * c.block_size + c.block_size // 2
+        if c.model_type == "llama":  # transformers refuses a Llama hidden size not divisible by the heads
+            assert f["hidden_size"] % f["num_attention_heads"] == 0
     # the draws cover what the fuzzer is for: every family, greedy mixed with sampling, truncation,
     # caching off, a token budget that forces chunked prefill, long and short prompts
     assert {c.model_type for c in cases} == {"qwen3", "qwen2", "llama"}
@@ -49,7 +51,10 @@ def _record(composition, passed, case=1):
 
 def test_report_counts_failures_per_composition_with_a_reproducer():
     records = [_record("batch", True), _record("batch", False), _record("prefix-cache", True), _record("batch", True)]
-    assert summary(records) == [("batch", 3, 1), ("prefix-cache", 1, 0), ("total", 4, 1)]
+    idle = {**_record("preemption", True), "inconclusive": True, "problem": "no preemption happened"}
+    records.append(idle)
+    assert summary(records) == [("batch", 3, 1, 0), ("prefix-cache", 1, 0, 0), ("preemption", 1, 0, 1),
+                                ("total", 5, 1, 1)]  # fmt: skip
     args = SimpleNamespace(profile="cuda", max_prompt_len=3000, rounds=2)
     assert reproducer(args, records[1]) == (
         "vexact-vllm fuzz --seed 9 --case 1 --profile cuda --max-prompt-len 3000 --rounds 2 --compositions batch"

@@ -99,9 +99,10 @@ def _record(case: FuzzCase, row, bisect: str | None) -> dict:
         f"vLLM {c.first.vllm!r} trainer {c.first.trainer!r}"  # fmt: skip
     return {
         "case": case.index, "seed": case.seed, "composition": _base(row.composition), "run": row.composition,
-        "passed": row.passed, "tokens": c.tokens, "mismatches": c.mismatches, "max_abs_diff": c.max_abs_diff,
-        "first": first, "per_packing": row.per_packing, "problem": row.problem, "notes": row.notes,
-        "bisect": bisect if not row.passed else None, "describe": case.describe(),
+        "passed": c.mismatches == 0, "inconclusive": row.problem is not None, "tokens": c.tokens,
+        "mismatches": c.mismatches, "max_abs_diff": c.max_abs_diff, "first": first, "per_packing": row.per_packing,
+        "problem": row.problem, "notes": row.notes, "bisect": bisect if c.mismatches else None,
+        "describe": case.describe(),
     }  # fmt: skip
 
 
@@ -118,20 +119,23 @@ def reproducer(args, record: dict) -> str:
     return " ".join(cmd)
 
 
-def summary(records: list[dict]) -> list[tuple[str, int, int]]:
-    """(composition, runs, failures) per composition, in first-seen order, then the total."""
-    runs, fails = Counter(), Counter()
+def summary(records: list[dict]) -> list[tuple[str, int, int, int]]:
+    """(composition, runs, failures, inconclusive) per composition, in first-seen order, then the
+    total. Inconclusive: every token matched but the run tested nothing (no preemption or no cache
+    hit happened with this case's settings); not a failure of the contract."""
+    runs, fails, idle = Counter(), Counter(), Counter()
     for r in records:
         runs[r["composition"]] += 1
         fails[r["composition"]] += not r["passed"]
-    rows = [(name, runs[name], fails[name]) for name in runs]
-    return rows + [("total", sum(runs.values()), sum(fails.values()))]
+        idle[r["composition"]] += bool(r.get("inconclusive")) and r["passed"]
+    rows = [(name, runs[name], fails[name], idle[name]) for name in runs]
+    return rows + [("total", sum(runs.values()), sum(fails.values()), sum(idle.values()))]
 
 
 def to_table(args, records: list[dict], cases: int, elapsed: float) -> str:
-    lines = [f"{'composition':16s} {'runs':>6s} {'failures':>9s} {'flake rate':>11s}"]
-    for name, n, f in summary(records):
-        lines.append(f"{name:16s} {n:6d} {f:9d} {f / n if n else 0.0:11.4f}")
+    lines = [f"{'composition':16s} {'runs':>6s} {'failures':>9s} {'flake rate':>11s} {'inconclusive':>13s}"]
+    for name, n, f, idle in summary(records):
+        lines.append(f"{name:16s} {n:6d} {f:9d} {f / n if n else 0.0:11.4f} {idle:13d}")
     failed = [r for r in records if not r["passed"]]
     for r in failed:
         lines.append(f"FAIL case {r['case']} (seed {r['seed']}), {r['run']}: {r['describe']}")

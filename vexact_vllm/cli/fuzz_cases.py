@@ -82,7 +82,9 @@ def _model_fields(rng: random.Random, family: str, limits: dict) -> dict:
     head_dim = rng.choice(limits["head_dims"])
     kv_heads = rng.choice((1, 1, 2, 4))
     heads = kv_heads * rng.choice([g for g in (1, 2, 3, 4, 8) if kv_heads * g <= limits["max_heads"]])
-    hidden = heads * head_dim if family == "qwen2" else rng.choice(limits["hidden"])  # Qwen2: no head_dim field
+    # Qwen2 has no head_dim field (hidden / heads); Llama's config requires hidden % heads == 0.
+    choices = [h for h in limits["hidden"] if family != "llama" or h % heads == 0]
+    hidden = heads * head_dim if family == "qwen2" or not choices else rng.choice(choices)
     fields = dict(
         hidden_size=hidden,
         intermediate_size=32 * rng.randint(max(1, hidden // 32), 4 * max(1, hidden // 32)),
