@@ -7,6 +7,7 @@ both sides; and on CUDA, no Triton kernel compiles while serving (vLLM's JIT mon
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -33,6 +34,10 @@ def qwen3_with_defaults(tiny_model, tmp_path_factory):
 
 def _engine(model, **kwargs):
     from vllm import LLM
+
+    # The trainer (and the CUDA kernel tests of the same session) touch CUDA in this process: vLLM's
+    # engine processes must be spawned, not forked.
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
     return LLM(model, model_impl="vexact", dtype="bfloat16", max_model_len=256, block_size=32,
                kv_cache_memory_bytes=64 << 20, **kwargs)  # fmt: skip
