@@ -13,12 +13,10 @@ from typing import Any
 
 import torch
 
-# model_type -> the Hugging Face architecture name it serves.
-SUPPORTED_MODEL_TYPES = {
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "llama": "LlamaForCausalLM",
-}
+from .families import BY_MODEL_TYPE, FAMILIES
+
+# model_type -> the Hugging Face architecture name it serves (the family table, families.py).
+SUPPORTED_MODEL_TYPES = {f.model_type: f.architecture for f in FAMILIES}
 SUPPORTED_ARCHITECTURES = tuple(SUPPORTED_MODEL_TYPES.values())
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -28,9 +26,28 @@ class UnsupportedModelError(ValueError):
     """The checkpoint asks for something the bitwise path cannot do."""
 
 
+@dataclass(frozen=True)
+class MoeConfig:
+    """The mixture-of-experts part of a decoder (Qwen3-MoE)."""
+
+    num_experts: int
+    top_k: int  # experts per token (num_experts_per_tok)
+    intermediate_size: int  # of each expert (moe_intermediate_size)
+    norm_topk_prob: bool  # renormalise the k routing weights to sum to 1
+    sparse_layers: tuple[int, ...]  # layers with an MoE block; the others have the dense MLP
+
+    def __post_init__(self):
+        if not 1 <= self.top_k <= self.num_experts:
+            raise UnsupportedModelError(
+                f"num_experts_per_tok ({self.top_k}) must lie in [1, num_experts ({self.num_experts})]"
+            )
+        if self.intermediate_size < 1:
+            raise UnsupportedModelError(f"moe_intermediate_size must be positive, got {self.intermediate_size}")
+
+
 @dataclass
 class DecoderConfig:
-    model_type: str  # "qwen3" | "qwen2" | "llama": picks the model definition
+    model_type: str  # a row of the family table (families.py): picks the model definition
     vocab_size: int  # rows of embed_tokens / lm_head, padding rows included
     hidden_size: int
     intermediate_size: int
@@ -48,6 +65,7 @@ class DecoderConfig:
     o_bias: bool = False  # Llama's and Qwen3's attention_bias also put a bias on o_proj (Qwen2's never)
     mlp_bias: bool = False  # Llama's mlp_bias
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    moe: MoeConfig | None = None  # the experts of an MoE family; None for dense families
     extra: dict[str, Any] = field(default_factory=dict)  # informational only
 
     def __post_init__(self):
@@ -71,7 +89,8 @@ class DecoderConfig:
 
     @classmethod
     def from_hf(cls, hf_config) -> DecoderConfig:
-        """Read a transformers config (Qwen3Config, Qwen2Config, LlamaConfig)."""
+        """Read a transformers config of a supported family; the family file reads its own part
+        (biases, q/k norm, experts: `decoder_fields`)."""
         model_type = getattr(hf_config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(_unsupported_type_message(model_type))
@@ -79,7 +98,6 @@ class DecoderConfig:
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         rope = _rope_parameters(hf_config)
-        attention_bias = bool(getattr(hf_config, "attention_bias", False))
         return cls(
             model_type=model_type,
             vocab_size=hf_config.vocab_size,
@@ -94,10 +112,7 @@ class DecoderConfig:
             rope_theta=float(rope.get("rope_theta", 10000.0)),
             rope_scaling=None if rope.get("rope_type", "default") == "default" else rope,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type != "qwen2" and attention_bias,
-            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            **BY_MODEL_TYPE[model_type].load().decoder_fields(hf_config),
         )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import LlamaConfig, PreTrainedModel, Qwen2Config, Qwen3Config
+from transformers import PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from vexact_vllm.kernels import linear, linear_token_log_probs
@@ -20,6 +20,7 @@ from vexact_vllm.kernels import linear, linear_token_log_probs
 from .attention_context import PackedAttention, cu_seqlens_from_position_ids
 from .autocast import follows_autocast
 from .config import DecoderConfig, check_dtype
+from .families import FAMILIES, Family
 from .layers import Embedding, Linear, RMSNorm
 from .models import build_decoder
 from .ppo_outputs import token_log_probs_and_entropy
@@ -241,23 +242,22 @@ class VexactForCausalLM(VexactPreTrainedModel):
         return torch.where(valid, logp, torch.zeros_like(logp))
 
 
-class VexactQwen3ForCausalLM(VexactForCausalLM):
-    config_class = Qwen3Config
-    hf_architecture = "Qwen3ForCausalLM"
+def _training_class(family: Family) -> type[VexactForCausalLM]:
+    """The family's training class `Vexact<Architecture>`: VexactForCausalLM for its config class."""
+    return type(family.training_name, (VexactForCausalLM,), {
+        "config_class": family.hf_config_class(), "hf_architecture": family.architecture, "__module__": __name__,
+        "__qualname__": family.training_name, "__doc__": f"The shared {family.architecture} for trainers.",
+    })  # fmt: skip
 
 
-class VexactQwen2ForCausalLM(VexactForCausalLM):
-    config_class = Qwen2Config
-    hf_architecture = "Qwen2ForCausalLM"
+# model_type -> training class, one per row of the family table.
+TRAINING_CLASSES: dict[str, type[VexactForCausalLM]] = {f.model_type: _training_class(f) for f in FAMILIES}
+_BY_NAME = {cls.__name__: cls for cls in TRAINING_CLASSES.values()}
 
 
-class VexactLlamaForCausalLM(VexactForCausalLM):
-    config_class = LlamaConfig
-    hf_architecture = "LlamaForCausalLM"
-
-
-TRAINING_CLASSES = {
-    "qwen3": VexactQwen3ForCausalLM,
-    "qwen2": VexactQwen2ForCausalLM,
-    "llama": VexactLlamaForCausalLM,
-}
+def __getattr__(name: str):
+    """The family classes by name (`from vexact_vllm.model_patches.hf_model import VexactQwen3ForCausalLM`;
+    pickling finds them the same way)."""
+    if name in _BY_NAME:
+        return _BY_NAME[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -262,14 +262,15 @@ class SelfAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block; the residual stream is carried separately so each norm fuses the add."""
+    """Pre-norm block; the residual stream is carried separately so each norm fuses the add. The
+    feed-forward block (`mlp`: the dense MLP, or a family's MoE block) is the family's choice."""
 
-    def __init__(self, config: DecoderConfig, layer_idx: int):
+    def __init__(self, config: DecoderConfig, layer_idx: int, mlp: nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = SelfAttention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = mlp
 
     def forward(self, x, residual, positions, rope, attn: AttentionContext):
         if residual is None:
@@ -282,15 +283,21 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """embed_tokens -> layers -> norm. Inputs are packed: input_ids [T], positions [T]."""
+    """embed_tokens -> layers -> norm. Inputs are packed: input_ids [T], positions [T].
+
+    A family file subclasses this and chooses each layer's feed-forward block in `mlp`."""
 
     def __init__(self, config: DecoderConfig):
         super().__init__()
         self.config = config
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, self.mlp(config, i)) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryCache(config)
+
+    def mlp(self, config: DecoderConfig, layer_idx: int) -> nn.Module:
+        """Layer `layer_idx`'s feed-forward block: the dense SwiGLU MLP unless a family says otherwise."""
+        return MLP(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, H]

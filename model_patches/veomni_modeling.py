@@ -188,21 +188,19 @@ class VeOmniVexactMixin:
         return CausalLMOutputWithLogProbs(loss=loss, fused_linear_aux=aux)
 
 
-class VeOmniVexactQwen3ForCausalLM(VeOmniVexactMixin, TRAINING_CLASSES["qwen3"]):
-    pass
-
-
-class VeOmniVexactQwen2ForCausalLM(VeOmniVexactMixin, TRAINING_CLASSES["qwen2"]):
-    pass
-
-
-class VeOmniVexactLlamaForCausalLM(VeOmniVexactMixin, TRAINING_CLASSES["llama"]):
-    pass
+def _veomni_class(training_class: type) -> type:
+    """`VeOmni<training class name>`: the family's training class with VeOmni's contract."""
+    name = f"VeOmni{training_class.__name__}"
+    return type(name, (VeOmniVexactMixin, training_class), {"__module__": __name__, "__qualname__": name})
 
 
 # model_type -> the class VeOmni's modeling registry returns for its causal-LM architecture.
-VEOMNI_CLASSES = {
-    "qwen3": VeOmniVexactQwen3ForCausalLM,
-    "qwen2": VeOmniVexactQwen2ForCausalLM,
-    "llama": VeOmniVexactLlamaForCausalLM,
-}
+VEOMNI_CLASSES = {model_type: _veomni_class(cls) for model_type, cls in TRAINING_CLASSES.items()}
+_BY_NAME = {cls.__name__: cls for cls in VEOMNI_CLASSES.values()}
+
+
+def __getattr__(name: str):
+    """The family classes by name (and for pickling)."""
+    if name in _BY_NAME:
+        return _BY_NAME[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

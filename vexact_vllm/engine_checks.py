@@ -9,14 +9,14 @@ One function per level, called from two places each:
 Where they run:
 1. In the front-end, while vLLM builds its configuration: `VexactModelConfig` is registered in
    vLLM's per-architecture config hooks (`MODELS_CONFIG_MAP`, keyed by the resolved architecture,
-   which under `--model-impl vexact` is ours: `VexactQwen3ForCausalLM`, ...). vLLM calls
+   which under `--model-impl vexact` is ours: `VllmVexactQwen3ForCausalLM`, ...). vLLM calls
    `verify_and_update_model_config` at the end of `ModelConfig.__post_init__` (after the dtype is
    resolved from `--dtype` and the checkpoint's `dtype`/`torch_dtype`, so a float16 checkpoint under
    `--dtype auto` is seen as torch.float16) and `verify_and_update_config` early in
    `VllmConfig.__post_init__` (vLLM 0.26 and 0.32 alike). `vllm serve`, `LLM(...)` and
    `EngineArgs.create_engine_config()` therefore fail in the calling process, before any engine
    process starts (as a pydantic ValidationError, a ValueError, carrying the message).
-2. In the worker, as a post-condition: `VexactForCausalLM.__init__` runs `refuse_unsupported_engine`
+2. In the worker, as a post-condition: `VllmVexactForCausalLM.__init__` runs `refuse_unsupported_engine`
    again on the configuration the worker received.
 """
 

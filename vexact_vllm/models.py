@@ -1,4 +1,4 @@
-"""vLLM model classes for `--model-impl vexact`: thin wrappers around the shared decoder.
+"""The vLLM model for `--model-impl vexact`: a thin wrapper around the shared decoder.
 
 The decoder (`model_patches`) is the trainer's; only the attention context differs: here it is
 `PagedAttention`, which hands q/k/v to vLLM `Attention` layers bound to the vexact backend (write to
@@ -56,7 +56,10 @@ def _full_cuda_graphs(vllm_config: VllmConfig) -> None:
         compilation.cudagraph_mode = CUDAGraphMode.FULL
 
 
-class VexactForCausalLM(nn.Module):
+class VllmVexactForCausalLM(nn.Module):
+    """The vLLM model of every family (registered once per family as `VllmVexact<Architecture>`,
+    families.py): the family's decoder, vLLM attention layers, the fp32 lm_head logits."""
+
     is_vexact_model = True
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
@@ -146,15 +149,3 @@ class VexactForCausalLM(nn.Module):
                 param.copy_(tensor)
             loaded.add(name)
         return loaded
-
-
-class VexactQwen3ForCausalLM(VexactForCausalLM):
-    pass
-
-
-class VexactQwen2ForCausalLM(VexactForCausalLM):
-    pass
-
-
-class VexactLlamaForCausalLM(VexactForCausalLM):
-    pass

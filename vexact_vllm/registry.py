@@ -1,7 +1,8 @@
 """`--model-impl vexact`: resolve the supported Hugging Face architectures to vexact model classes.
 
 vLLM resolves a model class through `ModelRegistry.inspect_model_cls` / `resolve_model_cls`. The
-vexact classes are registered lazily under their own names (`VexactQwen3ForCausalLM`, ...), and the
+vexact class is registered lazily once per family of the family table (`VllmVexactQwen3ForCausalLM`,
+..., all naming `vexact_vllm.models.VllmVexactForCausalLM`), and the
 two lookups are wrapped (`wrap_lookup`, rows of vllm_patches.py): with `model_impl == "vexact"` the
 checkpoint's architecture is mapped to its vexact class (or refused, naming the supported ones);
 with any other model_impl the original lookups run untouched. Each vexact architecture also gets
@@ -18,9 +19,11 @@ from __future__ import annotations
 import functools
 
 from vexact_vllm.model_patches.config import SUPPORTED_ARCHITECTURES
+from vexact_vllm.model_patches.families import FAMILIES
 
 MODEL_IMPL = "vexact"
-VEXACT_ARCHITECTURES = {arch: f"Vexact{arch}" for arch in SUPPORTED_ARCHITECTURES}
+# Hugging Face architecture -> the name vLLM resolves it to under --model-impl vexact.
+VEXACT_ARCHITECTURES = {f.architecture: f.vllm_name for f in FAMILIES}
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -96,5 +99,5 @@ def register_models() -> None:
 
     for vexact_name in VEXACT_ARCHITECTURES.values():
         if vexact_name not in ModelRegistry.models:
-            ModelRegistry.register_model(vexact_name, f"vexact_vllm.models:{vexact_name}")
+            ModelRegistry.register_model(vexact_name, "vexact_vllm.models:VllmVexactForCausalLM")
         MODELS_CONFIG_MAP[vexact_name] = VexactModelConfig

@@ -44,14 +44,14 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     GenerationConfig,
-    LlamaConfig,
     PretrainedConfig,
     PreTrainedTokenizerFast,
-    Qwen2Config,
     Qwen3Config,
 )
 
-TINY_ARCHS = ("qwen3", "qwen2", "llama")
+from vexact_vllm.model_patches.families import BY_MODEL_TYPE, FAMILIES
+
+TINY_ARCHS = tuple(f.model_type for f in FAMILIES)  # one built-in tiny checkpoint per family
 CACHE_VERSION = "v1"  # bump when the tokenizer, configs or weights change
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")
@@ -69,7 +69,7 @@ QWEN3_8B_SHAPE = dict(
     max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
 )
 SHAPES = {"qwen3-1.7b-shape": QWEN3_1_7B_SHAPE, "qwen3-8b-shape": QWEN3_8B_SHAPE}
-BUILTIN_MODELS = (*(f"tiny-{a}" for a in TINY_ARCHS), *SHAPES)
+BUILTIN_MODELS = (*(f.tiny_name for f in FAMILIES), *SHAPES)
 _REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                    "tokenizer_config.json")
 # Qwen2's pre-tokenizer split: words with one leading non-letter, single digits, punctuation runs, spaces.
@@ -145,24 +145,14 @@ def build_tokenizer(path: Path) -> None:
 
 
 def _make_config(arch: str, vocab_size: int, special_id: int) -> PretrainedConfig:
-    common = dict(
-        vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6,
-        bos_token_id=special_id, eos_token_id=special_id, pad_token_id=special_id, dtype="bfloat16",
+    """The built-in tiny config of family `arch` (a model_type: the family table's `tiny` fields)."""
+    if arch not in BY_MODEL_TYPE:
+        raise ValueError(f"unknown tiny arch {arch!r}; expected one of {TINY_ARCHS}")
+    family = BY_MODEL_TYPE[arch]
+    return family.hf_config_class()(
+        **family.tiny, vocab_size=vocab_size, bos_token_id=special_id, eos_token_id=special_id,
+        pad_token_id=special_id, dtype="bfloat16", architectures=[family.architecture],
     )
-    rope = {"rope_type": "default", "rope_theta": 10000.0}
-    if arch == "qwen3":
-        return Qwen3Config(**common, head_dim=32, tie_word_embeddings=True, rope_parameters=rope,
-                           architectures=["Qwen3ForCausalLM"])
-    if arch == "qwen2":
-        return Qwen2Config(**common, tie_word_embeddings=True, rope_parameters=rope,
-                           architectures=["Qwen2ForCausalLM"])
-    if arch == "llama":
-        rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
-        return LlamaConfig(**common, tie_word_embeddings=False, attention_bias=False, rope_parameters=rope,
-                           architectures=["LlamaForCausalLM"])
-    raise ValueError(f"unknown tiny arch {arch!r}; expected one of {TINY_ARCHS}")
 
 
 def _qwen3_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
@@ -354,8 +344,9 @@ def builtin_model(name: str, seed: int = 0, weights: bool = True) -> Path:
     `tiny-<arch>`: build_tiny_model(arch). A shape name (`qwen3-1.7b-shape`): build_qwen3_shape in
     `default_cache_dir() / f"{name}-s{seed}-v1"`, or `f"{name}-config-v1"` without weights.
     """
-    if name.startswith("tiny-") and name.removeprefix("tiny-") in TINY_ARCHS:
-        return build_tiny_model(name.removeprefix("tiny-"), seed=seed)
+    tiny = {f.tiny_name: f.model_type for f in FAMILIES}
+    if name in tiny:
+        return build_tiny_model(tiny[name], seed=seed)
     if name not in SHAPES:
         raise ValueError(f"unknown built-in model {name!r}; expected one of {', '.join(BUILTIN_MODELS)}")
     suffix = f"s{seed}" if weights else "config"

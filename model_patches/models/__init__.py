@@ -1,15 +1,10 @@
-"""One model definition per family; `build_decoder` picks it from the config's model_type."""
+"""One model definition per family (a file here: its `Model` and `decoder_fields`, plus a row of
+families.py); `build_decoder` picks it from the config's model_type."""
 
 from ..config import DecoderConfig
+from ..families import BY_MODEL_TYPE
 from ..layers import DecoderModel
-from .llama import LlamaModel
-from .qwen2 import Qwen2Model
-from .qwen3 import Qwen3Model
-
-MODEL_DEFINITIONS: dict[str, type[DecoderModel]] = {
-    cls.model_type: cls for cls in (Qwen3Model, Qwen2Model, LlamaModel)
-}
 
 
 def build_decoder(config: DecoderConfig) -> DecoderModel:
-    return MODEL_DEFINITIONS[config.model_type](config)
+    return BY_MODEL_TYPE[config.model_type].decoder_class()(config)

@@ -1,15 +1,14 @@
 """Qwen2: biases on the q, k and v projections (never on o_proj), plain RoPE (rope_theta, typically
-1e6), no q/k norm; small sizes tie lm_head to embed_tokens. Everything else is the shared pre-norm
-decoder of `model_patches.layers`."""
+1e6), no q/k norm; small sizes tie lm_head to embed_tokens; every layer the dense SwiGLU MLP.
+Everything else is the shared pre-norm decoder of `model_patches.layers`."""
 
-from ..config import DecoderConfig
 from ..layers import DecoderModel
 
 
-class Qwen2Model(DecoderModel):
-    model_type = "qwen2"
+def decoder_fields(hf_config) -> dict:
+    """What a Qwen2 config adds to the shared DecoderConfig."""
+    return dict(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False)
 
-    def __init__(self, config: DecoderConfig):
-        if not config.qkv_bias or config.o_bias or config.qk_norm:
-            raise ValueError("Qwen2 has q/k/v biases, no o_proj bias and no q/k norm")
-        super().__init__(config)
+
+class Qwen2Model(DecoderModel):
+    pass

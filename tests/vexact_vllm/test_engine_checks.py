@@ -66,7 +66,7 @@ def test_float16_checkpoint_refused_under_dtype_auto(float16_model):
         EngineArgs(model=str(float16_model), model_impl="vexact").create_model_config()
     assert _engine_config(float16_model, model_impl="auto").model_config.dtype.is_floating_point
     assert _engine_config(float16_model, model_impl="vexact", dtype="bfloat16").model_config.architecture == (
-        "VexactQwen3ForCausalLM"
+        "VllmVexactQwen3ForCausalLM"
     )
 
 
@@ -104,7 +104,7 @@ def test_the_model_checks_again_in_the_worker(tiny_model):
     import torch
     from vllm.config import set_current_vllm_config
 
-    from vexact_vllm.models import VexactForCausalLM
+    from vexact_vllm.models import VllmVexactForCausalLM
 
     cfg = _engine_config(tiny_model("qwen3"), model_impl="vexact", block_size=32)
     cfg.cache_config.cache_dtype = "fp8_e4m3"
@@ -112,6 +112,6 @@ def test_the_model_checks_again_in_the_worker(tiny_model):
     torch.set_default_dtype(torch.bfloat16)
     try:
         with set_current_vllm_config(cfg), pytest.raises(ValueError, match="--kv-cache-dtype fp8_e4m3"):
-            VexactForCausalLM(vllm_config=cfg)
+            VllmVexactForCausalLM(vllm_config=cfg)
     finally:
         torch.set_default_dtype(old)

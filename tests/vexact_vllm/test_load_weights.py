@@ -18,17 +18,17 @@ def build_vllm_model():
     from vllm.engine.arg_utils import EngineArgs
 
     import vexact_vllm
-    from vexact_vllm.models import VexactForCausalLM
+    from vexact_vllm.models import VllmVexactForCausalLM
 
     vexact_vllm.register()
 
-    def build(path: str) -> VexactForCausalLM:
+    def build(path: str) -> VllmVexactForCausalLM:
         cfg = EngineArgs(model=path, model_impl="vexact", block_size=32).create_engine_config()
         old = torch.get_default_dtype()
         torch.set_default_dtype(torch.bfloat16)
         try:
             with set_current_vllm_config(cfg):
-                return VexactForCausalLM(vllm_config=cfg)
+                return VllmVexactForCausalLM(vllm_config=cfg)
         finally:
             torch.set_default_dtype(old)
 

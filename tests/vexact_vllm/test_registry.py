@@ -22,7 +22,7 @@ def _model_config(path, **kwargs):
 
 
 def test_mapping_and_unsupported_message():
-    assert vexact_architectures(["Qwen3ForCausalLM"]) == ["VexactQwen3ForCausalLM"]
+    assert vexact_architectures(["Qwen3ForCausalLM"]) == ["VllmVexactQwen3ForCausalLM"]
     with pytest.raises(UnsupportedArchitectureError) as err:
         vexact_architectures(["GPT2LMHeadModel"])
     for name in ("GPT2LMHeadModel", *SUPPORTED_ARCHITECTURES):
@@ -39,18 +39,18 @@ def test_register_is_idempotent():
     vexact_vllm.register()
     assert type(ModelRegistry).__dict__["resolve_model_cls"] is lookup
     assert lookup._vexact
-    assert "VexactQwen3ForCausalLM" in ModelRegistry.models
+    assert "VllmVexactQwen3ForCausalLM" in ModelRegistry.models
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
 def test_vexact_resolves_and_other_impls_are_untouched(tiny_model, arch):
     path = tiny_model(arch)
     vexact = _model_config(path, model_impl="vexact")
-    assert vexact._architecture.startswith("Vexact")
+    assert vexact._architecture.startswith("VllmVexact")
     assert not vexact.logits_processors  # runner v2 (vLLM 0.26) would refuse any
     for impl in ("auto", "vllm"):
         stock = _model_config(path, model_impl=impl)
-        assert not stock._architecture.startswith("Vexact")
+        assert not stock._architecture.startswith("VllmVexact")
         assert not stock.logits_processors
 
 

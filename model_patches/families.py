@@ -1,0 +1,74 @@
+"""The family table: one row per supported architecture, from which everything per-family derives.
+
+A family is one file in `model_patches/models/` (its decoder: which attention and which MLP block
+each layer gets, and what it reads from a Hugging Face config) plus one row here. From the rows come:
+- the supported model types and architectures (config.py, the refusals' messages);
+- the vLLM side: one registered name per family, `VllmVexact<Architecture>`, all served by the one
+  vLLM class `vexact_vllm.models.VllmVexactForCausalLM` (registry.py);
+- the training side: `Vexact<Architecture>` (a transformers PreTrainedModel, what
+  `AutoModelForCausalLM` builds when the training side is enabled: hf_model.py);
+- VeOmni: `VeOmniVexact<Architecture>` (veomni_modeling.py, veomni_hooks.py);
+- the built-in tiny checkpoints `tiny-<name>` (vexact_vllm/tiny_model.py).
+The two model classes of a family carry different names on purpose (one runs inside vLLM, the
+other inside a trainer); both build the same decoder from the family file.
+
+This module imports nothing heavy: a family file is imported only when a model is built.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str  # Hugging Face config.model_type
+    architecture: str  # Hugging Face class name: what checkpoints name and vLLM resolves
+    config_class: str  # the transformers config class (a name in `transformers`)
+    module: str  # the family file, model_patches/models/<module>.py: its decoder_fields(hf_config)
+    model_class: str  # the decoder class in the family file
+    tiny: dict = field(default_factory=dict)  # config fields of the built-in `tiny-<tiny_name>` checkpoint
+
+    @property
+    def vllm_name(self) -> str:
+        return f"VllmVexact{self.architecture}"
+
+    @property
+    def training_name(self) -> str:
+        return f"Vexact{self.architecture}"
+
+    @property
+    def tiny_name(self) -> str:
+        return "tiny-" + self.model_type.replace("_", "-")
+
+    def load(self):
+        """The family file (its decoder class and `decoder_fields(hf_config)`)."""
+        return importlib.import_module(f"vexact_vllm.model_patches.models.{self.module}")
+
+    def decoder_class(self):
+        return getattr(self.load(), self.model_class)
+
+    def hf_config_class(self):
+        import transformers
+
+        return getattr(transformers, self.config_class)
+
+
+_TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6)  # fmt: skip
+_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 256}  # fmt: skip
+
+FAMILIES: tuple[Family, ...] = (
+    Family("qwen3", "Qwen3ForCausalLM", "Qwen3Config", "qwen3", "Qwen3Model",
+           {**_TINY, "head_dim": 32, "tie_word_embeddings": True, "rope_parameters": _ROPE}),
+    Family("qwen2", "Qwen2ForCausalLM", "Qwen2Config", "qwen2", "Qwen2Model",
+           {**_TINY, "tie_word_embeddings": True, "rope_parameters": _ROPE}),
+    Family("llama", "LlamaForCausalLM", "LlamaConfig", "llama", "LlamaModel",
+           {**_TINY, "tie_word_embeddings": False, "attention_bias": False, "rope_parameters": _LLAMA3_ROPE}),
+)  # fmt: skip
+
+BY_MODEL_TYPE: dict[str, Family] = {f.model_type: f for f in FAMILIES}
+BY_ARCHITECTURE: dict[str, Family] = {f.architecture: f for f in FAMILIES}
