@@ -16,6 +16,8 @@ from .dispatch import (
 )
 from .gemm import linear
 from .logprob import VOCAB_BLOCK, gumbel_argmax, linear_token_log_probs, log_softmax, token_log_probs
+from .moe import fused_moe
+from .moe_routing import route
 from .rms_norm import add_rms_norm, rms_norm
 from .rope import apply_rope, rope_cache
 from .truncation import truncation_threshold
@@ -28,6 +30,7 @@ __all__ = [
     "backend_for",
     "disable_reference_mode",
     "enable_reference_mode",
+    "fused_moe",
     "gumbel_argmax",
     "is_reference_mode_enabled",
     "linear",
@@ -37,6 +40,7 @@ __all__ = [
     "reference_mode",
     "rms_norm",
     "rope_cache",
+    "route",
     "silu_and_mul",
     "token_log_probs",
     "truncation_threshold",

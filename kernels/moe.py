@@ -1,0 +1,215 @@
+"""Batch-invariant fused mixture-of-experts: the SwiGLU experts of Qwen3-MoE and their top-k combine.
+
+Legend: T = tokens, H = hidden, E = experts, I = expert intermediate size, k = experts per token,
+n = T * k (token, slot) entries, entry p = t * k + j.
+Weights in Hugging Face transformers 5's layout (`Qwen3MoeExperts`): w_gate_up [E, 2I, H] (rows
+0..I-1 gate, I..2I-1 up: `gate_up_proj`), w_down [E, H, I] (`down_proj`), both x's dtype.
+
+Math, per token t and slot j, e = topk_ids[t, j]:
+    gu     = linear(x[t], w_gate_up[e])        [2I] model dtype: exactly `kernels.linear` for that row
+    a      = silu_and_mul(gu)                  [I]  model dtype: exactly `kernels.silu_and_mul`
+    y_tj   = a @ w_down[e]^T                   [H]  fp32: `linear(a, w_down[e], out_dtype=fp32)`, NOT rounded
+    out[t] = (((w_t0 * y_t0) + w_t1 * y_t1) + ... + w_t,k-1 * y_t,k-1).to(x.dtype)
+             w_tj = topk_weights[t, j] (fp32); fp32 products, fp32 sums in slot order, one rounding
+
+Invariant (DESIGN rule 6): a row's bits depend only on x[t], its k (expert, weight) pairs and the
+expert weights: never on how many tokens an expert received, which tokens share the batch, their
+order, or padding. Each expert GEMM row is a batch-invariant `linear` row (its K reduced in an order
+fixed by the weight shape), SiLU-and-mul is elementwise, and the combine adds a token's k products
+in slot order with no atomics.
+
+Torch path (CPU; CUDA in reference mode): literally that composition of the batch-invariant ops,
+expert by expert (the rows routed to e gathered in (token, slot) order, `linear`, `silu_and_mul`,
+`linear(..., out_dtype=fp32)` scattered into an fp32 [n, H] buffer), then the slot-order sum
+(`_reduction.sequential_sum`). Exact by construction. Triton path (CUDA): `moe_triton.py`, one
+grouped GEMM per projection; bitwise equal to the same composition of the Triton dense ops. As for
+every op, the two backends agree to rounding only: rollout and trainer must run the same one.
+
+Differences from Hugging Face's `Qwen3MoeExperts.forward` (eager; `grouped_mm` is alike): HF rounds
+gu, a and y to the model dtype, multiplies y by a bf16 routing weight in bf16 and accumulates the
+experts into the output with `index_add_` in expert order in the model dtype (several roundings,
+order = expert id order); here y stays fp32, the weights are fp32 and one rounding ends the slot-order
+sum. Expert GEMMs reduce K in a fixed order instead of cuBLAS/MKL's shape-dependent one.
+
+Backward (training only: correct and deterministic, not batch-invariant; no atomics), with
+g_tj = dOut[t] @ w_down[e] (fp32 [I]) and s = sigmoid of the gate half of gu:
+    d topk_weights[t, j] = g_tj . a_tj              (= dOut[t] . y_tj)
+    dA_tj  = w_tj * g_tj;   dGU_tj = SiLU-and-mul backward of dA_tj at gu_tj
+    dW_down[e]    = sum over e's entries of (w_tj dOut[t])^T a_tj       [H, I]
+    dW_gate_up[e] = sum over e's entries of dGU_tj^T x[t]               [2I, H] (zero if unrouted)
+    dX[t]  = sum over slots j in order of dGU_tj @ w_gate_up[e]         fp32, rounded once
+gu and a are recomputed in the backward (the forward keeps only its inputs).
+"""
+
+import torch
+
+from ._autograd import backward_without_autocast
+from ._checks import check_contiguous, check_dim, check_dtype, check_int, check_same_device
+from ._reduction import sequential_sum
+from .activation import silu_and_mul
+from .dispatch import backend_for, reference_mode
+from .gemm import linear
+
+
+def check_moe_inputs(x, w_gate_up, w_down, topk_ids, topk_weights) -> None:
+    """Shapes, dtypes, contiguity and device of `fused_moe`'s inputs (shared with the Triton launcher).
+    Expert ids are checked against [0, E) on CPU tensors only: on CUDA the check would synchronise
+    with the host in every MoE layer (and cannot run inside CUDA-graph capture); the Triton path
+    writes NaN rows for tokens with an id outside [0, E) instead of reading out of bounds."""
+    check_dtype("x", x)
+    check_dim("x", x, 2, "[T, H]")
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        raise ValueError(f"x must be contiguous in its last dim, got strides {x.stride()}")
+    for name, w, legend in (("w_gate_up", w_gate_up, "[E, 2I, H]"), ("w_down", w_down, "[E, H, I]")):
+        check_dtype(name, w)
+        if w.dtype != x.dtype:
+            raise ValueError(f"{name} dtype {w.dtype} differs from x dtype {x.dtype}")
+        check_dim(name, w, 3, legend)
+        check_contiguous(name, w)
+    n_experts, two_inter, hidden = w_gate_up.shape
+    inter = two_inter // 2
+    if n_experts < 1 or inter < 1 or two_inter % 2 or hidden != x.shape[1]:
+        raise ValueError(
+            f"w_gate_up {tuple(w_gate_up.shape)} must be [E, 2I, H] with E, I >= 1 and H = x.shape[1] "
+            f"= {x.shape[1]}"
+        )
+    if tuple(w_down.shape) != (n_experts, hidden, inter):
+        raise ValueError(
+            f"w_down must have shape {(n_experts, hidden, inter)} = [E, H, I], got {tuple(w_down.shape)}"
+        )
+    check_int("topk_ids", topk_ids)
+    check_dim("topk_ids", topk_ids, 2, "[T, k]")
+    check_dtype("topk_weights", topk_weights, (torch.float32,))
+    if topk_ids.shape[0] != x.shape[0] or topk_ids.shape[1] < 1:
+        raise ValueError(
+            f"topk_ids must be [T, k] with T = {x.shape[0]} and k >= 1, got {tuple(topk_ids.shape)}"
+        )
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(
+            f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} must both be [T, k]"
+        )
+    check_contiguous("topk_ids", topk_ids)
+    check_contiguous("topk_weights", topk_weights)
+    check_same_device(x=x, w_gate_up=w_gate_up, w_down=w_down, topk_ids=topk_ids, topk_weights=topk_weights)
+    if (
+        topk_ids.device.type == "cpu"
+        and topk_ids.numel()
+        and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= n_experts)
+    ):
+        raise ValueError(f"topk_ids must lie in [0, {n_experts}) (E = w_gate_up.shape[0])")
+
+
+def silu_and_mul_grad(gu: torch.Tensor, grad_a: torch.Tensor) -> torch.Tensor:
+    """fp32 [M, 2I]: the gradient w.r.t. gu [M, 2I] of silu_and_mul(gu) for an output gradient grad_a
+    [M, I] (`activation.py`'s formula: with s = 1 / (1 + exp(-a)), da = g b s (1 + a (1 - s)), db = g a s)."""
+    inter = gu.shape[-1] // 2
+    a = gu[:, :inter].float()  # [M, I]
+    b = gu[:, inter:].float()  # [M, I]
+    g = grad_a.float()
+    s = 1.0 / (1.0 + torch.exp(-a))  # exp overflow gives s = 0, never NaN
+    return torch.cat([g * b * s * (1.0 + a * (1.0 - s)), g * (a * s)], dim=-1)
+
+
+def _expert_entries(topk_ids: torch.Tensor, n_experts: int):
+    """(e, entries) for every expert e that received tokens: the entries p = t * k + j routed to it,
+    ascending (token, then slot order). A function of the ids only."""
+    flat = topk_ids.reshape(-1)  # [n]
+    sorted_ids, order = torch.sort(flat, stable=True)
+    bounds = torch.searchsorted(sorted_ids, torch.arange(n_experts + 1, device=flat.device, dtype=flat.dtype))
+    bounds = bounds.tolist()  # the torch path runs on the host anyway (CPU, or CUDA reference mode)
+    for e in range(n_experts):
+        if bounds[e + 1] > bounds[e]:
+            yield e, order[bounds[e] : bounds[e + 1]]
+
+
+def _slot_sum(rows: torch.Tensor, n_tokens: int, top_k: int) -> torch.Tensor:
+    """fp32 [T, H] = rows [T * k, H] summed over each token's k slots in slot order."""
+    return sequential_sum(rows.view(n_tokens, top_k, rows.shape[1]).permute(0, 2, 1))
+
+
+def _fused_moe_torch_forward(x, w_gate_up, w_down, topk_ids, topk_weights) -> torch.Tensor:
+    n_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    y = torch.empty(n_tokens * top_k, hidden, dtype=torch.float32, device=x.device)  # [n, H]
+    for e, entries in _expert_entries(topk_ids, w_gate_up.shape[0]):
+        a = silu_and_mul(linear(x[entries // top_k], w_gate_up[e]))  # [n_e, I] model dtype
+        y[entries] = linear(a, w_down[e], out_dtype=torch.float32)  # [n_e, H] fp32
+    products = topk_weights.reshape(-1, 1) * y  # [n, H] fp32
+    return _slot_sum(products, n_tokens, top_k).to(x.dtype)  # [T, H]
+
+
+class _FusedMoeFunction(torch.autograd.Function):
+    """The torch path. Backward: fp32 matmuls per expert (see the module docstring); the forward's gu
+    and a recomputed by the same batch-invariant ops, so they are the forward's bits."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate_up, w_down, topk_ids, topk_weights):
+        ctx.save_for_backward(x, w_gate_up, w_down, topk_ids, topk_weights)
+        return _fused_moe_torch_forward(x, w_gate_up, w_down, topk_ids, topk_weights)
+
+    @staticmethod
+    @backward_without_autocast
+    def backward(ctx, grad_out):
+        x, w_gate_up, w_down, topk_ids, topk_weights = ctx.saved_tensors
+        need_x, need_wgu, need_wd, _, need_w = ctx.needs_input_grad
+        n_tokens, hidden = x.shape
+        top_k = topk_ids.shape[1]
+        g_out = grad_out.float()  # [T, H]
+        w_flat = topk_weights.reshape(-1)  # [n]
+        dx_rows = (
+            torch.zeros(n_tokens * top_k, hidden, dtype=torch.float32, device=x.device) if need_x else None
+        )
+        d_wgu = torch.zeros(w_gate_up.shape, dtype=torch.float32, device=x.device) if need_wgu else None
+        d_wd = torch.zeros(w_down.shape, dtype=torch.float32, device=x.device) if need_wd else None
+        d_w = torch.zeros(n_tokens * top_k, dtype=torch.float32, device=x.device)  # [n]
+        with reference_mode():  # the forward ran the torch path: recompute on it
+            for e, entries in _expert_entries(topk_ids, w_gate_up.shape[0]):
+                tokens = entries // top_k
+                xe = x[tokens]  # [n_e, H]
+                gu = linear(xe, w_gate_up[e])  # [n_e, 2I]
+                a = silu_and_mul(gu).float()  # [n_e, I]
+                go = g_out[tokens]  # [n_e, H]
+                g = go @ w_down[e].float()  # [n_e, I]: dL/da before the routing weight
+                we = w_flat[entries][:, None]  # [n_e, 1]
+                d_w[entries] = (g * a).sum(-1)
+                if need_wd:
+                    d_wd[e] = (go * we).t() @ a
+                if need_x or need_wgu:
+                    dgu = silu_and_mul_grad(gu, g * we)  # [n_e, 2I]
+                    if need_wgu:
+                        d_wgu[e] = dgu.t() @ xe.float()
+                    if need_x:
+                        dx_rows[entries] = dgu @ w_gate_up[e].float()
+        return (
+            _slot_sum(dx_rows, n_tokens, top_k).to(x.dtype) if need_x else None,
+            d_wgu.to(w_gate_up.dtype) if need_wgu else None,
+            d_wd.to(w_down.dtype) if need_wd else None,
+            None,
+            d_w.view(n_tokens, top_k) if need_w else None,
+        )
+
+
+def _fused_moe_triton(x, w_gate_up, w_down, topk_ids, topk_weights):
+    from .moe_triton import fused_moe_triton  # imported on first use: no Triton on CPU
+
+    return fused_moe_triton(x, w_gate_up, w_down, topk_ids, topk_weights)
+
+
+_IMPLS = {"torch": _FusedMoeFunction.apply, "triton": _fused_moe_triton}
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> torch.Tensor:
+    """[T, H] in x.dtype: the top-k SwiGLU experts of each token, combined (module docstring).
+
+    x [T, H] bf16/fp32 (unit stride in H); w_gate_up [E, 2I, H] and w_down [E, H, I], contiguous, x's
+    dtype; topk_ids int32/int64 [T, k] in [0, E); topk_weights fp32 [T, k] (`moe_routing.route`).
+    Differentiable w.r.t. x, both weights and topk_weights.
+    """
+    check_moe_inputs(x, w_gate_up, w_down, topk_ids, topk_weights)
+    return _IMPLS[backend_for(x)](x, w_gate_up, w_down, topk_ids, topk_weights)
