@@ -228,3 +228,25 @@ def _bad_cases():
 def test_bad_input_raises(args):
     with pytest.raises(ValueError):
         fused_moe(*args)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_shapes(seed):
+    """Random sizes, ids (repeats allowed: the math does not need distinct experts) and dtype."""
+    gen = torch.Generator().manual_seed(seed)
+    draw = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=gen))
+    n_tokens, hidden, n_experts, inter = draw(1, 60), draw(8, 80), draw(2, 9), draw(3, 40)
+    top_k = draw(1, min(3, n_experts))
+    dtype = (torch.float32, torch.bfloat16)[seed % 2]
+    x, w_gate_up, w_down, _, weights = _inputs(n_tokens, hidden, n_experts, inter, top_k, dtype)
+    ids = torch.randint(0, n_experts, (n_tokens, top_k), generator=gen)
+    out = fused_moe(x, w_gate_up, w_down, ids, weights)
+    torch.testing.assert_close(
+        out.double(), _reference(x, w_gate_up, w_down, ids, weights), rtol=TOL[dtype], atol=TOL[dtype]
+    )
+    i = draw(0, n_tokens - 1)
+    assert torch.equal(
+        fused_moe(x[i : i + 1], w_gate_up, w_down, ids[i : i + 1], weights[i : i + 1]), out[i : i + 1]
+    )
+    perm = torch.randperm(n_tokens, generator=gen)
+    assert torch.equal(fused_moe(x[perm], w_gate_up, w_down, ids[perm], weights[perm]), out[perm])

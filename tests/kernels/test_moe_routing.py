@@ -157,3 +157,19 @@ def test_empty_batch():
 def test_bad_input_raises(logits, top_k, norm):
     with pytest.raises(ValueError):
         route(logits, top_k, norm)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_shapes(seed):
+    gen = torch.Generator().manual_seed(seed)
+    draw = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=gen))
+    n_tokens, n_experts = draw(1, 300), draw(1, 160)
+    top_k, norm = draw(1, n_experts), bool(seed % 2)
+    logits = torch.randn(n_tokens, n_experts, generator=gen) * 3
+    weights, ids = route(logits, top_k, norm)
+    ref_w, ref_ids = _reference(logits, top_k, norm)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights.double(), ref_w, rtol=2e-6, atol=1e-7)
+    i = draw(0, n_tokens - 1)
+    w_i, ids_i = route(logits[i : i + 1], top_k, norm)
+    assert torch.equal(w_i, weights[i : i + 1]) and torch.equal(ids_i, ids[i : i + 1])

@@ -152,6 +152,24 @@ def test_equals_dense_composition_interpreted(small, dense, shape, dtype):
     )
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_random_shapes_interpreted(small, dense, seed):
+    """Random sizes and ids (repeats allowed), bf16: bitwise the dense composition, row alone = in batch."""
+    gemm, act = dense
+    gen = torch.Generator().manual_seed(seed)
+    draw = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=gen))
+    n_tokens, hidden, n_experts, inter = draw(2, 40), draw(8, 60), draw(4, 8), draw(3, 40)
+    top_k = draw(1, 3)
+    x, w_gate_up, w_down, _, weights = _inputs(n_tokens, hidden, n_experts, inter, top_k, torch.bfloat16)
+    ids = torch.randint(0, n_experts, (n_tokens, top_k), generator=gen)
+    out = small.fwd.fused_moe_triton(x, w_gate_up, w_down, ids, weights)
+    y = _dense_expert_rows(gemm.linear_triton, act.silu_and_mul_triton, x, w_gate_up, w_down, ids)
+    assert torch.equal(out, _round_like_interpreter(_combine(y, weights, n_tokens), torch.bfloat16))
+    i = draw(0, n_tokens - 1)
+    alone = small.fwd.fused_moe_triton(x[i : i + 1], w_gate_up, w_down, ids[i : i + 1], weights[i : i + 1])
+    assert torch.equal(alone, out[i : i + 1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_batch_invariant_interpreted(small, dtype):
     x, w_gate_up, w_down, ids, weights = _inputs(33, 40, 6, 24, 2, dtype)
