@@ -72,6 +72,12 @@ def follows_autocast(method):
                 and torch.is_autocast_enabled(device_type)):
             return method(self, *args, **kwargs)
         dtype = autocast_dtype(self, device_type)
+        if dtype is not None and self.training and any(getattr(m, "gradient_checkpointing", False) for m in self.modules()):
+            raise ValueError(
+                "gradient checkpointing with fp32 parameters under a bf16 autocast is not supported by vexact "
+                "models (the recomputation would see the fp32 parameters, not their casts): keep the "
+                "parameters in bf16 (FSDP's mixed-precision policy) or turn gradient checkpointing off"
+            )
         cast = contextlib.nullcontext() if dtype is None else cast_parameters(self, dtype)
         with torch.autocast(device_type=device_type, enabled=False), cast:
             return method(self, *args, **kwargs)

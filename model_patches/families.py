@@ -68,6 +68,10 @@ FAMILIES: tuple[Family, ...] = (
            {**_TINY, "tie_word_embeddings": True, "rope_parameters": _ROPE}),
     Family("llama", "LlamaForCausalLM", "LlamaConfig", "llama", "LlamaModel",
            {**_TINY, "tie_word_embeddings": False, "attention_bias": False, "rope_parameters": _LLAMA3_ROPE}),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", "qwen3_moe", "Qwen3MoeModel",
+           {**_TINY, "head_dim": 32, "tie_word_embeddings": False, "rope_parameters": _ROPE, "num_experts": 8,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True,
+            "decoder_sparse_step": 1, "mlp_only_layers": [1]}),
 )  # fmt: skip
 
 BY_MODEL_TYPE: dict[str, Family] = {f.model_type: f for f in FAMILIES}

@@ -9,11 +9,13 @@ to 0 at each sequence start); both are turned into the packed layout the shared 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from vexact_vllm.kernels import linear, linear_token_log_probs
 
@@ -23,6 +25,7 @@ from .config import DecoderConfig, check_dtype
 from .families import FAMILIES, Family
 from .layers import Embedding, Linear, RMSNorm
 from .models import build_decoder
+from .moe import Experts, Router
 from .ppo_outputs import token_log_probs_and_entropy
 
 
@@ -129,10 +132,24 @@ class PackedBatch:
         return out.reshape(b, length, *packed.shape[1:])
 
 
+@contextmanager
+def collect_router_logits(model: torch.nn.Module, enabled: bool = True) -> Iterator[list[torch.Tensor]]:
+    """Within the block, every MoE router of `model` appends its fp32 logits [T, E] to the yielded
+    list, in execution (layer) order; hooks removed on exit. Nothing is collected when not `enabled`."""
+    logits: list[torch.Tensor] = []
+    routers = [m for m in model.modules() if isinstance(m, Router)] if enabled else []
+    handles = [r.register_forward_hook(lambda module, args, out: logits.append(out)) for r in routers]
+    try:
+        yield logits
+    finally:
+        for h in handles:
+            h.remove()
+
+
 class VexactPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     _no_split_modules = ["DecoderLayer"]
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True  # DecoderModel.forward checkpoints each layer
     _supports_attention_backend = False
     hf_architecture = ""  # the Hugging Face class this one stands in for, written to saved configs
 
@@ -149,15 +166,17 @@ class VexactPreTrainedModel(PreTrainedModel):
         selection (verl's FSDP engine asks for flash_attention_2) is recorded but not consulted."""
         return attn_implementation or "eager"
 
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
-        raise ValueError(
-            f"{type(self).__name__} (vexact) does not support gradient checkpointing yet; turn it off "
-            "(verl: actor_rollout_ref.model.enable_gradient_checkpointing=False)"
-        )
+    def _check_and_adjust_experts_implementation(self, experts_implementation=None, *args, **kwargs):
+        """The shared model's experts always run `kernels.fused_moe`; transformers' experts selection
+        (grouped_mm, batched_mm) is recorded, not consulted."""
+        return experts_implementation or "eager"
 
     def _init_weights(self, module):
         std = getattr(self.config, "initializer_range", 0.02)
-        if isinstance(module, (Linear, Embedding)):
+        if isinstance(module, Experts):
+            module.gate_up_proj.data.normal_(0.0, std)
+            module.down_proj.data.normal_(0.0, std)
+        elif isinstance(module, (Linear, Embedding, Router)):
             module.weight.data.normal_(0.0, std)
             if getattr(module, "bias", None) is not None:
                 module.bias.data.zero_()
@@ -206,14 +225,31 @@ class VexactForCausalLM(VexactPreTrainedModel):
         if input_ids is None:
             raise ValueError("vexact models take input_ids (inputs_embeds is not supported)")
         batch = PackedBatch.from_hf_inputs(input_ids, attention_mask, position_ids)
-        hidden = self.hidden_states(batch)  # [T, H]
-        if temperature is not None or shift_labels is not None:
+        ppo = temperature is not None or shift_labels is not None
+        router = kwargs.get("output_router_logits", getattr(self.config, "output_router_logits", False))
+        router = bool(router) and self.decoder_config.moe is not None and not ppo
+        with collect_router_logits(self.model, router) as router_logits:
+            hidden = self.hidden_states(batch)  # [T, H]
+        if ppo:  # the log-probs never depend on the router's auxiliary loss
             return self._ppo_outputs(batch, hidden, input_ids, shift_labels, temperature, return_entropy, vocab_mask)
         logits = batch.unpack(linear(hidden, self.lm_head.weight, out_dtype=torch.float32))  # [B, L, V]
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
+        if not router:
+            return CausalLMOutputWithPast(loss=loss, logits=logits)
+        aux_loss = self._load_balancing_loss(router_logits)
+        if loss is not None:
+            loss = loss + self.config.router_aux_loss_coef * aux_loss
+        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits, router_logits=tuple(router_logits))
+
+    def _load_balancing_loss(self, router_logits: list[torch.Tensor]) -> torch.Tensor:
+        """Hugging Face's auxiliary loss of its Qwen3-MoE (`load_balancing_loss_func`), on the fp32
+        router logits of the packed tokens (padding is never among them: no mask needed)."""
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+        moe = self.decoder_config.moe
+        return load_balancing_loss_func(tuple(router_logits), moe.num_experts, moe.top_k, None)
 
     def _ppo_outputs(self, batch, hidden, input_ids, shift_labels, temperature, return_entropy, vocab_mask):
         targets = shift_labels if shift_labels is not None else torch.roll(input_ids, -1, dims=-1)  # [B, L]
@@ -242,8 +278,24 @@ class VexactForCausalLM(VexactPreTrainedModel):
         return torch.where(valid, logp, torch.zeros_like(logp))
 
 
+def share_checkpoint_conversion(family: Family, class_name: str) -> None:
+    """Give `class_name` the checkpoint conversions transformers applies to the family's own class
+    (Qwen3-MoE: per-expert tensors on disk <-> stacked `gate_up_proj`/`down_proj` in memory, on load
+    and, reversed, on save). transformers skips the model-type mapping for classes defined outside
+    it; `register_checkpoint_conversion_mapping` is its API for classes like ours."""
+    from transformers.conversion_mapping import (
+        get_checkpoint_conversion_mapping,
+        register_checkpoint_conversion_mapping,
+    )
+
+    mapping = get_checkpoint_conversion_mapping(family.model_type)
+    if mapping is not None:
+        register_checkpoint_conversion_mapping(class_name, mapping, overwrite=True)
+
+
 def _training_class(family: Family) -> type[VexactForCausalLM]:
     """The family's training class `Vexact<Architecture>`: VexactForCausalLM for its config class."""
+    share_checkpoint_conversion(family, family.training_name)
     return type(family.training_name, (VexactForCausalLM,), {
         "config_class": family.hf_config_class(), "hf_architecture": family.architecture, "__module__": __name__,
         "__qualname__": family.training_name, "__doc__": f"The shared {family.architecture} for trainers.",

@@ -299,11 +299,20 @@ class DecoderModel(nn.Module):
         """Layer `layer_idx`'s feed-forward block: the dense SwiGLU MLP unless a family says otherwise."""
         return MLP(config)
 
+    # Gradient checkpointing: set by Hugging Face's `gradient_checkpointing_enable` (with the
+    # checkpoint function in `_gradient_checkpointing_func`); training only. The recomputation runs
+    # the same kernels on the same inputs, so it gives the same bits as the first forward.
+    gradient_checkpointing = False
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, H]
         rope = self.rotary.get(x.device)
         residual = None
+        checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layers:
-            x, residual = layer(x, residual, positions, rope, attn)
+            if checkpointing:
+                x, residual = self._gradient_checkpointing_func(layer.__call__, x, residual, positions, rope, attn)
+            else:
+                x, residual = layer(x, residual, positions, rope, attn)
         x, _ = self.norm.add(x, residual)
         return x  # [T, H]

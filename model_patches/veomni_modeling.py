@@ -25,7 +25,8 @@ from veomni.ops.dispatch import OpSlot
 from veomni.utils.model_outputs import CausalLMOutputWithLogProbs, FusedLinearAuxOutput
 
 from .autocast import follows_autocast
-from .hf_model import TRAINING_CLASSES, PackedBatch
+from .families import BY_MODEL_TYPE
+from .hf_model import TRAINING_CLASSES, PackedBatch, share_checkpoint_conversion
 from .ppo_outputs import token_log_probs_and_entropy
 
 # VeOmni binds every OpSlot of a model's module at build time (`_bind_veomni_ops`).
@@ -188,14 +189,15 @@ class VeOmniVexactMixin:
         return CausalLMOutputWithLogProbs(loss=loss, fused_linear_aux=aux)
 
 
-def _veomni_class(training_class: type) -> type:
+def _veomni_class(model_type: str, training_class: type) -> type:
     """`VeOmni<training class name>`: the family's training class with VeOmni's contract."""
     name = f"VeOmni{training_class.__name__}"
+    share_checkpoint_conversion(BY_MODEL_TYPE[model_type], name)
     return type(name, (VeOmniVexactMixin, training_class), {"__module__": __name__, "__qualname__": name})
 
 
 # model_type -> the class VeOmni's modeling registry returns for its causal-LM architecture.
-VEOMNI_CLASSES = {model_type: _veomni_class(cls) for model_type, cls in TRAINING_CLASSES.items()}
+VEOMNI_CLASSES = {model_type: _veomni_class(model_type, cls) for model_type, cls in TRAINING_CLASSES.items()}
 _BY_NAME = {cls.__name__: cls for cls in VEOMNI_CLASSES.values()}
 
 

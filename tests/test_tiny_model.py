@@ -13,6 +13,7 @@ from transformers import (
     LlamaConfig,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from vexact_vllm.tiny_model import (
@@ -76,13 +77,15 @@ def test_auto_tokenizer_matches_tokenizer_json(arch, built):
 def test_arch_loads(arch, built):
     path = built[arch]
     cfg = AutoConfig.from_pretrained(path)
-    assert type(cfg) is {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig}[arch]
+    assert type(cfg) is {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig}[arch]
     assert cfg.architectures == [type(cfg).__name__.replace("Config", "ForCausalLM")]
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (128, 256, 4)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (4, 2)
     assert getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads) == 32  # qwen2: no field
     assert cfg.rope_parameters["rope_theta"] == 10000.0
-    assert cfg.tie_word_embeddings is (arch != "llama")
+    assert cfg.tie_word_embeddings is (arch not in ("llama", "qwen3_moe"))
+    if arch == "qwen3_moe":  # 8 experts, top-2, one dense layer among four
+        assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.mlp_only_layers) == (8, 2, [1])
     if arch == "llama":
         assert cfg.rope_parameters == {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -103,7 +106,7 @@ def test_arch_loads(arch, built):
 
     sd = load_file(path / "model.safetensors")
     assert all(t.dtype == torch.bfloat16 for t in sd.values())
-    assert ("lm_head.weight" in sd) is (arch == "llama")
+    assert ("lm_head.weight" in sd) is (arch in ("llama", "qwen3_moe"))
     if arch == "qwen3":
         assert "model.layers.0.self_attn.q_norm.weight" in sd
         assert sd["model.layers.0.self_attn.k_norm.weight"].shape == (32,)

@@ -22,11 +22,14 @@ Where they run:
 
 from __future__ import annotations
 
+import json
 from importlib.metadata import entry_points
+from pathlib import Path
 
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
 from vexact_vllm.model_patches.config import DecoderConfig, UnsupportedModelError, check_dtype
+from vexact_vllm.model_patches.families import BY_MODEL_TYPE
 
 LOGITS_PROCESSOR_PLUGINS = "vllm.logits_processors"  # vLLM's entry-point group (LOGITSPROCS_GROUP)
 
@@ -35,9 +38,32 @@ def _logits_processor_plugins() -> list[str]:
     return [f"{ep.name} ({ep.value})" for ep in entry_points(group=LOGITS_PROCESSOR_PLUGINS)]
 
 
+def checkpoint_tensor_names(model: str) -> set[str] | None:
+    """The tensor names of a local safetensors checkpoint directory (headers only), else None."""
+    path = Path(model)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for f in files:
+        with safe_open(str(f), "pt") as handle:
+            names.update(handle.keys())
+    return names
+
+
 def refuse_unsupported_model(model_config) -> None:
     """The checkpoint, dtype and model-level options (`model_config.dtype` resolved to a torch.dtype)."""
-    DecoderConfig.from_hf(model_config.hf_config)
+    config = DecoderConfig.from_hf(model_config.hf_config)
+    check_checkpoint = getattr(BY_MODEL_TYPE[config.model_type].load(), "check_checkpoint", None)
+    if check_checkpoint is not None and getattr(model_config, "load_format", "auto") != "dummy":
+        names = checkpoint_tensor_names(model_config.model)
+        if names is not None:
+            check_checkpoint(names, config)
     check_dtype(model_config.dtype)
     if model_config.quantization:
         raise UnsupportedModelError(
@@ -87,6 +113,11 @@ def refuse_unsupported_engine(vllm_config) -> None:
         raise UnsupportedModelError(
             "tensor/pipeline parallelism is not supported yet with --model-impl vexact; "
             "use --tensor-parallel-size 1 --pipeline-parallel-size 1 (data parallel replicas are fine)"
+        )
+    if getattr(parallel, "enable_expert_parallel", False):
+        raise UnsupportedModelError(
+            "expert parallelism is not supported yet with --model-impl vexact (each rank would hold other "
+            "experts than the trainer's canonical order assumes); drop --enable-expert-parallel"
         )
     if vllm_config.quant_config is not None:
         raise UnsupportedModelError(

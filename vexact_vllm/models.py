@@ -27,6 +27,7 @@ from vexact_vllm.kernels.gemm import warm_up_linear
 from vexact_vllm.model_patches.config import DecoderConfig, UnsupportedModelError
 from vexact_vllm.model_patches.layers import Linear, PackedLinear, pack_projections
 from vexact_vllm.model_patches.models import build_decoder
+from vexact_vllm.model_patches.moe import Router, expert_rows, expert_tensor
 
 from .attention import VexactAttentionBackend
 from .engine_checks import refuse_unsupported_engine
@@ -119,6 +120,8 @@ class VllmVexactForCausalLM(nn.Module):
                 warm_up_linear(*m.packed)
             elif isinstance(m, Linear) and id(m) not in parts:
                 warm_up_linear(m.weight, m.bias)
+            elif isinstance(m, Router):  # an MoE router: fp32 logits
+                warm_up_linear(m.weight, out_dtype=torch.float32)
         warm_up_linear(self.lm_head_weight, out_dtype=torch.float32)
         self._kernels_warm = True
 
@@ -126,26 +129,51 @@ class VllmVexactForCausalLM(nn.Module):
         return linear(hidden_states, self.lm_head_weight, out_dtype=torch.float32)  # [N, V] fp32
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Hugging Face-named tensors, the whole checkpoint or any bucket of it (RL weight sync)."""
+        """Hugging Face-named tensors, the whole checkpoint or any bucket of it (RL weight sync). MoE
+        experts come stacked (`mlp.experts.gate_up_proj`, transformers 5's and a trainer's names) or
+        one tensor per expert (`mlp.experts.{e}.gate_proj.weight`, checkpoints on disk and verl's
+        sync); a stacked parameter counts as loaded once every expert's parts arrived in this call."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        parts: dict[str, set[tuple[int, str]]] = {}  # stacked parameter -> (expert, part) written
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.lm_head is None):
                 continue
-            param = params.get(name)
+            target = expert_tensor(name)
+            param = params.get(name if target is None else target[0])
             if param is None:
                 raise UnsupportedModelError(
                     f"checkpoint tensor {name!r} does not belong to a {self.config.architecture}; "
                     "is the checkpoint for this architecture (config.json) and unquantized?"
                 )
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise UnsupportedModelError(
-                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model expects "
-                    f"{tuple(param.shape)}; the checkpoint does not match its config.json"
-                )
-            if not tensor.is_floating_point():
-                raise UnsupportedModelError(f"checkpoint tensor {name!r} is {tensor.dtype}, not floating point")
+            if target is not None:
+                if not 0 <= target[1] < param.shape[0]:
+                    raise UnsupportedModelError(
+                        f"checkpoint tensor {name!r} names expert {target[1]}, but the config has {param.shape[0]} experts"
+                    )
+                dest = expert_rows(param.data, target[1], target[2])
+            else:
+                dest = param.data
+            _check_tensor(name, tensor, dest)
             with torch.no_grad():
-                param.copy_(tensor)
-            loaded.add(name)
+                dest.copy_(tensor)
+            if target is None:
+                loaded.add(name)
+            else:
+                parts.setdefault(target[0], set()).add(target[1:])
+        for stacked, written in parts.items():
+            experts = params[stacked].shape[0]
+            names = ("down_proj",) if stacked.endswith(".down_proj") else ("gate_proj", "up_proj")
+            if len(written) == experts * len(names):
+                loaded.add(stacked)
         return loaded
+
+
+def _check_tensor(name: str, tensor: torch.Tensor, dest: torch.Tensor) -> None:
+    if tuple(tensor.shape) != tuple(dest.shape):
+        raise UnsupportedModelError(
+            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model expects "
+            f"{tuple(dest.shape)}; the checkpoint does not match its config.json"
+        )
+    if not tensor.is_floating_point():
+        raise UnsupportedModelError(f"checkpoint tensor {name!r} is {tensor.dtype}, not floating point")

@@ -68,8 +68,17 @@ QWEN3_8B_SHAPE = dict(
     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
     max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
 )
+# Qwen3-30B-A3B: 48 layers, every one sparse, 128 experts of 768, top-8; a benchmark stand-in only
+# (config and tokenizer; its 61 GB of weights are never built: vLLM's dummy weights serve the bench).
+QWEN3_30B_A3B_SHAPE = dict(
+    hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+    num_key_value_heads=4, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+    max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6, num_experts=128,
+    num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+)
 SHAPES = {"qwen3-1.7b-shape": QWEN3_1_7B_SHAPE, "qwen3-8b-shape": QWEN3_8B_SHAPE}
-BUILTIN_MODELS = (*(f.tiny_name for f in FAMILIES), *SHAPES)
+CONFIG_ONLY_SHAPES = {"qwen3-30b-a3b-shape": ("qwen3_moe", QWEN3_30B_A3B_SHAPE)}  # name: (model_type, fields)
+BUILTIN_MODELS = (*(f.tiny_name for f in FAMILIES), *SHAPES, *CONFIG_ONLY_SHAPES)
 _REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                    "tokenizer_config.json")
 # Qwen2's pre-tokenizer split: words with one leading non-letter, single digits, punctuation runs, spaces.
@@ -338,6 +347,17 @@ def build_qwen3_shape(shape: dict, path: Path | str, seed: int = 0, weights: boo
     return _build(Path(path), force, weights, write)
 
 
+def _write_shape_config(model_type: str, fields: dict, path: Path, special_id: int) -> PretrainedConfig:
+    fields = dict(fields)
+    rope = {"rope_type": "default", "rope_theta": float(fields.pop("rope_theta"))}
+    config = BY_MODEL_TYPE[model_type].hf_config_class()(
+        **fields, rope_parameters=rope, bos_token_id=special_id, eos_token_id=special_id, pad_token_id=special_id,
+        dtype="bfloat16", architectures=[BY_MODEL_TYPE[model_type].architecture],
+    )
+    config.save_pretrained(str(path))
+    return config
+
+
 def builtin_model(name: str, seed: int = 0, weights: bool = True) -> Path:
     """The directory of the built-in model `name` (one of BUILTIN_MODELS), built on first use.
 
@@ -347,6 +367,12 @@ def builtin_model(name: str, seed: int = 0, weights: bool = True) -> Path:
     tiny = {f.tiny_name: f.model_type for f in FAMILIES}
     if name in tiny:
         return build_tiny_model(tiny[name], seed=seed)
+    if name in CONFIG_ONLY_SHAPES:
+        if weights:
+            raise ValueError(f"{name} is a benchmark stand-in without weights; use it with --load-format dummy")
+        model_type, fields = CONFIG_ONLY_SHAPES[name]
+        return _build(default_cache_dir() / f"{name}-config-{CACHE_VERSION}", False, False,
+                      lambda tmp, tok_len, special_id: _write_shape_config(model_type, fields, tmp, special_id))
     if name not in SHAPES:
         raise ValueError(f"unknown built-in model {name!r}; expected one of {', '.join(BUILTIN_MODELS)}")
     suffix = f"s{seed}" if weights else "config"

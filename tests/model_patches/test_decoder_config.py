@@ -130,7 +130,8 @@ def test_check_dtype_refuses(dtype):
 @pytest.mark.parametrize(
     ("arch", "options"),
     [("qwen3", {}), ("qwen3", {"attention_bias": True}), ("qwen2", {}), ("llama", {}),
-     ("llama", {"attention_bias": True, "mlp_bias": True}), ("qwen3", {"tie_word_embeddings": False})],
+     ("llama", {"attention_bias": True, "mlp_bias": True}), ("qwen3", {"tie_word_embeddings": False}),
+     ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24, "mlp_only_layers": [1]})],
 )  # fmt: skip
 def test_parameters_are_hugging_faces(arch, options):
     """Every option that adds or removes a tensor gives the vexact training class exactly the

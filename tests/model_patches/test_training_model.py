@@ -7,17 +7,19 @@ import torch
 
 from vexact_vllm.model_patches import PackedBatch, UnsupportedModelError, VexactForCausalLM
 
-ARCHS = ["qwen3", "qwen2", "llama"]
+ARCHS = ["qwen3", "qwen2", "llama", "qwen3_moe"]
 VOCAB = 448
 LOGIT_RTOL = 1e-4  # max |diff| relative to the largest |logit|
 GRAD_RTOL = 1e-3  # max |diff| relative to the largest |grad| of that parameter
 # A few parameters per arch (Hugging Face names, the same on both sides).
 GRAD_PARAMS = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
-               "model.layers.3.mlp.down_proj.weight", "model.layers.1.input_layernorm.weight", "model.norm.weight"]
+               "model.layers.1.mlp.down_proj.weight", "model.layers.1.input_layernorm.weight", "model.norm.weight"]
 GRAD_PARAMS_EXTRA = {
     "qwen3": ["model.layers.2.self_attn.k_norm.weight", "model.layers.0.self_attn.q_norm.weight"],
     "qwen2": ["model.layers.1.self_attn.q_proj.bias", "model.layers.2.self_attn.v_proj.bias"],
     "llama": ["lm_head.weight", "model.layers.2.self_attn.o_proj.weight"],
+    "qwen3_moe": ["model.layers.0.mlp.gate.weight", "model.layers.3.mlp.experts.gate_up_proj",
+                  "model.layers.2.mlp.experts.down_proj", "lm_head.weight"],
 }
 
 
@@ -38,7 +40,7 @@ def test_parameters_match_stock(load_model, arch):
     assert stock_params.keys() == vexact_params.keys()
     for name, p in stock_params.items():
         assert torch.equal(vexact_params[name], p), name
-    tied = arch != "llama"
+    tied = arch not in ("llama", "qwen3_moe")
     assert (vexact.lm_head.weight is vexact.model.embed_tokens.weight) == tied
     assert vexact.decoder_config.tie_word_embeddings == tied
 

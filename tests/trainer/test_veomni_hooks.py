@@ -110,7 +110,9 @@ def test_other_heads_and_types_stay_veomni(hooks, tiny_model):
     value_head = get_model_class(_config(tiny_model, "qwen3", ["Qwen3ForTokenClassification"]))
     assert value_head.__module__.startswith("veomni.") and value_head.__name__ == "Qwen3ForTokenClassification"
     moe = AutoConfig.for_model("qwen3_moe", architectures=["Qwen3MoeForCausalLM"])
-    assert get_model_class(moe).__module__.startswith("veomni.")
+    assert get_model_class(moe).__name__ == "VeOmniVexactQwen3MoeForCausalLM"  # a family of the table
+    other = AutoConfig.for_model("deepseek_v3", architectures=["DeepseekV3ForCausalLM"])
+    assert get_model_class(other).__module__.startswith("veomni.")  # not one: VeOmni's own
 
 
 def test_vexact_loss_kernel_through_veomni_registries(hooks, tiny_model):

@@ -97,7 +97,21 @@ def test_small_shape_weights_deterministic(tmp_path):
 
 
 def test_builtin_names():
-    assert BUILTIN_MODELS == ("tiny-qwen3", "tiny-qwen2", "tiny-llama", "qwen3-1.7b-shape", "qwen3-8b-shape")
+    assert BUILTIN_MODELS == ("tiny-qwen3", "tiny-qwen2", "tiny-llama", "tiny-qwen3-moe", "qwen3-1.7b-shape",
+                              "qwen3-8b-shape", "qwen3-30b-a3b-shape")
+    with pytest.raises(ValueError, match="--load-format dummy"):
+        builtin_model("qwen3-30b-a3b-shape")
     assert SHAPES["qwen3-8b-shape"]["hidden_size"] == 4096 and not SHAPES["qwen3-8b-shape"]["tie_word_embeddings"]
     with pytest.raises(ValueError, match="unknown built-in model"):
         builtin_model("qwen3-32b-shape")
+
+
+def test_moe_shape_config_only(tmp_path, monkeypatch):
+    from vexact_vllm.model_patches.config import DecoderConfig
+
+    monkeypatch.setenv("VEXACT_VLLM_CACHE", str(tmp_path))
+    path = builtin_model("qwen3-30b-a3b-shape", weights=False)
+    assert not (path / "model.safetensors").exists()
+    config = DecoderConfig.from_hf(AutoConfig.from_pretrained(path))
+    assert (config.moe.num_experts, config.moe.top_k, config.moe.intermediate_size) == (128, 8, 768)
+    assert config.moe.sparse_layers == tuple(range(48)) and config.num_kv_heads == 4

@@ -4,8 +4,8 @@ A case is a pure function of (seed, index, profile, limits): `draw_case` uses on
 `random.Random`, so `vexact-vllm fuzz --seed S --case I` rebuilds exactly the case that failed.
 
 What varies (each within what the kernels and the families support):
-- the family (Qwen3, Qwen2, Llama) and its options: hidden size, layers, head_dim (32, 64, 128, and
-  256 on CUDA), query heads and the GQA ratio, intermediate size, vocabulary larger than the
+- the family (every row of the family table: Qwen3, Qwen2, Llama, Qwen3-MoE) and its options: hidden size, layers, head_dim (32, 64, 128, and
+  256 on CUDA), query heads and the GQA ratio, experts (2-16), experts per token and dense layers, intermediate size, vocabulary larger than the
   tokenizer by a random amount, tied or untied embeddings, q/k/v, o and MLP biases where the family
   has them, RoPE theta and scaling (default, linear, llama3), weight scale;
 - prompts: random token ids, lengths from 1 to `max_prompt_len` (log-uniform: short and long);
@@ -23,6 +23,8 @@ import math
 import random
 from dataclasses import asdict, dataclass, field
 
+from vexact_vllm.model_patches.families import BY_MODEL_TYPE
+from vexact_vllm.model_patches.families import FAMILIES as FAMILY_TABLE
 from vexact_vllm.tiny_model import TOKENIZER_VOCAB_SIZE
 
 # Size limits per profile: CPU cases must run in CI in seconds, CUDA cases may be larger.
@@ -32,7 +34,7 @@ PROFILES = {
     "cuda": dict(layers=(1, 4), hidden=(128, 256, 384, 512, 1024), head_dims=(32, 64, 64, 128, 128, 256),
                  max_heads=16, prompts=(3, 24), max_tokens=(1, 48), block_sizes=(16, 32, 64, 128)),
 }  # fmt: skip
-FAMILIES = ("qwen3", "qwen2", "llama")
+FAMILIES = tuple(f.model_type for f in FAMILY_TABLE)  # every row of the family table
 TEMPERATURES = (0.0, 0.005, 0.3, 0.7, 1.0, 1.3)
 SHARED = ("batch", "shuffled", "prefix-cache", "alone")
 FRESH = {"cpu": ("chunked-prefill", "preemption"), "cuda": ("chunked-prefill", "preemption", "eager")}
@@ -95,7 +97,7 @@ def _model_fields(rng: random.Random, family: str, limits: dict) -> dict:
         tie_word_embeddings=rng.random() < 0.5,
         max_position_embeddings=32768,
         rms_norm_eps=rng.choice((1e-6, 1e-5)),
-        architectures=[{"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[family]],
+        architectures=[BY_MODEL_TYPE[family].architecture],
     )
     if family != "qwen2":
         fields["head_dim"] = head_dim
@@ -111,8 +113,16 @@ def _model_fields(rng: random.Random, family: str, limits: dict) -> dict:
     if family == "llama":
         fields["attention_bias"] = rng.random() < 0.3
         fields["mlp_bias"] = rng.random() < 0.3
-    elif family == "qwen3":
+    elif family in ("qwen3", "qwen3_moe"):
         fields["attention_bias"] = rng.random() < 0.2
+    if family == "qwen3_moe":
+        experts = rng.choice((2, 4, 8, 16))
+        fields.update(
+            num_experts=experts, num_experts_per_tok=rng.randint(1, min(4, experts)),
+            moe_intermediate_size=32 * rng.randint(1, max(1, hidden // 32)), norm_topk_prob=rng.random() < 0.7,
+            decoder_sparse_step=rng.choice((1, 1, 2)),
+            mlp_only_layers=[i for i in range(fields["num_hidden_layers"]) if rng.random() < 0.25],
+        )  # fmt: skip
     return fields
 
 
