@@ -39,13 +39,26 @@ from vexact_vllm.patching import Patch, PatchTable
 from .config import SUPPORTED_MODEL_TYPES
 from .veomni_modeling import VEOMNI_CLASSES, VEXACT_KERNEL_NAME, vexact_causal_lm_loss
 
+# What VeOmni's registry entries attach to its own classes for loading (Qwen3-MoE: the converter that
+# stacks per-expert checkpoint tensors into gate_up_proj/down_proj, and its index mapping): our
+# class needs the same, or VeOmni's loader skips those tensors.
+_LOADING_HOOKS = ("_create_checkpoint_tensor_converter", "_convert_fqn_to_index_mapping",
+                  "_convert_lora_targets_to_parameters")  # fmt: skip
+
 
 def _modeling_entry(model_type: str, veomni_entry):
-    """VeOmni's registry entry for `model_type`, with its causal-LM class replaced by ours."""
+    """VeOmni's registry entry for `model_type`, with its causal-LM class replaced by ours (which
+    takes over the loading hooks VeOmni gave its own)."""
 
     def build(architecture):
         cls = veomni_entry(architecture)
-        return VEOMNI_CLASSES[model_type] if cls.__name__.endswith("ForCausalLM") else cls
+        if not cls.__name__.endswith("ForCausalLM"):
+            return cls
+        ours = VEOMNI_CLASSES[model_type]
+        for name in _LOADING_HOOKS:
+            if name in vars(cls):
+                setattr(ours, name, vars(cls)[name])
+        return ours
 
     build.vexact_model_type = model_type
     return build

@@ -49,6 +49,17 @@ PERTURBED = (
     "model.layers.1.self_attn.o_proj.weight",
     "model.norm.weight",
 )
+# Qwen3-MoE (the tiny one: layers 0, 2, 3 sparse, layer 1 dense): stacked experts and the router too.
+PERTURBED_MOE = (
+    "model.embed_tokens.weight",
+    "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.1.self_attn.v_proj.weight",
+    "model.layers.1.mlp.gate_proj.weight",
+    "model.layers.0.mlp.experts.gate_up_proj",
+    "model.layers.2.mlp.experts.down_proj",
+    "model.layers.3.mlp.gate.weight",
+    "model.norm.weight",
+)
 PROMPTS = (
     "The quick brown fox jumps over the lazy dog.",
     "Reinforcement learning needs on-policy samples;",
@@ -85,19 +96,26 @@ def fp32_state(trainer) -> dict:
     return {name: t.detach().float().clone() for name, t in trainer.state_dict().items()}
 
 
+def perturbed(trainer) -> tuple[str, ...]:
+    return PERTURBED_MOE if trainer.decoder_config.moe is not None else PERTURBED
+
+
 def perturb(trainer) -> list[tuple[str, object]]:
-    """Noise on PERTURBED in fp32; the trainer keeps the bf16 rounding. Returns the fp32 state."""
+    """Noise on the perturbed tensors in fp32; the trainer keeps the bf16 rounding. Returns the fp32
+    state as verl's FSDP engine streams it: MoE experts one tensor per expert (verl's
+    `unfuse_moe_params`), everything else as named."""
     import torch
+    from verl.workers.engine.fsdp.utils import unfuse_moe_params
 
     gen = torch.Generator().manual_seed(SEED)
     state = fp32_state(trainer)
-    for name in PERTURBED:
+    for name in perturbed(trainer):
         state[name] += NOISE_STD * torch.randn(state[name].shape, generator=gen)
     params = dict(trainer.named_parameters())
     with torch.no_grad():
-        for name in PERTURBED:
+        for name in perturbed(trainer):
             params[name].copy_(state[name])  # round to the trainer's dtype, in place
-    return list(state.items())
+    return list(unfuse_moe_params(state.items()))
 
 
 def sync_weights(llm, weights) -> None:
@@ -191,7 +209,7 @@ def main(model: str, out: Path) -> None:
     finally:
         _shutdown(llm)
     data = {k: (v if k == "params" else [r.__dict__ for r in v]) for k, v in result.items()}
-    data["perturbed"] = list(PERTURBED)
+    data["perturbed"] = list(perturbed(trainer))
     (out / "rollouts.json").write_text(json.dumps(data))
 
 

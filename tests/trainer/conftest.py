@@ -39,8 +39,23 @@ def vllm_rollouts(tiny_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def masked_rollouts(tiny_model, tmp_path_factory):
-    """{temperature: [Rollout]} from vLLM (vexact) after verl's `monkey_patch_compute_logits` (ids past
-    len(tokenizer) at -inf), on the tiny Qwen3: generated once for the verl and VeOmni engine tests."""
+def masked_rollouts_of(tiny_model, tmp_path_factory):
+    """masked_rollouts_of(arch) -> {temperature: [Rollout]} from vLLM (vexact) after verl's
+    `monkey_patch_compute_logits` (ids past len(tokenizer) at -inf) on that tiny family: generated
+    once per family for the verl and VeOmni engine tests."""
     pytest.importorskip("vllm")
-    return _generate("_generate_verl_masked.py", tiny_model("qwen3"), tmp_path_factory.mktemp("masked"))
+    generated: dict[str, dict[float, list[Rollout]]] = {}
+
+    def get(arch: str) -> dict[float, list[Rollout]]:
+        if arch not in generated:
+            out = tmp_path_factory.mktemp(f"masked-{arch}")
+            generated[arch] = _generate("_generate_verl_masked.py", tiny_model(arch), out)
+        return generated[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def masked_rollouts(masked_rollouts_of):
+    """The tiny Qwen3's masked rollouts."""
+    return masked_rollouts_of("qwen3")

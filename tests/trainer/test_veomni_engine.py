@@ -115,9 +115,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def veomni_engine(tiny_model):
-    """verl's VeOmni actor engine holding the model VeOmni built from the tiny Qwen3."""
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])
+def veomni_engine(tiny_model, request):
+    """verl's VeOmni actor engine holding the model VeOmni built from a tiny family (dense, MoE);
+    `engine.vexact_arch` names the family."""
     import torch.distributed as dist
     from veomni.models.auto import build_foundation_model
     from verl.plugin.platform import platform_manager
@@ -134,7 +135,7 @@ def veomni_engine(tiny_model):
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(_free_port())
         dist.init_process_group("gloo", rank=0, world_size=1)
-    path = tiny_model("qwen3")
+    path = tiny_model(request.param)
     try:
         verl_was = verl_hooks.is_installed()
         verl_hooks.install()
@@ -157,6 +158,7 @@ def veomni_engine(tiny_model):
                 init_device=engine_config.init_device,
             )
             engine.optimizer = engine.lr_scheduler = None
+            engine.vexact_arch = request.param
             yield engine
         if not verl_was:
             verl_hooks.uninstall()
@@ -212,11 +214,17 @@ def _assert_engine_equals_vllm(engine, masked_rollouts, micro_batch_size):
         assert bool(torch.isfinite(entropy.values()).all()) and bool((entropy.values() >= 0).all())
 
 
+@pytest.fixture
+def masked_rollouts(veomni_engine, masked_rollouts_of):
+    """The masked rollouts of the engine's family."""
+    return masked_rollouts_of(veomni_engine.vexact_arch)
+
+
 @pytest.mark.parametrize("micro_batch_size", [1, 2, 4])
 def test_engine_log_probs_equal_vllm(veomni_engine, masked_rollouts, micro_batch_size):
     from vexact_vllm.model_patches.veomni_modeling import VEOMNI_CLASSES
 
-    assert type(veomni_engine.module) is VEOMNI_CLASSES["qwen3"]
+    assert type(veomni_engine.module) is VEOMNI_CLASSES[veomni_engine.vexact_arch]
     _assert_engine_equals_vllm(veomni_engine, masked_rollouts, micro_batch_size)
 
 
@@ -249,7 +257,8 @@ def test_engine_backward_through_log_probs(veomni_engine, masked_rollouts):
     grads = {n: p.grad for n, p in model.named_parameters()}
     assert all(g is not None and bool(torch.isfinite(g).all()) for g in grads.values()), "missing/non-finite"
     layer = model.model.layers[0]
-    for name, p in [("lm_head", model.lm_head.weight), ("q_proj", layer.self_attn.q_proj.weight),
-                    ("down_proj", layer.mlp.down_proj.weight)]:
+    mlp = [("down_proj", layer.mlp.down_proj.weight)] if hasattr(layer.mlp, "down_proj") else [
+        ("router", layer.mlp.gate.weight), ("experts.gate_up_proj", layer.mlp.experts.gate_up_proj)]  # MoE layer 0
+    for name, p in [("lm_head", model.lm_head.weight), ("q_proj", layer.self_attn.q_proj.weight), *mlp]:
         assert float(p.grad.float().abs().sum()) > 0, name
     model.zero_grad(set_to_none=True)

@@ -72,13 +72,15 @@ def test_verl_actor_log_probs_equal_vllm(hooks, unmasked, vllm_rollouts, tiny_mo
 
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature", TEMPERATURES)
-def test_verl_masked_vocabulary_equals_masked_rollout(hooks, masked_rollouts, tiny_model, temperature):
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_verl_masked_vocabulary_equals_masked_rollout(hooks, masked_rollouts_of, tiny_model, temperature, arch):
     """vLLM under verl's compute_logits mask (ids >= len(tokenizer) at -inf) vs verl's trainer with
-    the mask it builds from its own tokenizer: equal; without the mask: not equal."""
-    engine = build_engine(tiny_model("qwen3"))
+    the mask it builds from its own tokenizer: equal (dense and MoE); without the mask: not equal."""
+    engine = build_engine(tiny_model(arch))
+    assert type(engine.module).__name__ == {"qwen3": "VexactQwen3ForCausalLM", "qwen3_moe": "VexactQwen3MoeForCausalLM"}[arch]
     tokenizer_len, vocab = len(engine.model_config.tokenizer), engine.module.config.vocab_size
     assert tokenizer_len < vocab  # the tiny model has vocabulary rows past its tokenizer
-    rollouts = masked_rollouts[temperature]
+    rollouts = masked_rollouts_of(arch)[temperature]
     _assert_equal_to_rollouts(_verl_log_probs(engine, rollouts, temperature), rollouts)
     mask = verl_hooks.rollout_vocab_mask(engine.model_config, vocab, torch.device("cpu"))
     assert int(mask.sum()) == tokenizer_len
