@@ -1,8 +1,8 @@
 """Batch-invariant kernels: one op a file, one public function per op, framework-free.
 
 Each public function checks its inputs, then runs the implementation `dispatch.backend_for` picks:
-today the torch reference everywhere (CPU, and CUDA until the Triton kernels land). Every
-reduction's order depends only on its own row and absolute position (see each module's docstring).
+the torch reference on CPU (and in reference mode), the Triton kernels on CUDA. Every reduction's
+order depends only on its own row and absolute position (see each module's docstring).
 """
 
 from .activation import silu_and_mul

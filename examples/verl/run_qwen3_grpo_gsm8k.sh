@@ -84,7 +84,7 @@ DATA=(
 MODEL=(
     actor_rollout_ref.model.path="$MODEL_PATH"
     actor_rollout_ref.model.use_remove_padding=True
-    actor_rollout_ref.model.enable_gradient_checkpointing=False  # the shared model refuses it (for now)
+    actor_rollout_ref.model.enable_gradient_checkpointing=False  # supported; off: the tiny smoke saves nothing by it
     # The training side: verl's workers import this module, which makes them build and score with
     # the shared model (nothing else turns it on).
     actor_rollout_ref.model.external_lib=vexact_vllm.model_patches.enable

@@ -106,12 +106,12 @@ def test_truncated_sampling_is_batch_invariant(served):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("eager", [False, True])
-def test_no_kernel_compiles_while_serving(tiny_model, eager):
+@pytest.mark.parametrize(("arch", "eager"), [("qwen3", False), ("qwen3", True), ("qwen3_moe", False)])
+def test_no_kernel_compiles_while_serving(tiny_model, arch, eager):
     """vLLM's JIT monitor in error mode: a Triton compilation after warm-up kills the engine."""
     from vllm import SamplingParams
 
-    llm = _engine(tiny_model("qwen3"), enforce_eager=eager, jit_monitor_mode="error", max_num_seqs=64)
+    llm = _engine(tiny_model(arch), enforce_eager=eager, jit_monitor_mode="error", max_num_seqs=64)
     try:
         shapes = [[PROMPTS[0]], PROMPTS, [list(range(3, 203))] * 17, [[9] * 230]]  # 1, 5, 17 requests; long
         for i, prompts in enumerate(shapes):

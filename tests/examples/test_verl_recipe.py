@@ -47,7 +47,7 @@ def test_recipe_composes_with_verl_config(vexact, engine, strategy):
     assert rollout.engine_kwargs.vllm.get("model_impl") == ("vexact" if vexact == "1" else None)
     assert rollout.calculate_log_probs is True and rollout.tensor_model_parallel_size == 1
     assert cfg.actor_rollout_ref.model.external_lib == "vexact_vllm.model_patches.enable"
-    assert cfg.actor_rollout_ref.model.enable_gradient_checkpointing is False  # the shared model refuses it
+    assert cfg.actor_rollout_ref.model.enable_gradient_checkpointing is False  # what the GPU smoke ran with
     assert cfg.model_engine == ("dp" if engine == "fsdp" else "veomni")
     assert cfg.actor_rollout_ref.actor.strategy == strategy
     correction = cfg.algorithm.rollout_correction  # decoupled: verl logs rollout_corr/k3_kl

@@ -222,8 +222,8 @@ def run_bench(args) -> int:
 def add_arguments(parser) -> None:
     parser.add_argument("--model", default="qwen3-1.7b-shape",
                         help="checkpoint directory, or a built-in model: qwen3-1.7b-shape (the default; only its "
-                        "config is written when --load-format is dummy), qwen3-8b-shape, tiny-qwen3, tiny-qwen2, "
-                        "tiny-llama")
+                        "config is written when --load-format is dummy), qwen3-8b-shape, qwen3-30b-a3b-shape (MoE, "
+                        "dummy weights only), tiny-qwen3, tiny-qwen2, tiny-llama, tiny-qwen3-moe")
     parser.add_argument("--configs", help=f"comma-separated subset of {', '.join(CONFIGS)}, in the order of the "
                         "first repeat (default: all; stock-batch-invariant only on CUDA)")
     parser.add_argument("--num-prompts", type=int, default=256, help="requests in one pass of the workload")

@@ -242,7 +242,7 @@ def score_rows(trainer, results, packings: list[int]) -> list[Row]:
 
 def add_arguments(parser) -> None:
     parser.add_argument("--model", help="Hugging Face checkpoint directory, or a built-in random-weight model: "
-                        "tiny-qwen3 (the default), tiny-qwen2, tiny-llama, qwen3-1.7b-shape (Qwen3-1.7B's shapes, "
+                        "tiny-qwen3 (the default), tiny-qwen2, tiny-llama, tiny-qwen3-moe, qwen3-1.7b-shape (Qwen3-1.7B's shapes, "
                         "~3.4 GB, built once in the cache)")
     parser.add_argument("--prompts", type=existing_file,
                         help="file with one prompt per line, or JSON lines with a 'prompt' field")
