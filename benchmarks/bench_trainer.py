@@ -1,13 +1,14 @@
 """Trainer forward+backward throughput: the shared (vexact) model against stock transformers.
 
-    python benchmarks/bench_trainer.py [--shape 1.7b|tiny] [--batch 8] [--seq-len 1024] [--steps 10]
+    python benchmarks/bench_trainer.py [--shape 1.7b|30b-a3b-4l|tiny|tiny-moe] [--batch 8] [--seq-len 1024] [--steps 10]
         [--warmup 3] [--stock sdpa-padded,sdpa-packed] [--json OUT]
 
 One step = forward, token log-probs of the next token, loss = -mean(log-probs), backward; gradients
 are set to None between steps, no optimizer. Rows:
 - vexact: `AutoModelForCausalLM.from_config` under `training_enabled()`, a `PackedBatch` of the B
   sequences, `packed_log_probs` (the fused, row-chunked lm_head log-prob, with its gradient).
-- stock-*: transformers' own Qwen3ForCausalLM; bf16 logits -> fp32 -> log_softmax -> gather (the
+- stock-*: transformers' own class (Qwen3ForCausalLM, Qwen3MoeForCausalLM with its default experts
+  implementation: grouped_mm where torch has it, else the eager loop); bf16 logits -> fp32 -> log_softmax -> gather (the
   way verl scores tokens without flash-attn's cross-entropy kernel). `sdpa-padded`: [B, L] with an
   all-ones attention_mask (equal lengths, so no padding: SDPA runs causal, flash backend on CUDA);
   `sdpa-packed`: [1, T] with position_ids restarting per sequence (transformers builds a
@@ -36,14 +37,21 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vexact_vllm.model_patches import PackedBatch, training_enabled
-from vexact_vllm.tiny_model import QWEN3_1_7B_SHAPE, qwen3_shape_config
+from vexact_vllm.tiny_model import QWEN3_1_7B_SHAPE, QWEN3_30B_A3B_SHAPE, shape_config
 
 TINY_SHAPE = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     head_dim=16, vocab_size=1024, tie_word_embeddings=True, max_position_embeddings=4096,
     rope_theta=1_000_000.0, rms_norm_eps=1e-6,
 )  # fmt: skip
-SHAPES = {"1.7b": QWEN3_1_7B_SHAPE, "tiny": TINY_SHAPE}
+TINY_MOE_SHAPE = dict(TINY_SHAPE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[0])
+# name: (model_type, fields); 30b-a3b-4l is Qwen3-30B-A3B's shape with 4 of its 48 layers (fits one GPU)
+SHAPES = {
+    "1.7b": ("qwen3", QWEN3_1_7B_SHAPE), "tiny": ("qwen3", TINY_SHAPE),
+    "30b-a3b-4l": ("qwen3_moe", dict(QWEN3_30B_A3B_SHAPE, num_hidden_layers=4)),
+    "tiny-moe": ("qwen3_moe", TINY_MOE_SHAPE),
+}
 STOCK = {"sdpa-padded": ("sdpa", False), "sdpa-packed": ("sdpa", True), "flex-packed": ("flex_attention", True)}
 INIT_STD = 0.02
 
@@ -134,7 +142,8 @@ def run_path(name, config, batch, args, device) -> dict:
         step = functools.partial(vexact_step, model, batch)
     else:
         step = functools.partial(stock_step, model, batch, packed, args.batch, args.seq_len)
-    row = {"path": name, "attn": attn or "vexact varlen", **measure(step, model, args.steps, args.warmup, device)}
+    experts = getattr(model.config, "_experts_implementation", None) if attn else None
+    row = {"path": name, "attn": attn or "vexact varlen", "experts": experts, **measure(step, model, args.steps, args.warmup, device)}
     row["tokens_per_s"] = batch.input_ids.numel() / (row["ms_mean"] / 1e3)
     if not args.no_logits_check:
         model.zero_grad(set_to_none=True)
@@ -182,7 +191,7 @@ def main(argv=None):
     if unknown := [s for s in stock if s not in STOCK]:
         parser.error(f"unknown --stock {unknown}; expected {list(STOCK)}")
     device = torch.device(args.device)
-    config = qwen3_shape_config(SHAPES[args.shape], special_id=0)
+    config = shape_config(*SHAPES[args.shape], special_id=0)
     gen = torch.Generator().manual_seed(1)
     seqs = torch.randint(0, config.vocab_size, (args.batch, args.seq_len), generator=gen).tolist()
     batch = PackedBatch.from_sequences(seqs, device=device)

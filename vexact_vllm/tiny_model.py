@@ -315,12 +315,20 @@ def build_random_model(
     return _build(Path(path), force, True, write)
 
 
+def shape_config(model_type: str, fields: dict, special_id: int) -> PretrainedConfig:
+    """The config of family `model_type` with `fields` (a QWEN3_1_7B_SHAPE-like dict), bf16, special ids set."""
+    fields = dict(fields)
+    rope = {"rope_type": "default", "rope_theta": float(fields.pop("rope_theta"))}
+    family = BY_MODEL_TYPE[model_type]
+    return family.hf_config_class()(
+        **fields, rope_parameters=rope, bos_token_id=special_id, eos_token_id=special_id, pad_token_id=special_id,
+        dtype="bfloat16", architectures=[family.architecture],
+    )
+
+
 def qwen3_shape_config(shape: dict, special_id: int) -> Qwen3Config:
     """A Qwen3ForCausalLM config of `shape` (a QWEN3_1_7B_SHAPE-like dict), bf16, special ids set."""
-    shape = dict(shape)
-    rope = {"rope_type": "default", "rope_theta": float(shape.pop("rope_theta"))}
-    return Qwen3Config(**shape, rope_parameters=rope, bos_token_id=special_id, eos_token_id=special_id,
-                       pad_token_id=special_id, dtype="bfloat16", architectures=["Qwen3ForCausalLM"])
+    return shape_config("qwen3", shape, special_id)
 
 
 def build_qwen3_shape(shape: dict, path: Path | str, seed: int = 0, weights: bool = True,
@@ -348,12 +356,7 @@ def build_qwen3_shape(shape: dict, path: Path | str, seed: int = 0, weights: boo
 
 
 def _write_shape_config(model_type: str, fields: dict, path: Path, special_id: int) -> PretrainedConfig:
-    fields = dict(fields)
-    rope = {"rope_type": "default", "rope_theta": float(fields.pop("rope_theta"))}
-    config = BY_MODEL_TYPE[model_type].hf_config_class()(
-        **fields, rope_parameters=rope, bos_token_id=special_id, eos_token_id=special_id, pad_token_id=special_id,
-        dtype="bfloat16", architectures=[BY_MODEL_TYPE[model_type].architecture],
-    )
+    config = shape_config(model_type, fields, special_id)
     config.save_pretrained(str(path))
     return config
 

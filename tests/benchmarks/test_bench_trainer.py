@@ -62,3 +62,18 @@ def test_table_has_both_paths(bench, tmp_path, capsys, one_thread):
 def test_unknown_stock_path_is_refused(bench):
     with pytest.raises(SystemExit):
         bench.main(["--shape", "tiny", "--device", "cpu", "--stock", "eager-padded"])
+
+
+def test_moe_shape_same_loss(bench, tmp_path, capsys, one_thread):
+    # The Qwen3-MoE shapes build transformers' Qwen3MoeForCausalLM on the stock side; same seeded
+    # weights (stacked experts included) give the same loss to bf16 rounding.
+    out = tmp_path / "trainer.json"
+    rc = bench.main([
+        "--shape", "tiny-moe", "--device", "cpu", "--batch", "2", "--seq-len", "48", "--steps", "1",
+        "--warmup", "0", "--stock", "sdpa-packed", "--init-std", "0.3", "--json", str(out),
+    ])  # fmt: skip
+    assert rc == 0, capsys.readouterr().out
+    rows = {r["path"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["stock-sdpa-packed"]["experts"] in ("eager", "grouped_mm")
+    assert rows["vexact"]["loss"] > 9
+    assert rows["stock-sdpa-packed"]["loss"] == pytest.approx(rows["vexact"]["loss"], rel=5e-4)
