@@ -7,8 +7,8 @@ One step = forward, token log-probs of the next token, loss = -mean(log-probs), 
 are set to None between steps, no optimizer. Rows:
 - vexact: `AutoModelForCausalLM.from_config` under `training_enabled()`, a `PackedBatch` of the B
   sequences, `packed_log_probs` (the fused, row-chunked lm_head log-prob, with its gradient).
-- stock-*: transformers' own class (Qwen3ForCausalLM, Qwen3MoeForCausalLM with its default experts
-  implementation: grouped_mm where torch has it, else the eager loop); bf16 logits -> fp32 -> log_softmax -> gather (the
+- stock-*: transformers' own class (Qwen3ForCausalLM; Qwen3MoeForCausalLM asked for its grouped_mm
+  experts, the eager loop where this torch lacks grouped GEMMs, the "experts" field says which); bf16 logits -> fp32 -> log_softmax -> gather (the
   way verl scores tokens without flash-attn's cross-entropy kernel). `sdpa-padded`: [B, L] with an
   all-ones attention_mask (equal lengths, so no padding: SDPA runs causal, flash backend on CUDA);
   `sdpa-packed`: [1, T] with position_ids restarting per sequence (transformers builds a
@@ -65,6 +65,14 @@ def build(config, device, attn: str | None, std: float = INIT_STD):
         if attn is None:
             with training_enabled():
                 model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        elif getattr(config, "num_experts", None):  # MoE: the fastest experts path transformers has here
+            try:
+                model = AutoModelForCausalLM.from_config(
+                    config, dtype=torch.bfloat16, attn_implementation=attn, experts_implementation="grouped_mm"
+                )
+            except (ValueError, ImportError) as e:
+                print(f"transformers' grouped_mm experts unavailable ({e}); stock runs the eager loop")
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attn)
         else:
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attn)
     gen = torch.Generator(device=device).manual_seed(0)

@@ -11,7 +11,11 @@ Math, per token row t of fp32 router logits z [E] (T = tokens, E = experts, k = 
                                                   (true fp32 division by a tensor)
     -> weights fp32 [T, k], ids int64 [T, k]
 
-Why `log_softmax` and not a row-wise softmax written here: it is the project's one fixed-order row
+Backends: this torch composition on CPU (and in reference mode); on CUDA one Triton launch of the same
+definition (`moe_routing_triton.py`: a row per program, the exp-sum in a tree fixed by E). They agree
+to rounding only, as every op's backends: rollout and trainer must run the same one.
+
+Why `log_softmax` and not a row-wise softmax written here (the torch path): it is the project's one fixed-order row
 reduction with both backends (torch on CPU: 1024-long block sums then the blocks in order; Triton
 on CUDA: one row per program, fixed block), differentiable on both. A torch `softmax`/`sum` on CUDA
 picks its launch (and so its addition order) from the number of rows: a token's probabilities
@@ -40,6 +44,7 @@ none). The sort selects; the gradient reaches logits through the gathered probab
 import torch
 
 from ._checks import check_dim, check_dtype, check_last_dim_contiguous
+from .dispatch import backend_for
 from .logprob import log_softmax
 
 
@@ -63,6 +68,10 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch
     w.r.t. logits through the weights.
     """
     _check(logits, top_k, norm_topk_prob)
+    if backend_for(logits) == "triton":
+        from .moe_routing_triton import route_triton  # imported on first use: no Triton on CPU
+
+        return route_triton(logits, top_k, norm_topk_prob)
     n_tokens = logits.shape[0]
     if n_tokens == 0:
         return logits.new_zeros(0, top_k), torch.zeros(0, top_k, dtype=torch.int64, device=logits.device)

@@ -3,8 +3,8 @@
 Math: `moe.py`'s. Legend: T = tokens, H = hidden, E = experts, I = expert intermediate size, k = experts
 per token, n = T * k entries (entry p = t * k + j), P = rows of the expert-grouped layout.
 
-Layout (`_align`: torch ops on the device, no host synchronisation). The entries are sorted by
-(expert, p): a stable sort of the ids, so a function of the ids alone. Each expert's run is padded
+Layout (`moe_align_triton.align`: three Triton launches, no host synchronisation). The entries are
+grouped by (expert, p), as a stable sort of the ids would: a function of the ids alone. Each expert's run is padded
 to whole BLOCK_M tiles: padded row r holds entry rows[r] (-1 = padding) and M tile i belongs to expert
 tile_expert[i] (E past the last used tile). The capacity P = (cdiv(n, BLOCK_M) + min(E, n)) * BLOCK_M
 bounds sum_e cdiv(n_e, BLOCK_M) * BLOCK_M for every routing, so grids depend on (T, k, E) only and
@@ -40,14 +40,14 @@ its tl.dot reads bf16 as raw bits; bf16 -> fp32 is exact.
 """
 
 import dataclasses
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
 from ._autograd import backward_without_autocast
 from .gemm_triton import gemm_config
+from .moe_align_triton import _Layout
+from .moe_align_triton import align as _align
 from .moe import check_moe_inputs
 
 
@@ -266,40 +266,6 @@ def forward_configs(hidden: int, inter: int, dtype: torch.dtype) -> tuple[MoeCon
     if dtype == torch.float32:  # fp32 dots run on FMA units: small tiles
         return MoeConfig(64, 32, k_gate_up, 8, 4, 3), MoeConfig(64, 64, k_down, 8, 4, 3)
     return MoeConfig(64, 64, k_gate_up, 8, 4, 4), MoeConfig(64, 128, k_down, 8, 4, 4)
-
-
-class _Layout(NamedTuple):
-    rows: torch.Tensor  # int32 [P]: entry of each padded row, -1 = padding
-    tile_expert: torch.Tensor  # int32 [P / block_m]: expert of each M tile, E = unused
-    tile_start: torch.Tensor  # int32 [E + 1]: first M tile of each expert
-    entry_row: torch.Tensor  # int64 [n]: padded row of each entry (P for an id outside [0, E))
-    block_m: int
-
-
-def _align(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> _Layout:
-    """Entries grouped by expert in (token, slot) order, each expert's run padded to whole tiles."""
-    n = topk_ids.numel()
-    device = topk_ids.device
-    flat = topk_ids.reshape(-1).long()  # [n]
-    flat = torch.where((flat >= 0) & (flat < n_experts), flat, n_experts)  # bad ids: bucket E, no tiles
-    sorted_ids, order = torch.sort(flat, stable=True)  # [n]
-    starts = torch.searchsorted(sorted_ids, torch.arange(n_experts + 1, device=device))  # [E + 1]
-    tiles = (starts[1:] - starts[:-1] + block_m - 1) // block_m  # [E]
-    tile_start = torch.zeros(n_experts + 1, dtype=torch.int64, device=device)
-    tile_start[1:] = torch.cumsum(tiles, 0)
-    num_tiles = triton.cdiv(n, block_m) + min(n_experts, n)
-    capacity = num_tiles * block_m
-    safe = sorted_ids.clamp(max=n_experts - 1)
-    dest = tile_start[safe] * block_m + torch.arange(n, device=device) - starts[safe]  # [n]
-    dest = torch.where(sorted_ids < n_experts, dest, capacity)  # bad ids: the spare slot past the end
-    rows = torch.full((capacity + 1,), -1, dtype=torch.int32, device=device)
-    rows[dest] = order.to(torch.int32)
-    entry_row = torch.empty(n, dtype=torch.int64, device=device)
-    entry_row[order] = dest
-    tile_expert = torch.searchsorted(tile_start[1:], torch.arange(num_tiles, device=device), right=True)
-    return _Layout(
-        rows[:capacity], tile_expert.to(torch.int32), tile_start.to(torch.int32), entry_row, block_m
-    )
 
 
 def _interpreted() -> bool:

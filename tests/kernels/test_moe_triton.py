@@ -22,7 +22,9 @@ from vexact_vllm.kernels import dispatch, fused_moe, moe, reference_mode
 
 pytest.importorskip("triton")
 
-MODULES = ("vexact_vllm.kernels.moe_triton", "vexact_vllm.kernels.moe_triton_bwd")
+MODULES = (
+    "vexact_vllm.kernels.moe_triton", "vexact_vllm.kernels.moe_triton_bwd", "vexact_vllm.kernels.moe_align_triton",
+)
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 # (T, H, E, I, k): H and I not multiples of the 16-wide tiles (K tails, N tails), T odd
 SHAPES = [(5, 40, 4, 24, 1), (17, 40, 6, 24, 2), (33, 24, 8, 20, 3), (17, 50, 5, 12, 2)]
@@ -34,8 +36,8 @@ def mt(interpreted_modules):
     a namespace (fwd, bwd); later imports get the compiled kernels. gemm_triton is imported first,
     compiled: moe_triton only takes its configuration table from it."""
     importlib.import_module("vexact_vllm.kernels.gemm_triton")
-    fwd, bwd = interpreted_modules(MODULES)
-    mods = types.SimpleNamespace(fwd=fwd, bwd=bwd)
+    fwd, bwd, align = interpreted_modules(MODULES)
+    mods = types.SimpleNamespace(fwd=fwd, bwd=bwd, align=align)
     try:  # Triton 3.6's interpreter calls int() on 1-element arrays, which numpy >= 2.5 refuses
         fwd.fused_moe_triton(*_inputs(1, 16, 2, 8, 1))
     except Exception as e:
@@ -209,9 +211,33 @@ def test_block_k_is_the_dense_linears(mt):
             assert gate_up.block_m == down.block_m >= 64  # one layout; wgmma-sized tiles on CUDA
 
 
+def _align_reference(topk_ids, n_experts, block_m):
+    """The layout by torch ops (a stable sort of the ids): rows, tile_expert, tile_start, entry_row."""
+    n = topk_ids.numel()
+    flat = topk_ids.reshape(-1).long()
+    flat = torch.where((flat >= 0) & (flat < n_experts), flat, n_experts)  # bad ids: bucket E, no tiles
+    sorted_ids, order = torch.sort(flat, stable=True)
+    starts = torch.searchsorted(sorted_ids, torch.arange(n_experts + 1))
+    tiles = (starts[1:] - starts[:-1] + block_m - 1) // block_m
+    tile_start = torch.zeros(n_experts + 1, dtype=torch.int64)
+    tile_start[1:] = torch.cumsum(tiles, 0)
+    num_tiles = -(-n // block_m) + min(n_experts, n)
+    capacity = num_tiles * block_m
+    safe = sorted_ids.clamp(max=n_experts - 1)
+    dest = tile_start[safe] * block_m + torch.arange(n) - starts[safe]
+    dest = torch.where(sorted_ids < n_experts, dest, capacity)
+    rows = torch.full((capacity + 1,), -1, dtype=torch.int32)
+    rows[dest] = order.to(torch.int32)
+    entry_row = torch.empty(n, dtype=torch.int64)
+    entry_row[order] = dest
+    tile_expert = torch.searchsorted(tile_start[1:], torch.arange(num_tiles), right=True)
+    return rows[:capacity], tile_expert.to(torch.int32), tile_start.to(torch.int32), entry_row
+
+
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_align_layout(mt, block_m):
-    for n_tokens, n_experts, top_k in ((1, 8, 3), (17, 6, 2), (100, 4, 1), (33, 128, 8)):
+    cases = ((1, 8, 3), (17, 6, 2), (100, 4, 1), (33, 128, 8), (70, 300, 4), (9, 5, 5), (600, 8, 2))
+    for n_tokens, n_experts, top_k in cases:
         ids = torch.rand(n_tokens, n_experts).argsort(-1)[:, :top_k].contiguous()
         if n_tokens == 100:
             ids.zero_()  # every entry on expert 0
@@ -229,6 +255,26 @@ def test_align_layout(mt, block_m):
         used = layout.tile_start[-1].item()
         assert (layout.tile_expert[used:] == n_experts).all() and (layout.rows[used * block_m :] == -1).all()
         assert torch.equal(layout.rows[layout.entry_row].long(), torch.arange(n))
+        for got, want in zip(layout[:4], _align_reference(ids, n_experts, block_m)):
+            assert torch.equal(got, want)
+
+
+def test_align_bad_ids_and_int32(mt):
+    """Ids outside [0, E) (not refused on CUDA) get the spare row and no tile; int32 ids, the same
+    layout as int64; more entries than one chunk's worth with a large E (several chunks, scan steps)."""
+    ids = torch.randint(-2, 9, (300, 3))  # E = 7: -2, -1, 7, 8 are bad
+    for block_m in (16, 64):
+        layout = mt.fwd._align(ids, 7, block_m)
+        for got, want in zip(layout[:4], _align_reference(ids, 7, block_m)):
+            assert torch.equal(got, want)
+        bad = ((ids < 0) | (ids >= 7)).reshape(-1)
+        assert (layout.entry_row[bad] == layout.rows.numel()).all()
+        assert torch.equal(mt.fwd._align(ids.int(), 7, block_m)[0], layout.rows)
+    ids = torch.randint(0, 1000, (200, 8))
+    for got, want in zip(mt.fwd._align(ids, 1000, 64)[:4], _align_reference(ids, 1000, 64)):
+        assert torch.equal(got, want)
+    empty = mt.fwd._align(ids[:0], 1000, 64)
+    assert empty.rows.numel() == empty.tile_expert.numel() == empty.entry_row.numel() == 0
 
 
 def test_combine_equals_torch_and_poisons_bad_ids(small):
