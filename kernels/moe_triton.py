@@ -177,19 +177,21 @@ def _grouped_gemm_kernel(
         else:
             a_rows = offs_m.to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+        n_ok = (offs_n < N)[None, :]
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = A + a_rows[:, None] * stride_am + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-        b_ptrs = B + expert.to(tl.int64) * stride_be + cols[None, :] * stride_bn + offs_k[:, None] * stride_bk
+        # Columns past N masked (not clamped to a valid column): the backward reads B with unit stride
+        # in N, and a clamp would hide that contiguity from the compiler (scalar loads, ~10x slower).
+        b_ptrs = B + expert.to(tl.int64) * stride_be + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k[:, None] * stride_bk
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         for ki in range((K + BLOCK_K - 1) // BLOCK_K):
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                b = tl.load(b_ptrs)
+                b = tl.load(b_ptrs, mask=n_ok, other=0.0)
             else:
                 k_left = K - ki * BLOCK_K
                 a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
-                b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+                b = tl.load(b_ptrs, mask=n_ok & (offs_k[:, None] < k_left), other=0.0)
             if DOT_FP32:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
@@ -198,10 +200,10 @@ def _grouped_gemm_kernel(
             b_ptrs += BLOCK_K * stride_bk
         if OUT_BY_ENTRY:
             out_rows = tl.where(row_ok, entry, 0).to(tl.int64)
-            mask = row_ok[:, None] & (offs_n < N)[None, :]
+            mask = row_ok[:, None] & n_ok
         else:
             out_rows = offs_m.to(tl.int64)
-            mask = (offs_n < N)[None, :]
+            mask = n_ok
         tl.store(
             OUT + out_rows[:, None] * stride_om + offs_n[None, :], acc.to(OUT.dtype.element_ty), mask=mask
         )

@@ -48,6 +48,20 @@ def test_bench_refuses_unknown_configuration_and_bad_counts():
         main(["bench", "--model", "tiny-qwen3", "--configs", "vexact", "--repeats", "0"])
 
 
+@pytest.mark.parametrize("text", ["32,64", "64-32", "0-5", "a-b", "1-2-3", ""])
+def test_bench_refuses_bad_input_len_before_starting_vllm(text, capsys):
+    # "32,64" once reached the per-configuration children, each of which failed after vLLM's start-up.
+    with pytest.raises(SystemExit):
+        main(["bench", "--model", "tiny-qwen3", "--configs", "vexact", "--input-len", text])
+    assert "length range" in capsys.readouterr().err
+
+
+def test_input_len_accepts_a_range_or_one_length():
+    from vexact_vllm.cli.bench import length_range
+
+    assert length_range("64-511") == "64-511" and length_range("100") == "100-100"
+
+
 def test_run_order_alternates():
     names = ["stock", "stock-batch-invariant", "vexact"]
     assert bench.run_order(names, 3) == [

@@ -219,6 +219,18 @@ def run_bench(args) -> int:
     return 1 if any(r.get("failed") for r in results) else 0
 
 
+def length_range(text: str) -> str:
+    """argparse type of --input-len: "LO-HI" (inclusive) or "N", 1 <= LO <= HI; returned as "LO-HI"."""
+    parts = text.split("-")
+    try:
+        lo, hi = (int(parts[0]), int(parts[-1])) if len(parts) in (1, 2) else (0, -1)
+    except ValueError:
+        lo, hi = 0, -1
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a length range: write LO-HI (e.g. 64-511) or N, 1 <= LO <= HI")
+    return f"{lo}-{hi}"
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("--model", default="qwen3-1.7b-shape",
                         help="checkpoint directory, or a built-in model: qwen3-1.7b-shape (the default; only its "
@@ -227,7 +239,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--configs", help=f"comma-separated subset of {', '.join(CONFIGS)}, in the order of the "
                         "first repeat (default: all; stock-batch-invariant only on CUDA)")
     parser.add_argument("--num-prompts", type=int, default=256, help="requests in one pass of the workload")
-    parser.add_argument("--input-len", default="64-511", help="prompt length range, inclusive")
+    parser.add_argument("--input-len", type=length_range, default="64-511",
+                        help="prompt length range LO-HI, inclusive, or one length N")
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=7)
