@@ -41,6 +41,31 @@ def test_bench_reports_throughput(tiny_model, tmp_path, capsys):
     assert "| vexact | 2 |" in markdown and "--duration 0.3" in markdown
 
 
+def test_bench_profile_writes_the_kernel_table(tiny_model, tmp_path, capsys):
+    out, prof = tmp_path / "bench.json", tmp_path / "prof"
+    rc = main([
+        "bench", "--model", tiny_model("qwen3"), "--configs", "vexact", "--num-prompts", "3",
+        "--input-len", "8-12", "--output-len", "8", "--output", str(out), "--repeats", "1",
+        "--warmup-passes", "0", "--duration", "0", "--profile", str(prof), "--profile-steps", "2:3",
+        "--engine-kwargs", json.dumps({"kv_cache_memory_bytes": 64 << 20, "block_size": 32}),
+    ])  # fmt: skip
+    assert rc == 0
+    (result,) = json.loads(out.read_text())["results"]
+    (table_file,) = (prof / "vexact").glob("*profiler_out*.txt")
+    table = table_file.read_text()
+    assert "Name" in table and "Self CPU" in table and len(table.splitlines()) > 5
+    assert result["profile"] and result["profile"].splitlines()[1] == table.splitlines()[1]
+    assert result["passes"] == 1 and result["output_tokens"] == 3 * 8  # the profiled pass is not counted
+    assert "profile, " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("window", ["30", "-1:5", "3:0", "a:b"])
+def test_bench_refuses_bad_profile_window(window, capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--model", "tiny-qwen3", "--configs", "vexact", "--profile", "x", "--profile-steps", window])
+    assert "SKIP:STEPS" in capsys.readouterr().err
+
+
 def test_bench_refuses_unknown_configuration_and_bad_counts():
     with pytest.raises(SystemExit, match="unknown configuration"):
         main(["bench", "--model", "tiny-qwen3", "--configs", "fastest"])

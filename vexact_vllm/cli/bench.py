@@ -18,6 +18,8 @@ section for docs/BENCHMARKS.md; `--output` writes every run's numbers as JSON. A
 configurations run by default; without CUDA, stock-batch-invariant is left out (vLLM's
 batch-invariant mode is Triton kernels). A run that fails is reported and the others still run
 (exit 1). vLLM's logs, progress and each repeat's table go to stderr; stdout holds only the report.
+`--profile DIR` adds one untimed pass per run under vLLM's torch profiler (engine steps chosen by
+`--profile-steps`): where the time goes, per kernel, for each configuration (DIR/<configuration>).
 
 Default workload (the one ../shared/gpu reports stock vLLM on): the built-in `qwen3-1.7b-shape`
 (Qwen3-1.7B's config, 28 layers, hidden 2048, 16/8 heads of 128, vocabulary 151936) with dummy
@@ -77,7 +79,7 @@ def run_one(args) -> dict:
     llm = LLM(
         args.model, model_impl=CONFIGS[args.config]["model_impl"], dtype=args.dtype, seed=args.seed,
         load_format=args.load_format, skip_tokenizer_init=True, max_model_len=args.max_model_len,
-        enforce_eager=args.enforce_eager, **json.loads(args.engine_kwargs),
+        enforce_eager=args.enforce_eager, **profiler_kwargs(args), **json.loads(args.engine_kwargs),
     )  # fmt: skip
     startup = time.perf_counter() - t0
     prompts = [{"prompt_token_ids": p} for p in _requests(args)]
@@ -104,10 +106,60 @@ def run_one(args) -> dict:
     warmup = time.perf_counter() - t1
     passes = timed_passes(generate, args.duration, before=reset_prefix_cache)
     tokens, elapsed = sum(n for n, _ in passes), sum(s for _, s in passes)
-    return {"config": args.config, "startup_s": startup, "elapsed_s": elapsed, "output_tokens": tokens,
+    profile = None
+    if args.profile:  # one more pass, untimed, under vLLM's torch profiler (its engine-step window)
+        reset_prefix_cache()
+        llm.start_profile()
+        generate()
+        llm.stop_profile()
+        profile = profile_table(profiler_dir(args))
+    return {"profile": profile, "config": args.config, "startup_s": startup, "elapsed_s": elapsed, "output_tokens": tokens,
             "output_tok_s": tokens / elapsed, "warmup_s": warmup, "passes": len(passes),
             "pass_tokens": [n for n, _ in passes], "pass_s": [s for _, s in passes],
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"}  # fmt: skip
+
+
+def profiler_dir(args) -> str:
+    return os.path.join(os.path.abspath(args.profile), args.config)
+
+
+def profiler_kwargs(args) -> dict:
+    """LLM(...) arguments for --profile: vLLM's torch profiler over engine steps [skip, skip + steps)
+    of the profiled pass, without Python stacks; it writes a trace and a kernel table
+    (*profiler_out*.txt) into DIR/<configuration>."""
+    if not args.profile:
+        return {}
+    skip, steps = args.profile_steps
+    return {"profiler_config": {
+        "profiler": "torch", "torch_profiler_dir": profiler_dir(args), "torch_profiler_with_stack": False,
+        "delay_iterations": skip, "max_iterations": steps, "ignore_frontend": True,
+    }}  # fmt: skip
+
+
+def profile_table(directory: str, rows: int = 25) -> str | None:
+    """The first `rows` operator rows of the table vLLM's profiler wrote into `directory` (sorted by
+    device time on CUDA, by CPU time on CPU), or None if it wrote none."""
+    import glob
+
+    # profiler_out_0.txt from vLLM's GPU worker; its CPU worker names it rank0.profiler_out.txt
+    found = sorted(glob.glob(os.path.join(directory, "*profiler_out*.txt")))
+    if not found:
+        print(f"note: vLLM's profiler wrote no table in {directory}", file=sys.stderr)
+        return None
+    with open(found[0]) as f:
+        lines = f.read().splitlines()
+    return "\n".join(lines[: rows + 3])
+
+
+def profile_window(text: str) -> tuple[int, int]:
+    """argparse type of --profile-steps: "SKIP:STEPS", engine steps skipped then profiled, STEPS >= 1."""
+    try:
+        skip, steps = (int(v) for v in text.split(":"))
+    except ValueError:
+        skip, steps = -1, 0
+    if skip < 0 or steps < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: write SKIP:STEPS, e.g. 30:20 (SKIP >= 0, STEPS >= 1)")
+    return skip, steps
 
 
 def run_order(names: list[str], repeats: int) -> list[tuple[int, str]]:
@@ -169,6 +221,9 @@ def _run_child(name: str, repeat: int, args) -> dict:
     result = {**json.loads(line.removeprefix("VEXACT_BENCH ")), "repeat": repeat}
     print(f"{name} (repeat {repeat}): {result['output_tok_s']:.0f} output tok/s over {result['elapsed_s']:.1f} s "
           f"({result['passes']} passes), start-up {result['startup_s']:.1f} s", file=sys.stderr, flush=True)  # fmt: skip
+    if result.get("profile"):
+        print(f"{name} (repeat {repeat}) profile, in {args.profile}/{name}:\n{result['profile']}",
+              file=sys.stderr, flush=True)  # fmt: skip
     return result
 
 
@@ -263,11 +318,18 @@ def add_arguments(parser) -> None:
                         help="after the table, print a markdown section (date, device, commit, command, table) "
                         "for docs/BENCHMARKS.md")
     parser.add_argument("--output", help="write every run's numbers and the summary as JSON")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="after the timed passes, one more pass under vLLM's torch profiler: a trace and a "
+                        "kernel table per configuration in DIR/<configuration>; the table's top rows are printed")
+    parser.add_argument("--profile-steps", type=profile_window, default=(30, 20), metavar="SKIP:STEPS",
+                        help="engine steps of the profiled pass to skip, then to profile (default 30:20: past "
+                        "the default workload's prefill, decode steps)")
     parser.add_argument("--config", help=argparse.SUPPRESS)  # set for the per-configuration child
 
 
 FORWARDED = ("model", "num_prompts", "input_len", "output_len", "temperature", "seed", "dtype", "max_model_len",
-             "load_format", "vocab_limit", "enforce_eager", "engine_kwargs", "duration", "warmup_passes")
+             "load_format", "vocab_limit", "enforce_eager", "engine_kwargs", "duration", "warmup_passes", "profile",
+             "profile_steps")
 
 
 def forward_args(args) -> list[str]:
@@ -278,6 +340,8 @@ def forward_args(args) -> list[str]:
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             out += [flag] if value else []
+        elif isinstance(value, tuple):  # --profile-steps
+            out += [flag, ":".join(str(v) for v in value)]
         elif value is not None:
             out += [flag, str(value)]
     return out
