@@ -20,6 +20,7 @@ from ._autograd import backward_without_autocast
 from ._checks import SUPPORTED_DTYPES, check_dim, check_dtype, check_last_dim_contiguous, check_same_device
 from ._reduction import row_sum
 from .dispatch import backend_for
+from .gemm_slices import check_k_slices, combine_partials, slice_partials, tree_sum
 
 # Largest [m, n, K] fp32 product tensor formed at once (elements); only bounds memory.
 _PRODUCT_BUDGET = 1 << 20
@@ -43,6 +44,9 @@ def _linear_torch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if bias is not None:
         out = out + bias.float()
     return out
+
+
+linear_torch_fp32 = _linear_torch  # the K-sliced linear (`gemm_slices`) builds its slices from it
 
 
 def _grads_fp32(grad_out, x2, weight, bias_dtype, needs):
@@ -95,18 +99,37 @@ class _LinearTritonFunction(torch.autograd.Function):
     path's fp32 matmuls elsewhere (the Triton interpreter in tests)."""
 
     @staticmethod
-    def forward(ctx, x2, weight, bias, out_dtype):
+    def forward(ctx, x2, weight, bias, out_dtype, config_n=None):
         from .gemm_triton import linear_triton
 
         ctx.save_for_backward(x2, weight)
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return linear_triton(x2, weight, bias, out_dtype)
+        return linear_triton(x2, weight, bias, out_dtype, config_n)
 
     @staticmethod
     @backward_without_autocast
     def backward(ctx, grad_out):
         x2, weight = ctx.saved_tensors
-        return (*_grads_cublas(grad_out, x2, weight, ctx.bias_dtype, ctx.needs_input_grad), None)
+        return (*_grads_cublas(grad_out, x2, weight, ctx.bias_dtype, ctx.needs_input_grad), None, None)
+
+
+class _SlicedLinearFunction(torch.autograd.Function):
+    """Forward: `gemm_slices`' canonical K-sliced order on either backend. Backward: the backend's
+    `linear` backward (a gradient does not depend on how the forward ordered its sums)."""
+
+    @staticmethod
+    def forward(ctx, x2, weight, bias, out_dtype, k_slices, backend, config_n):
+        ctx.save_for_backward(x2, weight)
+        ctx.bias_dtype, ctx.backend = (None if bias is None else bias.dtype), backend
+        parts = slice_partials(x2, weight, k_slices, backend, config_n)
+        return combine_partials([tree_sum(parts)], bias, out_dtype)
+
+    @staticmethod
+    @backward_without_autocast
+    def backward(ctx, grad_out):
+        x2, weight = ctx.saved_tensors
+        grads = _GRADS[ctx.backend](grad_out, x2, weight, ctx.bias_dtype, ctx.needs_input_grad)
+        return (*grads, None, None, None, None)
 
 
 _IMPLS = {"torch": _LinearFunction.apply, "triton": _LinearTritonFunction.apply}
@@ -128,17 +151,7 @@ def linear_grads(
     return _GRADS[backend](grad_out, x2, weight, bias_dtype, needs)
 
 
-def linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """Batch-invariant `x @ weight.T + bias` with fp32 accumulation.
-
-    x: [..., K], weight: [N, K] (same dtype as x), bias: [N] or None -> [..., N] in `out_dtype`
-    (default x.dtype; the lm_head passes torch.float32).
-    """
+def _check_linear(x, weight, bias, out_dtype, k_slices=1):
     check_dtype("x", x)
     check_dtype("weight", weight)
     if weight.dtype != x.dtype:
@@ -155,12 +168,55 @@ def linear(
         if tuple(bias.shape) != (weight.shape[0],):
             raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
     check_same_device(x=x, weight=weight, bias=bias)
-    out_dtype = x.dtype if out_dtype is None else out_dtype
     if out_dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"out_dtype {out_dtype} is not supported; use torch.bfloat16 or torch.float32")
+    check_k_slices(weight.shape[1], k_slices)
 
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    *,
+    k_slices: int = 1,
+    config_n: int | None = None,
+) -> torch.Tensor:
+    """Batch-invariant `x @ weight.T + bias` with fp32 accumulation.
+
+    x: [..., K], weight: [N, K] (same dtype as x), bias: [N] or None -> [..., N] in `out_dtype`
+    (default x.dtype; the lm_head passes torch.float32). `k_slices` S > 1: K reduced in S equal
+    slices combined by `gemm_slices`' tree (the order a row-parallel layer split over T | S ranks
+    reproduces with `linear_partial` + `combine_partials`). `config_n`: on CUDA, reduce as for a
+    weight of that many rows (a column shard reproducing the whole weight's columns).
+    """
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    _check_linear(x, weight, bias, out_dtype, k_slices)
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
-    out = _IMPLS[backend_for(x)](x2, weight, bias, out_dtype)  # [M, N]
+    backend = backend_for(x)
+    if k_slices > 1:
+        out = _SlicedLinearFunction.apply(x2, weight, bias, out_dtype, k_slices, backend, config_n)
+    elif config_n is not None and backend == "triton":
+        out = _LinearTritonFunction.apply(x2, weight, bias, out_dtype, config_n)
+    else:
+        out = _IMPLS[backend](x2, weight, bias, out_dtype)  # [M, N]
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+@torch.no_grad()
+def linear_partial(
+    x: torch.Tensor, weight: torch.Tensor, k_slices: int, config_n: int | None = None
+) -> torch.Tensor:
+    """fp32 [..., N]: one tensor-parallel rank's share of a row-parallel `linear(..., k_slices=S)`.
+
+    weight [N, K / T] is the rank's contiguous K shard and x [..., K / T] its input shard; k_slices
+    = S / T, the whole layer's slices that fall in the shard. `combine_partials` of the ranks'
+    results, in rank order, equals `linear(x, weight, bias, out_dtype, k_slices=S)` bit for bit.
+    Inference only (no autograd).
+    """
+    _check_linear(x, weight, None, torch.float32, k_slices)
+    x2 = x.reshape(-1, x.shape[-1])
+    out = tree_sum(slice_partials(x2, weight, k_slices, backend_for(x), config_n))
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 

@@ -328,12 +328,18 @@ def _interpreted() -> bool:
 
 
 def linear_triton(
-    x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    config_n: int | None = None,
 ) -> torch.Tensor:
     """y [M, N] = x2 [M, K] @ weight [N, K]^T (+ bias [N]) in `out_dtype`, fp32 accumulation.
 
     x2 may be any 2-D view with unit stride in K (rows strided), likewise weight; bias contiguous.
-    CUDA tensors (CPU tensors only under TRITON_INTERPRET=1).
+    `config_n`: choose the configuration (so BLOCK_K, the reduction order) as for a weight of
+    config_n rows: a column shard of a larger weight (tensor parallelism) then reduces every column
+    exactly as the whole weight does. CUDA tensors (CPU tensors only under TRITON_INTERPRET=1).
     """
     check_dtype("x2", x2)
     check_dtype("weight", weight)
@@ -361,7 +367,7 @@ def linear_triton(
     y = torch.empty(m, n, dtype=out_dtype, device=x2.device)  # [M, N]
     if m == 0 or n == 0:
         return y
-    cfg = gemm_config(n, k, x2.dtype, m)
+    cfg = gemm_config(n if config_n is None else config_n, k, x2.dtype, m)
     while (
         out_dtype == torch.float32 and cfg.num_stages > 2 and _smem_bytes(cfg, x2.element_size(), 4) > _SMEM
     ):

@@ -40,15 +40,16 @@ its tl.dot reads bf16 as raw bits; bf16 -> fp32 is exact.
 """
 
 import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 
 from ._autograd import backward_without_autocast
 from .gemm_triton import gemm_config
+from .moe import check_moe_inputs
 from .moe_align_triton import _Layout
 from .moe_align_triton import align as _align
-from .moe import check_moe_inputs
 
 
 @triton.jit
