@@ -115,3 +115,15 @@ def test_cuda_route_is_batch_invariant_and_accurate(n_experts, top_k):
         for start, size in ((0, 1), (5, 7), (100, 1000), (2999, 1)):
             w, i = route(logits[start : start + size].clone(), top_k, norm)
             assert torch.equal(w, weights[start : start + size]) and torch.equal(i, ids[start : start + size])
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_training_variant_gives_the_same_weights():
+    """With a gradient the kernel also stores p (another compiled variant): the weights keep their bits,
+    so a PPO ratio of the rollout's own policy stays exactly 1."""
+    logits = torch.randn(700, 128, device="cuda") * 3
+    for norm in (False, True):
+        w, ids = route(logits, 8, norm)
+        w_grad, ids_grad = route(logits.clone().requires_grad_(), 8, norm)
+        assert torch.equal(w_grad.detach(), w) and torch.equal(ids_grad, ids)
