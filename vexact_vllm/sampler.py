@@ -97,6 +97,16 @@ def truncation(log_probs, top_k, top_p, min_p, host_top_k, host_top_p, host_min_
     )
 
 
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device` without waiting for the GPU: a copy from pageable memory would be
+    synchronous (it waits for every kernel queued before it); from torch's caching pinned allocator
+    it is asynchronous, and the allocator keeps the block until the copy has run."""
+    t = torch.from_numpy(array)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class VexactSampler(Sampler):
     """Reads seeds and positions from the model runner that owns it (V1 runner)."""
 
@@ -109,16 +119,15 @@ class VexactSampler(Sampler):
         return log_softmax(logits.float(), 1.0)
 
     def _rows(self, num_rows: int) -> dict[str, np.ndarray]:
-        """Per row (host arrays): temperature, seed, position of the token being sampled, greedy,
-        top_k, top_p, min_p; warm-up rows (no request) are greedy."""
+        """Per row (host arrays): temperature, seed, greedy, top_k, top_p, min_p; warm-up rows (no
+        request) are greedy. (The position of the token being sampled is the runner's device
+        `seq_lens`, read on the device in `forward`: reading it here would wait for the GPU.)"""
         batch = self.runner.input_batch
         rows = {
             "temperature": np.ones(num_rows, np.float32), "seed": np.zeros(num_rows, np.int64),
-            "position": np.zeros(num_rows, np.int64), "greedy": np.ones(num_rows, bool),
-            "top_k": np.zeros(num_rows, np.int64), "top_p": np.ones(num_rows, np.float32),
-            "min_p": np.zeros(num_rows, np.float32),
+            "greedy": np.ones(num_rows, bool), "top_k": np.zeros(num_rows, np.int64),
+            "top_p": np.ones(num_rows, np.float32), "min_p": np.zeros(num_rows, np.float32),
         }  # fmt: skip
-        seq_lens = self.runner.seq_lens[:num_rows].tolist()
         for i, req_id in enumerate(batch.req_ids[:num_rows]):
             state = self.runner.requests.get(req_id)
             if state is None or state.sampling_params is None:
@@ -129,7 +138,6 @@ class VexactSampler(Sampler):
             rows["greedy"][i] = greedy
             rows["temperature"][i] = 1.0 if greedy else params.temperature
             rows["seed"][i] = request_seed(req_id, params.seed)
-            rows["position"][i] = seq_lens[i]  # index of the token being sampled
             rows["top_k"][i] = params.top_k or 0
             rows["top_p"][i] = 1.0 if params.top_p is None else params.top_p
             rows["min_p"][i] = params.min_p or 0.0
@@ -139,7 +147,9 @@ class VexactSampler(Sampler):
         if predict_bonus_token:
             raise ValueError("speculative decoding is not supported with --model-impl vexact")
         rows = self._rows(logits.shape[0])
-        dev = {k: torch.from_numpy(v).to(logits.device) for k, v in rows.items()}
+        dev = {k: to_device(v, logits.device) for k, v in rows.items()}
+        # index of the token being sampled (its Gumbel noise key), on the device: no host sync
+        dev["position"] = self.runner.seq_lens[: logits.shape[0]].to(device=logits.device, dtype=torch.int64)
         log_probs = log_softmax(logits.float(), dev["temperature"])  # [B, V] fp32
         threshold = truncation(log_probs, dev["top_k"], dev["top_p"], dev["min_p"],
                                rows["top_k"], rows["top_p"], rows["min_p"])  # fmt: skip
