@@ -30,16 +30,21 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def test_table_has_both_paths(bench, tmp_path, capsys, one_thread):
-    # 2 x 160 = 320 rows: more than the fused log-prob's 256-row chunk, so it must chunk.
+def _run(bench, tmp_path, capsys, shape, seq_len, stock):
+    """One CPU step per path at std 0.3, batch 2: (the printed table, the rows by path)."""
     out = tmp_path / "trainer.json"
     rc = bench.main([
-        "--shape", "tiny", "--device", "cpu", "--batch", "2", "--seq-len", "160", "--steps", "1",
-        "--warmup", "0", "--stock", "sdpa-padded,sdpa-packed", "--init-std", "0.3", "--json", str(out),
+        "--shape", shape, "--device", "cpu", "--batch", "2", "--seq-len", str(seq_len), "--steps", "1",
+        "--warmup", "0", "--stock", stock, "--init-std", "0.3", "--json", str(out),
     ])  # fmt: skip
     table = capsys.readouterr().out
     assert rc == 0, table
-    rows = {r["path"]: r for r in json.loads(out.read_text())["rows"]}
+    return table, {r["path"]: r for r in json.loads(out.read_text())["rows"]}
+
+
+def test_table_has_both_paths(bench, tmp_path, capsys, one_thread):
+    # 2 x 160 = 320 rows: more than the fused log-prob's 256-row chunk, so it must chunk.
+    table, rows = _run(bench, tmp_path, capsys, "tiny", 160, "sdpa-padded,sdpa-packed")
     assert list(rows) == ["vexact", "stock-sdpa-padded", "stock-sdpa-packed"]
     t, vocab = 2 * 160, bench.TINY_SHAPE["vocab_size"]
     for name, r in rows.items():
@@ -67,13 +72,7 @@ def test_unknown_stock_path_is_refused(bench):
 def test_moe_shape_same_loss(bench, tmp_path, capsys, one_thread):
     # The Qwen3-MoE shapes build transformers' Qwen3MoeForCausalLM on the stock side; same seeded
     # weights (stacked experts included) give the same loss to bf16 rounding.
-    out = tmp_path / "trainer.json"
-    rc = bench.main([
-        "--shape", "tiny-moe", "--device", "cpu", "--batch", "2", "--seq-len", "48", "--steps", "1",
-        "--warmup", "0", "--stock", "sdpa-packed", "--init-std", "0.3", "--json", str(out),
-    ])  # fmt: skip
-    assert rc == 0, capsys.readouterr().out
-    rows = {r["path"]: r for r in json.loads(out.read_text())["rows"]}
+    _, rows = _run(bench, tmp_path, capsys, "tiny-moe", 48, "sdpa-packed")
     assert rows["stock-sdpa-packed"]["experts"] in ("eager", "grouped_mm")
     assert rows["vexact"]["loss"] > 9
     assert rows["stock-sdpa-packed"]["loss"] == pytest.approx(rows["vexact"]["loss"], rel=5e-4)

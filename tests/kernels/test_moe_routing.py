@@ -20,6 +20,15 @@ def _reference(logits, top_k, norm):
     return weights, ids
 
 
+def _reference_grad(logits, ids, g, norm):
+    """float64 d/d logits of sum(weights * g) for the given ids (the definition's weights)."""
+    ld = logits.detach().double().requires_grad_()
+    probs = torch.softmax(ld, dim=-1).gather(1, ids)
+    ref = probs / probs.sum(-1, keepdim=True) if norm else probs
+    (ref * g.double()).sum().backward()
+    return ld.grad
+
+
 def _logits(n_tokens, n_experts):
     return torch.randn(n_tokens, n_experts) * 3
 
@@ -117,11 +126,7 @@ def test_gradient_matches_float64_reference(n_tokens, n_experts, top_k, norm):
     g = torch.randn(n_tokens, top_k)
     weights, ids = route(logits, top_k, norm)
     (weights * g).sum().backward()
-    ld = logits.detach().double().requires_grad_()
-    probs = torch.softmax(ld, dim=-1).gather(1, ids)
-    ref = probs / probs.sum(-1, keepdim=True) if norm else probs
-    (ref * g.double()).sum().backward()
-    torch.testing.assert_close(logits.grad.double(), ld.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits.grad.double(), _reference_grad(logits, ids, g, norm), rtol=1e-5, atol=1e-6)
     first = logits.grad.clone()
     logits.grad = None  # deterministic: a second run gives the same bits
     route(logits, top_k, norm)[0].mul(g).sum().backward()

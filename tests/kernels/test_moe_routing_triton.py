@@ -9,6 +9,8 @@ pytest.importorskip("triton")  # imported here, in compiled mode, before any int
 
 from vexact_vllm.kernels import route  # noqa: E402
 
+from .test_moe_routing import _reference, _reference_grad  # noqa: E402  (the float64 definition)
+
 MODULE = "vexact_vllm.kernels.moe_routing_triton"
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -16,15 +18,6 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 @pytest.fixture(scope="module")
 def rt(import_interpreted):
     return import_interpreted(MODULE)
-
-
-def _reference(logits, top_k, norm):
-    probs = torch.softmax(logits.double(), dim=-1)
-    ids = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :top_k]
-    weights = probs.gather(1, ids)
-    if norm:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return weights, ids
 
 
 def _random_case(seed):
@@ -90,11 +83,7 @@ def test_interpreted_gradient_matches_float64(rt, n_tokens, n_experts, top_k, no
     no_grad_w, _ = rt.route_triton(logits.detach(), top_k, norm)
     assert torch.equal(weights.detach(), no_grad_w)  # storing p changes no bit of the weights
     (weights * g).sum().backward()
-    ld = logits.detach().double().requires_grad_()
-    probs = torch.softmax(ld, dim=-1).gather(1, ids)
-    ref = probs / probs.sum(-1, keepdim=True) if norm else probs
-    (ref * g.double()).sum().backward()
-    torch.testing.assert_close(logits.grad.double(), ld.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits.grad.double(), _reference_grad(logits, ids, g, norm), rtol=1e-5, atol=1e-6)
 
 
 def test_interpreted_empty_batch(rt):
