@@ -66,6 +66,42 @@ def test_bench_refuses_bad_profile_window(window, capsys):
     assert "SKIP:STEPS" in capsys.readouterr().err
 
 
+def test_workloads_fill_what_the_command_line_leaves_unset():
+    from types import SimpleNamespace
+
+    from vexact_vllm.cli.bench_workloads import WORKLOADS, apply_workload, requests
+
+    args = SimpleNamespace(workload="grpo", num_prompts=3, input_len=None, output_len="5-9", samples=None,
+                           max_model_len=None, seed=7, vocab_limit=400)  # fmt: skip
+    apply_workload(args)
+    assert (args.num_prompts, args.output_len) == (3, "5-9")  # given: kept
+    assert (args.input_len, args.samples, args.max_model_len) == ("256-1024", 8, 3072)  # the workload's
+    reqs = requests(args)
+    assert len(reqs) == 3 * 8 and len({r.seed for r in reqs}) == 24
+    for p in range(3):  # a prompt's samples: the same ids, their own seeds and lengths
+        group = reqs[p * 8 : (p + 1) * 8]
+        assert all(r.prompt == group[0].prompt for r in group) and 256 <= len(group[0].prompt) <= 1024
+        assert all(5 <= r.max_tokens <= 9 for r in group)
+    assert reqs[0].prompt != reqs[8].prompt
+    assert requests(args) == reqs  # every pass replays the same requests
+    assert set(WORKLOADS) == {"default", "long", "grpo", "decode-small"}
+
+
+def test_bench_runs_a_named_workload(tiny_model, tmp_path):
+    out = tmp_path / "bench.json"
+    rc = main([
+        "bench", "--model", tiny_model("qwen3"), "--configs", "vexact", "--workload", "grpo", "--num-prompts", "2",
+        "--samples", "3", "--input-len", "8-12", "--output-len", "3-5", "--max-model-len", "256", "--repeats", "1",
+        "--warmup-passes", "0", "--duration", "0", "--output", str(out),
+        "--engine-kwargs", json.dumps({"kv_cache_memory_bytes": 64 << 20, "block_size": 32}),
+    ])  # fmt: skip
+    assert rc == 0
+    report = json.loads(out.read_text())
+    (result,) = report["results"]
+    assert 6 * 3 <= result["output_tokens"] <= 6 * 5 and "workload grpo: 2 prompts of 8-12 tokens x 3 samples" in report["workload"]
+    assert "--workload" in report["forwarded"] and "--samples" in report["forwarded"]
+
+
 def test_bench_refuses_unknown_configuration_and_bad_counts():
     with pytest.raises(SystemExit, match="unknown configuration"):
         main(["bench", "--model", "tiny-qwen3", "--configs", "fastest"])
@@ -199,7 +235,8 @@ def test_run_bench_alternates_keeps_going_after_a_failure_and_prints_the_table_l
     assert rc == 1  # vexact's repeat 2 failed; every other run still ran
     assert calls == bench.run_order(["stock", "stock-batch-invariant", "vexact"], 3)
     stdout = capsys.readouterr().out.splitlines()
-    assert stdout[0].startswith("tiny-qwen3 (dummy weights), 256 prompts") and "5 s timed per run" in stdout[0]
+    assert stdout[0].startswith("tiny-qwen3 (dummy weights), workload default: 256 prompts of 64-511 tokens")
+    assert "5 s timed per run" in stdout[0]
     assert stdout[1].startswith("configuration") and stdout[4].startswith("vexact")
     assert stdout[-1] == "Failed: vexact: run of repeat 2: exit 1, see its log on stderr."
     assert any(ln.startswith("## ") and ln.endswith("Fake GPU") for ln in stdout)

@@ -25,7 +25,8 @@ Default workload (the one ../shared/gpu reports stock vLLM on): the built-in `qw
 (Qwen3-1.7B's config, 28 layers, hidden 2048, 16/8 heads of 128, vocabulary 151936) with dummy
 weights (only its config is written: `--load-format dummy` never reads weights), 256 prompts of
 64-511 random token ids below the vocabulary size, 256 output tokens, temperature 1, seed 7,
-CUDA graphs on (vLLM's default); one warm-up pass, 20 s timed per run, 3 repeats.
+CUDA graphs on (vLLM's default); one warm-up pass, 20 s timed per run, 3 repeats. `--workload`
+picks another request shape (`bench_workloads.py`: long, grpo, decode-small).
 """
 
 from __future__ import annotations
@@ -41,20 +42,13 @@ import time
 from collections.abc import Callable
 
 from .bench_report import git_commit, markdown_report, summarize, summary_table, to_table
+from .bench_workloads import WORKLOADS, apply_workload, describe, requests
 
 CONFIGS = {
     "stock": {"model_impl": "vllm", "env": {}},
     "stock-batch-invariant": {"model_impl": "vllm", "env": {"VLLM_BATCH_INVARIANT": "1"}},
     "vexact": {"model_impl": "vexact", "env": {}},
 }
-
-
-def _requests(args) -> list[list[int]]:
-    import random
-
-    rng = random.Random(args.seed)
-    lo, hi = (int(x) for x in args.input_len.split("-"))
-    return [[rng.randrange(10, args.vocab_limit) for _ in range(rng.randint(lo, hi))] for _ in range(args.num_prompts)]
 
 
 def timed_passes(generate: Callable[[], int], duration: float, before: Callable[[], object] = lambda: None,
@@ -82,12 +76,11 @@ def run_one(args) -> dict:
         enforce_eager=args.enforce_eager, **profiler_kwargs(args), **json.loads(args.engine_kwargs),
     )  # fmt: skip
     startup = time.perf_counter() - t0
-    prompts = [{"prompt_token_ids": p} for p in _requests(args)]
-    params = [
-        SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=args.temperature, seed=args.seed + i,
-                       detokenize=False)
-        for i in range(len(prompts))
-    ]  # fmt: skip
+    apply_workload(args)
+    reqs = requests(args)
+    prompts = [{"prompt_token_ids": r.prompt} for r in reqs]
+    params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=args.temperature, seed=r.seed,
+                             detokenize=False) for r in reqs]  # fmt: skip
 
     def reset_prefix_cache() -> None:  # else a repeated pass would skip most of its prefill
         for _ in range(20):  # vLLM says False while finished requests still hold blocks
@@ -245,6 +238,7 @@ def run_bench(args) -> int:
     if args.repeats < 1 or args.warmup_passes < 0 or args.duration < 0:
         raise SystemExit("error: --repeats must be at least 1, --warmup-passes and --duration at least 0")
     args.model_name = args.model
+    apply_workload(args)
     args.model = resolve_model(args.model, args.load_format)
     if args.vocab_limit is None:
         args.vocab_limit = _vocab_size(args.model)
@@ -254,8 +248,8 @@ def run_bench(args) -> int:
         results.append({**_run_child(name, repeat, args), "position": position})
         if position % len(names) == len(names) - 1:
             print(f"repeat {repeat}:\n{to_table(results[-len(names):])}", file=sys.stderr, flush=True)
-    workload = (f"{args.model_name} ({args.load_format} weights), {args.num_prompts} prompts of {args.input_len} "
-                f"tokens, {args.output_len} output tokens, temperature {args.temperature}, seed {args.seed}"
+    workload = (f"{args.model_name} ({args.load_format} weights), {describe(args)}, temperature {args.temperature}, "
+                f"seed {args.seed}"
                 f"{', eager' if args.enforce_eager else ''}; {args.warmup_passes} warm-up pass(es), "
                 f"{args.duration:g} s timed per run, {args.repeats} repeat(s) in alternating order")  # fmt: skip
     rows = summarize(results)
@@ -272,6 +266,16 @@ def run_bench(args) -> int:
                        "repeats": args.repeats, "duration_s": args.duration, "warmup_passes": args.warmup_passes,
                        **meta}, f, indent=1)  # fmt: skip
     return 1 if any(r.get("failed") for r in results) else 0
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
 
 
 def length_range(text: str) -> str:
@@ -293,14 +297,19 @@ def add_arguments(parser) -> None:
                         "dummy weights only), tiny-qwen3, tiny-qwen2, tiny-llama, tiny-qwen3-moe")
     parser.add_argument("--configs", help=f"comma-separated subset of {', '.join(CONFIGS)}, in the order of the "
                         "first repeat (default: all; stock-batch-invariant only on CUDA)")
-    parser.add_argument("--num-prompts", type=int, default=256, help="requests in one pass of the workload")
-    parser.add_argument("--input-len", type=length_range, default="64-511",
-                        help="prompt length range LO-HI, inclusive, or one length N")
-    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="default",
+                        help="named request shapes (vexact_vllm/cli/bench_workloads.py): default (256 prompts of "
+                        "64-511 tokens, 256 out), long (1-4k in, 4-8k out), grpo (64 prompts x 8 samples, 1-2k "
+                        "out), decode-small (16 requests, 1k out); the options below override its values")
+    parser.add_argument("--num-prompts", type=positive_int, help="prompts in one pass of the workload")
+    parser.add_argument("--input-len", type=length_range, help="prompt length range LO-HI, inclusive, or one length N")
+    parser.add_argument("--output-len", type=length_range,
+                        help="output length range LO-HI (drawn per request), or one length N")
+    parser.add_argument("--samples", type=positive_int, help="requests per prompt (same prompt, own seeds)")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--max-model-len", type=positive_int, help="default: the workload's (1024 for default)")
     parser.add_argument("--load-format", default="dummy", help="dummy weights are fine for throughput")
     parser.add_argument("--vocab-limit", type=int,
                         help="prompt token ids are drawn from [10, this) (default: the model's vocab_size)")
@@ -327,7 +336,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--config", help=argparse.SUPPRESS)  # set for the per-configuration child
 
 
-FORWARDED = ("model", "num_prompts", "input_len", "output_len", "temperature", "seed", "dtype", "max_model_len",
+FORWARDED = ("model", "workload", "num_prompts", "input_len", "output_len", "samples", "temperature", "seed", "dtype", "max_model_len",
              "load_format", "vocab_limit", "enforce_eager", "engine_kwargs", "duration", "warmup_passes", "profile",
              "profile_steps")
 
