@@ -20,7 +20,7 @@ from ._autograd import backward_without_autocast
 from ._checks import SUPPORTED_DTYPES, check_dim, check_dtype, check_last_dim_contiguous, check_same_device
 from ._reduction import row_sum
 from .dispatch import backend_for
-from .gemm_slices import check_k_slices, combine_partials, slice_partials, tree_sum
+from .gemm_slices import check_k_slices, combine_partials, tree_sum
 
 # Largest [m, n, K] fp32 product tensor formed at once (elements); only bounds memory.
 _PRODUCT_BUDGET = 1 << 20
@@ -44,9 +44,6 @@ def _linear_torch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if bias is not None:
         out = out + bias.float()
     return out
-
-
-linear_torch_fp32 = _linear_torch  # the K-sliced linear (`gemm_slices`) builds its slices from it
 
 
 def _grads_fp32(grad_out, x2, weight, bias_dtype, needs):
@@ -80,7 +77,7 @@ def _grads_cublas(grad_out, x2, weight, bias_dtype, needs):
 
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2, weight, bias, out_dtype):
+    def forward(ctx, x2, weight, bias, out_dtype, config_n=None):  # config_n: no configuration here
         ctx.save_for_backward(x2, weight)
         ctx.bias_dtype = None if bias is None else bias.dtype
         return _linear_torch(x2, weight, bias).to(out_dtype)
@@ -89,7 +86,7 @@ class _LinearFunction(torch.autograd.Function):
     @backward_without_autocast
     def backward(ctx, grad_out):
         x2, weight = ctx.saved_tensors
-        return (*_grads_fp32(grad_out, x2, weight, ctx.bias_dtype, ctx.needs_input_grad), None)
+        return (*_grads_fp32(grad_out, x2, weight, ctx.bias_dtype, ctx.needs_input_grad), None, None)
 
 
 class _LinearTritonFunction(torch.autograd.Function):
@@ -121,8 +118,7 @@ class _SlicedLinearFunction(torch.autograd.Function):
     def forward(ctx, x2, weight, bias, out_dtype, k_slices, backend, config_n):
         ctx.save_for_backward(x2, weight)
         ctx.bias_dtype, ctx.backend = (None if bias is None else bias.dtype), backend
-        parts = slice_partials(x2, weight, k_slices, backend, config_n)
-        return combine_partials([tree_sum(parts)], bias, out_dtype)
+        return combine_partials(slice_partials(x2, weight, k_slices, backend, config_n), bias, out_dtype)
 
     @staticmethod
     @backward_without_autocast
@@ -133,6 +129,21 @@ class _SlicedLinearFunction(torch.autograd.Function):
 
 
 _IMPLS = {"torch": _LinearFunction.apply, "triton": _LinearTritonFunction.apply}
+
+
+def slice_partials(x2, weight, k_slices: int, backend: str, config_n: int | None = None) -> list[torch.Tensor]:
+    """fp32 [M, N] partial of each of `gemm_slices`' K slices, in slice order, on `backend`."""
+    step = x2.shape[1] // k_slices
+    parts = []
+    for s in range(k_slices):
+        cols = slice(s * step, (s + 1) * step)
+        if backend == "torch":
+            parts.append(_linear_torch(x2[:, cols], weight[:, cols], None))
+        else:
+            from .gemm_triton import linear_triton
+
+            parts.append(linear_triton(x2[:, cols], weight[:, cols], None, torch.float32, config_n))
+    return parts
 _GRADS = {"torch": _grads_fp32, "triton": _grads_cublas}
 
 
@@ -196,10 +207,8 @@ def linear(
     backend = backend_for(x)
     if k_slices > 1:
         out = _SlicedLinearFunction.apply(x2, weight, bias, out_dtype, k_slices, backend, config_n)
-    elif config_n is not None and backend == "triton":
-        out = _LinearTritonFunction.apply(x2, weight, bias, out_dtype, config_n)
     else:
-        out = _IMPLS[backend](x2, weight, bias, out_dtype)  # [M, N]
+        out = _IMPLS[backend](x2, weight, bias, out_dtype, config_n)  # [M, N]
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 

@@ -12,7 +12,7 @@ Why a balanced tree: rank r of T holds the contiguous slices [r S/T, (r+1) S/T),
 subtree, so `linear_partial` on the rank's shard gives exactly that subtree's fp32 value, and
 `combine_partials` of the T ranks' partials (gathered in rank order) finishes the same tree. Any T
 dividing S gives the trainer's bits: no all-reduce whose order depends on an algorithm or a message
-size. S = 1 is the ordinary `linear`.
+size. S = 1 is the ordinary `linear`. The slices themselves are `gemm.slice_partials` (either backend).
 """
 
 from collections.abc import Sequence
@@ -37,23 +37,6 @@ def tree_sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     while len(parts) > 1:
         parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
     return parts[0]
-
-
-def slice_partials(x2, weight, k_slices: int, backend: str, config_n: int | None = None) -> list[torch.Tensor]:
-    """fp32 [M, N] partial of each K slice, in slice order, on `backend` ("torch" or "triton")."""
-    step = x2.shape[1] // k_slices
-    parts = []
-    for s in range(k_slices):
-        cols = slice(s * step, (s + 1) * step)
-        if backend == "torch":
-            from .gemm import linear_torch_fp32
-
-            parts.append(linear_torch_fp32(x2[:, cols], weight[:, cols], None))
-        else:
-            from .gemm_triton import linear_triton
-
-            parts.append(linear_triton(x2[:, cols], weight[:, cols], None, torch.float32, config_n))
-    return parts
 
 
 def combine_partials(partials: Sequence[torch.Tensor], bias: torch.Tensor | None, out_dtype: torch.dtype):

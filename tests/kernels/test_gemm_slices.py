@@ -103,7 +103,7 @@ def test_interpreted_triton_ranks_and_column_shards(import_interpreted, monkeypa
     pytest.importorskip("triton")
     gt = import_interpreted("vexact_vllm.kernels.gemm_triton")
     monkeypatch.setitem(__import__("sys").modules, "vexact_vllm.kernels.gemm_triton", gt)
-    from vexact_vllm.kernels.gemm_slices import slice_partials
+    from vexact_vllm.kernels.gemm import slice_partials
 
     x, w, b = _case(4)
     x2 = x.reshape(-1, x.shape[-1])
