@@ -46,21 +46,21 @@ import triton
 import triton.language as tl
 
 from ._autograd import backward_without_autocast
-from .gemm_triton import gemm_config
+from .gemm_triton import _tile_coords, gemm_config
 from .moe import check_moe_inputs
 from .moe_align_triton import _Layout
 from .moe_align_triton import align as _align
 
 
 @triton.jit
-def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """(pid_m, pid_n): GROUP_M row tiles share each column sweep (L2 reuse; order only)."""
-    tiles_per_group = GROUP_M * num_pid_n
-    first_pid_m = (tile_id // tiles_per_group) * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (tile_id % tiles_per_group) % group_size_m
-    pid_n = (tile_id % tiles_per_group) // group_size_m
-    return pid_m, pid_n
+def _tile_rows(tile, ROWS, top_k, BLOCK_M: tl.constexpr):
+    """(offs_m, entry, row_ok, token) of M tile `tile` of the expert-grouped layout: its padded rows,
+    the entry each holds (-1 = padding), which are real, and each entry's token (0 for padding)."""
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    entry = tl.load(ROWS + offs_m)
+    row_ok = entry >= 0
+    token = (tl.where(row_ok, entry, 0) // top_k).to(tl.int64)
+    return offs_m, entry, row_ok, token
 
 
 @triton.jit(do_not_specialize=["num_tiles_m"])
@@ -94,10 +94,7 @@ def _gate_up_kernel(
     expert = tl.load(TILE_EXPERT + pid_m)
     if expert < n_experts:
         # 1. Rows: the tokens of this tile's entries (padding reads zeros); columns past I read column 0.
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        entry = tl.load(ROWS + offs_m)
-        row_ok = entry >= 0
-        token = (tl.where(row_ok, entry, 0) // top_k).to(tl.int64)
+        offs_m, entry, row_ok, token = _tile_rows(pid_m, ROWS, top_k, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = tl.where(offs_n < inter, offs_n, 0).to(tl.int64)
         offs_k = tl.arange(0, BLOCK_K)
@@ -170,11 +167,9 @@ def _grouped_gemm_kernel(
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_tiles_m, num_pid_n, GROUP_M)
     expert = tl.load(TILE_EXPERT + pid_m)
     if expert < n_experts:
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        entry = tl.load(ROWS + offs_m)
-        row_ok = entry >= 0
+        offs_m, entry, row_ok, token = _tile_rows(pid_m, ROWS, top_k, BLOCK_M)
         if A_BY_TOKEN:
-            a_rows = (tl.where(row_ok, entry, 0) // top_k).to(tl.int64)
+            a_rows = token
         else:
             a_rows = offs_m.to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .moe import silu_and_mul_grad
-from .moe_triton import MoeConfig, _combine, _gate_up, _grouped_gemm, _Layout
+from .moe_triton import MoeConfig, _combine, _gate_up, _grouped_gemm, _Layout, _tile_rows
 
 
 @triton.jit
@@ -58,10 +58,7 @@ def _grouped_wgrad_kernel(
     k_ok = offs_k < K
     acc = tl.full((BLOCK_N, BLOCK_K), 0.0, tl.float32)
     for tile in range(tl.load(TILE_START + expert), tl.load(TILE_START + expert + 1)):
-        offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        entry = tl.load(ROWS + offs_m)
-        row_ok = entry >= 0
-        token = (tl.where(row_ok, entry, 0) // top_k).to(tl.int64)
+        offs_m, entry, row_ok, token = _tile_rows(tile, ROWS, top_k, BLOCK_M)
         if L_BY_TOKEN:
             l_rows = token
         else:

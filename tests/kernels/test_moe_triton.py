@@ -24,6 +24,7 @@ pytest.importorskip("triton")
 
 MODULES = (
     "vexact_vllm.kernels.moe_triton", "vexact_vllm.kernels.moe_triton_bwd", "vexact_vllm.kernels.moe_align_triton",
+    "vexact_vllm.kernels.gemm_triton",  # its tile-order helper runs inside the MoE kernels
 )
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 # (T, H, E, I, k): H and I not multiples of the 16-wide tiles (K tails, N tails), T odd
@@ -32,11 +33,12 @@ SHAPES = [(5, 40, 4, 24, 1), (17, 40, 6, 24, 2), (33, 24, 8, 20, 3), (17, 50, 5,
 
 @pytest.fixture(scope="module")
 def mt(interpreted_modules):
-    """moe_triton and moe_triton_bwd imported afresh with TRITON_INTERPRET=1 (they take CPU tensors), as
-    a namespace (fwd, bwd); later imports get the compiled kernels. gemm_triton is imported first,
-    compiled: moe_triton only takes its configuration table from it."""
+    """moe_triton, moe_triton_bwd, moe_align_triton (and gemm_triton, whose _tile_coords the MoE kernels
+    call) imported afresh with TRITON_INTERPRET=1 (they take CPU tensors), as a namespace (fwd, bwd,
+    align); later imports get the compiled kernels (gemm_triton is imported compiled first, so that
+    the compiled module comes back after)."""
     importlib.import_module("vexact_vllm.kernels.gemm_triton")
-    fwd, bwd, align = interpreted_modules(MODULES)
+    fwd, bwd, align, _ = interpreted_modules(MODULES)
     mods = types.SimpleNamespace(fwd=fwd, bwd=bwd, align=align)
     try:  # Triton 3.6's interpreter calls int() on 1-element arrays, which numpy >= 2.5 refuses
         fwd.fused_moe_triton(*_inputs(1, 16, 2, 8, 1))
