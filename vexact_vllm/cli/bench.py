@@ -76,7 +76,6 @@ def run_one(args) -> dict:
         enforce_eager=args.enforce_eager, **profiler_kwargs(args), **json.loads(args.engine_kwargs),
     )  # fmt: skip
     startup = time.perf_counter() - t0
-    apply_workload(args)
     reqs = requests(args)
     prompts = [{"prompt_token_ids": r.prompt} for r in reqs]
     params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=args.temperature, seed=r.seed,
@@ -231,6 +230,7 @@ def _command_line(args) -> str:
 
 
 def run_bench(args) -> int:
+    apply_workload(args)  # a no-op in the child, which gets every field on its command line
     if args.config:  # child process
         print("VEXACT_BENCH " + json.dumps(run_one(args)), flush=True)
         return 0
@@ -238,7 +238,6 @@ def run_bench(args) -> int:
     if args.repeats < 1 or args.warmup_passes < 0 or args.duration < 0:
         raise SystemExit("error: --repeats must be at least 1, --warmup-passes and --duration at least 0")
     args.model_name = args.model
-    apply_workload(args)
     args.model = resolve_model(args.model, args.load_format)
     if args.vocab_limit is None:
         args.vocab_limit = _vocab_size(args.model)
