@@ -79,6 +79,8 @@ class SparseMoeBlock(nn.Module):
 # Checkpoints on disk (and verl's weight sync, which unfuses the experts) name each expert's tensors.
 _EXPERT_TENSOR = re.compile(r"^(?P<base>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<part>gate_proj|up_proj|down_proj)\.weight$")
 EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
+# Each stacked parameter (the last part of its name) and the per-expert parts it holds, in row order.
+STACKED_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
 def expert_tensor(name: str) -> tuple[str, int, str] | None:
@@ -87,7 +89,7 @@ def expert_tensor(name: str) -> tuple[str, int, str] | None:
     m = _EXPERT_TENSOR.match(name)
     if m is None:
         return None
-    stacked = "gate_up_proj" if m["part"] != "down_proj" else "down_proj"
+    stacked = next(key for key, parts in STACKED_PARTS.items() if m["part"] in parts)
     return f"{m['base']}.{stacked}", int(m["expert"]), m["part"]
 
 

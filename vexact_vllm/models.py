@@ -27,7 +27,7 @@ from vexact_vllm.kernels.gemm import warm_up_linear
 from vexact_vllm.model_patches.config import DecoderConfig, UnsupportedModelError
 from vexact_vllm.model_patches.layers import Linear, PackedLinear, pack_projections
 from vexact_vllm.model_patches.models import build_decoder
-from vexact_vllm.model_patches.moe import Router, expert_rows, expert_tensor
+from vexact_vllm.model_patches.moe import STACKED_PARTS, Router, expert_rows, expert_tensor
 
 from .attention import VexactAttentionBackend
 from .engine_checks import refuse_unsupported_engine
@@ -163,8 +163,7 @@ class VllmVexactForCausalLM(nn.Module):
                 parts.setdefault(target[0], set()).add(target[1:])
         for stacked, written in parts.items():
             experts = params[stacked].shape[0]
-            names = ("down_proj",) if stacked.endswith(".down_proj") else ("gate_proj", "up_proj")
-            if len(written) == experts * len(names):
+            if len(written) == experts * len(STACKED_PARTS[stacked.rsplit(".", 1)[1]]):
                 loaded.add(stacked)
         return loaded
 
