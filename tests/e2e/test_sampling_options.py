@@ -104,16 +104,9 @@ def test_truncated_sampling_is_batch_invariant(served):
         assert a.logprobs == b.logprobs
 
 
-# vLLM 0.26 runs MoE architectures on its model runner V1, whose own `_compute_slot_mapping_kernel`
-# (vllm/v1/worker/block_table.py) compiled a new variant while serving on the H200 (docs/BENCHMARKS.md,
-# session 6); the vexact kernels did not. Expected to pass once the vexact MoE runs on runner V2.
-_V1_RUNNER_JIT = pytest.mark.xfail(strict=True, reason="vLLM's V1 runner compiles _compute_slot_mapping_kernel")
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize(("arch", "eager"), [("qwen3", False), ("qwen3", True),
-                                             pytest.param("qwen3_moe", False, marks=_V1_RUNNER_JIT)])
+@pytest.mark.parametrize(("arch", "eager"), [("qwen3", False), ("qwen3", True), ("qwen3_moe", False)])
 def test_no_kernel_compiles_while_serving(tiny_model, arch, eager):
     """vLLM's JIT monitor in error mode: a Triton compilation after warm-up kills the engine."""
     from vllm import SamplingParams

@@ -309,3 +309,37 @@ def test_post_condition_is_installed_on_vllms_worker():
     assert any(row.replace is wrap_worker_load_model for row in table.rows)
     assert table.is_installed() and Worker.__dict__["load_model"]._vexact
     assert CPUWorker.load_model is Worker.load_model  # the CPU worker loads through the same method
+
+
+# --- runner V2 for vexact models on vLLM 0.26 ----------------------------------------------------
+
+
+@pytest.mark.parametrize(("model_impl", "runner_type", "is_moe", "expected"), [
+    ("vexact", "generate", True, True),  # 0.26's rule would say V1 (MoE)
+    ("vexact", "generate", False, True),
+    ("vexact", "pooling", True, False),
+    ("auto", "generate", True, "original"),
+    ("vllm", "generate", False, "original"),
+])  # fmt: skip
+def test_vexact_models_default_to_runner_v2(model_impl, runner_type, is_moe, expected):
+    from vexact_vllm.runner_hooks import wrap_default_v2_runner
+
+    calls = []
+
+    def original(self):
+        calls.append(self)
+        return "original"
+
+    config = SimpleNamespace(model_config=SimpleNamespace(model_impl=model_impl, runner_type=runner_type,
+                                                          is_moe=is_moe))  # fmt: skip
+    assert wrap_default_v2_runner(original)(config) == expected
+    assert calls == ([config] if expected == "original" else [])
+    assert wrap_default_v2_runner(original)(SimpleNamespace(model_config=None)) == "original"
+
+
+def test_runner_v2_row_exactly_where_vllm_has_the_rule():
+    table = _vllm_table()
+    from vllm.config import VllmConfig
+
+    rows = [r for r in table.rows if r.target.endswith("_is_default_v2_model_runner_model")]
+    assert len(rows) == int(hasattr(VllmConfig, "_is_default_v2_model_runner_model"))
