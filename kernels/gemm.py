@@ -230,13 +230,19 @@ def linear_partial(
 
 
 @torch.no_grad()
-def warm_up_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> None:
-    """Compile every kernel variant `linear(x, weight, bias, out_dtype)` can launch, whatever M (one
-    call per tile bucket: `gemm_triton.warmup_sizes`). Nothing to do off CUDA."""
+def warm_up_linear(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    config_n: int | None = None,
+) -> None:
+    """Compile every kernel variant `linear(x, weight, bias, out_dtype, config_n=config_n)` can launch,
+    whatever M (one call per tile bucket: `gemm_triton.warmup_sizes`). Nothing to do off CUDA."""
     if backend_for(weight) != "triton":
         return
     from .gemm_triton import warmup_sizes
 
     n, k = weight.shape
-    for m in warmup_sizes(n, k, weight.dtype):
-        linear(torch.zeros(m, k, dtype=weight.dtype, device=weight.device), weight, bias, out_dtype)
+    for m in warmup_sizes(n if config_n is None else config_n, k, weight.dtype):
+        x = torch.zeros(m, k, dtype=weight.dtype, device=weight.device)
+        linear(x, weight, bias, out_dtype, config_n=config_n)

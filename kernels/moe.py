@@ -51,7 +51,7 @@ from .dispatch import backend_for, reference_mode
 from .gemm import linear
 
 
-def check_moe_inputs(x, w_gate_up, w_down, topk_ids, topk_weights) -> None:
+def check_moe_inputs(x, w_gate_up, w_down, topk_ids, topk_weights, down_shape=None) -> None:
     """Shapes, dtypes, contiguity and device of `fused_moe`'s inputs (shared with the Triton launcher).
     Expert ids are checked against [0, E) on CPU tensors only: on CUDA the check would synchronise
     with the host in every MoE layer (and cannot run inside CUDA-graph capture); the Triton path
@@ -73,9 +73,10 @@ def check_moe_inputs(x, w_gate_up, w_down, topk_ids, topk_weights) -> None:
             f"w_gate_up {tuple(w_gate_up.shape)} must be [E, 2I, H] with E, I >= 1 and H = x.shape[1] "
             f"= {x.shape[1]}"
         )
-    if tuple(w_down.shape) != (n_experts, hidden, inter):
+    down_shape = (n_experts, hidden, inter) if down_shape is None else down_shape  # [E, H, I]
+    if tuple(w_down.shape) != tuple(down_shape):
         raise ValueError(
-            f"w_down must have shape {(n_experts, hidden, inter)} = [E, H, I], got {tuple(w_down.shape)}"
+            f"w_down must have shape {tuple(down_shape)} = [E, H, I], got {tuple(w_down.shape)}"
         )
     check_int("topk_ids", topk_ids)
     check_dim("topk_ids", topk_ids, 2, "[T, k]")
@@ -213,3 +214,53 @@ def fused_moe(
     """
     check_moe_inputs(x, w_gate_up, w_down, topk_ids, topk_weights)
     return _IMPLS[backend_for(x)](x, w_gate_up, w_down, topk_ids, topk_weights)
+
+
+def _fused_moe_sharded_torch(x, w_gate_up, w_down, topk_ids, topk_weights, gather_act, inter, hidden):
+    n_tokens, top_k = topk_ids.shape
+    n_experts = w_gate_up.shape[0]
+    act = torch.empty(n_tokens * top_k, w_gate_up.shape[1] // 2, dtype=x.dtype, device=x.device)  # [n, I/T]
+    for e, entries in _expert_entries(topk_ids, n_experts):
+        act[entries] = silu_and_mul(linear(x[entries // top_k], w_gate_up[e], config_n=2 * inter))
+    act = gather_act(act)  # [n, I]
+    y = torch.empty(n_tokens * top_k, w_down.shape[1], dtype=torch.float32, device=x.device)  # [n, H/T]
+    for e, entries in _expert_entries(topk_ids, n_experts):
+        y[entries] = linear(act[entries], w_down[e], out_dtype=torch.float32, config_n=hidden)
+    products = topk_weights.reshape(-1, 1) * y
+    return _slot_sum(products, n_tokens, top_k).to(x.dtype)  # [T, H/T]
+
+
+def _fused_moe_sharded_triton(*args):
+    from .moe_triton import fused_moe_sharded_triton
+
+    return fused_moe_sharded_triton(*args)
+
+
+_SHARDED_IMPLS = {"torch": _fused_moe_sharded_torch, "triton": _fused_moe_sharded_triton}
+
+
+@torch.no_grad()
+def fused_moe_sharded(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gather_act,
+    inter: int,
+    hidden: int,
+) -> torch.Tensor:
+    """One tensor-parallel rank's columns [T, H_r] of `fused_moe` (inference only).
+
+    w_gate_up [E, 2 I_r, H]: the rank's block of each expert's gate rows, then of its up rows; w_down
+    [E, H_r, I]: the rank's block of each expert's output rows, with the full I. `gather_act` maps the
+    rank's activation columns [P, I_r] to all ranks' [P, I] (the group's all-gather, rank order).
+    `inter`, `hidden`: the whole layer's I and H, which choose every GEMM's configuration (so its
+    reduction order). Each output column is bit for bit `fused_moe`'s: the gate/up GEMM and
+    SiLU-and-mul are column-local, the gathered activation is the whole one, each down column reduces
+    the full I in the whole weight's order, and the combine is per column.
+    """
+    down_shape = (w_gate_up.shape[0], w_down.shape[1] if w_down.dim() == 3 else -1, inter)  # [E, H_r, I]
+    check_moe_inputs(x, w_gate_up, w_down, topk_ids, topk_weights, down_shape)
+    args = (x, w_gate_up, w_down, topk_ids, topk_weights, gather_act, inter, hidden)
+    return _SHARDED_IMPLS[backend_for(x)](*args)

@@ -345,6 +345,22 @@ def _forward(x, w_gate_up, w_down, topk_ids, topk_weights):
     return _combine(y, topk_weights.reshape(-1), topk_ids, n_experts, x.dtype), layout, cfg_gate_up
 
 
+def fused_moe_sharded_triton(x, w_gate_up, w_down, topk_ids, topk_weights, gather_act, inter, hidden):
+    """`moe.fused_moe_sharded` (one tensor-parallel rank's output columns): `_forward` with the whole
+    layer's configurations, the activation gathered between the two grouped GEMMs."""
+    n_experts = w_gate_up.shape[0]
+    n_tokens, top_k = topk_ids.shape
+    cfg_gate_up, cfg_down = forward_configs(hidden, inter, x.dtype)
+    layout = _align(topk_ids, n_experts, cfg_gate_up.block_m)
+    act, _ = _gate_up(x, w_gate_up, layout, cfg_gate_up, top_k, store_gu=False)  # [P, I_r]
+    act = gather_act(act)  # [P, I]
+    cols = w_down.shape[1]
+    y = torch.empty(n_tokens * top_k, cols, dtype=torch.float32, device=x.device)  # [n, H_r]
+    _grouped_gemm(act, w_down, w_down.stride(), cols, inter, y, layout, cfg_down,
+                  a_by_token=False, out_by_entry=True, top_k=top_k)  # fmt: skip
+    return _combine(y, topk_weights.reshape(-1), topk_ids, n_experts, x.dtype)  # [T, H_r]
+
+
 # The backward kernels reuse the launchers above; imported here, after them, to break the cycle.
 from .moe_triton_bwd import moe_backward  # noqa: E402
 

@@ -31,18 +31,33 @@ from vexact_vllm.kernels.gemm import linear_grads
 
 from .attention_context import AttentionContext
 from .config import DecoderConfig
+from .tensor_parallel import TensorParallel, kv_heads, mark_shard
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b) with the batch-invariant GEMM; weight [out, in] as in nn.Linear."""
+    """y = x W^T (+ b) with the batch-invariant GEMM; weight [out, in] as in nn.Linear.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    With `tp`, the rank's block of the output columns (tensor_parallel.py): weight [out / T, in],
+    launched with the whole layer's configuration (`config_n` = out), so each column has the bits of
+    the unsharded layer's."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, tp: TensorParallel | None = None
+    ):
         super().__init__()
+        self.config_n = None if tp is None else out_features
+        if tp is not None:
+            start, stop = tp.bounds(out_features)
+            out_features = stop - start
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        if tp is not None:
+            for p in (self.weight, self.bias):
+                if p is not None:
+                    mark_shard(p, tp.take)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, config_n=self.config_n)
 
 
 class PackedLinear(nn.Module):
@@ -71,6 +86,9 @@ class PackedLinear(nn.Module):
             raise ValueError("PackedLinear parts must all have a bias or all have none")
         self.parts = tuple(parts)  # a tuple is not registered: the parts keep their parent's names
         self.sizes = [p.weight.shape[0] for p in parts]  # N_i: y.split(self.sizes, -1) gives the parts
+        # Tensor-parallel shards: the whole stacked layer's N (sum of the parts' config_n).
+        sharded = [p.config_n for p in parts if p.config_n is not None]
+        self.config_n = sum(sharded) if sharded else None
         self.packed: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (W [N, K], b [N])
         self._packed_ptrs: tuple[int, ...] = ()  # each packed parameter's data_ptr, to detect replacement
 
@@ -105,7 +123,7 @@ class PackedLinear(nn.Module):
                     "..., or module.to()); write weights in place (param.copy_) or call pack_projections again"
                 )
             weight, bias = self.packed
-            return linear(x, weight, bias)
+            return linear(x, weight, bias, config_n=self.config_n)
         return _PackedLinearFunction.apply(x, len(self.parts), *self._params())
 
 
@@ -138,7 +156,11 @@ class _PackedLinearFunction(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
         weight = torch.cat(weights) if need_x else weights[0]  # [N, K]; dW needs no stacked weight
         grad_x, grad_w, grad_b = linear_grads(
-            ctx.backend, grad_out.reshape(-1, grad_out.shape[-1]), x2, weight, ctx.bias_dtype,
+            ctx.backend,
+            grad_out.reshape(-1, grad_out.shape[-1]),
+            x2,
+            weight,
+            ctx.bias_dtype,
             (need_x, need_w, need_b),
         )
         grads_w = grad_w.split(ctx.sizes) if grad_w is not None else [None] * n
@@ -150,9 +172,13 @@ class _PackedLinearFunction(torch.autograd.Function):
 def _pack_rows(params: list[nn.Parameter]) -> torch.Tensor:
     """One tensor [sum rows, ...] holding the params' values; each param's data becomes its rows."""
     first = params[0]
-    if any(p.dtype != first.dtype or p.device != first.device or p.shape[1:] != first.shape[1:] for p in params):
+    if any(
+        p.dtype != first.dtype or p.device != first.device or p.shape[1:] != first.shape[1:] for p in params
+    ):
         raise ValueError("packed parameters must share dtype, device and trailing shape")
-    packed = torch.empty((sum(p.shape[0] for p in params), *first.shape[1:]), dtype=first.dtype, device=first.device)
+    packed = torch.empty(
+        (sum(p.shape[0] for p in params), *first.shape[1:]), dtype=first.dtype, device=first.device
+    )
     start = 0
     with torch.no_grad():
         for p in params:
@@ -209,36 +235,71 @@ class RotaryCache:
 
 
 class MLP(nn.Module):
-    def __init__(self, config: DecoderConfig):
+    """SwiGLU MLP. With `tp`: the rank's I / T gate/up columns, the activation gathered, the rank's
+    H / T down_proj columns, the output gathered (tensor_parallel.py)."""
+
+    def __init__(self, config: DecoderConfig, tp: TensorParallel | None = None):
         super().__init__()
         h, i, b = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = Linear(h, i, b)
-        self.up_proj = Linear(h, i, b)
+        self.tp, self.sizes = tp, (i, h)
+        self.gate_proj = Linear(h, i, b, tp)
+        self.up_proj = Linear(h, i, b, tp)
         self.gate_up_proj = PackedLinear([self.gate_proj, self.up_proj])
-        self.down_proj = Linear(i, h, b)
+        self.down_proj = Linear(i, h, b, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]: gate then up, as silu_and_mul takes them
-        return self.down_proj(silu_and_mul(gate_up))
+        if self.tp is None:
+            return self.down_proj(silu_and_mul(gate_up))
+        act = self.tp.gather(silu_and_mul(gate_up), self.sizes[0])  # [T, I]
+        return self.tp.gather(self.down_proj(act), self.sizes[1])  # [T, H]
 
 
 class SelfAttention(nn.Module):
     """Grouped-query self-attention. T = tokens, Hq/Hkv = query/kv heads, D = head_dim.
 
     Family options come from the config: q/k/v bias (Qwen2, Llama attention_bias), o bias (Llama
-    attention_bias), per-head q/k RMSNorm before RoPE (Qwen3)."""
+    attention_bias), per-head q/k RMSNorm before RoPE (Qwen3).
 
-    def __init__(self, config: DecoderConfig, layer_idx: int):
+    With `tp`: the rank's query heads and their kv heads (`num_heads`, `num_kv_heads` are the rank's),
+    the heads' outputs gathered, the rank's H / T o_proj columns, the output gathered."""
+
+    def __init__(self, config: DecoderConfig, layer_idx: int, tp: TensorParallel | None = None):
         super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.layer_idx, self.tp = layer_idx, tp
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+        )
         self.scale = self.head_dim**-0.5
-        h, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = Linear(h, q_size, config.qkv_bias)
+        h, q_size, kv_size = (
+            config.hidden_size,
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        )
+        self.q_proj = Linear(h, q_size, config.qkv_bias, tp)
         self.k_proj = Linear(h, kv_size, config.qkv_bias)
         self.v_proj = Linear(h, kv_size, config.qkv_bias)
+        if tp is not None:
+            self.num_heads //= tp.size
+            first, self.num_kv_heads = kv_heads(config.num_heads, config.num_kv_heads, tp)
+            rows = (first * self.head_dim, self.num_kv_heads * self.head_dim)
+            for proj in (self.k_proj, self.v_proj):  # the rank's kv heads, reduced as the whole k/v's
+                proj.config_n = kv_size
+                for name in ("weight", "bias"):
+                    if getattr(proj, name) is not None:
+                        setattr(
+                            proj,
+                            name,
+                            nn.Parameter(getattr(proj, name)[rows[0] : sum(rows)].detach().clone()),
+                        )
+                        mark_shard(
+                            getattr(proj, name), lambda full, a=rows[0], n=rows[1]: full.narrow(0, a, n)
+                        )
         self.qkv_proj = PackedLinear([self.q_proj, self.k_proj, self.v_proj])
-        self.o_proj = Linear(q_size, h, config.o_bias)
+        self.o_proj = Linear(q_size, h, config.o_bias, tp)
+        self.sizes = (q_size, h)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -258,17 +319,22 @@ class SelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, positions, rope)
         out = attn.attend(self.layer_idx, q, k, v, self.scale)  # [T, Hq, D]
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        out = out.reshape(t, self.num_heads * self.head_dim)
+        if self.tp is None:
+            return self.o_proj(out)
+        return self.tp.gather(self.o_proj(self.tp.gather(out, self.sizes[0])), self.sizes[1])  # [T, H]
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm block; the residual stream is carried separately so each norm fuses the add. The
     feed-forward block (`mlp`: the dense MLP, or a family's MoE block) is the family's choice."""
 
-    def __init__(self, config: DecoderConfig, layer_idx: int, mlp: nn.Module):
+    def __init__(
+        self, config: DecoderConfig, layer_idx: int, mlp: nn.Module, tp: TensorParallel | None = None
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = SelfAttention(config, layer_idx)
+        self.self_attn = SelfAttention(config, layer_idx, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
 
@@ -285,33 +351,41 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """embed_tokens -> layers -> norm. Inputs are packed: input_ids [T], positions [T].
 
-    A family file subclasses this and chooses each layer's feed-forward block in `mlp`."""
+    A family file subclasses this and chooses each layer's feed-forward block in `mlp` (built with
+    `self.tp`). `tp`: this rank of a tensor-parallel group (vLLM only; tensor_parallel.py); None in
+    every trainer."""
 
-    def __init__(self, config: DecoderConfig):
+    def __init__(self, config: DecoderConfig, tp: TensorParallel | None = None):
         super().__init__()
-        self.config = config
+        self.config, self.tp = config, tp
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, self.mlp(config, i)) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, self.mlp(config, i), tp) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryCache(config)
 
     def mlp(self, config: DecoderConfig, layer_idx: int) -> nn.Module:
         """Layer `layer_idx`'s feed-forward block: the dense SwiGLU MLP unless a family says otherwise."""
-        return MLP(config)
+        return MLP(config, self.tp)
 
     # Gradient checkpointing: set by Hugging Face's `gradient_checkpointing_enable` (with the
     # checkpoint function in `_gradient_checkpointing_func`); training only. The recomputation runs
     # the same kernels on the same inputs, so it gives the same bits as the first forward.
     gradient_checkpointing = False
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
+    ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, H]
         rope = self.rotary.get(x.device)
         residual = None
         checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layers:
             if checkpointing:
-                x, residual = self._gradient_checkpointing_func(layer.__call__, x, residual, positions, rope, attn)
+                x, residual = self._gradient_checkpointing_func(
+                    layer.__call__, x, residual, positions, rope, attn
+                )
             else:
                 x, residual = layer(x, residual, positions, rope, attn)
         x, _ = self.norm.add(x, residual)

@@ -33,10 +33,11 @@ import torch
 from torch import nn
 
 from vexact_vllm.kernels import linear
-from vexact_vllm.kernels.moe import fused_moe
+from vexact_vllm.kernels.moe import fused_moe, fused_moe_sharded
 from vexact_vllm.kernels.moe_routing import route
 
 from .config import DecoderConfig
+from .tensor_parallel import TensorParallel, mark_shard
 
 
 class Router(nn.Module):
@@ -51,29 +52,43 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """`mlp.experts`: every expert's gate/up and down weights, stacked."""
+    """`mlp.experts`: every expert's gate/up and down weights, stacked. With `tp` (tensor_parallel.py)
+    the rank's block of each expert's gate rows and of its up rows [E, 2 I_r, H] and of its output
+    rows [E, H_r, I]."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TensorParallel | None = None):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        inter, hidden = intermediate_size, hidden_size
+        if tp is not None:
+            inter, hidden = (b - a for a, b in (tp.bounds(intermediate_size), tp.bounds(hidden_size)))
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate_size))
+        if tp is not None:
+            mark_shard(self.gate_up_proj, lambda full: tp.take_halves(full, 1), tp.take)
+            mark_shard(self.down_proj, lambda full: tp.take(full, 1), tp.take)
 
 
 class SparseMoeBlock(nn.Module):
     """Router + experts (see the module docstring). Forward hooks on `gate` see the router logits
     (the trainer's auxiliary load-balancing loss reads them there)."""
 
-    def __init__(self, config: DecoderConfig):
+    def __init__(self, config: DecoderConfig, tp: TensorParallel | None = None):
         super().__init__()
         moe = config.moe
-        self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
-        self.gate = Router(moe.num_experts, config.hidden_size)
-        self.experts = Experts(moe.num_experts, config.hidden_size, moe.intermediate_size)
+        self.top_k, self.norm_topk_prob, self.tp = moe.top_k, moe.norm_topk_prob, tp
+        self.sizes = (moe.intermediate_size, config.hidden_size)
+        self.gate = Router(moe.num_experts, config.hidden_size)  # replicated: routing on the full x
+        self.experts = Experts(moe.num_experts, config.hidden_size, moe.intermediate_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)  # [T, E] fp32
         weights, ids = route(logits, self.top_k, self.norm_topk_prob)  # [T, k] fp32, [T, k] int64
-        return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights)  # [T, H]
+        w_gate_up, w_down = self.experts.gate_up_proj, self.experts.down_proj
+        if self.tp is None:
+            return fused_moe(x, w_gate_up, w_down, ids, weights)  # [T, H]
+        inter, hidden = self.sizes
+        out = fused_moe_sharded(x, w_gate_up, w_down, ids, weights, lambda a: self.tp.gather(a, inter), inter, hidden)
+        return self.tp.gather(out, hidden)  # [T, H]
 
 
 # Checkpoints on disk (and verl's weight sync, which unfuses the experts) name each expert's tensors.

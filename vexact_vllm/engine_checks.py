@@ -4,7 +4,7 @@ One function per level, called from two places each:
 - `refuse_unsupported_model(model_config)`: the checkpoint (`DecoderConfig.from_hf`), the resolved
   dtype, `--quantization`, custom logits processors;
 - `refuse_unsupported_engine(vllm_config)`: the above plus the attention backend, the KV cache
-  dtype, tensor/pipeline parallelism, quantization, speculative decoding and LoRA.
+  dtype, pipeline parallelism, the tensor-parallel split of the heads, quantization, speculative decoding and LoRA.
 
 Where they run:
 1. In the front-end, while vLLM builds its configuration: `VexactModelConfig` is registered in
@@ -30,6 +30,7 @@ from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
 from vexact_vllm.model_patches.config import DecoderConfig, UnsupportedModelError, check_dtype
 from vexact_vllm.model_patches.families import BY_MODEL_TYPE
+from vexact_vllm.model_patches.tensor_parallel import check_tensor_parallel
 
 LOGITS_PROCESSOR_PLUGINS = "vllm.logits_processors"  # vLLM's entry-point group (LOGITSPROCS_GROUP)
 
@@ -109,11 +110,13 @@ def refuse_unsupported_engine(vllm_config) -> None:
             f"round the keys and values the trainer keeps in {model_dtype}); use --kv-cache-dtype auto"
         )
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+    if parallel.pipeline_parallel_size > 1:
         raise UnsupportedModelError(
-            "tensor/pipeline parallelism is not supported yet with --model-impl vexact; "
-            "use --tensor-parallel-size 1 --pipeline-parallel-size 1 (data parallel replicas are fine)"
+            "pipeline parallelism is not supported yet with --model-impl vexact; use "
+            "--pipeline-parallel-size 1 (tensor parallelism and data parallel replicas are fine)"
         )
+    config = DecoderConfig.from_hf(model_config.hf_config)
+    check_tensor_parallel(config.num_heads, config.num_kv_heads, parallel.tensor_parallel_size)
     if getattr(parallel, "enable_expert_parallel", False):
         raise UnsupportedModelError(
             "expert parallelism is not supported yet with --model-impl vexact (each rank would hold other "

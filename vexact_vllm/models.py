@@ -7,6 +7,13 @@ turns them into log-probs with the one log-prob function: on vLLM's model runner
 model's state class (`get_model_state_cls`, model_state.py), on the V1 runner (CPU) through
 runner_hooks.py (installed with vLLM's patch table by `register()`).
 
+Tensor parallelism (`--tensor-parallel-size T`): the decoder is built as this rank's shard
+(model_patches/tensor_parallel.py: every sharded GEMM column-parallel with the whole layer's
+configuration, all-gathers in between, no all-reduce), so every rank ends each layer with the full
+hidden state bit for bit equal to the unsharded model's; the lm_head is sharded over the vocabulary and
+its fp32 logits gathered, so every rank samples the same tokens from the same logits. `load_weights`
+cuts each rank's block from the whole Hugging Face tensors.
+
 CUDA graphs: the model is not torch.compile'd (compilation could reorder its reductions), so vLLM's
 piecewise graphs would capture nothing; the attention backend supports full graphs for any batch,
 so the model asks for FULL graphs where vLLM's default is FULL_AND_PIECEWISE (decode AND mixed
@@ -28,6 +35,7 @@ from vexact_vllm.model_patches.config import DecoderConfig, UnsupportedModelErro
 from vexact_vllm.model_patches.layers import Linear, PackedLinear, pack_projections
 from vexact_vllm.model_patches.models import build_decoder
 from vexact_vllm.model_patches.moe import STACKED_PARTS, Router, expert_rows, expert_tensor
+from vexact_vllm.model_patches.tensor_parallel import TensorParallel, kv_heads, shard_of
 
 from .attention import VexactAttentionBackend
 from .engine_checks import refuse_unsupported_engine
@@ -46,6 +54,21 @@ class PagedAttention:
         t, hq, d = q.shape
         out = self.layers[layer_idx](q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1))
         return out.view(t, hq, d)
+
+
+def tensor_parallel_group() -> TensorParallel | None:
+    """This worker's rank of vLLM's tensor-parallel group (None without tensor parallelism)."""
+    from vllm.distributed import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+        get_tp_group,
+    )
+
+    size = get_tensor_model_parallel_world_size()
+    if size == 1:
+        return None
+    group = get_tp_group()
+    return TensorParallel(get_tensor_model_parallel_rank(), size, lambda x: group.all_gather(x, dim=-1))
 
 
 def _full_cuda_graphs(vllm_config: VllmConfig) -> None:
@@ -70,15 +93,19 @@ class VllmVexactForCausalLM(nn.Module):
         hf_config = vllm_config.model_config.hf_config
         self.config = DecoderConfig.from_hf(hf_config)
         c = self.config
-        self.model = build_decoder(c)
+        self.tp = tp = tensor_parallel_group()
+        self.model = build_decoder(c, tp)
         pack_projections(self.model)  # fused q/k/v and gate/up weights in place, HF names kept
-        self.lm_head = None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size)
+        self.lm_head = None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size, tp=tp)
+        heads, kv = c.num_heads, c.num_kv_heads
+        if tp is not None:  # this rank's heads (SelfAttention's split)
+            heads, kv = heads // tp.size, kv_heads(heads, kv, tp)[1]
         self.attn = nn.ModuleList(
             Attention(
-                c.num_heads,
+                heads,
                 c.head_dim,
                 c.head_dim**-0.5,
-                num_kv_heads=c.num_kv_heads,
+                num_kv_heads=kv,
                 cache_config=vllm_config.cache_config,
                 prefix=f"{prefix}model.layers.{i}.self_attn.attn",
                 attn_backend=VexactAttentionBackend,
@@ -96,7 +123,15 @@ class VllmVexactForCausalLM(nn.Module):
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        """[V, H], or this rank's vocabulary block [V / T, H] (tied: a view of the embedding's rows)."""
+        if self.lm_head is not None:
+            return self.lm_head.weight
+        weight = self.model.embed_tokens.weight  # replicated on every rank
+        return weight if self.tp is None else self.tp.take(weight)
+
+    @property
+    def _lm_head_config_n(self) -> int | None:
+        return None if self.tp is None else self.config.vocab_size
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -117,16 +152,19 @@ class VllmVexactForCausalLM(nn.Module):
         parts = {id(p) for m in self.model.modules() if isinstance(m, PackedLinear) for p in m.parts}
         for m in self.model.modules():
             if isinstance(m, PackedLinear) and m.packed is not None:
-                warm_up_linear(*m.packed)
+                warm_up_linear(*m.packed, config_n=m.config_n)
             elif isinstance(m, Linear) and id(m) not in parts:
-                warm_up_linear(m.weight, m.bias)
+                warm_up_linear(m.weight, m.bias, config_n=m.config_n)
             elif isinstance(m, Router):  # an MoE router: fp32 logits
                 warm_up_linear(m.weight, out_dtype=torch.float32)
-        warm_up_linear(self.lm_head_weight, out_dtype=torch.float32)
+        warm_up_linear(self.lm_head_weight, out_dtype=torch.float32, config_n=self._lm_head_config_n)
         self._kernels_warm = True
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return linear(hidden_states, self.lm_head_weight, out_dtype=torch.float32)  # [N, V] fp32
+        logits = linear(
+            hidden_states, self.lm_head_weight, out_dtype=torch.float32, config_n=self._lm_head_config_n
+        )
+        return logits if self.tp is None else self.tp.gather(logits, self.config.vocab_size)  # [N, V] fp32
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Hugging Face-named tensors, the whole checkpoint or any bucket of it (RL weight sync). MoE
@@ -152,8 +190,10 @@ class VllmVexactForCausalLM(nn.Module):
                         f"checkpoint tensor {name!r} names expert {target[1]}, but the config has {param.shape[0]} experts"
                     )
                 dest = expert_rows(param.data, target[1], target[2])
+                tensor = shard_of(param, tensor, expert=True)
             else:
                 dest = param.data
+                tensor = shard_of(param, tensor)
             _check_tensor(name, tensor, dest)
             with torch.no_grad():
                 dest.copy_(tensor)

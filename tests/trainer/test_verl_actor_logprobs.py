@@ -72,15 +72,17 @@ def test_verl_actor_log_probs_equal_vllm(hooks, unmasked, vllm_rollouts, tiny_mo
 
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature", TEMPERATURES)
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
-def test_verl_masked_vocabulary_equals_masked_rollout(hooks, masked_rollouts_of, tiny_model, temperature, arch):
+@pytest.mark.parametrize(("arch", "tp"), [("qwen3", 1), ("qwen3_moe", 1), ("qwen3", 2), ("qwen3_moe", 2)])
+def test_verl_masked_vocabulary_equals_masked_rollout(hooks, masked_rollouts_of, tiny_model, temperature, arch, tp):
     """vLLM under verl's compute_logits mask (ids >= len(tokenizer) at -inf) vs verl's trainer with
-    the mask it builds from its own tokenizer: equal (dense and MoE); without the mask: not equal."""
+    the mask it builds from its own tokenizer: equal (dense and MoE; vLLM unsharded or at
+    tensor-parallel size 2, as verl's `rollout.tensor_model_parallel_size=2` starts it, against the
+    unsharded trainer); without the mask: not equal."""
     engine = build_engine(tiny_model(arch))
     assert type(engine.module).__name__ == {"qwen3": "VexactQwen3ForCausalLM", "qwen3_moe": "VexactQwen3MoeForCausalLM"}[arch]
     tokenizer_len, vocab = len(engine.model_config.tokenizer), engine.module.config.vocab_size
     assert tokenizer_len < vocab  # the tiny model has vocabulary rows past its tokenizer
-    rollouts = masked_rollouts_of(arch)[temperature]
+    rollouts = masked_rollouts_of(arch, tp)[temperature]
     _assert_equal_to_rollouts(_verl_log_probs(engine, rollouts, temperature), rollouts)
     mask = verl_hooks.rollout_vocab_mask(engine.model_config, vocab, torch.device("cpu"))
     assert int(mask.sum()) == tokenizer_len

@@ -42,7 +42,7 @@ REFUSED = {
         {"dtype": "float32", "kv_cache_dtype": "bfloat16"},
         "round the keys and values the trainer keeps in float32",
     ),
-    "tensor_parallel": ({"tensor_parallel_size": 2}, "use --tensor-parallel-size 1"),
+    "pipeline_parallel": ({"pipeline_parallel_size": 2}, "pipeline parallelism is not supported yet"),
     "logits_processors": ({"logits_processors": [_CustomProcessor]}, "custom logits processors .*_CustomProcessor"),
     "attention_backend": ({"attention_backend": "FLASH_ATTN"}, "--attention-backend FLASH_ATTN .* drop --attention-backend"),
     "dtype": ({"dtype": "float16"}, "dtype torch.float16 is not supported by vexact-vllm; use bfloat16 or float32"),
@@ -84,8 +84,15 @@ def test_llm_refuses_before_any_engine_starts(tiny_model):
     import vexact_vllm
 
     vexact_vllm.register()
-    with pytest.raises(ValueError, match="tensor/pipeline parallelism is not supported"):
-        LLM(model=tiny_model("qwen3"), model_impl="vexact", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="pipeline parallelism is not supported yet"):
+        LLM(model=tiny_model("qwen3"), model_impl="vexact", pipeline_parallel_size=2)
+
+
+def test_tensor_parallel_sizes_the_heads_take_are_accepted(tiny_model):
+    """The tiny Qwen3 has 4 heads and 2 kv heads: 2 and 4 split them (4: kv heads replicated)."""
+    for size in (2, 4):
+        config = _engine_config(tiny_model("qwen3"), model_impl="vexact", tensor_parallel_size=size)
+        assert config.parallel_config.tensor_parallel_size == size
 
 
 def test_every_vexact_architecture_has_the_config_hook():

