@@ -277,3 +277,17 @@ def test_git_commit(monkeypatch):
 
     monkeypatch.setattr(bench_report.subprocess, "run", no_git)
     assert bench_report.git_commit() == "unknown"
+
+
+def test_tensor_parallel_size_reaches_every_child():
+    """`--tensor-parallel-size` is forwarded to each configuration's process (stock and vexact alike)."""
+    import argparse
+
+    from vexact_vllm.cli.bench import add_arguments, forward_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    forwarded = forward_args(parser.parse_args(["--tensor-parallel-size", "2"]))
+    assert forwarded[forwarded.index("--tensor-parallel-size") + 1] == "2"
+    assert parser.parse_args(forwarded).tensor_parallel_size == 2
+    assert parser.parse_args([]).tensor_parallel_size == 1
