@@ -36,6 +36,7 @@ MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-1024}
 ACTOR_LR=${ACTOR_LR:-1e-6}
 ROLLOUT_N=${ROLLOUT_N:-5}
 ROLLOUT_GPU_MEM_UTIL=${ROLLOUT_GPU_MEM_UTIL:-0.6}
+ROLLOUT_TP=${ROLLOUT_TP:-1}  # vLLM tensor-parallel size of each rollout replica (NGPUS_PER_NODE / ROLLOUT_TP replicas)
 
 PROJECT_NAME=${PROJECT_NAME:-vexact_grpo_gsm8k}
 EXPERIMENT_NAME=${EXPERIMENT_NAME:-qwen3_$([ "$VEXACT" = 1 ] && echo vexact || echo stock)_${MODEL_ENGINE}}
@@ -103,8 +104,8 @@ ACTOR=(
 ROLLOUT=(
     actor_rollout_ref.rollout.name=vllm
     "${ROLLOUT_IMPL[@]}"
-    # vexact-vllm refuses tensor/pipeline parallel rollouts for now; stock runs the same layout.
-    actor_rollout_ref.rollout.tensor_model_parallel_size=1
+    # Tensor-parallel rollouts stay bitwise equal to the (FSDP, unsharded) trainer; must divide NGPUS_PER_NODE.
+    actor_rollout_ref.rollout.tensor_model_parallel_size="$ROLLOUT_TP"
     actor_rollout_ref.rollout.gpu_memory_utilization="$ROLLOUT_GPU_MEM_UTIL"
     actor_rollout_ref.rollout.n="$ROLLOUT_N"
     actor_rollout_ref.rollout.free_cache_engine=True

@@ -67,5 +67,15 @@ for key in "${METRICS[@]}"; do
         status=1
     fi
 done
+# Step time and its parts, vexact beside stock (reported, not judged).
+printf '\n%-34s %6s %16s %16s\n' timing step vexact stock
+for key in timing_s/step timing_s/gen timing_s/old_log_prob timing_s/update_actor timing_s/update_weights; do
+    vexact_rows=$(metric "$LOG_DIR/vexact1.log" "$key")
+    stock_rows=$(metric "$LOG_DIR/vexact0.log" "$key")
+    { [ -z "$vexact_rows" ] || [ -z "$stock_rows" ]; } && continue
+    awk -v key="$key" 'NR == FNR { stock[$1] = $2; next }
+        { printf "%-34s %6s %16.2f %16s\n", key, $1, $2, ($1 in stock ? sprintf("%.2f", stock[$1]) : "-") }' \
+        <(echo "$stock_rows") <(echo "${vexact_rows:-}")
+done
 [ "$status" = 0 ] && echo "PASS: vexact rollouts equal the trainer's log-probs (both metrics 0 at every step)"
 exit "$status"
