@@ -84,3 +84,16 @@ def test_bad_choices_are_refused():
     for env in ({"VEXACT": "yes"}, {"MODEL_ENGINE": "megatron"}):
         proc = subprocess.run(["bash", str(RECIPE)], env={**os.environ, "DRY_RUN": "1", **env}, capture_output=True)
         assert proc.returncode == 1 and proc.stdout == b""
+
+
+def test_rollout_tp_reaches_verl_and_its_checks_accept_it():
+    """ROLLOUT_TP=2 on two GPUs: verl's rollout tensor_model_parallel_size, accepted by verl's checks."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+
+    cfg = _compose(_overrides(RECIPE, ROLLOUT_TP="2", NGPUS_PER_NODE="2"))
+    rollout = cfg.actor_rollout_ref.rollout
+    assert rollout.tensor_model_parallel_size == 2 and cfg.trainer.n_gpus_per_node == 2
+    assert rollout.engine_kwargs.vllm.get("model_impl") == "vexact"
+    validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    omega_conf_to_dataclass(rollout)
