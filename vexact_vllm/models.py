@@ -57,13 +57,17 @@ class PagedAttention:
 
 
 def tensor_parallel_group() -> TensorParallel | None:
-    """This worker's rank of vLLM's tensor-parallel group (None without tensor parallelism)."""
+    """This worker's rank of vLLM's tensor-parallel group (None without tensor parallelism, or for a
+    model built outside a vLLM worker, where no group is initialised: tests, tools)."""
     from vllm.distributed import (
         get_tensor_model_parallel_rank,
         get_tensor_model_parallel_world_size,
         get_tp_group,
     )
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
 
+    if not model_parallel_is_initialized():
+        return None
     size = get_tensor_model_parallel_world_size()
     if size == 1:
         return None
