@@ -1,4 +1,8 @@
-"""verl's weight sync into a running vexact vLLM engine, on CPU: `python _weight_sync.py MODEL OUT_DIR`.
+"""verl's weight sync into a running vexact vLLM engine, on CPU: `python _weight_sync.py MODEL OUT_DIR [TP]`.
+
+TP: vLLM's tensor-parallel size (default 1). With TP > 1 every worker receives the whole trainer
+state from its own sender (verl's colocated trainer rank r feeds rollout rank r, socket `rank-r`),
+and each worker's `load_weights` cuts its shard.
 
 1. Start vLLM (`--model-impl vexact`) as verl's vLLM server does: dummy weights (`load_format=dummy`)
    and verl's worker extension (`vLLMColocateWorkerExtension`).
@@ -85,10 +89,10 @@ def verl_on_cpu(out_dir: Path) -> None:
     os.environ["VERL_REPLICA_RANK"] = "0"
 
 
-def zmq_handle() -> str:
-    """The handle the worker extension's `_get_zmq_handle` computes for local rank 0."""
+def zmq_handle(rank: int = 0) -> str:
+    """The handle the worker extension's `_get_zmq_handle` computes for local rank `rank`."""
     job, replica = os.environ["VERL_RAY_JOB_ID"], os.environ["VERL_REPLICA_RANK"]
-    return f"ipc:///tmp/rl-colocate-zmq-{job}-replica-{replica}-rank-0.sock"
+    return f"ipc:///tmp/rl-colocate-zmq-{job}-replica-{replica}-rank-{rank}.sock"
 
 
 def fp32_state(trainer) -> dict:
@@ -118,35 +122,38 @@ def perturb(trainer) -> list[tuple[str, object]]:
     return list(unfuse_moe_params(state.items()))
 
 
-def sync_weights(llm, weights) -> None:
-    """verl's ServerAdapter.update_weights without Ray: receiver via collective_rpc, sender here."""
+def sync_weights(llm, weights, tp: int = 1) -> None:
+    """verl's ServerAdapter.update_weights without Ray: receivers via collective_rpc, one sender per
+    rollout rank here."""
     from verl.utils.device import is_support_ipc
     from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
 
     use_shm = not is_support_ipc()  # ServerAdapter's choice; True on the CPU platform
     if not use_shm:
         raise RuntimeError("expected verl's shared-memory transport on CPU (is VERL_PLATFORM=cpu set?)")
-    sender = BucketedWeightSender(zmq_handle=zmq_handle(), bucket_size_mb=BUCKET_MB, use_shm=use_shm)
     errors: list[BaseException] = []
 
-    def send() -> None:
+    def send(rank: int) -> None:
         try:
+            sender = BucketedWeightSender(zmq_handle=zmq_handle(rank), bucket_size_mb=BUCKET_MB, use_shm=use_shm)
             asyncio.run(sender.async_send_weights(iter(weights)))
         except BaseException as e:  # reported by the main thread
             errors.append(e)
 
-    thread = threading.Thread(target=send, daemon=True)
-    thread.start()
+    threads = [threading.Thread(target=send, args=(rank,), daemon=True) for rank in range(tp)]
+    for thread in threads:
+        thread.start()
     llm.collective_rpc("update_weights_from_ipc", timeout=300, kwargs={"use_shm": use_shm})
-    thread.join(timeout=60)
-    if errors or thread.is_alive():
+    for thread in threads:
+        thread.join(timeout=60)
+    if errors or any(t.is_alive() for t in threads):
         raise RuntimeError(f"verl's weight sender failed: {errors or 'still running'}")
     llm.reset_prefix_cache()  # verl's clear_kv_cache after an update
 
 
 def model_state(worker) -> dict:
-    """Runs in the vLLM worker: each parameter's values (fp32 lists) and whether the packed
-    projections still view their packed tensors."""
+    """Runs in the vLLM worker: each parameter's values (fp32 lists), whether the packed
+    projections still view their packed tensors, and the worker's tensor-parallel rank."""
     from vexact_vllm.model_patches.layers import PackedLinear
 
     model = worker.model_runner.model
@@ -154,7 +161,27 @@ def model_state(worker) -> dict:
     return {
         "params": {n: p.detach().float().flatten().tolist() for n, p in model.named_parameters()},
         "packed": packed,
+        "rank": 0 if model.tp is None else model.tp.rank,
     }
+
+
+def trainer_shards(trainer, tp: int, rank: int) -> dict:
+    """The trainer's parameters as rank `rank` of `tp` holds them (fp32 lists): its decoder built as
+    that shard and loaded through the same `shard_of` cuts as the vLLM model's `load_weights`."""
+
+    from vexact_vllm.model_patches.models import build_decoder
+    from vexact_vllm.model_patches.tensor_parallel import TensorParallel, shard_of
+
+    full = dict(trainer.model.named_parameters())
+    if tp == 1:
+        return {f"model.{n}": p.detach().float().flatten().tolist() for n, p in full.items()}
+    group = TensorParallel(rank, tp, None)
+    shard = build_decoder(trainer.decoder_config, group)
+    out = {f"model.{n}": shard_of(p, full[n].detach()).float().flatten().tolist() for n, p in shard.named_parameters()
+           if n in full}  # fmt: skip
+    if not trainer.config.tie_word_embeddings:  # the vocabulary-sharded lm_head
+        out["lm_head.weight"] = group.take(trainer.lm_head.weight.detach()).float().flatten().tolist()
+    return out
 
 
 def discard_weights(worker) -> int:
@@ -170,7 +197,7 @@ def discard_weights(worker) -> int:
     return len(params)
 
 
-def main(model: str, out: Path) -> None:
+def main(model: str, out: Path, tp: int = 1) -> None:
     verl_on_cpu(out)
     import torch
 
@@ -178,31 +205,41 @@ def main(model: str, out: Path) -> None:
     from vexact_vllm.cli.rollout import RolloutSettings, _engine, _generate, _shutdown
     from vexact_vllm.cli.score import load_trainer
 
-    settings = RolloutSettings(model=model, max_model_len=256, max_tokens=12)
+    if tp > 1:
+        from vexact_vllm.cli.check import cpu_thread_binding
+
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tp))
+    extra = {"tensor_parallel_size": tp} if tp > 1 else {}
+    settings = RolloutSettings(model=model, max_model_len=256, max_tokens=12, extra=extra)
     prompt_ids = tokenize(model, list(PROMPTS), settings.max_model_len, settings.max_tokens)
     requests = [(ids, i) for i, ids in enumerate(prompt_ids)]  # (prompt, seed index)
     llm = _engine(settings, worker_extension_cls=EXTENSION, load_format="dummy")
     result = {}
     try:
         trainer = load_trainer(model, torch.bfloat16, torch.device("cpu"))
-        sync_weights(llm, list(fp32_state(trainer).items()))  # verl syncs before the first rollout
+        sync_weights(llm, list(fp32_state(trainer).items()), tp)  # verl syncs before the first rollout
         result["pre"] = _generate(llm, requests, settings)
         weights = perturb(trainer)
         trainer.save_pretrained(out / "perturbed")
-        sync_weights(llm, weights)
+        sync_weights(llm, weights, tp)
         result["post"] = _generate(llm, requests, settings)
-        state = llm.collective_rpc(model_state)[0]
+        states = llm.collective_rpc(model_state)
+        assert [s["rank"] for s in states] == list(range(tp)), [s["rank"] for s in states]
         trainer_params = {n: p.detach().float().flatten().tolist() for n, p in trainer.named_parameters()}
+        differ = set()
+        for state in states:  # each rank against the trainer's tensors cut as that rank holds them
+            want = {**trainer_params, **trainer_shards(trainer, tp, state["rank"])}
+            differ |= {n for n, v in state["params"].items() if want.get(n) != v}
         result["params"] = {
-            "differ": sorted(n for n, v in state["params"].items() if trainer_params.get(n) != v),
-            "packed": state["packed"],
-            "count": len(state["params"]),
+            "differ": sorted(differ),
+            "packed": [p for s in states for p in s["packed"]],
+            "count": sum(len(s["params"]) for s in states),
         }
         # verl's cycle: release after rollout, weights back, sync, kv cache back (vllm_async_server).
         llm.sleep(level=2)
         llm.wake_up(tags=["weights"])
         llm.collective_rpc(discard_weights)
-        sync_weights(llm, weights)
+        sync_weights(llm, weights, tp)
         llm.wake_up(tags=["kv_cache"])
         llm.reset_prefix_cache()
         result["woken"] = _generate(llm, requests, settings)
@@ -214,4 +251,4 @@ def main(model: str, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]))
+    main(sys.argv[1], Path(sys.argv[2]), *map(int, sys.argv[3:4]))

@@ -21,19 +21,21 @@ from vexact_vllm.cli.score import compare, load_trainer, trainer_log_probs
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])
+@pytest.fixture(scope="module", params=[("qwen3", 1), ("qwen3_moe", 1), ("qwen3_moe", 2)], ids=str)
 def synced(tiny_model, tmp_path_factory, request):
     """(original checkpoint, perturbed checkpoint, the script's JSON with rollouts as Rollout). The MoE
     model is synced once with stacked experts (the trainer's own names) and, after the perturbation,
-    with one tensor per expert (what verl's FSDP engine sends)."""
+    with one tensor per expert (what verl's FSDP engine sends); also into a tensor-parallel engine of
+    two workers, each cutting its shard from the whole tensors verl sends it."""
     for module in ("vllm", "verl", "zmq"):
         pytest.importorskip(module)
-    model = tiny_model(request.param)
+    arch, tp = request.param
+    model = tiny_model(arch)
     out = tmp_path_factory.mktemp("weight-sync")
     script = Path(__file__).with_name("_weight_sync.py")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     proc = subprocess.run(
-        [sys.executable, str(script), model, str(out)], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, str(script), model, str(out), str(tp)], env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, f"weight-sync script failed:\n{proc.stderr[-6000:]}"
     data = json.loads((out / "rollouts.json").read_text())
