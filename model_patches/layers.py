@@ -37,24 +37,29 @@ from .tensor_parallel import TensorParallel, kv_heads, mark_shard
 class Linear(nn.Module):
     """y = x W^T (+ b) with the batch-invariant GEMM; weight [out, in] as in nn.Linear.
 
-    With `tp`, the rank's block of the output columns (tensor_parallel.py): weight [out / T, in],
-    launched with the whole layer's configuration (`config_n` = out), so each column has the bits of
-    the unsharded layer's."""
+    With `tp`, the rank's block of the output columns (tensor_parallel.py): weight [out / T, in]
+    (or the `rows` [start, stop) given), launched with the whole layer's configuration (`config_n` =
+    out), so each column has the bits of the unsharded layer's."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = False, tp: TensorParallel | None = None
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        tp: TensorParallel | None = None,
+        rows: tuple[int, int] | None = None,
     ):
         super().__init__()
         self.config_n = None if tp is None else out_features
         if tp is not None:
-            start, stop = tp.bounds(out_features)
+            start, stop = rows or tp.bounds(out_features)
             out_features = stop - start
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         if tp is not None:
             for p in (self.weight, self.bias):
                 if p is not None:
-                    mark_shard(p, tp.take)
+                    mark_shard(p, lambda full, a=start, n=out_features: full.narrow(0, a, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, config_n=self.config_n)
@@ -278,25 +283,14 @@ class SelfAttention(nn.Module):
             self.num_heads * self.head_dim,
             self.num_kv_heads * self.head_dim,
         )
-        self.q_proj = Linear(h, q_size, config.qkv_bias, tp)
-        self.k_proj = Linear(h, kv_size, config.qkv_bias)
-        self.v_proj = Linear(h, kv_size, config.qkv_bias)
-        if tp is not None:
-            self.num_heads //= tp.size
+        kv_rows = None
+        if tp is not None:  # the rank's query heads, and the kv heads they use (split or replicated)
             first, self.num_kv_heads = kv_heads(config.num_heads, config.num_kv_heads, tp)
-            rows = (first * self.head_dim, self.num_kv_heads * self.head_dim)
-            for proj in (self.k_proj, self.v_proj):  # the rank's kv heads, reduced as the whole k/v's
-                proj.config_n = kv_size
-                for name in ("weight", "bias"):
-                    if getattr(proj, name) is not None:
-                        setattr(
-                            proj,
-                            name,
-                            nn.Parameter(getattr(proj, name)[rows[0] : sum(rows)].detach().clone()),
-                        )
-                        mark_shard(
-                            getattr(proj, name), lambda full, a=rows[0], n=rows[1]: full.narrow(0, a, n)
-                        )
+            self.num_heads //= tp.size
+            kv_rows = (first * self.head_dim, (first + self.num_kv_heads) * self.head_dim)
+        self.q_proj = Linear(h, q_size, config.qkv_bias, tp)
+        self.k_proj = Linear(h, kv_size, config.qkv_bias, tp, kv_rows)
+        self.v_proj = Linear(h, kv_size, config.qkv_bias, tp, kv_rows)
         self.qkv_proj = PackedLinear([self.q_proj, self.k_proj, self.v_proj])
         self.o_proj = Linear(q_size, h, config.o_bias, tp)
         self.sizes = (q_size, h)
