@@ -128,15 +128,22 @@ def _slot_sum(rows: torch.Tensor, n_tokens: int, top_k: int) -> torch.Tensor:
     return sequential_sum(rows.view(n_tokens, top_k, rows.shape[1]).permute(0, 2, 1))
 
 
-def _fused_moe_torch_forward(x, w_gate_up, w_down, topk_ids, topk_weights) -> torch.Tensor:
-    n_tokens, hidden = x.shape
-    top_k = topk_ids.shape[1]
-    y = torch.empty(n_tokens * top_k, hidden, dtype=torch.float32, device=x.device)  # [n, H]
-    for e, entries in _expert_entries(topk_ids, w_gate_up.shape[0]):
-        a = silu_and_mul(linear(x[entries // top_k], w_gate_up[e]))  # [n_e, I] model dtype
-        y[entries] = linear(a, w_down[e], out_dtype=torch.float32)  # [n_e, H] fp32
-    products = topk_weights.reshape(-1, 1) * y  # [n, H] fp32
-    return _slot_sum(products, n_tokens, top_k).to(x.dtype)  # [T, H]
+def _fused_moe_torch_forward(x, w_gate_up, w_down, topk_ids, topk_weights, gather_act=None, sizes=None):
+    """[T, H_r]. Unsharded by default; a tensor-parallel rank passes `gather_act` and the whole
+    layer's `sizes` (I, H) as for the Triton `_forward` (each GEMM with the whole weight's config_n)."""
+    n_tokens, top_k = topk_ids.shape
+    config_n = (None, None) if sizes is None else (2 * sizes[0], sizes[1])
+    experts = list(_expert_entries(topk_ids, w_gate_up.shape[0]))
+    act = torch.empty(n_tokens * top_k, w_gate_up.shape[1] // 2, dtype=x.dtype, device=x.device)  # [n, I_r]
+    for e, entries in experts:
+        act[entries] = silu_and_mul(linear(x[entries // top_k], w_gate_up[e], config_n=config_n[0]))
+    if gather_act is not None:
+        act = gather_act(act)  # [n, I]
+    y = torch.empty(n_tokens * top_k, w_down.shape[1], dtype=torch.float32, device=x.device)  # [n, H_r]
+    for e, entries in experts:
+        y[entries] = linear(act[entries], w_down[e], out_dtype=torch.float32, config_n=config_n[1])  # fp32
+    products = topk_weights.reshape(-1, 1) * y  # [n, H_r] fp32
+    return _slot_sum(products, n_tokens, top_k).to(x.dtype)
 
 
 class _FusedMoeFunction(torch.autograd.Function):
@@ -217,17 +224,7 @@ def fused_moe(
 
 
 def _fused_moe_sharded_torch(x, w_gate_up, w_down, topk_ids, topk_weights, gather_act, inter, hidden):
-    n_tokens, top_k = topk_ids.shape
-    n_experts = w_gate_up.shape[0]
-    act = torch.empty(n_tokens * top_k, w_gate_up.shape[1] // 2, dtype=x.dtype, device=x.device)  # [n, I/T]
-    for e, entries in _expert_entries(topk_ids, n_experts):
-        act[entries] = silu_and_mul(linear(x[entries // top_k], w_gate_up[e], config_n=2 * inter))
-    act = gather_act(act)  # [n, I]
-    y = torch.empty(n_tokens * top_k, w_down.shape[1], dtype=torch.float32, device=x.device)  # [n, H/T]
-    for e, entries in _expert_entries(topk_ids, n_experts):
-        y[entries] = linear(act[entries], w_down[e], out_dtype=torch.float32, config_n=hidden)
-    products = topk_weights.reshape(-1, 1) * y
-    return _slot_sum(products, n_tokens, top_k).to(x.dtype)  # [T, H/T]
+    return _fused_moe_torch_forward(x, w_gate_up, w_down, topk_ids, topk_weights, gather_act, (inter, hidden))
 
 
 def _fused_moe_sharded_triton(*args):

@@ -332,33 +332,29 @@ def _combine(y, weights, topk_ids, n_experts, dtype):
     return out
 
 
-def _forward(x, w_gate_up, w_down, topk_ids, topk_weights):
-    """(out [T, H], layout, gate_up configuration): the last two for the backward."""
-    n_experts, two_inter, hidden = w_gate_up.shape
+def _forward(x, w_gate_up, w_down, topk_ids, topk_weights, gather_act=None, sizes=None):
+    """(out [T, H_r], layout, gate_up configuration): the last two for the backward. Unsharded by
+    default; a tensor-parallel rank (`moe.fused_moe_sharded`) passes its `gather_act` (the activation
+    columns of every rank, between the two grouped GEMMs) and the whole layer's `sizes` (I, H), which
+    choose the configurations."""
+    n_experts = w_gate_up.shape[0]
     n_tokens, top_k = topk_ids.shape
-    cfg_gate_up, cfg_down = forward_configs(hidden, two_inter // 2, x.dtype)
+    inter, hidden = sizes or (w_gate_up.shape[1] // 2, w_gate_up.shape[2])
+    cfg_gate_up, cfg_down = forward_configs(hidden, inter, x.dtype)
     layout = _align(topk_ids, n_experts, cfg_gate_up.block_m)
-    act, _ = _gate_up(x, w_gate_up, layout, cfg_gate_up, top_k, store_gu=False)  # [P, I]
-    y = torch.empty(n_tokens * top_k, hidden, dtype=torch.float32, device=x.device)  # [n, H]
-    _grouped_gemm(act, w_down, w_down.stride(), hidden, two_inter // 2, y, layout, cfg_down,
+    act, _ = _gate_up(x, w_gate_up, layout, cfg_gate_up, top_k, store_gu=False)  # [P, I_r]
+    if gather_act is not None:
+        act = gather_act(act)  # [P, I]
+    cols = w_down.shape[1]  # H, or the rank's H_r
+    y = torch.empty(n_tokens * top_k, cols, dtype=torch.float32, device=x.device)  # [n, H_r]
+    _grouped_gemm(act, w_down, w_down.stride(), cols, inter, y, layout, cfg_down,
                   a_by_token=False, out_by_entry=True, top_k=top_k)  # fmt: skip
     return _combine(y, topk_weights.reshape(-1), topk_ids, n_experts, x.dtype), layout, cfg_gate_up
 
 
 def fused_moe_sharded_triton(x, w_gate_up, w_down, topk_ids, topk_weights, gather_act, inter, hidden):
-    """`moe.fused_moe_sharded` (one tensor-parallel rank's output columns): `_forward` with the whole
-    layer's configurations, the activation gathered between the two grouped GEMMs."""
-    n_experts = w_gate_up.shape[0]
-    n_tokens, top_k = topk_ids.shape
-    cfg_gate_up, cfg_down = forward_configs(hidden, inter, x.dtype)
-    layout = _align(topk_ids, n_experts, cfg_gate_up.block_m)
-    act, _ = _gate_up(x, w_gate_up, layout, cfg_gate_up, top_k, store_gu=False)  # [P, I_r]
-    act = gather_act(act)  # [P, I]
-    cols = w_down.shape[1]
-    y = torch.empty(n_tokens * top_k, cols, dtype=torch.float32, device=x.device)  # [n, H_r]
-    _grouped_gemm(act, w_down, w_down.stride(), cols, inter, y, layout, cfg_down,
-                  a_by_token=False, out_by_entry=True, top_k=top_k)  # fmt: skip
-    return _combine(y, topk_weights.reshape(-1), topk_ids, n_experts, x.dtype)  # [T, H_r]
+    """`moe.fused_moe_sharded` (one tensor-parallel rank's output columns [T, H_r])."""
+    return _forward(x, w_gate_up, w_down, topk_ids, topk_weights, gather_act, (inter, hidden))[0]
 
 
 # The backward kernels reuse the launchers above; imported here, after them, to break the cycle.

@@ -35,7 +35,7 @@ from vexact_vllm.model_patches.config import DecoderConfig, UnsupportedModelErro
 from vexact_vllm.model_patches.layers import Linear, PackedLinear, pack_projections
 from vexact_vllm.model_patches.models import build_decoder
 from vexact_vllm.model_patches.moe import STACKED_PARTS, Router, expert_rows, expert_tensor
-from vexact_vllm.model_patches.tensor_parallel import TensorParallel, kv_heads, shard_of
+from vexact_vllm.model_patches.tensor_parallel import TensorParallel, shard_of
 
 from .attention import VexactAttentionBackend
 from .engine_checks import refuse_unsupported_engine
@@ -101,9 +101,8 @@ class VllmVexactForCausalLM(nn.Module):
         self.model = build_decoder(c, tp)
         pack_projections(self.model)  # fused q/k/v and gate/up weights in place, HF names kept
         self.lm_head = None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size, tp=tp)
-        heads, kv = c.num_heads, c.num_kv_heads
-        if tp is not None:  # this rank's heads (SelfAttention's split)
-            heads, kv = heads // tp.size, kv_heads(heads, kv, tp)[1]
+        attn = self.model.layers[0].self_attn  # this rank's heads (all of them without tp)
+        heads, kv = attn.num_heads, attn.num_kv_heads
         self.attn = nn.ModuleList(
             Attention(
                 heads,
