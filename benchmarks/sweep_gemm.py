@@ -8,6 +8,7 @@ shape, all sharing one BLOCK_K (kernels/gemm_triton.py): pick them from the per-
 
     python3 benchmarks/sweep_gemm.py [--shapes qwen3-1.7b,qwen3-8b] [--ms 64,256,512,2048,8192] [--json FILE]
     python3 benchmarks/sweep_gemm.py --small --ms 64,128,256,512   # the small-M (decode) tiles only
+    python3 benchmarks/sweep_gemm.py --narrow --tma --ms 1,16,32,64,128   # 16/32-wide decode tiles
 
 Needs CUDA. Changing a `_TUNED` entry changes the bits of that shape on both sides alike.
 """
@@ -67,6 +68,23 @@ SMALL_CANDIDATES = [
     (128, 128, 128, 8, 8, 3, 1),
 ]
 
+# Narrow column tiles for `--narrow` (decode, M <= 64-128): a weight of N <= 4096 columns gives only
+# N / BLOCK_N programs, so 16- and 32-wide tiles (wgmma n = 16/32) put a slice of W on every SM, with
+# deep pipelines to keep each SM's loads in flight. Same BLOCK_K filter as `--small`.
+NARROW_CANDIDATES = [
+    (64, 16, 64, 8, 4, 8, 1),
+    (64, 16, 64, 8, 4, 6, 2),
+    (64, 16, 64, 8, 4, 12, 1),
+    (64, 32, 64, 8, 4, 8, 1),
+    (64, 32, 64, 8, 4, 5, 2),
+    (64, 32, 64, 8, 4, 4, 3),
+    (64, 16, 128, 8, 4, 6, 1),
+    (64, 16, 128, 8, 4, 4, 2),
+    (64, 16, 128, 8, 4, 8, 1),
+    (64, 32, 128, 8, 4, 6, 1),
+    (64, 32, 128, 8, 4, 3, 2),
+]
+
 
 def _bench(fn) -> float:
     from triton.testing import do_bench_cudagraph
@@ -93,6 +111,8 @@ def sweep(shapes, ms, candidates, small_only: bool = False) -> list[dict]:
                 f"{'candidate':28s}" + "".join(f"{'M=' + str(m):>9s}" for m in ms) + "    gmean", flush=True
             )
             buckets = gt._TUNED.get((torch.bfloat16, n, k))
+            tuned = {m: base[m] / _bench(lambda x=xs[m], w=w, o=out_dtype: gt.linear_triton(x, w, None, o)) for m in ms}
+            print(f"{'tuned (today)':28s}" + "".join(f"{tuned[m]:9.2f}" for m in ms), flush=True)
             for cand in candidates:
                 if small_only and buckets is not None and cand[2] != buckets[0][1].block_k:
                     continue  # another reduction order than the shape's: not a small-M tile for it
@@ -128,6 +148,7 @@ def main() -> None:
     parser.add_argument(
         "--small", action="store_true", help="small-M tiles sharing each tuned shape's BLOCK_K (decode bucket)"
     )
+    parser.add_argument("--narrow", action="store_true", help="only the narrow decode tiles (NARROW_CANDIDATES)")
     parser.add_argument(
         "--tma", action="store_true", help="each candidate also with TMA loads, and with warp specialization"
     )
@@ -138,10 +159,10 @@ def main() -> None:
     ms = [int(m) for m in args.ms.split(",")]
     start = time.time()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    candidates = SMALL_CANDIDATES if args.small else CANDIDATES
+    candidates = NARROW_CANDIDATES if args.narrow else SMALL_CANDIDATES if args.small else CANDIDATES
     if args.tma:  # GemmConfig's tma and warp_specialize fields after the seven above
         candidates = [*candidates, *((*c, True) for c in candidates), *((*c, True, True) for c in candidates)]
-    rows = sweep(shapes, ms, candidates, small_only=args.small)
+    rows = sweep(shapes, ms, candidates, small_only=args.small or args.narrow)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f)
