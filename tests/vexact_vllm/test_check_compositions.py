@@ -4,6 +4,7 @@ reading, a composition that tested nothing failing the verdict, and bench's tabl
 from __future__ import annotations
 
 import json
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -108,3 +109,23 @@ def test_preemption_blocks_fit_the_longest_request_and_one_spare():
     settings = RolloutSettings(model="m", max_tokens=33, block_size=32)
     prompts = [[1] * 20, [1] * 70, [1] * 5]  # 53, 103, 38 tokens at the end: 2, 4, 2 blocks
     assert preemption_blocks(prompts, settings) == 5
+
+
+def test_preemption_blocks_admit_two_long_prompts_side_by_side():
+    from vexact_vllm.cli.rollout import RolloutSettings, preemption_blocks
+
+    rng = random.Random(13)
+    for _ in range(50):
+        bs = rng.choice([16, 32])
+        settings = RolloutSettings(model="m", max_tokens=rng.randint(bs + 1, 4 * bs), block_size=bs)
+        prompts = [[1] * rng.randint(1, 8000) for _ in range(rng.randint(2, 5))]
+        total = preemption_blocks(prompts, settings)
+
+        def need(tokens):
+            return -(-tokens // bs)
+
+        full = [need(len(p) + settings.max_tokens) for p in prompts]
+        assert total > max(full)  # the longest finishes alone
+        assert total >= need(len(prompts[0]) + 1) + need(len(prompts[1]) + 1)  # first two admitted together
+        if max(full) + 1 < full[0] + full[1]:
+            assert total < full[0] + full[1]  # ...and cannot both finish side by side

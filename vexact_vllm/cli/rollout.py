@@ -264,10 +264,16 @@ def run_compositions(
 
 
 def preemption_blocks(prompt_ids: list[list[int]], settings: RolloutSettings) -> int:
-    """Enough blocks for the longest request to finish alone (one spare), too few for two requests
-    to grow side by side: every request whose decode crosses a block boundary while another holds
-    blocks forces a preemption."""
-    per_request = [
-        -(-(len(p) + settings.request_options(i)["max_tokens"]) // settings.block_size) for i, p in enumerate(prompt_ids)
-    ]
-    return max(per_request) + 1
+    """Enough blocks for the longest request to finish alone (one spare), and for the first two
+    requests' prompts to be admitted side by side (the scheduler admits in order and a waiting prompt
+    only when all its blocks fit), too few for them to finish side by side: every request generates
+    past a block boundary, so the two must collide. With long prompts the first bound is not enough:
+    the second prompt would wait for the first request to finish and nothing would be preempted."""
+    bs = settings.block_size
+
+    def blocks(tokens: int) -> int:
+        return -(-tokens // bs)
+
+    full = [blocks(len(p) + settings.request_options(i)["max_tokens"]) for i, p in enumerate(prompt_ids)]
+    side_by_side = sum(blocks(len(p) + 1) for p in prompt_ids[:2]) + 1
+    return max(max(full) + 1, side_by_side)
