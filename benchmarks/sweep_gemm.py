@@ -9,6 +9,7 @@ shape, all sharing one BLOCK_K (kernels/gemm_triton.py): pick them from the per-
     python3 benchmarks/sweep_gemm.py [--shapes qwen3-1.7b,qwen3-8b] [--ms 64,256,512,2048,8192] [--json FILE]
     python3 benchmarks/sweep_gemm.py --small --ms 64,128,256,512   # the small-M (decode) tiles only
     python3 benchmarks/sweep_gemm.py --narrow --tma --ms 1,16,32,64,128   # 16/32-wide decode tiles
+    python3 benchmarks/sweep_gemm.py --split   # K in two parts (k_split = 2) on the narrow weights
 
 Needs CUDA. Changing a `_TUNED` entry changes the bits of that shape on both sides alike.
 """
@@ -99,13 +100,44 @@ NARROW_CANDIDATES = [
 ]
 
 
+# `--split`: K in two equal parts (GemmConfig.k_split = 2, a different reduction for the weight shape,
+# the same on both sides), on the weights whose few column tiles leave SMs idle at decode sizes. The
+# decode candidates compute the parts in separate programs (measured at SPLIT_SMALL_MS); the prefill
+# candidates sum both in one program, two accumulators (measured at SPLIT_LARGE_MS). Same BLOCK_K filter.
+SPLIT_SHAPES = [(4096, 2048), (2048, 2048), (2048, 6144), (4096, 4096)]
+SPLIT_SMALL_MS = [1, 16, 32, 64, 128, 256]
+SPLIT_LARGE_MS = [128, 256, 512, 2048, 8192]
+_SPLIT_PROGRAMS = (False, False, 2, True)  # tma, warp_specialize, k_split, split_programs
+_SPLIT_ONE = (2, False)  # k_split, split_programs
+SPLIT_SMALL_CANDIDATES = [
+    (*tile, *_SPLIT_PROGRAMS)
+    for bk in (64, 128)
+    for tile in (
+        (64, 16, bk, 8, 4, 3, 1), (64, 16, bk, 8, 4, 4, 1), (64, 16, bk, 8, 4, 6, 1),
+        (64, 32, bk, 8, 4, 3, 1), (64, 32, bk, 8, 4, 4, 1), (64, 32, bk, 8, 4, 6, 1),
+        (64, 64, bk, 8, 4, 3, 1), (64, 64, bk, 8, 4, 4, 1), (128, 64, bk, 8, 4, 3, 1),
+    )
+]  # fmt: skip
+SPLIT_LARGE_CANDIDATES = [
+    (*tile, *_SPLIT_ONE)
+    for bk in (64, 128)
+    for tile in (
+        (64, 32, bk, 8, 4, 4, 3, False, False), (64, 64, bk, 8, 4, 4, 1, True, True),
+        (64, 64, bk, 8, 4, 3, 2, False, False), (64, 128, bk, 8, 4, 4, 1, True, True),
+        (64, 128, bk, 8, 4, 4, 1, True, False), (128, 64, bk, 8, 4, 4, 1, True, False),
+        (128, 128, bk, 8, 8, 3, 1, True, False), (128, 128, bk, 8, 8, 4, 1, True, True),
+        (128, 128, bk, 8, 4, 3, 1, True, False), (128, 128, bk, 8, 8, 3, 1, False, False),
+    )
+]  # fmt: skip
+
+
 def _bench(fn) -> float:
     from triton.testing import do_bench_cudagraph
 
     return do_bench_cudagraph(fn, rep=20)
 
 
-def sweep(shapes, ms, candidates, small_only: bool = False) -> list[dict]:
+def sweep(shapes, ms, candidates, small_only: bool = False, tag: str = "") -> list[dict]:
     import vexact_vllm.kernels.gemm_triton as gt
 
     original = gt.gemm_config
@@ -124,7 +156,10 @@ def sweep(shapes, ms, candidates, small_only: bool = False) -> list[dict]:
                 f"{'candidate':28s}" + "".join(f"{'M=' + str(m):>9s}" for m in ms) + "    gmean", flush=True
             )
             buckets = gt._TUNED.get((torch.bfloat16, n, k))
-            tuned = {m: base[m] / _bench(lambda x=xs[m], w=w, o=out_dtype: gt.linear_triton(x, w, None, o)) for m in ms}
+            tuned = {
+                m: base[m] / _bench(lambda x=xs[m], w=w, o=out_dtype: gt.linear_triton(x, w, None, o))
+                for m in ms
+            }
             print(f"{'tuned (today)':28s}" + "".join(f"{tuned[m]:9.2f}" for m in ms), flush=True)
             for cand in candidates:
                 if small_only and buckets is not None and cand[2] != buckets[0][1].block_k:
@@ -140,7 +175,9 @@ def sweep(shapes, ms, candidates, small_only: bool = False) -> list[dict]:
                     print(f"{str(cand):28s} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
                     continue
                 gmean = math.exp(sum(math.log(s) for s in speed.values()) / len(speed))
-                rows.append({"n": n, "k": k, "config": list(cand), "speed": speed, "gmean": gmean})
+                rows.append(
+                    {"n": n, "k": k, "config": list(cand), "speed": speed, "gmean": gmean, "tag": tag}
+                )
                 print(
                     f"{str(cand):28s}" + "".join(f"{speed[m]:9.2f}" for m in ms) + f"{gmean:9.2f}", flush=True
                 )
@@ -159,11 +196,20 @@ def main() -> None:
     parser.add_argument("--ms", default="64,256,512,2048,8192", help="comma-separated M values")
     parser.add_argument("--json", help="also write every measurement to this file")
     parser.add_argument(
-        "--small", action="store_true", help="small-M tiles sharing each tuned shape's BLOCK_K (decode bucket)"
+        "--small",
+        action="store_true",
+        help="small-M tiles sharing each tuned shape's BLOCK_K (decode bucket)",
     )
-    parser.add_argument("--narrow", action="store_true", help="only the narrow decode tiles (NARROW_CANDIDATES)")
+    parser.add_argument(
+        "--narrow", action="store_true", help="only the narrow decode tiles (NARROW_CANDIDATES)"
+    )
     parser.add_argument(
         "--tma", action="store_true", help="each candidate also with TMA loads, and with warp specialization"
+    )
+    parser.add_argument(
+        "--split",
+        action="store_true",
+        help="K in two parts (k_split = 2) on SPLIT_SHAPES: decode and prefill tiles",
     )
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -174,6 +220,12 @@ def main() -> None:
     ms = [int(m) for m in args.ms.split(",")]
     start = time.time()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    if args.split:
+        shapes = [s for s in shapes if s in SPLIT_SHAPES]
+        rows = sweep(shapes, SPLIT_SMALL_MS, SPLIT_SMALL_CANDIDATES, small_only=True, tag="decode")
+        rows += sweep(shapes, SPLIT_LARGE_MS, SPLIT_LARGE_CANDIDATES, small_only=True, tag="prefill")
+        _print_best(shapes, rows, start)
+        return
     candidates = NARROW_CANDIDATES if args.narrow else SMALL_CANDIDATES if args.small else CANDIDATES
     if args.tma:  # GemmConfig's tma and warp_specialize fields after the seven above
         candidates = [*candidates, *((*c, True) for c in candidates), *((*c, True, True) for c in candidates)]
@@ -181,16 +233,23 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f)
+    _print_best(shapes, rows, start)
+
+
+def _print_best(shapes, rows, start: float) -> None:
+    """The best candidate per shape (and per tag: decode / prefill), by the geometric mean over M."""
     print(
-        f"\nbest per shape (geometric mean of the speed over M = {args.ms}); sweep {time.time() - start:.0f} s"
+        f"\nbest per shape (geometric mean of the speed over its M values); sweep {time.time() - start:.0f} s"
     )
     for n, k in shapes:
-        best = max((r for r in rows if (r["n"], r["k"]) == (n, k)), key=lambda r: r["gmean"], default=None)
-        if best is not None:
-            speeds = " ".join(f"{best['speed'][m]:.2f}" for m in ms)
-            print(
-                f"    (_BF16, {n}, {k}): GemmConfig{tuple(best['config'])},  # {speeds} (gmean {best['gmean']:.2f})"
-            )
+        for tag in sorted({r["tag"] for r in rows}):
+            mine = [r for r in rows if (r["n"], r["k"]) == (n, k) and r["tag"] == tag]
+            best = max(mine, key=lambda r: r["gmean"], default=None)
+            if best is not None:
+                speeds = " ".join(f"M={m}:{v:.2f}" for m, v in best["speed"].items())
+                print(
+                    f"    (_BF16, {n}, {k}) {tag}: {tuple(best['config'])}  # {speeds} (gmean {best['gmean']:.2f})"
+                )
 
 
 if __name__ == "__main__":

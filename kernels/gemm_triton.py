@@ -1,21 +1,26 @@
 """Batch-invariant linear layer on CUDA (Triton): y = x @ W^T + b.
 
-Math: for each row m and output column n,
-    acc[m, n] = sum_k x[m, k] * W[n, k]                  (fp32 accumulator, tl.dot)
-    y[m, n]   = (acc[m, n] + fp32(b[n])).to(out_dtype)   (bias added once, after the K loop)
+Math: for each row m and output column n, with K cut into S = k_split equal parts (S = 1 or 2, one
+per weight shape; S = 1 unless `_TUNED` says otherwise),
+    p_s[m, n] = sum over k in part s of x[m, k] * W[n, k]   (fp32 accumulator, tl.dot)
+    acc[m, n] = p_0[m, n] (+ p_1[m, n])                      (one fp32 addition when S = 2)
+    y[m, n]   = (acc[m, n] + fp32(b[n])).to(out_dtype)       (bias added once, after the K loop)
 
 Invariant (DESIGN rule 2): the bits of output row m depend only on x[m] and W.
-- One REDUCTION per weight shape: for each (N, K, dtype) the K step BLOCK_K is fixed, and every
-  program walks K from 0 upwards in steps of BLOCK_K, in order, with one `tl.dot(x_tile, w_tile,
-  acc)` per step (on Hopper: wgmma instructions of k = 16, chained on the fp32 accumulator in K
-  order), the tail masked with zeros (adding 0.0 changes no bit). No split-K, no autotuning.
+- One REDUCTION per weight shape: for each (N, K, dtype) the K step BLOCK_K and the split S are
+  fixed, and every part is walked from its first column upwards in steps of BLOCK_K, in order, with
+  one `tl.dot(x_tile, w_tile, acc)` per step (on Hopper: wgmma instructions of k = 16, chained on
+  the fp32 accumulator in K order), the tail masked with zeros (adding 0.0 changes no bit)
+  (`gemm_tiles_triton._dot_k_range`). The split's boundaries are a function of K alone, never of M
+  or the load; whether one program sums both parts (two accumulators) or two programs each compute
+  one (`gemm_split_triton`, decode sizes) changes no bit: p_0 + p_1 == p_1 + p_0. No autotuning.
 - The TILE shape (BLOCK_M, BLOCK_N, warps, stages, persistent programs) and how tiles reach shared
   memory (pointer loads, or TMA descriptors with optional warp specialization: `_linear_kernel_tma`)
   decide only which program computes which output elements, never how one is computed: an
   element's products and their accumulation order are the same in a 64x128 tile of 4 warps as in a
   128x256 tile of 8 warps. So the tile may follow M: a tuned shape has one tile per M bucket (small
   tiles fill the SMs at decode batch sizes, large ones reuse loads at prefill sizes), all with the
-  SAME BLOCK_K; `_TUNED` refuses buckets that differ in BLOCK_K, and the CUDA tests check
+  SAME BLOCK_K and S; `_TUNED` refuses buckets that differ in either, and the CUDA tests check
   `torch.equal` between every bucket's tile, across bucket boundaries, and TMA against pointer loads.
 - Rows past M read as zeros and are never stored; a row's value never depends on its neighbours.
 - Persistent grid: min(tiles, programs_per_sm * SMs) programs loop over tiles in grouped order
@@ -37,17 +42,8 @@ import triton
 import triton.language as tl
 
 from ._checks import SUPPORTED_DTYPES, check_dim, check_dtype, check_last_dim_contiguous, check_same_device
-
-
-@triton.jit
-def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """(pid_m, pid_n) of a tile: GROUP_M row-tiles share each column sweep so W stays in L2."""
-    tiles_per_group = GROUP_M * num_pid_n
-    first_pid_m = (tile_id // tiles_per_group) * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (tile_id % tiles_per_group) % group_size_m
-    pid_n = (tile_id % tiles_per_group) // group_size_m
-    return pid_m, pid_n
+from .gemm_split_triton import linear_split_programs
+from .gemm_tiles_triton import _dot_k_range, _dot_k_range_tma, _tile_coords  # noqa: F401 (moe_triton)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -63,10 +59,11 @@ def _linear_kernel(
     stride_wn,
     stride_ym,
     HAS_BIAS: tl.constexpr,  # a different kernel with and without bias, never per call shape
-    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0 (a function of K alone): the K tail needs no mask
+    EVEN_K: tl.constexpr,  # (K / K_SPLIT) % BLOCK_K == 0 (a function of K alone): no tail mask
     BLOCK_M: tl.constexpr,  # tile shape: the dot shape, fixed per weight shape (N, K)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # K step: fixes the accumulation order
+    K_SPLIT: tl.constexpr,  # 1 or 2 equal K parts summed in fp32 (part of the order, like BLOCK_K)
     GROUP_M: tl.constexpr,  # tile order only (L2 reuse); does not change any value
     NUM_PROGRAMS: tl.constexpr,  # persistent programs (per device): who computes a tile, not its value
     DOT_FP32: tl.constexpr,  # interpreter only: its tl.dot multiplies bf16 raw bits; bf16->fp32 is exact
@@ -77,7 +74,6 @@ def _linear_kernel(
     num_pid_m = (M + BLOCK_M - 1) // BLOCK_M
     num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
     num_tiles = num_pid_m * num_pid_n
-    k_tiles = (K + BLOCK_K - 1) // BLOCK_K
     offs_k = tl.arange(0, BLOCK_K)
     # The epilogue recomputes its tile's coordinates from its own counter (flattened-loop idiom).
     tile_id_out = start_pid - NUM_PROGRAMS
@@ -93,22 +89,14 @@ def _linear_kernel(
         x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
         w_ptrs = w_ptr + cols[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N] = W^T tile
 
-        # 2. K loop from 0, in order, one dot shape; the masked tail contributes exact zeros.
-        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-        for ki in range(k_tiles):
-            if EVEN_K:
-                x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-                w = tl.load(w_ptrs)
-            else:
-                k_left = K - ki * BLOCK_K
-                x = tl.load(x_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
-                w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-            if DOT_FP32:
-                x = x.to(tl.float32)
-                w = w.to(tl.float32)
-            acc = tl.dot(x, w, acc, input_precision="ieee")
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
+        # 2. Each K part from its first column, in order, one dot shape; the masked tail contributes
+        #    exact zeros. Two parts: two accumulators, summed once in fp32 (p0 + p1).
+        k_part = K // K_SPLIT
+        acc = _dot_k_range(x_ptrs, w_ptrs, row_ok, k_part, EVEN_K, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+        if K_SPLIT == 2:
+            acc = acc + _dot_k_range(
+                x_ptrs + k_part, w_ptrs + k_part, row_ok, k_part, EVEN_K, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K
+            )
 
         # 3. Bias once in fp32, round once to the output dtype, store the valid part.
         tile_id_out += NUM_PROGRAMS
@@ -140,6 +128,7 @@ def _linear_kernel_tma(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # K step: fixes the accumulation order
+    K_SPLIT: tl.constexpr,  # 1 or 2 equal K parts summed in fp32 (as the pointer kernel)
     GROUP_M: tl.constexpr,  # tile order only (L2 reuse)
     NUM_PROGRAMS: tl.constexpr,  # persistent programs: who computes a tile, not its value
     DOT_FP32: tl.constexpr,  # interpreter only (see gemm_triton.py)
@@ -149,20 +138,19 @@ def _linear_kernel_tma(
     num_pid_m = (M + BLOCK_M - 1) // BLOCK_M
     num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
     num_tiles = num_pid_m * num_pid_n
-    k_tiles = (K + BLOCK_K - 1) // BLOCK_K
+    k_tiles = (K // K_SPLIT + BLOCK_K - 1) // BLOCK_K  # per part
     tile_id_out = start_pid - NUM_PROGRAMS
     for tile_id in tl.range(
         start_pid, num_tiles, NUM_PROGRAMS, flatten=True, warp_specialize=WARP_SPECIALIZE
     ):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-        for ki in range(k_tiles):  # from 0, in order, one dot shape; OOB parts load as exact zeros
-            x = x_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])  # [BLOCK_M, BLOCK_K]
-            w = w_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])  # [BLOCK_N, BLOCK_K]
-            if DOT_FP32:
-                x = x.to(tl.float32)
-                w = w.to(tl.float32)
-            acc = tl.dot(x, w.T, acc, input_precision="ieee")
+        row0 = pid_m * BLOCK_M
+        col0 = pid_n * BLOCK_N
+        acc = _dot_k_range_tma(x_desc, w_desc, row0, col0, 0, k_tiles, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+        if K_SPLIT == 2:  # the second part (K_SPLIT > 1 only where K / K_SPLIT is a multiple of BLOCK_K)
+            acc = acc + _dot_k_range_tma(
+                x_desc, w_desc, row0, col0, k_tiles, k_tiles, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K
+            )
         tile_id_out += NUM_PROGRAMS
         pid_m, pid_n = _tile_coords(tile_id_out, num_pid_m, num_pid_n, GROUP_M)
         if HAS_BIAS:
@@ -185,11 +173,24 @@ class GemmConfig:
     programs_per_sm: int = 1  # persistent programs per SM (speed only): 2 hides small tiles' latency
     tma: bool = False  # tensor-descriptor loads/stores (_linear_kernel_tma; speed only, same bits)
     warp_specialize: bool = False  # TMA kernel only: producer/consumer warps (speed only)
+    # K cut into k_split equal parts, each reduced from its first column as above, summed in fp32
+    # (p0 + p1): part of the reduction order like block_k, so one per weight shape. Where N gives few
+    # column tiles, the parts fill the SMs at decode sizes: split_programs computes them in separate
+    # programs (gemm_split_triton.py; speed only, the same bits as one program computing both).
+    k_split: int = 1
+    split_programs: bool = False
 
 
 _BF16 = torch.bfloat16
 C = GemmConfig
 T = True  # shorthand in the table: tma, warp_specialize
+
+
+def S(cfg: GemmConfig, programs: bool = False) -> GemmConfig:
+    """`cfg` with K in two parts (k_split = 2), computed by separate programs if `programs`."""
+    return dataclasses.replace(cfg, k_split=2, split_programs=programs)
+
+
 # Tuned entries, keyed by (dtype, N, K) of the weight: the fused q/k/v and gate/up, o, down and
 # lm_head of Qwen3-1.7B and Qwen3-8B. Each is a list of M buckets ((largest M, tile), ..., (None,
 # tile)) whose tiles all share ONE BLOCK_K (the reduction order). Picked on one H100 SXM (132 SMs;
@@ -272,11 +273,25 @@ _TUNED: dict[tuple[torch.dtype, int, int], tuple[tuple[int | None, GemmConfig], 
         (None, C(128, 128, 64, 8, 4, 4, 1, T)),
     ),
 }
-for _key, _buckets in _TUNED.items():
-    if len({cfg.block_k for _, cfg in _buckets}) != 1:  # the K step is the reduction order: one per shape
-        raise AssertionError(f"_TUNED{_key}: the tiles of one weight shape must share block_k")
-    if _buckets[-1][0] is not None or any(b is None for b, _ in _buckets[:-1]):
-        raise AssertionError(f"_TUNED{_key}: buckets rise to a last one without bound (None)")
+
+
+def check_tuned(table: dict) -> None:
+    """Refuse a table whose buckets could change a shape's reduction with M (see the docstring)."""
+    for key, buckets in table.items():
+        if len({(cfg.block_k, cfg.k_split) for _, cfg in buckets}) != 1:  # the reduction order: one per shape
+            raise AssertionError(f"_TUNED{key}: the tiles of one weight shape must share block_k and k_split")
+        cfg = buckets[0][1]
+        if cfg.k_split not in (1, 2) or key[2] % (cfg.k_split * cfg.block_k):
+            raise AssertionError(f"_TUNED{key}: k_split 1 or 2, each part a whole number of BLOCK_K steps")
+        if buckets[-1][0] is not None or any(b is None for b, _ in buckets[:-1]):
+            raise AssertionError(f"_TUNED{key}: buckets rise to a last one without bound (None)")
+        if buckets[-1][1].split_programs:  # the split kernel's tile counters are bounded
+            raise AssertionError(f"_TUNED{key}: split_programs only in buckets with a largest M")
+        if any(c.split_programs and c.k_split != 2 for _, c in buckets):
+            raise AssertionError(f"_TUNED{key}: split_programs needs k_split = 2")
+
+
+check_tuned(_TUNED)
 
 
 def _default_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
@@ -377,6 +392,11 @@ def linear_triton(
         out_dtype == torch.float32 and cfg.num_stages > 2 and _smem_bytes(cfg, x2.element_size(), 4) > _SMEM
     ):
         cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)  # room for the fp32 tile (speed only)
+    if k % cfg.k_split:
+        raise ValueError(f"K = {k} does not split into {cfg.k_split} equal parts ({cfg})")
+    if cfg.split_programs:
+        linear_split_programs(x2, weight, bias, y, cfg, _interpreted())
+        return y
     num_programs = _num_sms(x2.device) * cfg.programs_per_sm
     num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     if cfg.tma and all(_tma_ok(t) for t in (x2, weight, y)):
@@ -394,10 +414,11 @@ def linear_triton(
         weight.stride(0),
         y.stride(0),
         HAS_BIAS=bias is not None,
-        EVEN_K=k % cfg.block_k == 0,
+        EVEN_K=(k // cfg.k_split) % cfg.block_k == 0,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
+        K_SPLIT=cfg.k_split,
         GROUP_M=cfg.group_m,
         NUM_PROGRAMS=num_programs,
         DOT_FP32=_interpreted(),
@@ -425,7 +446,7 @@ def _launch_tma(x2, weight, bias, y, cfg: GemmConfig, grid: int, num_programs: i
         bias if bias is not None else y,
         m, n, k,
         HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, NUM_PROGRAMS=num_programs,
+        K_SPLIT=cfg.k_split, GROUP_M=cfg.group_m, NUM_PROGRAMS=num_programs,
         DOT_FP32=_interpreted(), WARP_SPECIALIZE=cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

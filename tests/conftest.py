@@ -12,6 +12,14 @@ ATTENTION_TRITON_MODULES = (
     "vexact_vllm.kernels.attention_triton",
     "vexact_vllm.kernels.attention_triton_bwd",
 )
+# Kernel modules whose jit helpers or kernels another module's kernels call: importing that module
+# interpreted must import these interpreted too (a compiled helper cannot run in an interpreted kernel).
+KERNEL_COMPANIONS = {
+    "vexact_vllm.kernels.gemm_triton": (
+        "vexact_vllm.kernels.gemm_split_triton",
+        "vexact_vllm.kernels.gemm_tiles_triton",
+    ),
+}
 
 
 @pytest.fixture(autouse=True)
@@ -47,14 +55,15 @@ def tiny_model(tiny_cache):
 
 
 def import_interpreted_modules(names: tuple[str, ...]) -> list:
-    """The kernel modules `names` (a module first, then modules it imports) imported afresh with
-    TRITON_INTERPRET=1, so they take CPU tensors. The variable, sys.modules and the package
+    """The kernel modules `names` (a module first, then modules it imports; `KERNEL_COMPANIONS` are
+    added) imported afresh with TRITON_INTERPRET=1, so they take CPU tensors. The variable, sys.modules and the package
     attributes are restored at once, so later imports (the CUDA tests, vLLM engines started in the
     same run) get the compiled kernels."""
     package = importlib.import_module("vexact_vllm.kernels")
-    attrs = [name.rsplit(".", 1)[1] for name in names]
+    every = list(dict.fromkeys([*names, *(c for name in names for c in KERNEL_COMPANIONS.get(name, ()))]))
+    attrs = [name.rsplit(".", 1)[1] for name in every]
     saved_env = os.environ.get("TRITON_INTERPRET")
-    saved_modules = {name: sys.modules.pop(name, None) for name in names}
+    saved_modules = {name: sys.modules.pop(name, None) for name in every}
     saved_attrs = {attr: package.__dict__.pop(attr, None) for attr in attrs}
     os.environ["TRITON_INTERPRET"] = "1"
     try:

@@ -2,8 +2,8 @@
 (tiny shapes, 16x16x16 tiles so they span several tiles, K steps and persistent programs), and the
 compiled kernel on CUDA at Qwen3 weight shapes. Invariance is always `torch.equal`."""
 
+import dataclasses
 import importlib
-import os
 import sys
 
 import numpy as np
@@ -35,31 +35,11 @@ def _inputs(m, n, k, dtype, device="cpu", bias=True):
 
 
 @pytest.fixture(scope="module")
-def interp():
-    """gemm_triton imported afresh with TRITON_INTERPRET=1 (it takes CPU tensors). The variable,
-    sys.modules and the package attribute are restored at once, so later imports (the CUDA tests,
-    vLLM engines started in the same run) get the compiled kernel."""
-    package = importlib.import_module("vexact_vllm.kernels")
-    saved_env = os.environ.get("TRITON_INTERPRET")
-    saved_module = sys.modules.pop(MODULE, None)
-    saved_attr = package.__dict__.get("gemm_triton")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        module = importlib.import_module(MODULE)
-    finally:
-        if saved_env is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = saved_env
-        if saved_module is None:
-            sys.modules.pop(MODULE, None)
-        else:
-            sys.modules[MODULE] = saved_module
-        if saved_attr is None:
-            package.__dict__.pop("gemm_triton", None)
-        else:
-            package.gemm_triton = saved_attr
-    return module
+def interp(interpreted_modules):
+    """gemm_triton (and the modules its kernels call) imported afresh with TRITON_INTERPRET=1 (it
+    takes CPU tensors); later imports (the CUDA tests, vLLM engines started in the same run) get the
+    compiled kernels (tests/conftest.py's `import_interpreted_modules`)."""
+    return interpreted_modules((MODULE,))[0]
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +167,82 @@ def test_tma_kernel_equals_pointer_kernel_interpreted(interp_runs, monkeypatch, 
     torch.testing.assert_close(outs[1][0].double(), _reference(x, w, b), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_k_split_is_the_sum_of_two_halves_interpreted(interp_runs, monkeypatch, tma, bias):
+    """k_split = 2: y = p_0 + p_1 + b, p_s the one-part kernel on K half s (fp32 out), for one program
+    per tile (pointer or TMA loads) and for two programs meeting through the tickets; bf16 out the
+    same bits both ways."""
+    gt = interp_runs
+    rng = np.random.default_rng(7)
+    for _ in range(3):
+        m, n = int(rng.integers(1, 40)), int(rng.integers(1, 50))
+        k = 2 * 16 * int(rng.integers(1, 4)) + (0 if tma else 2 * int(rng.integers(0, 8)))  # part tails
+        x, w, b = _inputs(m, n, k, torch.bfloat16, bias=bias)
+        half = k // 2
+        one = gt.GemmConfig(16, 16, 16, 2, 4, 2, 1, tma)
+        monkeypatch.setattr(gt, "gemm_config", lambda *_, c=one: c)
+        parts = [
+            gt.linear_triton(
+                x[:, s * half : (s + 1) * half], w[:, s * half : (s + 1) * half], None, torch.float32
+            )
+            for s in (0, 1)
+        ]
+        acc = parts[0] + parts[1]
+        acc = acc if b is None else acc + b.float()
+        outs = []
+        for programs in (False, True):
+            cfg = dataclasses.replace(one, k_split=2, split_programs=programs)
+            monkeypatch.setattr(gt, "gemm_config", lambda *_, c=cfg: c)
+            outs.append([gt.linear_triton(x, w, b, dt) for dt in (torch.float32, torch.bfloat16)])
+        assert torch.equal(outs[0][0], acc) and torch.equal(outs[1][0], acc), (m, n, k)
+        # bf16: the interpreter rounds fp32 -> bf16 its own way (not torch's), so kernel against kernel
+        assert torch.equal(outs[0][1], outs[1][1]), (m, n, k)
+        torch.testing.assert_close(acc.double(), _reference(x, w, b), rtol=1e-5, atol=1e-5)
+    counters = gt.linear_split_programs.__globals__["_counters"]  # the interpreted module's
+    assert not counters(torch.device("cpu"), 0).any()  # every ticket reset
+
+
+def test_split_programs_rows_invariant_interpreted(interp_runs, monkeypatch):
+    """Split programs (one bucket) and one program per tile (the next) give every row the same bits,
+    whatever M and the rows around it."""
+    gt = interp_runs
+    cfgs = [gt.GemmConfig(16, 16, 16, 2, 4, 2, 1, False, False, 2, programs) for programs in (True, False)]
+    monkeypatch.setattr(gt, "gemm_config", lambda n, k, dtype, m=1: cfgs[0] if m <= 20 else cfgs[1])
+    x, w, b = _inputs(45, 40, 96, torch.bfloat16)
+    full = gt.linear_triton(x, w, b, torch.bfloat16)
+    for start, size in ((0, 1), (3, 17), (20, 20), (0, 21), (30, 15)):
+        assert torch.equal(
+            gt.linear_triton(x[start : start + size], w, b, torch.bfloat16), full[start : start + size]
+        )
+
+
+def test_tuned_table_refuses_a_reduction_that_follows_m(interp):
+    gt, C = interp, interp.GemmConfig
+    good = {
+        (_BF16, 64, 128): (
+            (16, C(16, 16, 32, 8, 4, 2, 1, False, False, 2, True)),
+            (None, C(64, 64, 32, 8, 4, 2, 1, False, False, 2)),
+        )
+    }
+    gt.check_tuned(good)
+    for bad in (
+        (
+            (16, C(16, 16, 32, 8, 4, 2, 1, False, False, 2, True)),
+            (None, C(64, 64, 32, 8, 4, 2)),
+        ),  # k_split by M
+        ((16, C(16, 16, 16, 8, 4, 2)), (None, C(64, 64, 32, 8, 4, 2))),  # BLOCK_K by M
+        ((None, C(64, 64, 32, 8, 4, 2, 1, False, False, 2, True)),),  # split programs without a bound
+        ((None, C(64, 64, 48, 8, 4, 2, 1, False, False, 2)),),  # a part of 64 is not whole BLOCK_K steps
+        (
+            (16, C(16, 16, 32, 8, 4, 2, 1, False, False, 1, True)),
+            (None, C(64, 64, 32, 8, 4, 2)),
+        ),  # programs, one part
+    ):
+        with pytest.raises(AssertionError):
+            gt.check_tuned({(_BF16, 64, 128): bad})
+
+
 def test_reduction_depends_on_weight_shape_only(interp):
     """BLOCK_K (the reduction order) is one per (N, K, dtype); only the tile may follow M."""
     for dtype in (torch.bfloat16, torch.float32):
@@ -260,6 +316,49 @@ def test_tma_kernel_equals_pointer_kernel_cuda(monkeypatch, n, k, bias, out_dtyp
             outs.append([gt.linear_triton(x[:m], w, b, out_dtype) for m in (1, 256, 700)])
         for other in outs[1:]:
             assert all(torch.equal(a, c) for a, c in zip(outs[0], other)), tile
+
+
+@pytest.mark.parametrize(
+    "n,k,bias",
+    [(4096, 2048, True), (2048, 2048, False), (2048, 6144, False), (4096, 4096, False), (1000, 1280, True)],
+)
+@pytest.mark.cuda
+@needs_cuda
+def test_k_split_is_the_sum_of_two_halves_cuda(monkeypatch, n, k, bias):
+    """k_split = 2 on the GPU: every way of computing it (two programs meeting through the tickets,
+    one program with pointer or TMA loads, with warp specialization) gives (p_0 + p_1 + b).to(out),
+    p_s the one-part kernel on K half s, for both output dtypes, and leaves every ticket at zero."""
+    import vexact_vllm.kernels.gemm_split_triton as gs
+    import vexact_vllm.kernels.gemm_triton as gt
+
+    x, w, b = _inputs(700, n, k, torch.bfloat16, device="cuda", bias=bias)
+    block_k = gt.gemm_config(n, k, torch.bfloat16, 1).block_k
+    half = k // 2
+    one = gt.GemmConfig(64, 64, block_k, 8, 4, 3)
+    monkeypatch.setattr(gt, "gemm_config", lambda *_, c=one: c)
+    acc = sum(
+        gt.linear_triton(
+            x[:, s * half : (s + 1) * half], w[:, s * half : (s + 1) * half], None, torch.float32
+        )
+        for s in (0, 1)
+    )
+    acc = acc if b is None else acc + b.float()
+    ways = [
+        gt.GemmConfig(64, 16, block_k, 8, 4, 4, 1, False, False, 2, True),
+        gt.GemmConfig(64, 64, block_k, 8, 4, 3, 1, False, False, 2, True),
+        gt.GemmConfig(64, 32, block_k, 8, 4, 4, 3, False, False, 2),
+        gt.GemmConfig(128, 128, block_k, 8, 8, 3, 1, True, False, 2),
+        gt.GemmConfig(64, 128, block_k, 8, 4, 4, 1, True, True, 2),
+    ]
+    for cfg in ways:
+        monkeypatch.setattr(gt, "gemm_config", lambda *_, c=cfg: c)
+        for m in (1, 16, 100, 700):
+            for out_dtype in (torch.float32, torch.bfloat16):
+                got = gt.linear_triton(x[:m], w, b, out_dtype)
+                assert torch.equal(got, acc[:m].to(out_dtype)), (cfg, m, out_dtype)
+    torch.cuda.synchronize()
+    stream = torch.cuda.current_stream().cuda_stream
+    assert not gs._counters(torch.device("cuda", torch.cuda.current_device()), stream).any()
 
 
 @pytest.mark.parametrize("n,k,bias,out_dtype", QWEN3_SHAPES)
@@ -382,4 +481,3 @@ def test_warm_up_linear_is_a_no_op_off_cuda(monkeypatch):
     monkeypatch.setattr(gemm, "linear", lambda *a, **k: calls.append(a))
     gemm.warm_up_linear(torch.zeros(8, 4, dtype=torch.bfloat16))
     assert calls == []
-

@@ -121,7 +121,7 @@ def test_preemption_blocks_admit_two_long_prompts_side_by_side():
         prompts = [[1] * rng.randint(1, 8000) for _ in range(rng.randint(2, 5))]
         total = preemption_blocks(prompts, settings)
 
-        def need(tokens):
+        def need(tokens, bs=bs):
             return -(-tokens // bs)
 
         full = [need(len(p) + settings.max_tokens) for p in prompts]
