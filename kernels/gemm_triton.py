@@ -74,6 +74,7 @@ def _linear_kernel(
     num_pid_m = (M + BLOCK_M - 1) // BLOCK_M
     num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
     num_tiles = num_pid_m * num_pid_n
+    k_part = K // K_SPLIT  # columns per part
     offs_k = tl.arange(0, BLOCK_K)
     # The epilogue recomputes its tile's coordinates from its own counter (flattened-loop idiom).
     tile_id_out = start_pid - NUM_PROGRAMS
@@ -90,13 +91,18 @@ def _linear_kernel(
         w_ptrs = w_ptr + cols[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N] = W^T tile
 
         # 2. Each K part from its first column, in order, one dot shape; the masked tail contributes
-        #    exact zeros. Two parts: two accumulators, summed once in fp32 (p0 + p1).
-        k_part = K // K_SPLIT
-        acc = _dot_k_range(x_ptrs, w_ptrs, row_ok, k_part, EVEN_K, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
-        if K_SPLIT == 2:
-            acc = acc + _dot_k_range(
-                x_ptrs + k_part, w_ptrs + k_part, row_ok, k_part, EVEN_K, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K
-            )
+        #    exact zeros. Parts (K_SPLIT = 2) are added to a total that starts at zero: 0 + p_0 is p_0
+        #    (a sum from +0 is never -0), so the total is p_0 + p_1. One K loop in the code: a second
+        #    loop would take shared memory for its own pipeline.
+        if K_SPLIT == 1:
+            acc = _dot_k_range(x_ptrs, w_ptrs, row_ok, k_part, EVEN_K, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+        else:
+            acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+            for part in range(K_SPLIT):
+                acc += _dot_k_range(
+                    x_ptrs + part * k_part, w_ptrs + part * k_part, row_ok, k_part,
+                    EVEN_K, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
+                )  # fmt: skip
 
         # 3. Bias once in fp32, round once to the output dtype, store the valid part.
         tile_id_out += NUM_PROGRAMS
@@ -146,11 +152,16 @@ def _linear_kernel_tma(
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         row0 = pid_m * BLOCK_M
         col0 = pid_n * BLOCK_N
-        acc = _dot_k_range_tma(x_desc, w_desc, row0, col0, 0, k_tiles, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
-        if K_SPLIT == 2:  # the second part (K_SPLIT > 1 only where K / K_SPLIT is a multiple of BLOCK_K)
-            acc = acc + _dot_k_range_tma(
-                x_desc, w_desc, row0, col0, k_tiles, k_tiles, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K
+        if K_SPLIT == 1:
+            acc = _dot_k_range_tma(
+                x_desc, w_desc, row0, col0, 0, k_tiles, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K
             )
+        else:  # K_SPLIT > 1 only where K / K_SPLIT is a multiple of BLOCK_K; a total from zero (above)
+            acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+            for part in range(K_SPLIT):
+                acc += _dot_k_range_tma(
+                    x_desc, w_desc, row0, col0, part * k_tiles, k_tiles, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K
+                )
         tile_id_out += NUM_PROGRAMS
         pid_m, pid_n = _tile_coords(tile_id_out, num_pid_m, num_pid_n, GROUP_M)
         if HAS_BIAS:
