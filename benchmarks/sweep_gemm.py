@@ -156,6 +156,7 @@ def sweep(shapes, ms, candidates, small_only: bool = False, tag: str = "") -> li
                 f"{'candidate':28s}" + "".join(f"{'M=' + str(m):>9s}" for m in ms) + "    gmean", flush=True
             )
             buckets = gt._TUNED.get((torch.bfloat16, n, k))
+            gt.gemm_config = original  # the table's own tiles (the previous shape left a candidate patched in)
             tuned = {
                 m: base[m] / _bench(lambda x=xs[m], w=w, o=out_dtype: gt.linear_triton(x, w, None, o))
                 for m in ms
