@@ -348,7 +348,7 @@ def test_k_split_is_the_sum_of_two_halves_cuda(monkeypatch, n, k, bias):
         gt.GemmConfig(64, 64, block_k, 8, 4, 3, 1, False, False, 2, True),
         gt.GemmConfig(64, 32, block_k, 8, 4, 4, 3, False, False, 2),
         gt.GemmConfig(128, 128, block_k, 8, 8, 2 if block_k > 64 else 3, 1, True, False, 2),
-        gt.GemmConfig(64, 128, block_k, 8, 4, 4, 1, True, True, 2),
+        gt.GemmConfig(64, 128, block_k, 8, 4, 3 if block_k > 64 else 4, 1, True, True, 2),
     ]
     for cfg in ways:
         monkeypatch.setattr(gt, "gemm_config", lambda *_, c=cfg: c)
