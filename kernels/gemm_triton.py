@@ -197,11 +197,6 @@ C = GemmConfig
 T = True  # shorthand in the table: tma, warp_specialize
 
 
-def S(cfg: GemmConfig, programs: bool = False) -> GemmConfig:
-    """`cfg` with K in two parts (k_split = 2), computed by separate programs if `programs`."""
-    return dataclasses.replace(cfg, k_split=2, split_programs=programs)
-
-
 # Tuned entries, keyed by (dtype, N, K) of the weight: the fused q/k/v and gate/up, o, down and
 # lm_head of Qwen3-1.7B and Qwen3-8B. Each is a list of M buckets ((largest M, tile), ..., (None,
 # tile)) whose tiles all share ONE BLOCK_K (the reduction order). Picked on one H100 SXM (132 SMs;

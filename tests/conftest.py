@@ -56,9 +56,9 @@ def tiny_model(tiny_cache):
 
 def import_interpreted_modules(names: tuple[str, ...]) -> list:
     """The kernel modules `names` (a module first, then modules it imports; `KERNEL_COMPANIONS` are
-    added) imported afresh with TRITON_INTERPRET=1, so they take CPU tensors. The variable, sys.modules and the package
-    attributes are restored at once, so later imports (the CUDA tests, vLLM engines started in the
-    same run) get the compiled kernels."""
+    added) imported afresh with TRITON_INTERPRET=1, so they take CPU tensors. The variable,
+    sys.modules and the package attributes are restored at once, so later imports (the CUDA tests,
+    vLLM engines started in the same run) get the compiled kernels."""
     package = importlib.import_module("vexact_vllm.kernels")
     every = list(dict.fromkeys([*names, *(c for name in names for c in KERNEL_COMPANIONS.get(name, ()))]))
     attrs = [name.rsplit(".", 1)[1] for name in every]
