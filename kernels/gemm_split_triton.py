@@ -8,26 +8,25 @@ Math (the reduction `gemm_triton` defines for a weight shape with k_split = 2):
 Why separate programs: a narrow weight (N = 2048) in 16-wide column tiles gives 128 tiles at M <= 64,
 fewer than two per SM of an H100; two programs per tile, each reading half of K, double the loads in
 flight. How they meet: each program writes its fp32 part to a workspace [2, M, N], then takes a ticket
-on its tile's counter (an atomic add, acquire-release); the program that draws the last ticket reads
-the other part, adds the two and writes y, and resets the counter to 0 for the next launch.
+on its tile's counter (an atomic add, acquire-release); the program that draws the second ticket reads
+the other part, adds the two and writes y.
 Why the bits do not depend on which program finishes last: with two parts the last one computes
 p_mine + p_other, and fp32 addition is commutative (p_0 + p_1 and p_1 + p_0 are the same number),
 so every element equals the one-program kernel's p_0 + p_1 whatever the scheduling. Rows past M are
 neither read nor written.
-The counters: one int32 per tile, zero between launches, kept per (device, stream) so that launches
-on two streams never share one; a launch needs at most SPLIT_MAX_TILES tiles (split_programs is only
-used for bounded M buckets).
+The counters: allocated and zeroed with every launch, like the workspace, never kept between
+launches. A kept array (one per stream, zeroed once, reset by the kernel) broke the contract in
+vLLM: allocated while a CUDA graph was being captured, it lay in the graphs' shared memory pool,
+where other graphs' replays overwrote it, and a decode graph then met non-zero tickets (the
+prefix-cache composition of the 1.7B check, 2026-11-24). Per launch, the zero fill is part of the
+same stream's work (and of a captured graph): no state survives a launch.
 """
-
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from .gemm_tiles_triton import _dot_k_range, _tile_coords
-
-SPLIT_MAX_TILES = 1 << 16
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -37,7 +36,7 @@ def _linear_split_kernel(
     b_ptr,  # [N] or a dummy when HAS_BIAS is False
     y_ptr,  # [M, N], row stride stride_ym
     part_ptr,  # [2, M, N] fp32 workspace, contiguous
-    count_ptr,  # [>= tiles] int32 tickets, zero on entry, zero again on exit
+    count_ptr,  # [tiles] int32 tickets, zero on entry (this launch's own)
     M,  # not specialized: M must not select a different compiled kernel
     N,
     K,
@@ -84,13 +83,6 @@ def _linear_split_kernel(
             acc = acc + bias.to(tl.float32)[None, :]
         y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-        tl.atomic_xchg(count_ptr + tile_id, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-
-
-@functools.cache
-def _counters(device: torch.device, stream: int) -> torch.Tensor:
-    """The tile tickets of one (device, stream): zeros, and zero again after every launch."""
-    return torch.zeros(SPLIT_MAX_TILES, dtype=torch.int32, device=device)
 
 
 def linear_split_programs(x2, weight, bias, y, cfg, interpreted: bool) -> None:
@@ -102,14 +94,10 @@ def linear_split_programs(x2, weight, bias, y, cfg, interpreted: bool) -> None:
     if cfg.k_split != 2:
         raise ValueError(f"split programs need k_split = 2, got {cfg}")
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    if tiles > SPLIT_MAX_TILES:
-        raise ValueError(
-            f"{tiles} tiles exceed the split kernel's {SPLIT_MAX_TILES} counters ({cfg}, M = {m})"
-        )
-    stream = torch.cuda.current_stream(x2.device).cuda_stream if x2.is_cuda else 0
     parts = torch.empty(2, m, n, dtype=torch.float32, device=x2.device)
+    tickets = torch.zeros(tiles, dtype=torch.int32, device=x2.device)  # this launch's (see above)
     _linear_split_kernel[(2 * tiles,)](
-        x2, weight, bias if bias is not None else y, y, parts, _counters(x2.device, stream),
+        x2, weight, bias if bias is not None else y, y, parts, tickets,
         m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=(k // 2) % cfg.block_k == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,

@@ -197,6 +197,11 @@ C = GemmConfig
 T = True  # shorthand in the table: tma, warp_specialize
 
 
+def S(cfg: GemmConfig, programs: bool = False) -> GemmConfig:
+    """`cfg` with K in two parts (k_split = 2), computed by separate programs if `programs`."""
+    return dataclasses.replace(cfg, k_split=2, split_programs=programs)
+
+
 # Tuned entries, keyed by (dtype, N, K) of the weight: the fused q/k/v and gate/up, o, down and
 # lm_head of Qwen3-1.7B and Qwen3-8B. Each is a list of M buckets ((largest M, tile), ..., (None,
 # tile)) whose tiles all share ONE BLOCK_K (the reduction order). Picked on one H100 SXM (132 SMs;
@@ -228,12 +233,14 @@ _TUNED: dict[tuple[torch.dtype, int, int], tuple[tuple[int | None, GemmConfig], 
         (512, C(128, 128, 64, 8, 4, 5, 1, T, T)),
         (None, C(128, 256, 64, 8, 8, 3, 1, T, T)),
     ),
-    (_BF16, 2048, 6144): (  # down: .63 .62 .64 .85 | .83 | 1.08 | 1.02 | .92 .83
-        (64, C(64, 16, 128, 8, 4, 3, 4)),
-        (128, C(64, 32, 128, 8, 4, 3, 3)),
-        (256, C(64, 64, 128, 8, 4, 4, 1, T, T)),
-        (512, C(64, 128, 128, 8, 4, 3, 1)),
-        (None, C(128, 128, 128, 8, 8, 3, 1, T)),
+    # down: K in two parts (`sweep_gemm.py --split`, 2026-11-24: one K part per program at decode
+    # sizes; before the split .67 .60 .6 1.03 | .85 | 1.1 | 1.02 | .86 .83)
+    (_BF16, 2048, 6144): (  # down: .90 .83 .86 1.40 | 1.11 | .93 | 1.04 | .82 .90
+        (64, S(C(64, 32, 128, 8, 4, 3, 1), programs=True)),
+        (128, S(C(64, 64, 128, 8, 4, 4, 1), programs=True)),
+        (256, S(C(64, 64, 128, 8, 4, 4, 1, T, T))),
+        (512, S(C(64, 128, 128, 8, 4, 4, 1, T))),
+        (None, S(C(128, 128, 128, 8, 8, 3, 1, T))),
     ),
     (_BF16, 151936, 2048): (  # lm_head (fp32 out): 1.02 | .98 | .88 | .93 | .93 .86
         (64, C(64, 128, 64, 8, 4, 5, 1, T, T)),

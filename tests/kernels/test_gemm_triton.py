@@ -199,8 +199,6 @@ def test_k_split_is_the_sum_of_two_halves_interpreted(interp_runs, monkeypatch, 
         # bf16: the interpreter rounds fp32 -> bf16 its own way (not torch's), so kernel against kernel
         assert torch.equal(outs[0][1], outs[1][1]), (m, n, k)
         torch.testing.assert_close(acc.double(), _reference(x, w, b), rtol=1e-5, atol=1e-5)
-    counters = gt.linear_split_programs.__globals__["_counters"]  # the interpreted module's
-    assert not counters(torch.device("cpu"), 0).any()  # every ticket reset
 
 
 def test_split_programs_rows_invariant_interpreted(interp_runs, monkeypatch):
@@ -327,8 +325,7 @@ def test_tma_kernel_equals_pointer_kernel_cuda(monkeypatch, n, k, bias, out_dtyp
 def test_k_split_is_the_sum_of_two_halves_cuda(monkeypatch, n, k, bias):
     """k_split = 2 on the GPU: every way of computing it (two programs meeting through the tickets,
     one program with pointer or TMA loads, with warp specialization) gives (p_0 + p_1 + b).to(out),
-    p_s the one-part kernel on K half s, for both output dtypes, and leaves every ticket at zero."""
-    import vexact_vllm.kernels.gemm_split_triton as gs
+    p_s the one-part kernel on K half s, for both output dtypes."""
     import vexact_vllm.kernels.gemm_triton as gt
 
     x, w, b = _inputs(4100, n, k, torch.bfloat16, device="cuda", bias=bias)
@@ -358,9 +355,6 @@ def test_k_split_is_the_sum_of_two_halves_cuda(monkeypatch, n, k, bias):
             for out_dtype in (torch.float32, torch.bfloat16):
                 got = gt.linear_triton(x[:m], w, b, out_dtype)
                 assert torch.equal(got, acc[:m].to(out_dtype)), (cfg, m, out_dtype)
-    torch.cuda.synchronize()
-    stream = torch.cuda.current_stream().cuda_stream
-    assert not gs._counters(torch.device("cuda", torch.cuda.current_device()), stream).any()
 
 
 @pytest.mark.parametrize("n,k,bias,out_dtype", QWEN3_SHAPES)
