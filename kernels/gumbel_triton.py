@@ -4,10 +4,14 @@ token[m] = argmax_v(log_probs[m, v] + g(seeds[m], positions[m], v)), ties to the
 hash and the uniform of `logprob.py` (int64 arithmetic wraps mod 2^64 and values stay masked to 63
 bits, so the shifts and products give the torch path's bits) and g = -log(-log(u)) in fp32.
 
-One program per row walks the vocabulary in blocks of BLOCK ids, in index order, generating the
-noise in registers (the torch path materialises [rows, V] int64 tensors, tens of passes over
-memory per decode step) and keeping the first maximum: a row's token depends on its own log-probs,
-seed and position only, never on the batch. Triton's `log` may round differently from torch's, so
+The vocabulary is cut into chunks of CHUNK_BLOCKS blocks of BLOCK ids; one program per (row, chunk)
+walks its chunk's blocks in index order, generating the noise in registers (the torch path
+materialises [rows, V] int64 tensors, tens of passes over memory per decode step) and keeping the
+chunk's first maximum (value, id); then one program per row scans the chunks in order, taking a
+chunk only when its value is strictly greater. Both scans keep the first maximum, so the token is
+the vocabulary's first maximum whatever CHUNK_BLOCKS is (speed only: a decode batch of 16 rows gives
+16 x 19 programs instead of 16): a row's token depends on its own log-probs, seed and position
+only, never on the batch. Triton's `log` may round differently from torch's, so
 the two backends can pick different tokens where two candidates tie to within an ulp; a rollout
 uses one backend throughout (the trainer does not sample).
 """
@@ -20,6 +24,7 @@ from triton.language.standard import _argmax_combine_tie_break_left
 from . import logprob
 
 BLOCK = 2048
+CHUNK_BLOCKS = 4  # blocks per (row, chunk) program: 19 chunks of a 151,936-id vocabulary
 _NUM_WARPS = 8
 # The hash constants of logprob.py, as compile-time constants of the kernels.
 _C1 = tl.constexpr(logprob._C1)
@@ -37,19 +42,23 @@ def _mix63(x):
 
 
 @triton.jit
-def _gumbel_argmax_kernel(
+def _gumbel_chunk_kernel(
     LOGP,
     SEEDS,
     POS,
-    OUT,
+    BEST_VAL,  # fp32 [M, NUM_CHUNKS]: each chunk's first maximum
+    BEST_IDX,  # int64 [M, NUM_CHUNKS]: its id
     THR,  # fp32 [M] truncation thresholds, or a dummy when HAS_THRESHOLD is False
     stride_l,
     V,
+    NUM_CHUNKS,
     BLOCK: tl.constexpr,
+    CHUNK_BLOCKS: tl.constexpr,
     UNIFORM_BITS: tl.constexpr,
     HAS_THRESHOLD: tl.constexpr,  # a different kernel with and without truncation, never per row
 ):
     row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
     seed = tl.load(SEEDS + row).to(tl.int64) & _MASK63
     pos = tl.load(POS + row).to(tl.int64) & _MASK63
     row_key = _mix63(_mix63(seed ^ _GOLDEN) ^ pos)
@@ -58,7 +67,8 @@ def _gumbel_argmax_kernel(
     best_idx = tl.full([], 0, tl.int64)
     if HAS_THRESHOLD:  # the row's threshold in every lane (a vector load: interpreter-safe)
         thr = tl.load(THR + row + cols * 0)
-    for start in range(0, V, BLOCK):
+    for b in range(CHUNK_BLOCKS):
+        start = (chunk * CHUNK_BLOCKS + b).to(tl.int64) * BLOCK
         offs = start + cols
         mask = offs < V
         lp = tl.load(LOGP + row * stride_l + offs, mask=mask, other=float("-inf"))
@@ -70,24 +80,47 @@ def _gumbel_argmax_kernel(
         # tl.argmax(val, 0, tie_break_left=True), spelled as its reduce (interpreter-safe: the
         # interpreter answers with the lane, so the lane is what both modes reduce).
         block_max, lane = tl.reduce((val, cols), 0, _argmax_combine_tie_break_left)
-        block_idx = start + lane
         take = block_max > best_val  # strict: the earlier block keeps a tie
-        best_idx = tl.where(take, block_idx, best_idx)
+        best_idx = tl.where(take, start + lane, best_idx)
         best_val = tl.where(take, block_max, best_val)
+    tl.store(BEST_VAL + row * NUM_CHUNKS + chunk, best_val)
+    tl.store(BEST_IDX + row * NUM_CHUNKS + chunk, best_idx)
+
+
+@triton.jit
+def _gumbel_pick_kernel(BEST_VAL, BEST_IDX, OUT, NUM_CHUNKS):
+    """The row's token: the chunks in order, a later one taken only when strictly greater."""
+    row = tl.program_id(0).to(tl.int64)
+    best_val = tl.full([], float("-inf"), tl.float32)
+    best_idx = tl.full([], 0, tl.int64)
+    for c in range(NUM_CHUNKS):
+        val = tl.load(BEST_VAL + row * NUM_CHUNKS + c)
+        take = val > best_val
+        best_idx = tl.where(take, tl.load(BEST_IDX + row * NUM_CHUNKS + c), best_idx)
+        best_val = tl.where(take, val, best_val)
     tl.store(OUT + row, best_idx)
 
 
 def gumbel_argmax_triton(
-    log_probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, threshold: torch.Tensor | None = None
+    log_probs: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    threshold: torch.Tensor | None = None,
+    chunk_blocks: int = CHUNK_BLOCKS,
 ) -> torch.Tensor:
-    """int64 [M] tokens (inputs already checked by `logprob.gumbel_argmax`)."""
+    """int64 [M] tokens (inputs already checked by `logprob.gumbel_argmax`); `chunk_blocks`: blocks
+    per chunk (speed only, the tokens are the same for every value)."""
     n_rows, vocab = log_probs.shape
     out = torch.empty(n_rows, dtype=torch.int64, device=log_probs.device)
     if n_rows:
+        chunks = triton.cdiv(vocab, chunk_blocks * BLOCK)
+        best_val = torch.empty(n_rows, chunks, dtype=torch.float32, device=log_probs.device)
+        best_idx = torch.empty(n_rows, chunks, dtype=torch.int64, device=log_probs.device)
         thr = threshold.contiguous() if threshold is not None else log_probs
-        _gumbel_argmax_kernel[(n_rows,)](
-            log_probs, seeds.contiguous(), positions.contiguous(), out, thr, log_probs.stride(0), vocab,
-            BLOCK=BLOCK, UNIFORM_BITS=logprob._UNIFORM_BITS, HAS_THRESHOLD=threshold is not None,
-            num_warps=_NUM_WARPS,
+        _gumbel_chunk_kernel[(n_rows, chunks)](
+            log_probs, seeds.contiguous(), positions.contiguous(), best_val, best_idx, thr,
+            log_probs.stride(0), vocab, chunks, BLOCK=BLOCK, CHUNK_BLOCKS=chunk_blocks,
+            UNIFORM_BITS=logprob._UNIFORM_BITS, HAS_THRESHOLD=threshold is not None, num_warps=_NUM_WARPS,
         )  # fmt: skip
+        _gumbel_pick_kernel[(n_rows,)](best_val, best_idx, out, chunks, num_warps=1)
     return out

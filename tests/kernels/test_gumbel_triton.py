@@ -57,6 +57,30 @@ def test_interpreted_ties_go_to_the_lowest_id_across_blocks(gk):
     assert gk.gumbel_argmax_triton(log_probs, seeds, positions).item() == a
 
 
+@pytest.mark.parametrize("threshold", [False, True])
+def test_interpreted_token_does_not_depend_on_the_chunking(gk, threshold):
+    """Chunks of 1, 2, 3 blocks or one chunk for the whole vocabulary: the same tokens, ties across
+    chunk boundaries included (a row whose maximum repeats in later chunks keeps the first id)."""
+    vocab = 5 * BLOCK + 77
+    torch.manual_seed(0)
+    log_probs, seeds, positions = _inputs(5, vocab)
+    noise = gumbel_noise(seeds, positions, vocab)
+    gen = torch.Generator().manual_seed(3)
+    for row in (1, 3):  # plant the same value + noise at ids in different chunks
+        ids = sorted(torch.randperm(vocab, generator=gen)[:4].tolist())
+        top = (log_probs[row] + noise[row]).max() + 1.0
+        for i in ids:
+            log_probs[row, i] = top - noise[row, i]
+    thr = log_probs.quantile(0.5, dim=1) if threshold else None
+    tokens = [gk.gumbel_argmax_triton(log_probs, seeds, positions, thr, chunk_blocks=c) for c in (1, 2, 3, 100)]
+    assert all(torch.equal(t, tokens[-1]) for t in tokens[:-1]), tokens
+    full = log_probs + noise
+    assert (full[3] == full[3].max()).sum() >= 2  # exact ties in several chunks (this draw: 4, blocks 1-4)
+    if thr is not None:
+        full = torch.where(log_probs >= thr[:, None], full, float("-inf"))
+    assert torch.equal(tokens[-1], full.argmax(-1))  # torch.argmax: the first maximum
+
+
 @pytest.mark.cuda
 @requires_cuda
 def test_cuda_batch_invariant_and_close_to_torch():

@@ -41,6 +41,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from .bench_interleave import run_interleaved, serve, shared_engine_kwargs
 from .bench_report import git_commit, markdown_report, summarize, summary_table, to_table
 from .bench_workloads import WORKLOADS, apply_workload, describe, requests
 
@@ -64,52 +65,69 @@ def timed_passes(generate: Callable[[], int], duration: float, before: Callable[
     return passes
 
 
-def run_one(args) -> dict:
-    """One run of one configuration in this process; returns its measurements."""
-    import torch
-    from vllm import LLM, SamplingParams
+class EngineRun:
+    """One configuration's engine in this process (`args.config`): started on construction, then
+    warm-up passes and timed runs over the same requests."""
 
-    t0 = time.perf_counter()
-    llm = LLM(
-        args.model, model_impl=CONFIGS[args.config]["model_impl"], dtype=args.dtype, seed=args.seed,
-        load_format=args.load_format, skip_tokenizer_init=True, max_model_len=args.max_model_len,
-        enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size, **profiler_kwargs(args),
-        **json.loads(args.engine_kwargs),
-    )  # fmt: skip
-    startup = time.perf_counter() - t0
-    reqs = requests(args)
-    prompts = [{"prompt_token_ids": r.prompt} for r in reqs]
-    params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=args.temperature, seed=r.seed,
-                             detokenize=False) for r in reqs]  # fmt: skip
+    def __init__(self, args):
+        from vllm import LLM, SamplingParams
 
-    def reset_prefix_cache() -> None:  # else a repeated pass would skip most of its prefill
+        self.args = args
+        t0 = time.perf_counter()
+        self.llm = LLM(
+            args.model, model_impl=CONFIGS[args.config]["model_impl"], dtype=args.dtype, seed=args.seed,
+            load_format=args.load_format, skip_tokenizer_init=True, max_model_len=args.max_model_len,
+            enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+            **profiler_kwargs(args), **json.loads(args.engine_kwargs),
+        )  # fmt: skip
+        self.startup_s = time.perf_counter() - t0
+        reqs = requests(args)
+        self.prompts = [{"prompt_token_ids": r.prompt} for r in reqs]
+        self.params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=args.temperature,
+                                      seed=r.seed, detokenize=False) for r in reqs]  # fmt: skip
+
+    def reset_prefix_cache(self) -> None:  # else a repeated pass would skip most of its prefill
         for _ in range(20):  # vLLM says False while finished requests still hold blocks
-            if llm.reset_prefix_cache() is not False:
+            if self.llm.reset_prefix_cache() is not False:
                 return
             time.sleep(0.05)
         raise RuntimeError("vLLM could not reset its prefix cache between passes")
 
-    def generate() -> int:
-        return sum(len(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False))
+    def generate(self) -> int:
+        return sum(len(o.outputs[0].token_ids) for o in self.llm.generate(self.prompts, self.params, use_tqdm=False))
 
-    t1 = time.perf_counter()
-    for _ in range(args.warmup_passes):
-        reset_prefix_cache()
-        generate()
-    warmup = time.perf_counter() - t1
-    passes = timed_passes(generate, args.duration, before=reset_prefix_cache)
-    tokens, elapsed = sum(n for n, _ in passes), sum(s for _, s in passes)
-    profile = None
+    def warm_up(self) -> float:
+        """The untimed passes; their seconds."""
+        t1 = time.perf_counter()
+        for _ in range(self.args.warmup_passes):
+            self.reset_prefix_cache()
+            self.generate()
+        return time.perf_counter() - t1
+
+    def timed(self) -> dict:
+        """Timed passes until --duration seconds: the run's record."""
+        import torch
+
+        passes = timed_passes(self.generate, self.args.duration, before=self.reset_prefix_cache)
+        tokens, elapsed = sum(n for n, _ in passes), sum(s for _, s in passes)
+        return {"config": self.args.config, "startup_s": self.startup_s, "elapsed_s": elapsed,
+                "output_tokens": tokens, "output_tok_s": tokens / elapsed, "passes": len(passes),
+                "pass_tokens": [n for n, _ in passes], "pass_s": [s for _, s in passes],
+                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"}  # fmt: skip
+
+
+def run_one(args) -> dict:
+    """One run of one configuration in this process; returns its measurements."""
+    engine = EngineRun(args)
+    warmup = engine.warm_up()
+    record = {**engine.timed(), "warmup_s": warmup, "profile": None}
     if args.profile:  # one more pass, untimed, under vLLM's torch profiler (its engine-step window)
-        reset_prefix_cache()
-        llm.start_profile()
-        generate()
-        llm.stop_profile()
-        profile = profile_table(profiler_dir(args))
-    return {"profile": profile, "config": args.config, "startup_s": startup, "elapsed_s": elapsed, "output_tokens": tokens,
-            "output_tok_s": tokens / elapsed, "warmup_s": warmup, "passes": len(passes),
-            "pass_tokens": [n for n, _ in passes], "pass_s": [s for _, s in passes],
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"}  # fmt: skip
+        engine.reset_prefix_cache()
+        engine.llm.start_profile()
+        engine.generate()
+        engine.llm.stop_profile()
+        record["profile"] = profile_table(profiler_dir(args))
+    return record
 
 
 def profiler_dir(args) -> str:
@@ -227,31 +245,44 @@ def _command_line(args) -> str:
     shown = list(args.forward)
     shown[shown.index("--model") + 1] = args.model_name  # as given, not resolved
     shown += (["--configs", args.configs] if args.configs else []) + ["--repeats", str(args.repeats)]
+    shown += ["--interleave"] if args.interleave else []
     return shlex.join(["vexact-vllm", "bench", *shown])
 
 
 def run_bench(args) -> int:
     apply_workload(args)  # a no-op in the child, which gets every field on its command line
     if args.config:  # child process
+        if args.serve:
+            return serve(args)
         print("VEXACT_BENCH " + json.dumps(run_one(args)), flush=True)
         return 0
     names = _config_names(args)
     if args.repeats < 1 or args.warmup_passes < 0 or args.duration < 0:
         raise SystemExit("error: --repeats must be at least 1, --warmup-passes and --duration at least 0")
+    if args.interleave and args.profile:
+        raise SystemExit("error: --profile runs each configuration in its own process; leave out --interleave")
     args.model_name = args.model
     args.model = resolve_model(args.model, args.load_format)
     if args.vocab_limit is None:
         args.vocab_limit = _vocab_size(args.model)
     args.forward = forward_args(args)
     results = []
+    shared = shared_engine_kwargs(args.engine_kwargs, len(names))  # --interleave: each engine's share
+    if args.interleave:  # the child's last --engine-kwargs wins
+        command = [sys.executable, "-m", "vexact_vllm.cli", "bench", *args.forward, "--engine-kwargs", shared]
+        results = run_interleaved(names, args, command, lambda name: CONFIGS[name]["env"])
     for position, (repeat, name) in enumerate(run_order(names, args.repeats)):  # a failure does not stop the rest
-        results.append({**_run_child(name, repeat, args), "position": position})
+        if not args.interleave:
+            results.append({**_run_child(name, repeat, args), "position": position})
         if position % len(names) == len(names) - 1:
-            print(f"repeat {repeat}:\n{to_table(results[-len(names):])}", file=sys.stderr, flush=True)
+            print(f"repeat {repeat}:\n{to_table(results[position + 1 - len(names) : position + 1])}",
+                  file=sys.stderr, flush=True)  # fmt: skip
     workload = (f"{args.model_name} ({args.load_format} weights), {describe(args)}, temperature {args.temperature}, "
                 f"seed {args.seed}"
                 f"{', eager' if args.enforce_eager else ''}; {args.warmup_passes} warm-up pass(es), "
-                f"{args.duration:g} s timed per run, {args.repeats} repeat(s) in alternating order")  # fmt: skip
+                f"{args.duration:g} s timed per run, {args.repeats} repeat(s) in alternating order"
+                + (f"; engines side by side, gpu_memory_utilization {json.loads(shared)['gpu_memory_utilization']:g} each"
+                   if args.interleave else ""))  # fmt: skip
     rows = summarize(results)
     meta = {"date": datetime.date.today().isoformat(), "command": _command_line(args), "commit": git_commit(),
             "workload": workload, "device": next((r["device"] for r in results if "device" in r), "unknown")}  # fmt: skip
@@ -335,7 +366,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--profile-steps", type=profile_window, default=(30, 20), metavar="SKIP:STEPS",
                         help="engine steps of the profiled pass to skip, then to profile (default 30:20: past "
                         "the default workload's prefill, decode steps)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="start every configuration's engine once, side by side on the GPU (each with an "
+                        "equal share of gpu_memory_utilization), and alternate their timed runs: one start-up per "
+                        "configuration whatever --repeats, and compared runs seconds apart (bench_interleave.py)")
     parser.add_argument("--config", help=argparse.SUPPRESS)  # set for the per-configuration child
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # child of --interleave
 
 
 FORWARDED = ("model", "workload", "num_prompts", "input_len", "output_len", "samples", "temperature", "seed", "dtype", "max_model_len",
