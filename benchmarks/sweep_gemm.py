@@ -10,6 +10,11 @@ shape, all sharing one BLOCK_K (kernels/gemm_triton.py): pick them from the per-
     python3 benchmarks/sweep_gemm.py --small --ms 64,128,256,512   # the small-M (decode) tiles only
     python3 benchmarks/sweep_gemm.py --narrow --tma --ms 1,16,32,64,128   # 16/32-wide decode tiles
     python3 benchmarks/sweep_gemm.py --split   # K in two parts (k_split = 2) on the narrow weights
+    python3 benchmarks/sweep_gemm.py --narrow --tma --cold --ms 1,16,64,128   # weights read from HBM
+
+`--cold` times every call on one of several copies of the weight, more bytes in all than the L2
+holds (COLD_BYTES), in turn, as the model runs them (each layer's weights come from HBM); without
+it one weight is replayed and stays in the L2 (25 MB of a 50 MB L2), which favours other tiles.
 
 Needs CUDA. Changing a `_TUNED` entry changes the bits of that shape on both sides alike.
 """
@@ -131,13 +136,18 @@ SPLIT_LARGE_CANDIDATES = [
 ]  # fmt: skip
 
 
-def _bench(fn) -> float:
+# `--cold`: weight copies per shape, at least this many bytes in all (4x the H100's 50 MB L2).
+COLD_BYTES = 200 * 2**20
+
+
+def _bench(fn, x, weights) -> float:
+    """ms per call of fn(x, w), the calls cycling through `weights` (one CUDA graph replays them all)."""
     from triton.testing import do_bench_cudagraph
 
-    return do_bench_cudagraph(fn, rep=20)
+    return do_bench_cudagraph(lambda: [fn(x, w) for w in weights], rep=20) / len(weights)
 
 
-def sweep(shapes, ms, candidates, small_only: bool = False, tag: str = "") -> list[dict]:
+def sweep(shapes, ms, candidates, small_only: bool = False, tag: str = "", cold: bool = False) -> list[dict]:
     import vexact_vllm.kernels.gemm_triton as gt
 
     original = gt.gemm_config
@@ -146,8 +156,11 @@ def sweep(shapes, ms, candidates, small_only: bool = False, tag: str = "") -> li
         for n, k in shapes:
             out_dtype = torch.float32 if n > 100_000 else torch.bfloat16
             w = (torch.randn(n, k, device="cuda") / k**0.5).bfloat16()
+            copies = -(-COLD_BYTES // w.nbytes) if cold else 1
+            ws = [w] + [w.clone() for _ in range(copies - 1)]
             xs = {m: torch.randn(m, k, device="cuda").bfloat16() for m in ms}
-            base = {m: _bench(lambda x=xs[m], w=w: torch.nn.functional.linear(x, w)) for m in ms}
+            ours = lambda x, w, o=out_dtype: gt.linear_triton(x, w, None, o)  # noqa: E731
+            base = {m: _bench(torch.nn.functional.linear, xs[m], ws) for m in ms}
             print(
                 f"\n(N={n}, K={k}) cuBLAS us: " + " ".join(f"M={m}:{base[m] * 1e3:.1f}" for m in ms),
                 flush=True,
@@ -157,10 +170,7 @@ def sweep(shapes, ms, candidates, small_only: bool = False, tag: str = "") -> li
             )
             buckets = gt._TUNED.get((torch.bfloat16, n, k))
             gt.gemm_config = original  # the table's own tiles (the previous shape left a candidate patched in)
-            tuned = {
-                m: base[m] / _bench(lambda x=xs[m], w=w, o=out_dtype: gt.linear_triton(x, w, None, o))
-                for m in ms
-            }
+            tuned = {m: base[m] / _bench(ours, xs[m], ws) for m in ms}
             print(f"{'tuned (today)':28s}" + "".join(f"{tuned[m]:9.2f}" for m in ms), flush=True)
             for cand in candidates:
                 if small_only and buckets is not None and cand[2] != buckets[0][1].block_k:
@@ -168,10 +178,7 @@ def sweep(shapes, ms, candidates, small_only: bool = False, tag: str = "") -> li
                 cfg = gt.GemmConfig(*cand)
                 gt.gemm_config = lambda *_, cfg=cfg: cfg
                 try:
-                    speed = {
-                        m: base[m] / _bench(lambda x=xs[m], w=w, o=out_dtype: gt.linear_triton(x, w, None, o))
-                        for m in ms
-                    }
+                    speed = {m: base[m] / _bench(ours, xs[m], ws) for m in ms}
                 except Exception as e:  # noqa: BLE001 - a candidate that does not fit is skipped
                     print(f"{str(cand):28s} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
                     continue
@@ -182,7 +189,7 @@ def sweep(shapes, ms, candidates, small_only: bool = False, tag: str = "") -> li
                 print(
                     f"{str(cand):28s}" + "".join(f"{speed[m]:9.2f}" for m in ms) + f"{gmean:9.2f}", flush=True
                 )
-            del w, xs
+            del w, ws, xs
             torch.cuda.empty_cache()
     finally:
         gt.gemm_config = original
@@ -212,25 +219,31 @@ def main() -> None:
         action="store_true",
         help="K in two parts (k_split = 2) on SPLIT_SHAPES: decode and prefill tiles",
     )
+    parser.add_argument(
+        "--cold", action="store_true", help=f"cycle through weight copies ({COLD_BYTES >> 20} MB in all): HBM reads"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("error: the GEMM sweep needs a CUDA device")
+    from vexact_vllm.kernels.gemm_triton import gemm_config
     shapes = [s for name in args.shapes.split(",") for s in SHAPES[name]]
     if args.narrow:  # the lm_head has columns enough for every SM
         shapes = [(n, k) for n, k in shapes if n < 100_000]
     ms = [int(m) for m in args.ms.split(",")]
     start = time.time()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {'cold (HBM)' if args.cold else 'L2-hot'} weights", flush=True)
     if args.split:
         shapes = [s for s in shapes if s in SPLIT_SHAPES]
-        rows = sweep(shapes, SPLIT_SMALL_MS, SPLIT_SMALL_CANDIDATES, small_only=True, tag="decode")
-        rows += sweep(shapes, SPLIT_LARGE_MS, SPLIT_LARGE_CANDIDATES, small_only=True, tag="prefill")
+        rows = sweep(shapes, SPLIT_SMALL_MS, SPLIT_SMALL_CANDIDATES, small_only=True, tag="decode", cold=args.cold)
+        rows += sweep(shapes, SPLIT_LARGE_MS, SPLIT_LARGE_CANDIDATES, small_only=True, tag="prefill", cold=args.cold)
         _print_best(shapes, rows, start)
         return
+    if args.narrow or args.small:  # one-part candidates: shapes tuned with K in two parts take --split
+        shapes = [(n, k) for n, k in shapes if gemm_config(n, k, torch.bfloat16).k_split == 1]
     candidates = NARROW_CANDIDATES if args.narrow else SMALL_CANDIDATES if args.small else CANDIDATES
     if args.tma:  # GemmConfig's tma and warp_specialize fields after the seven above
         candidates = [*candidates, *((*c, True) for c in candidates), *((*c, True, True) for c in candidates)]
-    rows = sweep(shapes, ms, candidates, small_only=args.small or args.narrow)
+    rows = sweep(shapes, ms, candidates, small_only=args.small or args.narrow, cold=args.cold)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f)

@@ -12,7 +12,11 @@ token's position,
     out[..., :rot_dim] = x * cat(c, c) + rotate_half(x) * cat(s, s),  rotate_half(x) = cat(-x2, x1)
 cast to the input dtype; dims past rot_dim pass through unchanged.
 
-Invariant: elementwise per token and head; no reduction at all.
+With `qk_norm` = (q_weight, k_weight, eps) (Qwen3's per-head q_norm / k_norm), q and k are first
+`rms_norm`ed per head (rms_norm.py, rounded to their dtype), then rotated: one op, so the Triton
+path runs both in one launch (rope_triton.py) and gives the bits of the two ops in sequence.
+
+Invariant: elementwise per token and head; no reduction but the norm's, over one head's D values.
 """
 
 import math
@@ -21,6 +25,8 @@ import torch
 
 from ._checks import check_dim, check_dtype, check_int, check_last_dim_contiguous, check_same_device
 from .dispatch import backend_for
+from .rms_norm import _check as _check_norm
+from .rms_norm import _rms_norm_torch
 
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -94,7 +100,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([out.to(x.dtype), x[..., 2 * half :]], dim=-1)
 
 
-def _apply_rope_torch(q, k, positions, cache):
+def _apply_rope_torch(q, k, positions, cache, qk_norm=None):
+    if qk_norm is not None:
+        q_weight, k_weight, eps = qk_norm
+        q, k = _rms_norm_torch(q, q_weight, eps), _rms_norm_torch(k, k_weight, eps)
     if positions.numel() > 0 and (int(positions.min()) < 0 or int(positions.max()) >= cache.shape[0]):
         raise ValueError(f"positions must lie in [0, {cache.shape[0]}) (the cache's max_positions)")
     rows = cache[positions]  # [T, R]
@@ -104,16 +113,16 @@ def _apply_rope_torch(q, k, positions, cache):
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
-def _apply_rope_triton(q, k, positions, cache):
+def _apply_rope_triton(q, k, positions, cache, qk_norm=None):
     from .rope_triton import apply_rope_triton  # imported on first use: no Triton on CPU
 
-    return apply_rope_triton(q, k, positions, cache)
+    return apply_rope_triton(q, k, positions, cache, qk_norm)
 
 
 _IMPLS = {"torch": _apply_rope_torch, "triton": _apply_rope_triton}
 
 
-def _check(q, k, positions, cache) -> None:
+def _check(q, k, positions, cache, qk_norm=None) -> None:
     """Input checks shared by `apply_rope` and the Triton launcher."""
     for name, t in (("q", q), ("k", k)):
         check_dtype(name, t)
@@ -136,14 +145,27 @@ def _check(q, k, positions, cache) -> None:
     if not positions.is_cuda and positions.numel() > 0:
         if int(positions.min()) < 0 or int(positions.max()) >= cache.shape[0]:
             raise ValueError(f"positions must lie in [0, {cache.shape[0]}) (the cache's max_positions)")
+    if qk_norm is not None:
+        if not isinstance(qk_norm, tuple) or len(qk_norm) != 3:
+            raise ValueError("qk_norm must be a tuple (q_weight, k_weight, eps)")
+        q_weight, k_weight, eps = qk_norm
+        _check_norm(q, q_weight, eps)
+        _check_norm(k, k_weight, eps)
 
 
 def apply_rope(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cache: torch.Tensor,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq, D] and k [T, Hkv, D] (bf16/fp32) at positions [T] int64 with `cache`.
 
-    cache: fp32 [max_positions, rot_dim] from `rope_cache`, on the device of q. Returns new tensors.
+    cache: fp32 [max_positions, rot_dim] from `rope_cache`, on the device of q. qk_norm: optional
+    (q_weight [D], k_weight [D], eps): RMSNorm each head of q and k first. Returns new tensors.
     """
-    _check(q, k, positions, cache)
-    return _IMPLS[backend_for(q)](q, k, positions, cache)
+    _check(q, k, positions, cache, qk_norm)
+    if qk_norm is not None:
+        qk_norm = (qk_norm[0], qk_norm[1], float(qk_norm[2]))
+    return _IMPLS[backend_for(q)](q, k, positions, cache, qk_norm)

@@ -1,134 +1,206 @@
-"""Triton rotary position embedding, NeoX "rotate_half" style (the CUDA path of `rope.py`).
+"""Triton rotary position embedding, NeoX "rotate_half" style, optionally after a per-head RMSNorm
+of q and k (Qwen3's q_norm / k_norm): the CUDA path of `rope.py`, q and k in ONE launch.
 
 Math, as in `rope.py`: with R = rot_dim, x1 = x[..., :R/2], x2 = x[..., R/2:R] in fp32 and
 c, s = cache[position] split in halves (fp32 cos | sin),
     out[..., :R/2]  = x1 * c - x2 * s
     out[..., R/2:R] = x2 * c + x1 * s
-cast to the input dtype; dims past R are copied unchanged. The backward is the rotation by -theta
-(the same kernel with s negated): dx1 = g1 * c + g2 * s, dx2 = g2 * c - g1 * s.
+cast to the input dtype; dims past R are copied unchanged. With `qk_norm` = (q_weight, k_weight,
+eps), x is first each head's RMSNorm, rounded to the input dtype: exactly `rms_norm(q, q_weight,
+eps)` (rms_norm_triton.py's row math: one [BLOCK] row, one tree sum, the same warp count, so the
+same bits; the CUDA tests compare). The backward is the rotation by -theta (the same kernel with s
+negated: dx1 = g1 * c + g2 * s, dx2 = g2 * c - g1 * s), then RMSNorm's own backward
+(rms_norm_triton._backward) with the rstd the forward saved.
 
-Invariant: purely elementwise per (token, head, dim); no reduction. Each output element is the
-same few fp32 operations on its own inputs, so a token's bits never depend on the batch.
-Positions are not range-checked on the host for CUDA tensors (that needs a device sync, which
-breaks CUDA-graph capture): an out-of-range position trips `tl.device_assert` under
-TRITON_DEBUG=1 and otherwise reads cache row 0, never memory outside the cache. CPU tensors (the
-interpreter) are checked on the host.
+Program (token t, head h of the Hq + Hkv heads): the head's row is normalised and stored to the
+output, the program's threads meet at a barrier, then the rotation reads the normalised halves back
+and overwrites them (each element is read, then written, by one program only). Stock vLLM fuses the
+same ops (q/k norm with RoPE); four launches per layer become one.
+
+Invariant: the only reduction is the norm's sum of squares over one head row of D elements, whose
+tree depends on D alone; the rest is elementwise per (token, head, dim). A token's bits never
+depend on the batch. Positions are not range-checked on the host for CUDA tensors (that needs a
+device sync, which breaks CUDA-graph capture): an out-of-range position trips `tl.device_assert`
+under TRITON_DEBUG=1 and otherwise reads cache row 0, never memory outside the cache. CPU tensors
+(the interpreter) are checked on the host.
 """
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.standard import _sum_combine
 
 from ._autograd import backward_without_autocast
+from .rms_norm_triton import _backward as _rms_norm_backward
+from .rms_norm_triton import _block_for, _warps_for
 from .rope import _check
-
-# Heads per program (at most); only tiles the elementwise work.
-_MAX_HEADS_PER_PROGRAM = 16
 
 
 @triton.jit
 def _rope_kernel(
-    X,
-    Y,
+    Q,
+    K,
+    QO,
+    KO,
+    QW,  # [D] q_norm weight (NORM only)
+    KW,  # [D] k_norm weight (NORM only)
+    Q_RSTD,  # [T, Hq] fp32 (NORM only): the norm's rstd, for the backward
+    K_RSTD,  # [T, Hkv] fp32 (NORM only)
     POS,
     CACHE,
-    stride_xt,
-    stride_xh,
-    stride_yt,
-    stride_yh,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_qot,
+    stride_qoh,
+    stride_kot,
+    stride_koh,
     stride_c,
-    n_heads,
+    n_q_heads,
+    n_kv_heads,
     max_positions,
+    eps,
     HALF: tl.constexpr,  # rot_dim / 2: fixed by the model
     HEAD_DIM: tl.constexpr,  # D: fixed by the model
+    BLOCK_D: tl.constexpr,  # rms_norm_triton._block_for(D): the norm's row block (its tree)
     BLOCK_HALF: tl.constexpr,  # next_pow2(HALF)
     BLOCK_PASS: tl.constexpr,  # next_pow2(D - rot_dim), 1 if none
-    BLOCK_H: tl.constexpr,  # heads per program
+    NORM: tl.constexpr,  # RMSNorm each head first
     INVERSE: tl.constexpr,  # backward: rotate by -theta
 ):
-    """Program (token t, head block): 1. cos/sin of t's position; 2. rotate; 3. copy the tail."""
+    """Program (t, h): 1. (NORM) the head's RMSNorm, stored, barrier; 2. cos/sin of t's position;
+    3. rotate the halves; 4. (no NORM) copy the tail."""
     t = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_HALF)
+    h = tl.program_id(1)
+    if h < n_q_heads:
+        x_base = Q + t * stride_qt + h * stride_qh
+        y_base = QO + t * stride_qot + h * stride_qoh
+        w_ptr = QW
+        rstd_ptr = Q_RSTD + t * n_q_heads + h
+    else:
+        x_base = K + t * stride_kt + (h - n_q_heads) * stride_kh
+        y_base = KO + t * stride_kot + (h - n_q_heads) * stride_koh
+        w_ptr = KW
+        rstd_ptr = K_RSTD + t * n_kv_heads + (h - n_q_heads)
+    if NORM:  # rms_norm_triton._rms_norm_fwd_kernel's one-chunk row, to the output
+        cols = tl.arange(0, BLOCK_D)
+        mask = cols < HEAD_DIM
+        x = tl.load(x_base + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.math.div_rn(tl.reduce(x * x, 0, _sum_combine), HEAD_DIM * 1.0) + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_base + cols, (x * rstd * w).to(QO.dtype.element_ty), mask=mask)
+        tl.store(rstd_ptr, rstd)
+        tl.debug_barrier()  # the normalised row is in memory for every thread of the program
+        src = y_base
+    else:
+        src = x_base
     pos = tl.load(POS + t).to(tl.int64)
     in_range = (pos >= 0) & (pos < max_positions)
     tl.device_assert(in_range, "rope: position out of the cache's range")
     pos = tl.where(in_range, pos, 0)  # never read outside the cache
-    c = tl.load(CACHE + pos * stride_c + d, mask=d < HALF, other=0.0)
-    s = tl.load(CACHE + pos * stride_c + HALF + d, mask=d < HALF, other=0.0)
+    d = tl.arange(0, BLOCK_HALF)
+    half_ok = d < HALF
+    c = tl.load(CACHE + pos * stride_c + d, mask=half_ok, other=0.0)
+    s = tl.load(CACHE + pos * stride_c + HALF + d, mask=half_ok, other=0.0)
     if INVERSE:
         s = -s
-    mask = (heads < n_heads)[:, None] & (d < HALF)[None, :]  # [BLOCK_H, BLOCK_HALF]
-    x_base = X + t * stride_xt + heads[:, None] * stride_xh
-    y_base = Y + t * stride_yt + heads[:, None] * stride_yh
-    x1 = tl.load(x_base + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_base + HALF + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    y1 = x1 * c[None, :] - x2 * s[None, :]
-    y2 = x2 * c[None, :] + x1 * s[None, :]
-    tl.store(y_base + d[None, :], y1.to(Y.dtype.element_ty), mask=mask)
-    tl.store(y_base + HALF + d[None, :], y2.to(Y.dtype.element_ty), mask=mask)
-    if HEAD_DIM > 2 * HALF:
-        p = 2 * HALF + tl.arange(0, BLOCK_PASS)
-        p_mask = (heads < n_heads)[:, None] & (p < HEAD_DIM)[None, :]
-        tail = tl.load(x_base + p[None, :], mask=p_mask, other=0.0)
-        tl.store(y_base + p[None, :], tail, mask=p_mask)
+    x1 = tl.load(src + d, mask=half_ok, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + d, mask=half_ok, other=0.0).to(tl.float32)
+    y1 = x1 * c - x2 * s
+    y2 = x2 * c + x1 * s
+    tl.store(y_base + d, y1.to(QO.dtype.element_ty), mask=half_ok)
+    tl.store(y_base + HALF + d, y2.to(QO.dtype.element_ty), mask=half_ok)
+    if not NORM:
+        if HEAD_DIM > 2 * HALF:  # the normalised tail is in place already with NORM
+            p = 2 * HALF + tl.arange(0, BLOCK_PASS)
+            p_ok = p < HEAD_DIM
+            tl.store(y_base + p, tl.load(x_base + p, mask=p_ok, other=0.0), mask=p_ok)
 
 
-def _launch(x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, inverse: bool) -> torch.Tensor:
-    """x: [T, H, D] (last dim contiguous) -> new contiguous [T, H, D] in x.dtype."""
-    n_tokens, n_heads, head_dim = x.shape
+def _launch(q, k, positions, cache, norm=None, inverse=False):
+    """q [T, Hq, D], k [T, Hkv, D] (last dim contiguous) -> (new contiguous q, k, rstd_q, rstd_k);
+    norm = (q_weight, k_weight, eps) or None (then the rstds are None)."""
+    n_tokens, n_q, head_dim = q.shape
+    n_kv = k.shape[1]
     half = cache.shape[1] // 2
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if n_tokens == 0 or n_heads == 0:
-        return y
-    block_h = min(triton.next_power_of_2(n_heads), _MAX_HEADS_PER_PROGRAM)
-    grid = (n_tokens, triton.cdiv(n_heads, block_h))
-    _rope_kernel[grid](
-        x,
-        y,
-        positions,
-        cache,
-        x.stride(0),
-        x.stride(1),
-        y.stride(0),
-        y.stride(1),
-        cache.stride(0),
-        n_heads,
-        cache.shape[0],
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    rstd_q = rstd_k = None
+    if norm is not None:
+        rstd_q = torch.empty(n_tokens, n_q, dtype=torch.float32, device=q.device)
+        rstd_k = torch.empty(n_tokens, n_kv, dtype=torch.float32, device=q.device)
+    if n_tokens == 0 or n_q + n_kv == 0:
+        return q_out, k_out, rstd_q, rstd_k
+    q_w, k_w, eps = norm if norm is not None else (q, k, 0.0)  # dummies without a norm
+    block_d = _block_for(head_dim)
+    _rope_kernel[(n_tokens, n_q + n_kv)](
+        q, k, q_out, k_out, q_w, k_w,
+        rstd_q if norm is not None else q_out, rstd_k if norm is not None else k_out,
+        positions, cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+        cache.stride(0), n_q, n_kv, cache.shape[0], float(eps),
         HALF=half,
         HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
         BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_PASS=triton.next_power_of_2(max(head_dim - 2 * half, 1)),
-        BLOCK_H=block_h,
+        NORM=norm is not None,
         INVERSE=inverse,
-        num_warps=4,
-    )
-    return y
+        num_warps=_warps_for(block_d),  # the norm's warp count: part of its tree
+    )  # fmt: skip
+    return q_out, k_out, rstd_q, rstd_k
 
 
 class _RopeFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, positions, cache):
-        ctx.save_for_backward(positions, cache)
-        return _launch(q, positions, cache, False), _launch(k, positions, cache, False)
+    def forward(ctx, q, k, positions, cache, q_weight, k_weight, eps):
+        norm = (q_weight, k_weight, eps) if q_weight is not None else None
+        q_out, k_out, rstd_q, rstd_k = _launch(q, k, positions, cache, norm)
+        if norm is None:
+            ctx.save_for_backward(positions, cache)
+        else:
+            ctx.save_for_backward(positions, cache, q, k, q_weight, k_weight, rstd_q, rstd_k)
+        ctx.norm = norm is not None
+        ctx.out_meta = [(o.shape, o.dtype, o.device) for o in (q_out, k_out)]  # for a missing gradient
+        return q_out, k_out
 
     @staticmethod
     @backward_without_autocast
     def backward(ctx, grad_q, grad_k):
-        positions, cache = ctx.saved_tensors
-        dq = _launch(grad_q, positions, cache, True) if ctx.needs_input_grad[0] else None
-        dk = _launch(grad_k, positions, cache, True) if ctx.needs_input_grad[1] else None
-        return dq, dk, None, None
+        positions, cache, *saved = ctx.saved_tensors
+        grads = [
+            torch.zeros(shape, dtype=dtype, device=device) if g is None else _rows(g)
+            for g, (shape, dtype, device) in zip((grad_q, grad_k), ctx.out_meta)
+        ]
+        dq, dk, _, _ = _launch(*grads, positions, cache, inverse=True)
+        if not ctx.norm:
+            return dq, dk, None, None, None, None, None
+        q, k, q_weight, k_weight, rstd_q, rstd_k = saved
+        dq, dwq = _rms_norm_backward(dq, q, q_weight, rstd_q.reshape(-1), None)
+        dk, dwk = _rms_norm_backward(dk, k, k_weight, rstd_k.reshape(-1), None)
+        return dq, dk, None, None, dwq, dwk, None
+
+
+def _rows(g: torch.Tensor) -> torch.Tensor:
+    """A gradient with a contiguous last dim (what the kernel reads)."""
+    return g if g.stride(-1) == 1 else g.contiguous()
 
 
 def apply_rope_triton(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cache: torch.Tensor,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q [T, Hq, D] and k [T, Hkv, D] at positions [T] with the fp32 cache [P, rot_dim]."""
-    _check(q, k, positions, cache)
+    """Rotate q [T, Hq, D] and k [T, Hkv, D] at positions [T] with the fp32 cache [P, rot_dim];
+    with qk_norm = (q_weight [D], k_weight [D], eps), RMSNorm each head first (see above)."""
+    _check(q, k, positions, cache, qk_norm)
     positions = positions.contiguous()
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-        return _RopeFunction.apply(q, k, positions, cache)
-    return _launch(q, positions, cache, False), _launch(k, positions, cache, False)
+    q_w, k_w, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
+    params = (q, k) if qk_norm is None else (q, k, q_w, k_w)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in params):
+        return _RopeFunction.apply(q, k, positions, cache, q_w, k_w, float(eps))
+    return _launch(q, k, positions, cache, qk_norm)[:2]

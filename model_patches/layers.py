@@ -309,9 +309,10 @@ class SelfAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        qk_norm = None  # Qwen3: each head's RMSNorm, fused with the rotation (one kernel)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, k, positions, rope)
+            qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        q, k = apply_rope(q, k, positions, rope, qk_norm)
         out = attn.attend(self.layer_idx, q, k, v, self.scale)  # [T, Hq, D]
         out = out.reshape(t, self.num_heads * self.head_dim)
         if self.tp is None:

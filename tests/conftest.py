@@ -19,6 +19,7 @@ KERNEL_COMPANIONS = {
         "vexact_vllm.kernels.gemm_split_triton",
         "vexact_vllm.kernels.gemm_tiles_triton",
     ),
+    "vexact_vllm.kernels.rope_triton": ("vexact_vllm.kernels.rms_norm_triton",),
 }
 
 

@@ -16,8 +16,19 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 
 
 @pytest.fixture(scope="module")
-def tk(import_interpreted):
-    return import_interpreted(MODULE)
+def interpreted(interpreted_modules):
+    """(rope_triton, rms_norm_triton) interpreted; the second is the module the first imports."""
+    return interpreted_modules((MODULE, "vexact_vllm.kernels.rms_norm_triton"))
+
+
+@pytest.fixture(scope="module")
+def tk(interpreted):
+    return interpreted[0]
+
+
+@pytest.fixture(scope="module")
+def tnorm(interpreted):
+    return interpreted[1]
 
 
 def _reference(x, positions, cache):
@@ -117,6 +128,82 @@ def test_bad_cache_raises(tk):
             tk.apply_rope_triton(q, q, torch.arange(2), cache)
 
 
+def _qkv_views(t, hq, hkv, d, dtype, device="cpu"):
+    """q [T, Hq, D], k [T, Hkv, D]: strided views of one fused q/k/v projection output, as in the model."""
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device=device).to(dtype)
+    return qkv[:, : hq * d].view(t, hq, d), qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+
+
+def _norm_weights(d, dtype, device="cpu"):
+    return (1 + 0.3 * torch.randn(d, device=device)).to(dtype), (1 + 0.3 * torch.randn(d, device=device)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim,partial", [(32, 1.0), (40, 0.5), (24, 1.0)])
+def test_qk_norm_is_rms_norm_then_rope(tk, tnorm, dtype, head_dim, partial):
+    """One launch gives the bits of the norm kernel then the rotation, and the torch path's values."""
+    cache = rope_cache(head_dim, 64, 10000.0, partial_rotary_factor=partial)
+    t, hq, hkv = int(torch.randint(1, 19, ())), int(torch.randint(1, 5, ())), int(torch.randint(1, 3, ()))
+    q, k = _qkv_views(t, hq, hkv, head_dim, dtype)
+    positions = torch.randint(0, 64, (t,))
+    wq, wk = _norm_weights(head_dim, dtype)
+    q_out, k_out = tk.apply_rope_triton(q, k, positions, cache, (wq, wk, 1e-6))
+    q_sep, k_sep = tk.apply_rope_triton(
+        tnorm.rms_norm_triton(q, wq, 1e-6), tnorm.rms_norm_triton(k, wk, 1e-6), positions, cache
+    )
+    assert torch.equal(q_out, q_sep) and torch.equal(k_out, k_sep)
+    q_ref, k_ref = apply_rope(q, k, positions, cache, (wq, wk, 1e-6))  # CPU: the torch path
+    torch.testing.assert_close(q_out.float(), q_ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
+    torch.testing.assert_close(k_out.float(), k_ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
+    for r in (0, t - 1):  # a token alone: the same bits
+        q1, k1 = tk.apply_rope_triton(q[r : r + 1], k[r : r + 1], positions[r : r + 1], cache, (wq, wk, 1e-6))
+        assert torch.equal(q1, q_out[r : r + 1]) and torch.equal(k1, k_out[r : r + 1])
+
+
+def test_qk_norm_gradients_match_float64_reference(tk):
+    cache = rope_cache(40, 64, 10000.0, partial_rotary_factor=0.5)
+    positions = torch.randint(0, 64, (5,))
+    q = torch.randn(5, 3, 40, requires_grad=True)
+    k = torch.randn(5, 2, 40, requires_grad=True)
+    wq, wk = (w.requires_grad_() for w in _norm_weights(40, torch.float32))
+    gq, gk = torch.randn(5, 3, 40), torch.randn(5, 2, 40)
+    q_out, k_out = tk.apply_rope_triton(q, k, positions, cache, (wq, wk, 1e-6))
+    ((q_out * gq).sum() + (k_out * gk).sum()).backward()
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, wq, wk)]
+    qd, kd, wqd, wkd = leaves
+
+    def norm(x, w):
+        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * w
+
+    (
+        (_reference(norm(qd, wqd), positions, cache) * gq.double()).sum()
+        + (_reference(norm(kd, wkd), positions, cache) * gk.double()).sum()
+    ).backward()
+    for got, want in zip((q, k, wq, wk), leaves):
+        torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-4, atol=1e-4)
+    k_only = tk.apply_rope_triton(q, k, positions, cache, (wq, wk, 1e-6))[1]  # q's gradient missing
+    (dk,) = torch.autograd.grad(k_only.sum(), [k])
+    assert dk.shape == k.shape and torch.isfinite(dk).all()
+
+
+@pytest.mark.parametrize(
+    "qk_norm",
+    [
+        (torch.ones(16), torch.ones(15), 1e-6),
+        (torch.ones(16), torch.ones(16).double(), 1e-6),
+        (torch.ones(16), torch.ones(16), -1.0),
+        (torch.ones(16), torch.ones(16)),
+        [torch.ones(16), torch.ones(16), 1e-6],
+    ],
+)
+def test_bad_qk_norm_raises(tk, qk_norm):
+    q = torch.randn(2, 2, 16)
+    with pytest.raises(ValueError):
+        tk.apply_rope_triton(q, q, torch.arange(2), rope_cache(16, 8, 10000.0), qk_norm)
+    with pytest.raises(ValueError):
+        apply_rope(q, q, torch.arange(2), rope_cache(16, 8, 10000.0), qk_norm)
+
+
 # ---------------------------------------------------------------------------------------------
 # CUDA (compiled kernel, real sizes)
 # ---------------------------------------------------------------------------------------------
@@ -160,3 +247,58 @@ def test_cuda_gradients():
     ).backward()
     torch.testing.assert_close(q.grad.double(), qd.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(k.grad.double(), kd.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_cuda_qk_norm_equals_norm_then_rope(head_dim):
+    """The fused launch against the two kernels it replaces, bitwise: strided views of a fused
+    projection, random head counts and batch sizes, every token alone and in sub-batches."""
+    mod = importlib.import_module(MODULE)
+    norm = importlib.import_module("vexact_vllm.kernels.rms_norm_triton")
+    cache = rope_cache(head_dim, 40960, 1000000.0).cuda()
+    for _ in range(4):
+        t = int(torch.randint(1, 600, ()))
+        hkv = int(torch.randint(1, 9, ()))
+        hq = hkv * int(torch.randint(1, 5, ()))
+        q, k = _qkv_views(t, hq, hkv, head_dim, torch.bfloat16, "cuda")
+        q, k = q * 3, k * 3
+        positions = torch.randint(0, 40960, (t,), device="cuda")
+        wq, wk = _norm_weights(head_dim, torch.bfloat16, "cuda")
+        q_out, k_out = mod.apply_rope_triton(q, k, positions, cache, (wq, wk, 1e-6))
+        q_sep, k_sep = mod.apply_rope_triton(
+            norm.rms_norm_triton(q, wq, 1e-6), norm.rms_norm_triton(k, wk, 1e-6), positions, cache
+        )
+        assert torch.equal(q_out, q_sep) and torch.equal(k_out, k_sep)
+        for m in (1, 7, t // 2 + 1):
+            start = int(torch.randint(0, t - m + 1, ()))
+            rows = slice(start, start + m)
+            q_m, k_m = mod.apply_rope_triton(q[rows], k[rows], positions[rows], cache, (wq, wk, 1e-6))
+            assert torch.equal(q_m, q_out[rows]) and torch.equal(k_m, k_out[rows])
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_qk_norm_gradients():
+    mod = importlib.import_module(MODULE)
+    cache = rope_cache(128, 4096, 10000.0).cuda()
+    positions = torch.randint(0, 4096, (300,), device="cuda")
+    q = torch.randn(300, 16, 128, device="cuda", requires_grad=True)
+    k = torch.randn(300, 4, 128, device="cuda", requires_grad=True)
+    wq, wk = (w.requires_grad_() for w in _norm_weights(128, torch.float32, "cuda"))
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    q_out, k_out = mod.apply_rope_triton(q, k, positions, cache, (wq, wk, 1e-6))
+    ((q_out * gq).sum() + (k_out * gk).sum()).backward()
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, wq, wk)]
+    qd, kd, wqd, wkd = leaves
+
+    def norm(x, w):
+        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * w
+
+    (
+        (_reference(norm(qd, wqd), positions, cache) * gq.double()).sum()
+        + (_reference(norm(kd, wkd), positions, cache) * gk.double()).sum()
+    ).backward()
+    for got, want in zip((q, k, wq, wk), leaves):
+        torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-3, atol=1e-3)
