@@ -208,20 +208,23 @@ def S(cfg: GemmConfig, programs: bool = False) -> GemmConfig:
 # Triton 3.6, torch 2.11) with benchmarks/sweep_gemm.py (CUDA-graph timing against cuBLAS
 # F.linear): the comment gives the sweep's speed vs cuBLAS in each bucket (M = 1 16 32 64 | 128 | 256 |
 # 512 | 2048 8192, per merged bucket). The buckets up to M = 128 (decode) are 16- to 64-wide column
-# tiles, pointer loads, 3-4 programs per SM (`sweep_gemm.py --narrow`, 2026-11-24): a narrow weight
-# then puts a slice of W on every SM.
+# tiles, pointer loads, 1-4 programs per SM (`sweep_gemm.py --narrow`, 2026-11-24): a narrow weight
+# then puts a slice of W on every SM. They were re-picked with the weights read from HBM, as the
+# model reads them (`sweep_gemm.py --narrow --tma --cold --ms 1,16,64,128` and `--split --cold`,
+# 2026-11-25; "cold" in the comments: M = 1 16 64 | 128); the other buckets were timed L2-hot ("hot").
+# Cold, one deep pipeline per SM (8 stages, 1 program) wins where one row tile covers M.
 _TUNED: dict[tuple[torch.dtype, int, int], tuple[tuple[int | None, GemmConfig], ...]] = {
     # Qwen3-1.7B: hidden 2048, intermediate 6144, q 2048, k/v 1024, vocab 151936
-    (_BF16, 4096, 2048): (  # qkv: .75 .71 .78 .89 | .95 | .99 | 1.0 | .93 .92
-        (64, C(64, 32, 64, 8, 4, 4, 3)),
-        (128, C(64, 64, 64, 8, 4, 4, 2, T, T)),
+    (_BF16, 4096, 2048): (  # qkv: cold .91 .91 .92 | .81 ; hot | .95 | .99 | 1.0 | .93 .92
+        (64, C(64, 32, 64, 8, 4, 8, 1)),
+        (128, C(64, 32, 64, 8, 4, 6, 3)),
         (256, C(64, 128, 64, 8, 4, 5, 1, T, T)),
         (512, C(64, 256, 64, 8, 4, 4, 1, T, T)),
         (None, C(128, 128, 64, 8, 4, 4, 1, T, T)),
     ),
-    (_BF16, 2048, 2048): (  # o: .73 .73 .75 .76 | .81 | .82 | 1.13 | .98 .99
-        (64, C(64, 16, 64, 8, 4, 4, 3)),
-        (128, C(64, 32, 64, 8, 4, 4, 3)),
+    (_BF16, 2048, 2048): (  # o: cold .83 .85 .85 | .78 ; hot | .82 | 1.13 | .98 .99
+        (64, C(64, 16, 64, 8, 4, 8, 1)),
+        (128, C(64, 32, 64, 8, 4, 8, 1)),
         (256, C(64, 64, 64, 8, 4, 4, 1, T, T)),
         (512, C(64, 128, 64, 8, 4, 5, 1, T, T)),
         (None, C(128, 256, 64, 8, 8, 3, 1, T)),
@@ -235,8 +238,8 @@ _TUNED: dict[tuple[torch.dtype, int, int], tuple[tuple[int | None, GemmConfig], 
     ),
     # down: K in two parts (`sweep_gemm.py --split`, 2026-11-24: one K part per program at decode
     # sizes; before the split .67 .60 .6 1.03 | .85 | 1.1 | 1.02 | .86 .83)
-    (_BF16, 2048, 6144): (  # down: .90 .83 .86 1.40 | 1.11 | .93 | 1.04 | .82 .90
-        (64, S(C(64, 32, 128, 8, 4, 3, 1), programs=True)),
+    (_BF16, 2048, 6144): (  # down: cold .98 .97 1.0 1.04 | .87 | .75 ; hot | 1.04 | .82 .90
+        (64, S(C(64, 32, 128, 8, 4, 6, 1), programs=True)),
         (128, S(C(64, 64, 128, 8, 4, 4, 1), programs=True)),
         (256, S(C(64, 64, 128, 8, 4, 4, 1, T, T))),
         (512, S(C(64, 128, 128, 8, 4, 4, 1, T))),
@@ -257,8 +260,8 @@ _TUNED: dict[tuple[torch.dtype, int, int], tuple[tuple[int | None, GemmConfig], 
         (512, C(128, 256, 64, 8, 8, 3, 1, T)),
         (None, C(128, 128, 64, 8, 4, 4, 1, T)),
     ),
-    (_BF16, 4096, 4096): (  # 0.78 0.69 0.67 0.74 | 0.81 | 0.88 | 1.08 | 1.01
-        (64, C(64, 32, 64, 8, 4, 4, 3)),
+    (_BF16, 4096, 4096): (  # cold 1.05 1.05 0.91 | 0.78 ; hot | 0.88 | 1.08 | 1.01
+        (64, C(64, 32, 64, 8, 4, 8, 1)),
         (128, C(64, 32, 64, 8, 4, 6, 3)),
         (256, C(64, 128, 64, 8, 4, 5, 1, T, T)),
         (512, C(128, 128, 64, 8, 8, 5, 1, T)),
@@ -271,9 +274,9 @@ _TUNED: dict[tuple[torch.dtype, int, int], tuple[tuple[int | None, GemmConfig], 
         (512, C(128, 256, 64, 8, 8, 3, 1, T, T)),
         (None, C(128, 256, 64, 8, 8, 3, 1, T)),
     ),
-    (_BF16, 4096, 12288): (  # 0.96 0.95 0.98 1.00 | 0.73 | 0.97 | 1.02 | 1.01
+    (_BF16, 4096, 12288): (  # cold 0.96 0.96 0.99 | 0.77 ; hot | 0.97 | 1.02 | 1.01
         (64, C(64, 32, 64, 8, 4, 8, 1)),
-        (128, C(64, 32, 64, 8, 4, 6, 3)),
+        (128, C(64, 32, 64, 8, 4, 6, 3, T, T)),
         (256, C(64, 128, 64, 8, 4, 5, 1, T)),
         (512, C(128, 128, 64, 8, 4, 5, 1, T, T)),
         (None, C(128, 256, 64, 8, 8, 3, 1, T, T)),

@@ -50,36 +50,26 @@ VOCAB_BLOCK = 4096
 # Warps per row program; fixed with VOCAB_BLOCK (it shapes the tree of the final tl.sum).
 _NUM_WARPS = 16
 
-# Vocabulary blocks loaded per loop iteration of the forward (speed only: the additions keep their
-# order). A row program is latency-bound with one block in flight.
-_UNROLL = 4
-
 _MODE_ALL = 0  # write log_prob[v] for every v
 _MODE_TOKEN = 1  # write log_prob[token] and lse
 
 
 @triton.jit
-def _row_lse(z_row, tau, V, BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr, UNROLL: tl.constexpr):
-    """lse of scaled = z / tau over one row: 1. max; 2. sum of exp, block by block in index order.
-    The loops take UNROLL blocks per iteration (loads in flight together; a row is latency-bound
-    otherwise) and still add them one block after another: the same additions in the same order.
-    Blocks past the row (when UNROLL does not divide NUM_BLOCKS) are masked: -inf to the max, +0.0
-    to the sum (x + 0.0 == x for the sum, which is never -0.0)."""
+def _row_lse(z_row, tau, V, BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr):
+    """lse of scaled = z / tau over one row: 1. max; 2. sum of exp, block by block in index order."""
     cols = tl.arange(0, BLOCK)
     mx_vec = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
-    for b0 in range(0, NUM_BLOCKS, UNROLL):
-        for u in tl.static_range(UNROLL):
-            offs = (b0 + u) * BLOCK + cols
-            z = tl.load(z_row + offs, mask=offs < V, other=float("-inf"))
-            mx_vec = tl.maximum(mx_vec, tl.math.div_rn(z, tau))
+    for b in range(NUM_BLOCKS):
+        offs = b * BLOCK + cols
+        z = tl.load(z_row + offs, mask=offs < V, other=float("-inf"))
+        mx_vec = tl.maximum(mx_vec, tl.math.div_rn(z, tau))
     mx = tl.reduce(mx_vec, 0, _elementwise_max)
     acc = tl.full([BLOCK], 0.0, dtype=tl.float32)
-    for b0 in range(0, NUM_BLOCKS, UNROLL):
-        for u in tl.static_range(UNROLL):
-            offs = (b0 + u) * BLOCK + cols
-            mask = offs < V
-            z = tl.load(z_row + offs, mask=mask, other=0.0)
-            acc += tl.where(mask, tl.exp(tl.math.div_rn(z, tau) - mx), 0.0)
+    for b in range(NUM_BLOCKS):
+        offs = b * BLOCK + cols
+        mask = offs < V
+        z = tl.load(z_row + offs, mask=mask, other=0.0)
+        acc += tl.where(mask, tl.exp(tl.math.div_rn(z, tau) - mx), 0.0)
     return mx + tl.log(tl.reduce(acc, 0, _sum_combine))
 
 
@@ -96,25 +86,23 @@ def _log_softmax_fwd_kernel(
     MODE: tl.constexpr,  # _MODE_ALL or _MODE_TOKEN
     BLOCK: tl.constexpr,  # VOCAB_BLOCK
     NUM_BLOCKS: tl.constexpr,  # cdiv(V, VOCAB_BLOCK): fixed by the vocabulary
-    UNROLL: tl.constexpr,  # blocks loaded per loop iteration (speed only)
 ):
     """One row per program: lse (see `_row_lse`), then 3. scaled - lse at every v or at the token."""
     row = tl.program_id(0).to(tl.int64)
     z_row = Z + row * stride_z
     tau = tl.load(TAU + row)
-    lse = _row_lse(z_row, tau, V, BLOCK, NUM_BLOCKS, UNROLL)
+    lse = _row_lse(z_row, tau, V, BLOCK, NUM_BLOCKS)
     if MODE == 1:
         token = tl.load(TOKENS + row).to(tl.int64)
         tl.store(OUT + row, tl.math.div_rn(tl.load(z_row + token), tau) - lse)
         tl.store(LSE + row, lse)
     else:
         cols = tl.arange(0, BLOCK)
-        for b0 in range(0, NUM_BLOCKS, UNROLL):
-            for u in tl.static_range(UNROLL):
-                offs = (b0 + u) * BLOCK + cols
-                mask = offs < V
-                z = tl.load(z_row + offs, mask=mask, other=0.0)
-                tl.store(OUT + row * stride_out + offs, tl.math.div_rn(z, tau) - lse, mask=mask)
+        for b in range(NUM_BLOCKS):
+            offs = b * BLOCK + cols
+            mask = offs < V
+            z = tl.load(z_row + offs, mask=mask, other=0.0)
+            tl.store(OUT + row * stride_out + offs, tl.math.div_rn(z, tau) - lse, mask=mask)
 
 
 @triton.jit
@@ -219,7 +207,6 @@ def _launch_rows(logits, tau, tokens, mode, out=None, lse=None):
             MODE=mode,
             BLOCK=VOCAB_BLOCK,
             NUM_BLOCKS=triton.cdiv(vocab, VOCAB_BLOCK),
-            UNROLL=_UNROLL,
             num_warps=_NUM_WARPS,
         )
     return out, lse

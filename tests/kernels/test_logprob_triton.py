@@ -67,24 +67,6 @@ def test_accuracy_invariance_and_tokens(tk, vocab):
     _check_rows(tk, logits, temps, (1, 5))
 
 
-@pytest.mark.parametrize("unroll", [1, 2, 3, 4])
-def test_unrolled_loops_change_no_bit(tk, unroll):
-    """Blocks loaded several per loop iteration (and blocks past the row masked) add in the same
-    order: every unroll gives the bits of one block at a time (the original loop)."""
-    vocab = 5 * BLOCK + 37  # 6 blocks: a remainder for unroll 4
-    logits = torch.randn(3, vocab) * 5
-    logits[1, 7] = float("-inf")
-    tau = _tau(torch.rand(3) + 0.3, 3)
-    tokens = torch.randint(0, vocab, (3,))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tk, "_UNROLL", 1)
-        full_1 = tk.log_softmax_triton(logits, tau)
-        tok_1 = tk.token_log_probs_triton(logits, tokens, tau)
-        mp.setattr(tk, "_UNROLL", unroll)
-        assert torch.equal(tk.log_softmax_triton(logits, tau), full_1)
-        assert torch.equal(tk.token_log_probs_triton(logits, tokens, tau), tok_1)
-
-
 def test_temperature_semantics(tk):
     logits = torch.randn(6, 3000) * 3
 
