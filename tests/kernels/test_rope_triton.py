@@ -160,16 +160,18 @@ def test_qk_norm_is_rms_norm_then_rope(tk, tnorm, dtype, head_dim, partial):
         assert torch.equal(q1, q_out[r : r + 1]) and torch.equal(k1, k_out[r : r + 1])
 
 
-def test_qk_norm_gradients_match_float64_reference(tk):
-    cache = rope_cache(40, 64, 10000.0, partial_rotary_factor=0.5)
-    positions = torch.randint(0, 64, (5,))
-    q = torch.randn(5, 3, 40, requires_grad=True)
-    k = torch.randn(5, 2, 40, requires_grad=True)
-    wq, wk = (w.requires_grad_() for w in _norm_weights(40, torch.float32))
-    gq, gk = torch.randn(5, 3, 40), torch.randn(5, 2, 40)
-    q_out, k_out = tk.apply_rope_triton(q, k, positions, cache, (wq, wk, 1e-6))
+def _check_qk_norm_gradients(mod, shape, head_dim, partial, tol, device="cpu"):
+    """q/k/weight gradients of the fused norm + rotation against fp64 autograd; shape = (T, Hq, Hkv)."""
+    t, hq, hkv = shape
+    cache = rope_cache(head_dim, 4096, 10000.0, partial_rotary_factor=partial).to(device)
+    positions = torch.randint(0, 4096, (t,), device=device)
+    q = torch.randn(t, hq, head_dim, device=device, requires_grad=True)
+    k = torch.randn(t, hkv, head_dim, device=device, requires_grad=True)
+    wq, wk = (w.requires_grad_() for w in _norm_weights(head_dim, torch.float32, device))
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    q_out, k_out = mod.apply_rope_triton(q, k, positions, cache, (wq, wk, 1e-6))
     ((q_out * gq).sum() + (k_out * gk).sum()).backward()
-    leaves = [t.detach().double().requires_grad_() for t in (q, k, wq, wk)]
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, wq, wk)]
     qd, kd, wqd, wkd = leaves
 
     def norm(x, w):
@@ -180,10 +182,14 @@ def test_qk_norm_gradients_match_float64_reference(tk):
         + (_reference(norm(kd, wkd), positions, cache) * gk.double()).sum()
     ).backward()
     for got, want in zip((q, k, wq, wk), leaves):
-        torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-4, atol=1e-4)
-    k_only = tk.apply_rope_triton(q, k, positions, cache, (wq, wk, 1e-6))[1]  # q's gradient missing
+        torch.testing.assert_close(got.grad.double(), want.grad, rtol=tol, atol=tol)
+    k_only = mod.apply_rope_triton(q, k, positions, cache, (wq, wk, 1e-6))[1]  # q's gradient missing
     (dk,) = torch.autograd.grad(k_only.sum(), [k])
     assert dk.shape == k.shape and torch.isfinite(dk).all()
+
+
+def test_qk_norm_gradients_match_float64_reference(tk):
+    _check_qk_norm_gradients(tk, (5, 3, 2), 40, 0.5, 1e-4)
 
 
 @pytest.mark.parametrize(
@@ -281,24 +287,4 @@ def test_cuda_qk_norm_equals_norm_then_rope(head_dim):
 @pytest.mark.cuda
 @requires_cuda
 def test_cuda_qk_norm_gradients():
-    mod = importlib.import_module(MODULE)
-    cache = rope_cache(128, 4096, 10000.0).cuda()
-    positions = torch.randint(0, 4096, (300,), device="cuda")
-    q = torch.randn(300, 16, 128, device="cuda", requires_grad=True)
-    k = torch.randn(300, 4, 128, device="cuda", requires_grad=True)
-    wq, wk = (w.requires_grad_() for w in _norm_weights(128, torch.float32, "cuda"))
-    gq, gk = torch.randn_like(q), torch.randn_like(k)
-    q_out, k_out = mod.apply_rope_triton(q, k, positions, cache, (wq, wk, 1e-6))
-    ((q_out * gq).sum() + (k_out * gk).sum()).backward()
-    leaves = [t.detach().double().requires_grad_() for t in (q, k, wq, wk)]
-    qd, kd, wqd, wkd = leaves
-
-    def norm(x, w):
-        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * w
-
-    (
-        (_reference(norm(qd, wqd), positions, cache) * gq.double()).sum()
-        + (_reference(norm(kd, wkd), positions, cache) * gk.double()).sum()
-    ).backward()
-    for got, want in zip((q, k, wq, wk), leaves):
-        torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-3, atol=1e-3)
+    _check_qk_norm_gradients(importlib.import_module(MODULE), (300, 16, 4), 128, 1.0, 1e-3, "cuda")
