@@ -5,22 +5,31 @@ greedy (0) already replaced by 1, and every kernel forms scaled = z / tau with `
 round-to-nearest division (Triton's plain fp32 `/` is an approximation; torch's CUDA `/` is
 div.rn, so the bits are torch's `logits / tau`).
 
-Log-softmax, one program per row of V fp32 logits z, in blocks of VOCAB_BLOCK columns:
-    1. mx  = max_v scaled[v]                    running elementwise max over the blocks, then one
+Log-softmax of a row of V fp32 logits z, in chunks of VOCAB_CHUNK = CHUNK_BLOCKS * VOCAB_BLOCK
+columns (chunk c: columns c * VOCAB_CHUNK ..), each chunk read by its own program (rows x chunks
+programs, so a few rows still spread over the SMs):
+    1. per chunk c: mx_c = max scaled[v]        running elementwise max over its blocks, then one
                                                 tree max (exact, order-free)
-    2. sum = sum_v exp(scaled[v] - mx)          added elementwise into an fp32 [VOCAB_BLOCK] vector
-                                                block by block in index order, then one tree sum
-    3. lse = mx + log(sum);  log_prob[v] = scaled[v] - lse
-`log_softmax` writes step 3 for every v; `token_log_probs` writes it for v = token only (and lse):
-one kernel source (the MODE constexpr only picks what step 3 writes), so a token's value is
-log_softmax's at that token, bit for bit. The loops run over NUM_BLOCKS = cdiv(V, VOCAB_BLOCK)
-blocks, a constexpr: one compilation per vocabulary size.
-The block (and Triton's exp/log) differ from the torch path's (`logprob.VOCAB_BLOCK`, 1024), so the
-two backends agree to rounding, not bitwise: inference and training must run the same backend.
+                    s_c  = sum exp(scaled[v] - mx_c)   added elementwise into an fp32 [VOCAB_BLOCK]
+                                                vector block by block in index order, then one tree sum
+                                                (a chunk whose logits are all -inf: s_c = 0)
+    2. per row:     mx = max_c mx_c (exact);  sum = s_0 e_0 + s_1 e_1 + ... in chunk order, one
+                    term at a time, e_c = exp(mx_c - mx);  lse = mx + log(sum)
+    3. log_prob[v] = scaled[v] - lse
+Step 1 is `_chunk_lse_kernel`; steps 2 and 3 are `_log_softmax_fwd_kernel`, which writes step 3 for
+every v (`log_softmax`, one program per (row, chunk), each forming the row's lse from the same
+partials in the same order) or for v = token only, with lse (`token_log_probs`): one kernel source
+(the MODE constexpr only picks what step 3 writes), so a token's value is log_softmax's at that
+token, bit for bit. Loops run over constexpr counts (CHUNK_BLOCKS, NUM_CHUNKS = cdiv(V,
+VOCAB_CHUNK)): one compilation per vocabulary size.
+The blocks (and Triton's exp/log) differ from the torch path's (`logprob.VOCAB_BLOCK`, 1024, one
+global max), so the two backends agree to rounding, not bitwise: inference and training must run
+the same backend.
 
-Invariant: the order of every addition is fixed by V and VOCAB_BLOCK alone (both the same for every
-call), never by the number of rows in the launch, the chunk a row falls in, or the entry point
-(`log_softmax`, `token_log_probs`, `linear_token_log_probs`).
+Invariant: the order of every addition is fixed by V, VOCAB_BLOCK and CHUNK_BLOCKS alone (the same
+for every call), never by the number of rows in the launch, the chunk of rows a row falls in
+(`linear_token_log_probs`), or the entry point (`log_softmax`, `token_log_probs`,
+`linear_token_log_probs`).
 
 Backward (training only; deterministic): with p = exp(scaled - lse),
     token log-prob:   dz = (onehot(token) - p) * (g / tau)
@@ -47,7 +56,11 @@ from .logprob import mask_logits_
 
 # Vocabulary columns per block. Fixed for every call: with V it sets the order of the additions.
 VOCAB_BLOCK = 4096
-# Warps per row program; fixed with VOCAB_BLOCK (it shapes the tree of the final tl.sum).
+# Blocks per chunk program (VOCAB_CHUNK = 8192 columns: 19 chunks of a 151,936-token vocabulary).
+# Fixed with VOCAB_BLOCK: it decides which columns share a partial sum.
+CHUNK_BLOCKS = 2
+VOCAB_CHUNK = CHUNK_BLOCKS * VOCAB_BLOCK
+# Warps per program; fixed with VOCAB_BLOCK (it shapes the tree of each chunk's tl.sum).
 _NUM_WARPS = 16
 
 _MODE_ALL = 0  # write log_prob[v] for every v
@@ -55,22 +68,50 @@ _MODE_TOKEN = 1  # write log_prob[token] and lse
 
 
 @triton.jit
-def _row_lse(z_row, tau, V, BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr):
-    """lse of scaled = z / tau over one row: 1. max; 2. sum of exp, block by block in index order."""
-    cols = tl.arange(0, BLOCK)
+def _chunk_lse_kernel(
+    Z,
+    TAU,
+    PART,  # [M, NUM_CHUNKS, 2] fp32: (mx_c, s_c)
+    stride_z,
+    V,
+    BLOCK: tl.constexpr,  # VOCAB_BLOCK
+    CHUNK_BLOCKS: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,  # cdiv(V, VOCAB_CHUNK): fixed by the vocabulary
+):
+    """Program (row, chunk c): 1. mx_c; 2. s_c, block by block in index order (module docstring)."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    z_row = Z + row * stride_z
+    tau = tl.load(TAU + row)
+    cols = chunk * (CHUNK_BLOCKS * BLOCK) + tl.arange(0, BLOCK)
     mx_vec = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
-    for b in range(NUM_BLOCKS):
+    for b in range(CHUNK_BLOCKS):
         offs = b * BLOCK + cols
         z = tl.load(z_row + offs, mask=offs < V, other=float("-inf"))
         mx_vec = tl.maximum(mx_vec, tl.math.div_rn(z, tau))
     mx = tl.reduce(mx_vec, 0, _elementwise_max)
     acc = tl.full([BLOCK], 0.0, dtype=tl.float32)
-    for b in range(NUM_BLOCKS):
+    for b in range(CHUNK_BLOCKS):
         offs = b * BLOCK + cols
         mask = offs < V
-        z = tl.load(z_row + offs, mask=mask, other=0.0)
-        acc += tl.where(mask, tl.exp(tl.math.div_rn(z, tau) - mx), 0.0)
-    return mx + tl.log(tl.reduce(acc, 0, _sum_combine))
+        scaled = tl.math.div_rn(tl.load(z_row + offs, mask=mask, other=0.0), tau)
+        acc += tl.where(mask & (scaled > float("-inf")), tl.exp(scaled - mx), 0.0)  # no -inf - -inf
+    part = PART + (row * NUM_CHUNKS + chunk) * 2
+    tl.store(part, mx)
+    tl.store(part + 1, tl.reduce(acc, 0, _sum_combine))
+
+
+@triton.jit
+def _row_lse(part_row, NUM_CHUNKS: tl.constexpr):
+    """lse of one row from its chunks' (mx_c, s_c): 1. mx = max_c mx_c; 2. the rescaled sums added
+    one chunk at a time in chunk order (unrolled scalar code: no tree, so no layout can change it)."""
+    mx = tl.load(part_row)
+    for c in tl.static_range(1, NUM_CHUNKS):
+        mx = tl.maximum(mx, tl.load(part_row + 2 * c))
+    total = 0.0
+    for c in tl.static_range(NUM_CHUNKS):
+        total += tl.load(part_row + 2 * c + 1) * tl.exp(tl.load(part_row + 2 * c) - mx)
+    return mx + tl.log(total)
 
 
 @triton.jit
@@ -80,25 +121,28 @@ def _log_softmax_fwd_kernel(
     TOKENS,
     OUT,
     LSE,
+    PART,  # [M, NUM_CHUNKS, 2] from _chunk_lse_kernel
     stride_z,
     stride_out,
     V,
-    MODE: tl.constexpr,  # _MODE_ALL or _MODE_TOKEN
+    MODE: tl.constexpr,  # _MODE_ALL (grid rows x chunks) or _MODE_TOKEN (grid rows)
     BLOCK: tl.constexpr,  # VOCAB_BLOCK
-    NUM_BLOCKS: tl.constexpr,  # cdiv(V, VOCAB_BLOCK): fixed by the vocabulary
+    CHUNK_BLOCKS: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
 ):
-    """One row per program: lse (see `_row_lse`), then 3. scaled - lse at every v or at the token."""
+    """Program (row, chunk): the row's lse (`_row_lse`), then 3. scaled - lse on the chunk (MODE_ALL)
+    or at the token, with lse (MODE_TOKEN, one program per row)."""
     row = tl.program_id(0).to(tl.int64)
     z_row = Z + row * stride_z
     tau = tl.load(TAU + row)
-    lse = _row_lse(z_row, tau, V, BLOCK, NUM_BLOCKS)
+    lse = _row_lse(PART + row * NUM_CHUNKS * 2, NUM_CHUNKS)
     if MODE == 1:
         token = tl.load(TOKENS + row).to(tl.int64)
         tl.store(OUT + row, tl.math.div_rn(tl.load(z_row + token), tau) - lse)
         tl.store(LSE + row, lse)
     else:
-        cols = tl.arange(0, BLOCK)
-        for b in range(NUM_BLOCKS):
+        cols = tl.program_id(1) * (CHUNK_BLOCKS * BLOCK) + tl.arange(0, BLOCK)
+        for b in range(CHUNK_BLOCKS):
             offs = b * BLOCK + cols
             mask = offs < V
             z = tl.load(z_row + offs, mask=mask, other=0.0)
@@ -183,7 +227,8 @@ def _check_rows(logits: torch.Tensor, tau: torch.Tensor, tokens: torch.Tensor | 
 
 
 def _launch_rows(logits, tau, tokens, mode, out=None, lse=None):
-    """Run the row kernel; returns (out, lse): out [M, V] (mode all) or [M] (mode token)."""
+    """Run the chunk kernel, then the row kernel; returns (out, lse): out [M, V] (mode all) or [M]
+    (mode token)."""
     n_rows, vocab = logits.shape
     tau = tau.reshape(-1).contiguous()
     if mode == _MODE_ALL:
@@ -195,19 +240,13 @@ def _launch_rows(logits, tau, tokens, mode, out=None, lse=None):
         lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device) if lse is None else lse
         tokens = tokens.contiguous()
     if n_rows > 0:
-        _log_softmax_fwd_kernel[(n_rows,)](
-            logits,
-            tau,
-            tokens,
-            out,
-            lse,
-            logits.stride(0),
-            out.stride(0),
-            vocab,
-            MODE=mode,
-            BLOCK=VOCAB_BLOCK,
-            NUM_BLOCKS=triton.cdiv(vocab, VOCAB_BLOCK),
-            num_warps=_NUM_WARPS,
+        n_chunks = triton.cdiv(vocab, VOCAB_CHUNK)
+        part = torch.empty(n_rows, n_chunks, 2, dtype=torch.float32, device=logits.device)
+        sizes = dict(BLOCK=VOCAB_BLOCK, CHUNK_BLOCKS=CHUNK_BLOCKS, NUM_CHUNKS=n_chunks, num_warps=_NUM_WARPS)
+        _chunk_lse_kernel[(n_rows, n_chunks)](logits, tau, part, logits.stride(0), vocab, **sizes)
+        grid = (n_rows, n_chunks if mode == _MODE_ALL else 1)
+        _log_softmax_fwd_kernel[grid](
+            logits, tau, tokens, out, lse, part, logits.stride(0), out.stride(0), vocab, MODE=mode, **sizes
         )
     return out, lse
 

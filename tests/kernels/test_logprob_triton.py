@@ -67,6 +67,19 @@ def test_accuracy_invariance_and_tokens(tk, vocab):
     _check_rows(tk, logits, temps, (1, 5))
 
 
+def test_chunks_of_minus_infinity_and_many_chunks(tk):
+    """A chunk whose logits are all -inf (a blocked vocabulary range) adds nothing and makes no NaN;
+    rows spanning several chunks combine them in order (row alone == row in a batch, accurate)."""
+    chunk = importlib.import_module(MODULE).VOCAB_CHUNK
+    vocab = 2 * chunk + 37  # three chunks, the last one short
+    logits = torch.randn(4, vocab) * 5
+    logits[1, :chunk] = float("-inf")  # row 1: its whole first chunk blocked
+    logits[2, chunk : 2 * chunk] = float("-inf")  # row 2: the middle chunk
+    temps = torch.tensor([1.0, 0.7, 0.0, 1.3])
+    full = _check_rows(tk, logits, temps, (1, 3))
+    assert torch.isfinite(full[:, -37:]).all() and (full[1, :chunk] == float("-inf")).all()
+
+
 def test_temperature_semantics(tk):
     logits = torch.randn(6, 3000) * 3
 
