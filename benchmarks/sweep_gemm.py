@@ -144,7 +144,10 @@ def _bench(fn, x, weights) -> float:
     """ms per call of fn(x, w), the calls cycling through `weights` (one CUDA graph replays them all)."""
     from triton.testing import do_bench_cudagraph
 
-    return do_bench_cudagraph(lambda: [fn(x, w) for w in weights], rep=20) / len(weights)
+    from vexact_vllm.kernels._capture import gc_paused
+
+    with gc_paused():
+        return do_bench_cudagraph(lambda: [fn(x, w) for w in weights], rep=20) / len(weights)
 
 
 def sweep(shapes, ms, candidates, small_only: bool = False, tag: str = "", cold: bool = False) -> list[dict]:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from vexact_vllm.kernels import KEY_TILE
+from vexact_vllm.kernels._capture import gc_paused
 
 pytest.importorskip("triton")
 
@@ -364,7 +365,7 @@ def test_paged_cuda_graph_replay(compiled):
     run()  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with gc_paused(), torch.cuda.graph(graph):
         out = run()
     last = [cu[b + 1].item() - 1 for b in range(3)]
     pos = torch.tensor([299, 4, 128])

@@ -12,6 +12,8 @@ import random
 import pytest
 import torch
 
+from vexact_vllm.kernels._capture import gc_paused
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 
 
@@ -64,7 +66,7 @@ def test_split_gemm_in_vllm_style_cuda_graphs(monkeypatch, n, k):
     graphs, outs = {}, {}
     for s in sizes:
         graphs[s] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[s], pool=pool, stream=capture):
+        with gc_paused(), torch.cuda.graph(graphs[s], pool=pool, stream=capture):
             outs[s] = forward(s)
 
     rng = random.Random(k)

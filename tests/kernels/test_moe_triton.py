@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from vexact_vllm.kernels import dispatch, fused_moe, moe, reference_mode
+from vexact_vllm.kernels._capture import gc_paused
 
 pytest.importorskip("triton")
 
@@ -445,7 +446,7 @@ def test_cuda_graph_replay_equals_eager():
         fused_moe_triton(*inputs)  # warm-up (compilation) outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with gc_paused(), torch.cuda.graph(graph):
         captured = fused_moe_triton(*inputs)
     graph.replay()
     torch.cuda.synchronize()
