@@ -211,21 +211,23 @@ def S(cfg: GemmConfig, programs: bool = False) -> GemmConfig:
 # tiles, pointer loads, 1-4 programs per SM (`sweep_gemm.py --narrow`, 2026-11-24): a narrow weight
 # then puts a slice of W on every SM. They were re-picked with the weights read from HBM, as the
 # model reads them (`sweep_gemm.py --narrow --tma --cold --ms 1,16,64,128` and `--split --cold`,
-# 2026-11-25; "cold" in the comments: M = 1 16 64 | 128); the other buckets were timed L2-hot ("hot").
-# Cold, one deep pipeline per SM (8 stages, 1 program) wins where one row tile covers M.
+# 2026-11-25; "cold" in the comments: M = 1 16 64 | 128), and for the 1.7B qkv and o also the M = 192-512
+# buckets (`--small --tma --cold --ms 128,192,256,384,512`: M = 192 256 | 384 512); the other buckets
+# were timed L2-hot ("hot"). Cold, one deep pipeline per SM (8 stages, 1 program) wins where one row
+# tile covers M.
 _TUNED: dict[tuple[torch.dtype, int, int], tuple[tuple[int | None, GemmConfig], ...]] = {
     # Qwen3-1.7B: hidden 2048, intermediate 6144, q 2048, k/v 1024, vocab 151936
-    (_BF16, 4096, 2048): (  # qkv: cold .91 .91 .92 | .81 ; hot | .95 | .99 | 1.0 | .93 .92
+    (_BF16, 4096, 2048): (  # qkv: cold .91 .91 .92 | .81 | .77 .88 | .88 1.01 ; hot .93 .92
         (64, C(64, 32, 64, 8, 4, 8, 1)),
         (128, C(64, 32, 64, 8, 4, 6, 3)),
         (256, C(64, 128, 64, 8, 4, 5, 1, T, T)),
-        (512, C(64, 256, 64, 8, 4, 4, 1, T, T)),
+        (512, C(128, 128, 64, 8, 4, 5, 1, T, T)),
         (None, C(128, 128, 64, 8, 4, 4, 1, T, T)),
     ),
-    (_BF16, 2048, 2048): (  # o: cold .83 .85 .85 | .78 ; hot | .82 | 1.13 | .98 .99
+    (_BF16, 2048, 2048): (  # o: cold .83 .85 .85 | .78 | .84 .71 | .72 .93 ; hot .98 .99
         (64, C(64, 16, 64, 8, 4, 8, 1)),
         (128, C(64, 32, 64, 8, 4, 8, 1)),
-        (256, C(64, 64, 64, 8, 4, 4, 1, T, T)),
+        (256, C(64, 32, 64, 8, 4, 6, 2, T)),
         (512, C(64, 128, 64, 8, 4, 5, 1, T, T)),
         (None, C(128, 256, 64, 8, 8, 3, 1, T)),
     ),
