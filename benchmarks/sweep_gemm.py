@@ -204,7 +204,7 @@ def main() -> None:
     parser.add_argument(
         "--shapes", default="qwen3-1.7b,qwen3-8b", help=f"comma-separated of {', '.join(SHAPES)}"
     )
-    parser.add_argument("--ms", default="64,256,512,2048,8192", help="comma-separated M values")
+    parser.add_argument("--ms", help="comma-separated M values (default 64,256,512,2048,8192; --split: its own two lists)")
     parser.add_argument("--json", help="also write every measurement to this file")
     parser.add_argument(
         "--small",
@@ -232,21 +232,21 @@ def main() -> None:
     shapes = [s for name in args.shapes.split(",") for s in SHAPES[name]]
     if args.narrow:  # the lm_head has columns enough for every SM
         shapes = [(n, k) for n, k in shapes if n < 100_000]
-    ms = [int(m) for m in args.ms.split(",")]
+    ms = [int(m) for m in (args.ms or "64,256,512,2048,8192").split(",")]
     start = time.time()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {'cold (HBM)' if args.cold else 'L2-hot'} weights", flush=True)
     if args.split:
         shapes = [s for s in shapes if s in SPLIT_SHAPES]
-        rows = sweep(shapes, SPLIT_SMALL_MS, SPLIT_SMALL_CANDIDATES, small_only=True, tag="decode", cold=args.cold)
-        rows += sweep(shapes, SPLIT_LARGE_MS, SPLIT_LARGE_CANDIDATES, small_only=True, tag="prefill", cold=args.cold)
-        _print_best(shapes, rows, start)
-        return
-    if args.narrow or args.small:  # one-part candidates: shapes tuned with K in two parts take --split
-        shapes = [(n, k) for n, k in shapes if gemm_config(n, k, torch.bfloat16).k_split == 1]
-    candidates = NARROW_CANDIDATES if args.narrow else SMALL_CANDIDATES if args.small else CANDIDATES
-    if args.tma:  # GemmConfig's tma and warp_specialize fields after the seven above
-        candidates = [*candidates, *((*c, True) for c in candidates), *((*c, True, True) for c in candidates)]
-    rows = sweep(shapes, ms, candidates, small_only=args.small or args.narrow, cold=args.cold)
+        small_ms, large_ms = (ms, ms) if args.ms else (SPLIT_SMALL_MS, SPLIT_LARGE_MS)
+        rows = sweep(shapes, small_ms, SPLIT_SMALL_CANDIDATES, small_only=True, tag="decode", cold=args.cold)
+        rows += sweep(shapes, large_ms, SPLIT_LARGE_CANDIDATES, small_only=True, tag="prefill", cold=args.cold)
+    else:
+        if args.narrow or args.small:  # one-part candidates: shapes tuned with K in two parts take --split
+            shapes = [(n, k) for n, k in shapes if gemm_config(n, k, torch.bfloat16).k_split == 1]
+        candidates = NARROW_CANDIDATES if args.narrow else SMALL_CANDIDATES if args.small else CANDIDATES
+        if args.tma:  # GemmConfig's tma and warp_specialize fields after the seven above
+            candidates = [*candidates, *((*c, True) for c in candidates), *((*c, True, True) for c in candidates)]
+        rows = sweep(shapes, ms, candidates, small_only=args.small or args.narrow, cold=args.cold)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f)
