@@ -189,15 +189,28 @@ def test_summary_medians_spread_and_ratios():
 def test_summary_table():
     lines = bench_report.summary_table(bench_report.summarize(RUNS)).splitlines()
     assert lines[0].split()[:3] == ["configuration", "runs", "start-up"]
-    assert lines[1].split() == ["stock", "3", "50.0", "1.000", "21000", "20000", "22000", "10.0%", "1.000", "-", "-"]
+    assert lines[1].split() == ["stock", "3", "50.0", "1.000", "21000", "20000", "22000", "10.0%", "1.000", "-", "-",
+                                "-"]  # fmt: skip
     assert lines[3].split() == ["vexact", "2/3", "17.5", "0.350", "18500", "16000", "21000", "31.2%", "0.881",
-                                "0.800..0.955", "0.974"]  # fmt: skip
+                                "0.800..0.955", "0.974", "-"]  # fmt: skip
     assert lines[-1] == "failed: vexact: run of repeat 2: exit 1, see its log on stderr"
     alone = bench_report.summary_table(bench_report.summarize(RUNS[2:4])).splitlines()[1].split()
-    assert alone[-4:] == ["31.2%", "-", "-", "-"]  # no stock: no ratios
+    assert alone[-5:] == ["31.2%", "-", "-", "-", "-"]  # no stock: no ratios
     all_failed = bench_report.summary_table(bench_report.summarize(RUNS[8:])).splitlines()[1]
     assert all_failed.split() == ["vexact", "0/1", "failed:", "repeat", "2:", "exit", "1,", "see", "its", "log", "on",
                                   "stderr"]  # fmt: skip
+
+
+def test_pass_drift_orders_runs_and_compares_halves():
+    early = {"config": "vexact", "position": 0, "pass_s": [3.0, 3.2, 3.1]}
+    late = {"config": "vexact", "position": 2, "pass_s": [3.6, 3.8]}
+    # passes in run order 3.0 3.2 3.1 3.6 3.8: later half (3.6, 3.8) over the earlier (3.0, 3.2)
+    assert bench_report.pass_drift([late, early]) == pytest.approx(3.7 / 3.1 - 1)
+    assert bench_report.pass_drift([{"pass_s": [2.0, 1.5]}]) == pytest.approx(-0.25)
+    assert bench_report.pass_drift([{"pass_s": [2.0]}]) is None and bench_report.pass_drift([{}]) is None
+    row = next(r for r in bench_report.summarize([{**early, "output_tok_s": 1.0, "startup_s": 1.0}]))
+    assert row["pass_drift"] == pytest.approx(3.1 / 3.0 - 1)
+    assert bench_report.summary_table([row]).splitlines()[1].split()[-1] == "+3.3%"
 
 
 def test_markdown_report():
@@ -209,12 +222,12 @@ def test_markdown_report():
     assert "Commit: abc1234. Command: `vexact-vllm bench --repeats 3`" in lines
     table = [ln for ln in lines if ln.startswith("|")]
     assert table[0].startswith("| configuration | runs |") and set(table[1].replace(" ", "")) == {"|", "-"}
-    assert table[2] == "| stock | 3 | 50.0 | 1.000 | 21,000 | 20,000 | 22,000 | 10.0% | 1.000 | - | - |"
-    assert table[4] == "| vexact | 2/3 | 17.5 | 0.350 | 18,500 | 16,000 | 21,000 | 31.2% | 0.881 | 0.800..0.955 | 0.974 |"
-    assert {ln.count("|") for ln in table} == {12}  # every row has the header's 11 cells
+    assert table[2] == "| stock | 3 | 50.0 | 1.000 | 21,000 | 20,000 | 22,000 | 10.0% | 1.000 | - | - | - |"
+    assert table[4] == "| vexact | 2/3 | 17.5 | 0.350 | 18,500 | 16,000 | 21,000 | 31.2% | 0.881 | 0.800..0.955 | 0.974 | - |"
+    assert {ln.count("|") for ln in table} == {13}  # every row has the header's 12 cells
     failed_only = bench_report.markdown_report(bench_report.summarize(RUNS[8:]), meta)
     assert "| vexact | 0/1 | failed: repeat 2: exit 1, see its log on stderr | - |" in failed_only
-    assert failed_only.count("|") == 3 * 12
+    assert failed_only.count("|") == 3 * 13
 
 
 def test_run_bench_alternates_keeps_going_after_a_failure_and_prints_the_table_last(monkeypatch, tmp_path, capsys):

@@ -4,7 +4,9 @@ A run record is what one configuration's process measured (`config`, `repeat`, `
 `output_tok_s`, ...) or, when it failed, `config`, `repeat` and `failed`. The summary gives, per
 configuration, the median output tok/s over its runs with min, max and spread (max/min - 1), the
 median start-up, the ratios of medians to stock, and the ratio of each run to the stock run of the
-same repeat (min..max: the two ran back to back on the same host).
+same repeat (min..max: the two ran back to back on the same host), and the pass drift: the timed
+passes of all its runs in run order, the mean of the later half over the mean of the earlier half,
+minus 1 (with --interleave one engine serves every run, so this is how its speed moves over its life).
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ import subprocess
 from pathlib import Path
 
 COLUMNS = ("configuration", "runs", "start-up s", "vs stock", "tok/s median", "min", "max", "spread", "vs stock",
-           "per repeat", "vs BI")  # fmt: skip
-WIDTHS = (24, 5, 11, 9, 13, 8, 8, 7, 9, 13, 7)
+           "per repeat", "vs BI", "drift")  # fmt: skip
+WIDTHS = (24, 5, 11, 9, 13, 8, 8, 7, 9, 13, 7, 7)
 LEGEND = ("runs: runs that finished (of those started); start-up s and tok/s: medians over the runs; "
           "spread: max/min - 1; vs stock: this median / stock's; per repeat: each run / the stock run of the "
-          "same repeat (min..max); vs BI: vexact / stock-batch-invariant medians")  # fmt: skip
+          "same repeat (min..max); vs BI: vexact / stock-batch-invariant medians; drift: the later half of its "
+          "timed passes (in run order) against the earlier half, in pass time")  # fmt: skip
 
 
 def _ratio(a: float | None, b: float | None) -> str:
@@ -58,7 +61,8 @@ def summarize(results: list[dict]) -> list[dict]:
             tok = [r["output_tok_s"] for r in ok]
             row.update(tok_s_median=statistics.median(tok), tok_s_min=min(tok), tok_s_max=max(tok),
                        spread=max(tok) / min(tok) - 1, startup_s_median=statistics.median(r["startup_s"] for r in ok),
-                       tok_s_by_repeat={r.get("repeat"): r["output_tok_s"] for r in ok})  # fmt: skip
+                       tok_s_by_repeat={r.get("repeat"): r["output_tok_s"] for r in ok},
+                       pass_drift=pass_drift(ok))  # fmt: skip
         rows.append(row)
     ok_rows = {row["config"]: row for row in rows if row["runs"]}
     stock, bi = ok_rows.get("stock", {}), ok_rows.get("stock-batch-invariant", {})
@@ -72,6 +76,17 @@ def summarize(results: list[dict]) -> list[dict]:
         if row["config"] == "vexact":
             row["vs_bi"] = _div(row["tok_s_median"], bi.get("tok_s_median"))
     return rows
+
+
+def pass_drift(runs: list[dict]) -> float | None:
+    """Mean time of the later half of the runs' timed passes (in run order: `position` where recorded)
+    over the earlier half's, minus 1; None with fewer than two passes."""
+    ordered = sorted(runs, key=lambda r: r.get("position", 0))
+    times = [t for r in ordered for t in r.get("pass_s", [])]
+    half = len(times) // 2
+    if half == 0:
+        return None
+    return statistics.fmean(times[-half:]) / statistics.fmean(times[:half]) - 1
 
 
 def _div(a: float, b: float | None) -> float | None:
@@ -90,6 +105,7 @@ def _cells(row: dict, sep: str = "") -> list[str]:
         fmt.format(row["tok_s_median"]), fmt.format(row["tok_s_min"]), fmt.format(row["tok_s_max"]),
         f"{100 * row['spread']:.1f}%", _num(row["tok_s_vs_stock"]),
         f"{min(paired):.3f}..{max(paired):.3f}" if paired else "-", _num(row.get("vs_bi")),
+        "-" if row.get("pass_drift") is None else f"{100 * row['pass_drift']:+.1f}%",
     ]  # fmt: skip
 
 
@@ -118,7 +134,7 @@ def markdown_report(rows: list[dict], meta: dict) -> str:
     """A section for docs/BENCHMARKS.md: date, device, commit, command, workload and the table.
     `meta` holds `date`, `device`, `commit`, `command` and `workload`."""
     head = ["configuration", "runs", "start-up s (median)", "vs stock", "output tok/s (median)", "min", "max",
-            "spread", "vs stock", "per repeat vs stock", "vs BI"]  # fmt: skip
+            "spread", "vs stock", "per repeat vs stock", "vs BI", "pass drift"]  # fmt: skip
     lines = [f"## {meta['date']}: `vexact-vllm bench`, {meta['device']}", "",
              f"Commit: {meta['commit']}. Command: `{meta['command']}`", "", f"Workload: {meta['workload']}.", "",
              "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]  # fmt: skip
