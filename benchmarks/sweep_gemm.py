@@ -136,6 +136,8 @@ SPLIT_LARGE_CANDIDATES = [
 ]  # fmt: skip
 
 
+DEFAULT_MS = "64,256,512,2048,8192"  # --ms when not given (every mode but --split)
+
 # `--cold`: weight copies per shape, at least this many bytes in all (4x the H100's 50 MB L2).
 COLD_BYTES = 200 * 2**20
 
@@ -204,7 +206,7 @@ def main() -> None:
     parser.add_argument(
         "--shapes", default="qwen3-1.7b,qwen3-8b", help=f"comma-separated of {', '.join(SHAPES)}"
     )
-    parser.add_argument("--ms", help="comma-separated M values (default 64,256,512,2048,8192; --split: its own two lists)")
+    parser.add_argument("--ms", help=f"comma-separated M values (default {DEFAULT_MS}; --split: its own two lists)")
     parser.add_argument("--json", help="also write every measurement to this file")
     parser.add_argument(
         "--small",
@@ -232,7 +234,7 @@ def main() -> None:
     shapes = [s for name in args.shapes.split(",") for s in SHAPES[name]]
     if args.narrow:  # the lm_head has columns enough for every SM
         shapes = [(n, k) for n, k in shapes if n < 100_000]
-    ms = [int(m) for m in (args.ms or "64,256,512,2048,8192").split(",")]
+    ms = [int(m) for m in (args.ms or DEFAULT_MS).split(",")]
     start = time.time()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {'cold (HBM)' if args.cold else 'L2-hot'} weights", flush=True)
     if args.split:

@@ -208,7 +208,7 @@ def test_pass_drift_orders_runs_and_compares_halves():
     assert bench_report.pass_drift([late, early]) == pytest.approx(3.7 / 3.1 - 1)
     assert bench_report.pass_drift([{"pass_s": [2.0, 1.5]}]) == pytest.approx(-0.25)
     assert bench_report.pass_drift([{"pass_s": [2.0]}]) is None and bench_report.pass_drift([{}]) is None
-    row = next(r for r in bench_report.summarize([{**early, "output_tok_s": 1.0, "startup_s": 1.0}]))
+    (row,) = bench_report.summarize([{**early, "output_tok_s": 1.0, "startup_s": 1.0}])
     assert row["pass_drift"] == pytest.approx(3.1 / 3.0 - 1)
     assert bench_report.summary_table([row]).splitlines()[1].split()[-1] == "+3.3%"
 
