@@ -75,12 +75,23 @@ def _grads_cublas(grad_out, x2, weight, bias_dtype, needs):
     return grad_x, grad_w, grad_b
 
 
+def _linear_triton_forward(x2, weight, bias, out_dtype, config_n=None):
+    """The Triton forward without autograd (inputs already checked by `linear`)."""
+    from .gemm_triton import launch_linear
+
+    return launch_linear(x2, weight, bias, out_dtype, config_n)
+
+
+def _linear_torch_forward(x2, weight, bias, out_dtype, config_n=None):
+    return _linear_torch(x2, weight, bias).to(out_dtype)
+
+
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, bias, out_dtype, config_n=None):  # config_n: no configuration here
         ctx.save_for_backward(x2, weight)
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return _linear_torch(x2, weight, bias).to(out_dtype)
+        return _linear_torch_forward(x2, weight, bias, out_dtype)
 
     @staticmethod
     @backward_without_autocast
@@ -97,11 +108,9 @@ class _LinearTritonFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2, weight, bias, out_dtype, config_n=None):
-        from .gemm_triton import linear_triton
-
         ctx.save_for_backward(x2, weight)
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return linear_triton(x2, weight, bias, out_dtype, config_n)
+        return _linear_triton_forward(x2, weight, bias, out_dtype, config_n)
 
     @staticmethod
     @backward_without_autocast
@@ -129,6 +138,13 @@ class _SlicedLinearFunction(torch.autograd.Function):
 
 
 _IMPLS = {"torch": _LinearFunction.apply, "triton": _LinearTritonFunction.apply}
+# The same forwards without an autograd node: taken when no input needs a gradient (the rollout's
+# lm_head runs eagerly every decode step, where the Function's bookkeeping is host time).
+_FORWARDS = {"torch": _linear_torch_forward, "triton": _linear_triton_forward}
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def slice_partials(x2, weight, k_slices: int, backend: str, config_n: int | None = None) -> list[torch.Tensor]:
@@ -208,7 +224,8 @@ def linear(
     if k_slices > 1:
         out = _SlicedLinearFunction.apply(x2, weight, bias, out_dtype, k_slices, backend, config_n)
     else:
-        out = _IMPLS[backend](x2, weight, bias, out_dtype, config_n)  # [M, N]
+        impls = _IMPLS if _needs_grad(x2, weight, bias) else _FORWARDS
+        out = impls[backend](x2, weight, bias, out_dtype, config_n)  # [M, N]
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 

@@ -399,9 +399,16 @@ def linear_triton(
     if out_dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"out_dtype {out_dtype} is not supported; use torch.bfloat16 or torch.float32")
     check_same_device(x2=x2, weight=weight, bias=bias)
+    return launch_linear(x2, weight, bias, out_dtype, config_n)
+
+
+def launch_linear(x2, weight, bias, out_dtype, config_n=None) -> torch.Tensor:
+    """`linear_triton` without its checks, for callers that made them (`gemm.linear`): the decode
+    step's lm_head launches from Python every step, so its host time counts."""
     if x2.device.type != "cuda" and not _interpreted():
         raise ValueError(f"linear_triton needs CUDA tensors, got {x2.device} (set TRITON_INTERPRET=1 on CPU)")
-
+    m, k = x2.shape
+    n = weight.shape[0]
     y = torch.empty(m, n, dtype=out_dtype, device=x2.device)  # [M, N]
     if m == 0 or n == 0:
         return y

@@ -72,13 +72,14 @@ def effective_temperature(tau: torch.Tensor) -> torch.Tensor:
     return torch.where(tau == 0, torch.ones_like(tau), torch.where(tau < MIN_TEMPERATURE, floor, tau))
 
 
-def _temperature_column(temperature, n_rows: int, device: torch.device) -> torch.Tensor:
-    """fp32 [M, 1] divisor: `effective_temperature` of the requested temperature(s)."""
+def _temperature_column(temperature, n_rows: int, device: torch.device, effective: bool = True) -> torch.Tensor:
+    """fp32 [M, 1] divisor: `effective_temperature` of the requested temperature(s); with
+    effective=False the requested values themselves (for the Triton kernels, which apply the rule)."""
     if isinstance(temperature, torch.Tensor):
         tau = temperature.to(device=device, dtype=torch.float32).reshape(n_rows, 1)
     else:
         tau = torch.full((n_rows, 1), float(temperature), dtype=torch.float32, device=device)
-    return effective_temperature(tau)
+    return effective_temperature(tau) if effective else tau
 
 
 def _scaled_and_lse(logits: torch.Tensor, tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,8 +181,9 @@ def log_softmax(logits: torch.Tensor, temperature) -> torch.Tensor:
     """fp32 [M, V] log-probs of fp32 logits [M, V] at temperature (float, or fp32 tensor [M])."""
     _check_logits(logits)
     _check_temperature(temperature, logits.shape[0], logits.device)
-    tau = _temperature_column(temperature, logits.shape[0], logits.device)
-    return _LOG_SOFTMAX_IMPLS[backend_for(logits)](logits, tau)
+    backend = backend_for(logits)
+    tau = _temperature_column(temperature, logits.shape[0], logits.device, effective=backend == "torch")
+    return _LOG_SOFTMAX_IMPLS[backend](logits, tau)
 
 
 def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Triton log-softmax, token log-probs and the fused lm_head log-prob (the CUDA path of `logprob.py`).
 
-Temperature semantics are `logprob.py`'s: the callers pass tau as an fp32 [M, 1] tensor with
-greedy (0) already replaced by 1, and every kernel forms scaled = z / tau with `div_rn`, the IEEE
+Temperature semantics are `logprob.py`'s: the callers pass tau as an fp32 [M, 1] tensor, either the
+requested temperatures or their `effective_temperature` (each kernel applies that rule itself, in
+`_effective_tau`, which is idempotent), and every kernel forms scaled = z / tau with `div_rn`, the IEEE
 round-to-nearest division (Triton's plain fp32 `/` is an approximation; torch's CUDA `/` is
 div.rn, so the bits are torch's `logits / tau`).
 
@@ -47,7 +48,7 @@ from triton.language.standard import _elementwise_max, _sum_combine
 from ._autograd import backward_without_autocast
 from ._checks import check_dtype, check_last_dim_contiguous
 from .gemm import linear
-from .logprob import mask_logits_
+from .logprob import MIN_TEMPERATURE, mask_logits_
 
 # The reductions are spelled `tl.reduce(x, 0, _sum_combine)` / `_elementwise_max`: exactly what
 # `tl.sum` / `tl.max` expand to for fp32, but with no call to a @triton.jit library function, so the
@@ -67,6 +68,17 @@ _MODE_ALL = 0  # write log_prob[v] for every v
 _MODE_TOKEN = 1  # write log_prob[token] and lse
 
 
+_MIN_TAU = tl.constexpr(MIN_TEMPERATURE)
+
+
+@triton.jit
+def _effective_tau(tau):
+    """`logprob.effective_temperature` of a requested temperature: 1 for 0 (greedy), MIN_TEMPERATURE
+    below it, else itself. Idempotent, so callers may pass requested or effective temperatures;
+    applied here, the sampler's decode step launches no torch ops for it."""
+    return tl.where(tau == 0, 1.0, tl.where(tau < _MIN_TAU, _MIN_TAU, tau))
+
+
 @triton.jit
 def _chunk_lse_kernel(
     Z,
@@ -82,7 +94,7 @@ def _chunk_lse_kernel(
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     z_row = Z + row * stride_z
-    tau = tl.load(TAU + row)
+    tau = _effective_tau(tl.load(TAU + row))
     cols = chunk * (CHUNK_BLOCKS * BLOCK) + tl.arange(0, BLOCK)
     mx_vec = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
     for b in range(CHUNK_BLOCKS):
@@ -134,7 +146,7 @@ def _log_softmax_fwd_kernel(
     or at the token, with lse (MODE_TOKEN, one program per row)."""
     row = tl.program_id(0).to(tl.int64)
     z_row = Z + row * stride_z
-    tau = tl.load(TAU + row)
+    tau = _effective_tau(tl.load(TAU + row))
     lse = _row_lse(PART + row * NUM_CHUNKS * 2, NUM_CHUNKS)
     if MODE == 1:
         token = tl.load(TOKENS + row).to(tl.int64)
@@ -165,7 +177,7 @@ def _token_grad_kernel(
 ):
     """dz[v] = (onehot(token)[v] - exp(z[v] / tau - lse)) * (g / tau), written in DZ's dtype."""
     row = tl.program_id(0).to(tl.int64)
-    tau = tl.load(TAU + row)
+    tau = _effective_tau(tl.load(TAU + row))
     lse = tl.load(LSE + row)
     token = tl.load(TOKENS + row).to(tl.int64)
     coef = tl.math.div_rn(tl.load(G + row), tau)
@@ -194,7 +206,7 @@ def _log_softmax_grad_kernel(
 ):
     """1. gsum = sum_v g[v] (block by block, then a tree); 2. dz = (g - exp(logp) * gsum) / tau."""
     row = tl.program_id(0).to(tl.int64)
-    tau = tl.load(TAU + row)
+    tau = _effective_tau(tl.load(TAU + row))
     cols = tl.arange(0, BLOCK)
     acc = tl.full([BLOCK], 0.0, dtype=tl.float32)
     for b in range(NUM_BLOCKS):
@@ -320,7 +332,7 @@ class _TokenLogProbsFunction(torch.autograd.Function):
 
 
 def log_softmax_triton(logits: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
-    """fp32 [M, V] log-probs of fp32 logits [M, V]; tau: fp32 [M, 1] (greedy already 1)."""
+    """fp32 [M, V] log-probs of fp32 logits [M, V]; tau: fp32 [M, 1] (requested or effective)."""
     _check_rows(logits, tau, None)
     if torch.is_grad_enabled() and logits.requires_grad:
         return _LogSoftmaxFunction.apply(logits, tau)

@@ -63,7 +63,7 @@ def refuse_unsupported(params) -> None:
 
 def draw_tokens(
     log_probs: torch.Tensor,
-    greedy: torch.Tensor,
+    greedy: torch.Tensor | None,
     host_greedy: np.ndarray,
     seeds: torch.Tensor,
     positions: torch.Tensor,
@@ -71,7 +71,8 @@ def draw_tokens(
 ) -> torch.Tensor:
     """int64 [B]: argmax for greedy rows, truncated Gumbel-max for the others (both row-wise, so
     batch-invariant). `host_greedy` (bool [B], on the host) lets an all-greedy or all-sampled batch
-    skip the other pass without a device sync."""
+    skip the other pass without a device sync; `greedy` (bool [B], on the device) is read only in a
+    mixed batch (None is fine otherwise)."""
     if host_greedy.all():
         return log_probs.argmax(-1)
     sampled = gumbel_argmax(log_probs, seeds, positions, threshold)
@@ -80,9 +81,11 @@ def draw_tokens(
     return torch.where(greedy, log_probs.argmax(-1), sampled)
 
 
-def truncation(log_probs, top_k, top_p, min_p, host_top_k, host_top_p, host_min_p) -> torch.Tensor | None:
+def truncation(log_probs, device_rows, host_top_k, host_top_p, host_min_p) -> torch.Tensor | None:
     """The per-row threshold of `kernels.truncation_threshold` for the options that are on in this
-    batch (decided from host copies: no sync), or None when no row truncates."""
+    batch (decided from host copies: no sync), or None when no row truncates. `device_rows(name)`
+    gives the device tensor of "top_k", "top_p" or "min_p" per row; it is called only for options
+    that are on (a batch without truncation, the usual RL rollout, launches nothing here)."""
     vocab = log_probs.shape[1]
     k_on = (host_top_k > 0) & (host_top_k < vocab)
     p_on, m_on = host_top_p < 1.0, host_min_p > 0.0
@@ -90,9 +93,9 @@ def truncation(log_probs, top_k, top_p, min_p, host_top_k, host_top_p, host_min_
         return None
     return truncation_threshold(
         log_probs,
-        top_k if k_on.any() else None,
-        top_p if p_on.any() else None,
-        min_p if m_on.any() else None,
+        device_rows("top_k") if k_on.any() else None,
+        device_rows("top_p") if p_on.any() else None,
+        device_rows("min_p") if m_on.any() else None,
         max_top_k=int(host_top_k[k_on].max()) if k_on.any() else 0,
     )
 
@@ -151,8 +154,7 @@ class VexactSampler(Sampler):
         # index of the token being sampled (its Gumbel noise key), on the device: no host sync
         dev["position"] = self.runner.seq_lens[: logits.shape[0]].to(device=logits.device, dtype=torch.int64)
         log_probs = log_softmax(logits.float(), dev["temperature"])  # [B, V] fp32
-        threshold = truncation(log_probs, dev["top_k"], dev["top_p"], dev["min_p"],
-                               rows["top_k"], rows["top_p"], rows["min_p"])  # fmt: skip
+        threshold = truncation(log_probs, dev.__getitem__, rows["top_k"], rows["top_p"], rows["min_p"])
         sampled = draw_tokens(log_probs, dev["greedy"], rows["greedy"], dev["seed"], dev["position"], threshold)
         logprobs_tensors = None
         if sampling_metadata.max_num_logprobs is not None:

@@ -46,28 +46,36 @@ class VexactSamplerV2(Sampler):
         sampler.__dict__.update(base.__dict__)
         return sampler
 
-    def rows(self, input_batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(tau, seed, position of the sampled token, greedy) per sampling row, on the device."""
+    def rows(self, input_batch, host_temperature) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(temperature, seed, position of the sampled token) per sampling row, on the device.
+
+        The log-prob kernels score temperature 0 (greedy) at 1 and raise (0, MIN_TEMPERATURE) to
+        it (`kernels.logprob.effective_temperature`); a temperature in (0, GREEDY_EPS), greedy for
+        vLLM, would so be scored at 0.01, not 1, and is zeroed first. vLLM raises such requests to
+        0.01 before any sampler sees them, so this is decided on the host copies and launches
+        nothing on the usual step (the sampler runs eagerly every decode step: host time)."""
         idx = input_batch.expanded_idx_mapping
         temperature = self.sampling_states.temperature.gpu[idx]  # fp32 [B]
-        greedy = temperature < GREEDY_EPS
-        tau = torch.where(greedy, torch.zeros_like(temperature), temperature)  # 0: scored at 1
+        if ((host_temperature > 0) & (host_temperature < GREEDY_EPS)).any():
+            temperature = torch.where(temperature < GREEDY_EPS, torch.zeros_like(temperature), temperature)
         seeds = self.sampling_states.seeds.gpu[idx]  # int64 [B]
         positions = input_batch.positions[input_batch.logits_indices].long() + 1  # [B]
-        return tau, seeds, positions, greedy
+        return temperature, seeds, positions
 
     def __call__(self, logits: torch.Tensor, input_batch) -> SamplerOutput:
         num_nans = get_num_nans(logits) if self.compute_nans else None
-        tau, seeds, positions, greedy = self.rows(input_batch)
-        log_probs = log_softmax(logits.float(), tau)  # fp32 [B, V]
         idx_np = input_batch.idx_mapping_np
         states = self.sampling_states
-        host_greedy = states.temperature.np[idx_np] < GREEDY_EPS  # host copies: no sync
+        host_temperature = states.temperature.np[idx_np]  # host copies: no sync
+        tau, seeds, positions = self.rows(input_batch, host_temperature)
+        log_probs = log_softmax(logits.float(), tau)  # fp32 [B, V]
+        host_greedy = host_temperature < GREEDY_EPS
+        greedy = tau < GREEDY_EPS if host_greedy.any() and not host_greedy.all() else None  # mixed batch only
         threshold = None
         if not host_greedy.all():
             idx = input_batch.expanded_idx_mapping
             threshold = truncation(
-                log_probs, states.top_k.gpu[idx], states.top_p.gpu[idx], states.min_p.gpu[idx],
+                log_probs, lambda name: getattr(states, name).gpu[idx],
                 states.top_k.np[idx_np], states.top_p.np[idx_np], states.min_p.np[idx_np],
             )  # fmt: skip
         sampled = draw_tokens(log_probs, greedy, host_greedy, seeds, positions, threshold)

@@ -125,6 +125,22 @@ def test_autograd_function_interpreted(small_tiles, monkeypatch):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+def test_no_grad_forward_equals_autograd_forward_interpreted(small_tiles, monkeypatch):
+    """Without a gradient to track, `linear` skips the autograd Function (host time on the decode
+    step's eager lm_head): the same bits, and no graph node; with one, the Function runs."""
+    monkeypatch.setitem(sys.modules, MODULE, small_tiles)
+    monkeypatch.setattr(gemm, "backend_for", lambda t: "triton")
+    x, w, b = _inputs(9, 40, 24, torch.float32)
+    plain = gemm.linear(x, w, b, torch.float32)
+    assert plain.grad_fn is None
+    with torch.inference_mode():
+        assert torch.equal(gemm.linear(x, w, b, torch.float32), plain)
+    tracked = gemm.linear(x, w.requires_grad_(), b, torch.float32)
+    assert tracked.grad_fn is not None and torch.equal(tracked.detach(), plain)
+    with torch.no_grad():
+        assert gemm.linear(x, w, b, torch.float32).grad_fn is None
+
+
 @pytest.mark.parametrize(
     "x,w,b,out_dtype",
     [

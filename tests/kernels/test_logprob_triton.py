@@ -101,6 +101,26 @@ def test_temperature_semantics(tk):
         assert torch.equal(mixed[i : i + 1], lsm(logits[i : i + 1], t))
 
 
+def test_kernels_apply_the_effective_temperature(tk):
+    """The kernels apply `effective_temperature` themselves (so the sampler's hot path launches no
+    torch ops for it): requested and effective temperatures give the same bits, also backward."""
+    logits = torch.randn(7, 3000) * 3
+    requested = torch.tensor([0.0, 0.005, 1e-6, 0.01, 0.7, 1.0, 2.5]).reshape(7, 1)
+    effective = logprob.effective_temperature(requested)
+    assert torch.equal(effective[:3, 0], torch.tensor([1.0, 0.01, 0.01]))  # the rule itself
+    assert torch.equal(logprob.effective_temperature(effective), effective)  # idempotent
+    assert torch.equal(tk.log_softmax_triton(logits, requested), tk.log_softmax_triton(logits, effective))
+    tokens = torch.randint(0, 3000, (7,))
+    got = tk.token_log_probs_triton(logits, tokens, requested)
+    assert torch.equal(got, tk.token_log_probs_triton(logits, tokens, effective))
+    grads = []
+    for tau in (requested, effective):
+        z = logits.clone().requires_grad_()
+        tk.log_softmax_triton(z, tau)[:, :50].sum().backward()
+        grads.append(z.grad)
+    assert torch.equal(*grads)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_equals_unfused(tk, dtype):
     hidden = torch.randn(23, 24).to(dtype)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -23,16 +24,36 @@ def _sampler(temperatures, seeds):
     return VexactSamplerV2.from_base(base)
 
 
-def test_rows_follow_the_request_slots():
-    sampler = _sampler([0.0, 0.7, 1.0, 1e-6], [11, 22, 33, 44])
-    batch = SimpleNamespace(
+def _batch():
+    return SimpleNamespace(
         expanded_idx_mapping=torch.tensor([2, 0, 1, 3]),
         positions=torch.tensor([5, 6, 7, 40, 41, 9, 3]),
         logits_indices=torch.tensor([2, 4, 5, 6]),
     )
-    tau, seeds, positions, greedy = sampler.rows(batch)
-    assert torch.equal(greedy, torch.tensor([False, True, False, True]))
-    assert torch.equal(tau, torch.tensor([1.0, 0.0, 0.7, 0.0]))  # greedy rows are scored at tau 1
+
+
+def test_rows_follow_the_request_slots():
+    temperatures = [0.0, 0.7, 1.0, 1e-6]
+    sampler = _sampler(temperatures, [11, 22, 33, 44])
+    batch = _batch()
+    host = np.array(temperatures, np.float32)[[2, 0, 1, 3]]
+    tau, seeds, positions = sampler.rows(batch, host)
+    # 1e-6 is greedy for vLLM (< GREEDY_EPS): zeroed, so that the kernels score it at 1, not 0.01
+    assert torch.equal(tau, torch.tensor([1.0, 0.0, 0.7, 0.0]))
     assert torch.equal(seeds, torch.tensor([33, 11, 22, 44]))
     # the key is the position of the token being sampled: one past the last input token (as V1's)
     assert torch.equal(positions, torch.tensor([8, 42, 10, 4]))
+
+
+def test_rows_launch_nothing_for_the_temperature_on_a_usual_batch():
+    """No temperature in (0, GREEDY_EPS) (vLLM raises those to 0.01): the requested temperatures go
+    to the log-prob kernels as they are, which score 0 at 1 themselves."""
+    from vexact_vllm.kernels import log_softmax
+
+    temperatures = [0.0, 0.7, 1.0, 0.01]
+    sampler = _sampler(temperatures, [11, 22, 33, 44])
+    tau, _, _ = sampler.rows(_batch(), np.array(temperatures, np.float32)[[2, 0, 1, 3]])
+    assert torch.equal(tau, torch.tensor([1.0, 0.0, 0.7, 0.01]))
+    logits = torch.randn(4, 300)
+    ones = log_softmax(logits, 1.0)
+    assert torch.equal(log_softmax(logits, tau)[1], ones[1])  # the greedy row: scored at 1
