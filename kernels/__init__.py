@@ -5,6 +5,7 @@ the torch reference on CPU (and in reference mode), the Triton kernels on CUDA. 
 order depends only on its own row and absolute position (see each module's docstring).
 """
 
+from ._mkl_vml import warm_up_vml
 from .activation import silu_and_mul
 from .attention import KEY_TILE, paged_attention, varlen_attention, write_kv_cache
 from .dispatch import (
@@ -21,6 +22,8 @@ from .moe_routing import route
 from .rms_norm import add_rms_norm, rms_norm
 from .rope import apply_rope, rope_cache
 from .truncation import truncation_threshold
+
+warm_up_vml()  # before any parallel CPU op of ours can race on MKL's lazy dispatch (see _mkl_vml.py)
 
 __all__ = [
     "KEY_TILE",
