@@ -78,6 +78,7 @@ def cases(rows: int, vocab: int, hidden: int):
         return gumbel_argmax(log_softmax(logits, temperature), seeds, positions)
 
     from vexact_vllm.kernels.gemm_triton import linear_triton
+    from vexact_vllm.sampler_graphs import BUCKETS, SamplerGraphs
 
     with torch.inference_mode():
         yield "lm_head", lambda: linear(h, w, out_dtype=torch.float32), lambda: F.linear(h, w)
@@ -85,6 +86,26 @@ def cases(rows: int, vocab: int, hidden: int):
         yield "log_softmax", lambda: log_softmax(logits, temperature), lambda: torch.log_softmax(logits / temperature[:, None], -1)
         yield "gumbel_argmax", lambda: gumbel_argmax(lp, seeds, positions), lambda: lp.argmax(-1)
         yield "sample (log-probs + draw)", vexact_sample, stock_sample
+
+        def eager_step():  # lm_head + sample, eagerly (what a decode step ran before its graphs)
+            return gumbel_argmax(log_softmax(linear(h, w, out_dtype=torch.float32), temperature), seeds, positions)
+
+        def stock_step():
+            probs = torch.softmax(F.linear(h, w).float() / temperature[:, None], -1)
+            return probs.div_(torch.empty_like(probs).exponential_()).argmax(-1)
+
+        yield "step: lm_head + sample", eager_step, stock_step
+        if rows <= BUCKETS[-1]:  # the same step by replays of the sampler graphs (sampler_graphs.py)
+            graphs = SamplerGraphs(w, rows)
+            graphs.capture()
+            idx, at = torch.arange(rows, device=dev, dtype=torch.int32), torch.arange(rows, device=dev)
+
+            def graphed_step():
+                graphs.lm_head(h)
+                return graphs.sample(rows, "sampled", temperature=temperature, seeds=seeds, req_index=idx,
+                                     positions=positions, logits_index=at)  # fmt: skip
+
+            yield "  the step by graph replays", graphed_step, None
 
 
 def main() -> None:

@@ -39,3 +39,19 @@ def check_same_device(**tensors: torch.Tensor) -> None:
     devices = {name: t.device for name, t in tensors.items() if t is not None}
     if len(set(devices.values())) > 1:
         raise ValueError(f"inputs must share one device, got {devices}")
+
+
+def check_out(out: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
+    """A kernel's `out=`: None, or a contiguous tensor of the result's shape, dtype and device (the
+    result is written there, with the bits it has without `out=`)."""
+    if out is None:
+        return
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous {dtype} tensor of shape {tuple(shape)} on {device}, got "
+            f"{out.dtype} {tuple(out.shape)} strides {out.stride()} on {out.device}"
+        )
+    if out.requires_grad and torch.is_grad_enabled():
+        raise ValueError("out= is for inference: no input or output may need a gradient")

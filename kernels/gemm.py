@@ -17,7 +17,14 @@ dX = dY @ W, dW = dY^T @ X, db = sum_m dY.
 import torch
 
 from ._autograd import backward_without_autocast
-from ._checks import SUPPORTED_DTYPES, check_dim, check_dtype, check_last_dim_contiguous, check_same_device
+from ._checks import (
+    SUPPORTED_DTYPES,
+    check_dim,
+    check_dtype,
+    check_last_dim_contiguous,
+    check_out,
+    check_same_device,
+)
 from ._reduction import row_sum
 from .dispatch import backend_for
 from .gemm_slices import check_k_slices, combine_partials, tree_sum
@@ -75,15 +82,16 @@ def _grads_cublas(grad_out, x2, weight, bias_dtype, needs):
     return grad_x, grad_w, grad_b
 
 
-def _linear_triton_forward(x2, weight, bias, out_dtype, config_n=None):
+def _linear_triton_forward(x2, weight, bias, out_dtype, config_n=None, out=None):
     """The Triton forward without autograd (inputs already checked by `linear`)."""
     from .gemm_triton import launch_linear
 
-    return launch_linear(x2, weight, bias, out_dtype, config_n)
+    return launch_linear(x2, weight, bias, out_dtype, config_n, out=out)
 
 
-def _linear_torch_forward(x2, weight, bias, out_dtype, config_n=None):
-    return _linear_torch(x2, weight, bias).to(out_dtype)
+def _linear_torch_forward(x2, weight, bias, out_dtype, config_n=None, out=None):
+    y = _linear_torch(x2, weight, bias).to(out_dtype)
+    return y if out is None else out.copy_(y)
 
 
 class _LinearFunction(torch.autograd.Function):
@@ -208,6 +216,7 @@ def linear(
     *,
     k_slices: int = 1,
     config_n: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Batch-invariant `x @ weight.T + bias` with fp32 accumulation.
 
@@ -215,18 +224,30 @@ def linear(
     (default x.dtype; the lm_head passes torch.float32). `k_slices` S > 1: K reduced in S equal
     slices combined by `gemm_slices`' tree (the order a row-parallel layer split over T | S ranks
     reproduces with `linear_partial` + `combine_partials`). `config_n`: on CUDA, reduce as for a
-    weight of that many rows (a column shard reproducing the whole weight's columns).
+    weight of that many rows (a column shard reproducing the whole weight's columns). `out`: a
+    contiguous [..., N] `out_dtype` tensor to write the result into (inference only; the same bits;
+    a CUDA graph's static output).
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
     _check_linear(x, weight, bias, out_dtype, k_slices)
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
     backend = backend_for(x)
+    needs_grad = _needs_grad(x2, weight, bias)
+    if out is not None:
+        check_out(out, (*x.shape[:-1], weight.shape[0]), out_dtype, x.device)
+        if needs_grad:
+            raise ValueError("linear(..., out=) is for inference: no input may need a gradient")
     if k_slices > 1:
-        out = _SlicedLinearFunction.apply(x2, weight, bias, out_dtype, k_slices, backend, config_n)
+        y = _SlicedLinearFunction.apply(x2, weight, bias, out_dtype, k_slices, backend, config_n)
+        if out is not None:
+            return out.copy_(y.reshape(out.shape))
+    elif out is not None:
+        _FORWARDS[backend](x2, weight, bias, out_dtype, config_n, out=out.view(-1, weight.shape[0]))
+        return out
     else:
-        impls = _IMPLS if _needs_grad(x2, weight, bias) else _FORWARDS
-        out = impls[backend](x2, weight, bias, out_dtype, config_n)  # [M, N]
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+        impls = _IMPLS if needs_grad else _FORWARDS
+        y = impls[backend](x2, weight, bias, out_dtype, config_n)  # [M, N]
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 @torch.no_grad()

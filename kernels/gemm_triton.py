@@ -402,14 +402,15 @@ def linear_triton(
     return launch_linear(x2, weight, bias, out_dtype, config_n)
 
 
-def launch_linear(x2, weight, bias, out_dtype, config_n=None) -> torch.Tensor:
+def launch_linear(x2, weight, bias, out_dtype, config_n=None, out=None) -> torch.Tensor:
     """`linear_triton` without its checks, for callers that made them (`gemm.linear`): the decode
-    step's lm_head launches from Python every step, so its host time counts."""
+    step's lm_head launches from Python every step, so its host time counts. `out`: a contiguous
+    [M, N] `out_dtype` tensor to write into (checked by the caller)."""
     if x2.device.type != "cuda" and not _interpreted():
         raise ValueError(f"linear_triton needs CUDA tensors, got {x2.device} (set TRITON_INTERPRET=1 on CPU)")
     m, k = x2.shape
     n = weight.shape[0]
-    y = torch.empty(m, n, dtype=out_dtype, device=x2.device)  # [M, N]
+    y = torch.empty(m, n, dtype=out_dtype, device=x2.device) if out is None else out  # [M, N]
     if m == 0 or n == 0:
         return y
     cfg = gemm_config(n if config_n is None else config_n, k, x2.dtype, m)

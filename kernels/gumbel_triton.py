@@ -107,11 +107,12 @@ def gumbel_argmax_triton(
     positions: torch.Tensor,
     threshold: torch.Tensor | None = None,
     chunk_blocks: int = CHUNK_BLOCKS,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """int64 [M] tokens (inputs already checked by `logprob.gumbel_argmax`); `chunk_blocks`: blocks
-    per chunk (speed only, the tokens are the same for every value)."""
+    """int64 [M] tokens (inputs already checked by `logprob.gumbel_argmax`), in `out` when given;
+    `chunk_blocks`: blocks per chunk (speed only, the tokens are the same for every value)."""
     n_rows, vocab = log_probs.shape
-    out = torch.empty(n_rows, dtype=torch.int64, device=log_probs.device)
+    out = torch.empty(n_rows, dtype=torch.int64, device=log_probs.device) if out is None else out
     if n_rows:
         chunks = triton.cdiv(vocab, chunk_blocks * BLOCK)
         best_val = torch.empty(n_rows, chunks, dtype=torch.float32, device=log_probs.device)

@@ -40,7 +40,14 @@ import torch
 import torch.nn.functional as F
 
 from ._autograd import backward_without_autocast
-from ._checks import check_dim, check_dtype, check_int, check_last_dim_contiguous, check_same_device
+from ._checks import (
+    check_dim,
+    check_dtype,
+    check_int,
+    check_last_dim_contiguous,
+    check_out,
+    check_same_device,
+)
 from ._reduction import row_sum, sequential_sum
 from .dispatch import backend_for
 from .gemm import linear
@@ -96,9 +103,9 @@ def _scaled_and_lse(logits: torch.Tensor, tau: torch.Tensor) -> tuple[torch.Tens
     return scaled, lse
 
 
-def _log_softmax_torch(logits, tau):
+def _log_softmax_torch(logits, tau, out=None):
     scaled, lse = _scaled_and_lse(logits, tau)
-    return scaled - lse[:, None]
+    return torch.sub(scaled, lse[:, None], out=out)
 
 
 def _token_log_probs_torch(logits, tokens, tau):
@@ -106,10 +113,10 @@ def _token_log_probs_torch(logits, tokens, tau):
     return scaled.gather(1, tokens.long()[:, None])[:, 0] - lse  # same bits as log_softmax gathered
 
 
-def _log_softmax_triton(logits, tau):
+def _log_softmax_triton(logits, tau, out=None):
     from .logprob_triton import log_softmax_triton  # imported on first use: no Triton on CPU
 
-    return log_softmax_triton(logits, tau)
+    return log_softmax_triton(logits, tau, out=out)
 
 
 def _token_log_probs_triton(logits, tokens, tau):
@@ -177,13 +184,17 @@ def mask_logits_(logits: torch.Tensor, blocked: torch.Tensor | None) -> torch.Te
     return logits
 
 
-def log_softmax(logits: torch.Tensor, temperature) -> torch.Tensor:
-    """fp32 [M, V] log-probs of fp32 logits [M, V] at temperature (float, or fp32 tensor [M])."""
+def log_softmax(logits: torch.Tensor, temperature, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 [M, V] log-probs of fp32 logits [M, V] at temperature (float, or fp32 tensor [M]).
+    `out`: a contiguous fp32 [M, V] tensor to write them into (inference only; the same bits)."""
     _check_logits(logits)
     _check_temperature(temperature, logits.shape[0], logits.device)
+    check_out(out, logits.shape, torch.float32, logits.device)
+    if out is not None and torch.is_grad_enabled() and logits.requires_grad:
+        raise ValueError("log_softmax(..., out=) is for inference: logits must not need a gradient")
     backend = backend_for(logits)
     tau = _temperature_column(temperature, logits.shape[0], logits.device, effective=backend == "torch")
-    return _LOG_SOFTMAX_IMPLS[backend](logits, tau)
+    return _LOG_SOFTMAX_IMPLS[backend](logits, tau, out)
 
 
 def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature) -> torch.Tensor:
@@ -319,10 +330,10 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> to
     return -torch.log(-torch.log(u))
 
 
-def _gumbel_argmax_torch(log_probs, seeds, positions, threshold=None):
+def _gumbel_argmax_torch(log_probs, seeds, positions, threshold=None, out=None):
     n_rows, vocab = log_probs.shape
     step = max(1, _GUMBEL_ELEMENTS // max(vocab, 1))
-    out = torch.empty(n_rows, dtype=torch.int64, device=log_probs.device)
+    out = torch.empty(n_rows, dtype=torch.int64, device=log_probs.device) if out is None else out
     for r0 in range(0, n_rows, step):
         rows = slice(r0, r0 + step)
         lp = log_probs[rows]
@@ -332,10 +343,10 @@ def _gumbel_argmax_torch(log_probs, seeds, positions, threshold=None):
     return out
 
 
-def _gumbel_argmax_triton(log_probs, seeds, positions, threshold=None):
+def _gumbel_argmax_triton(log_probs, seeds, positions, threshold=None, out=None):
     from .gumbel_triton import gumbel_argmax_triton  # imported on first use: no Triton on CPU
 
-    return gumbel_argmax_triton(log_probs, seeds, positions, threshold)
+    return gumbel_argmax_triton(log_probs, seeds, positions, threshold, out=out)
 
 
 _GUMBEL_IMPLS = {"torch": _gumbel_argmax_torch, "triton": _gumbel_argmax_triton}
@@ -346,9 +357,12 @@ def gumbel_argmax(
     seeds: torch.Tensor,
     positions: torch.Tensor,
     threshold: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """int64 [M]: argmax_v(log_probs[m, v] + gumbel(seeds[m], positions[m], v)) over the ids with
-    log_probs[m, v] >= threshold[m] (all of them without a threshold).
+    log_probs[m, v] >= threshold[m] (all of them without a threshold); written into `out` (a
+    contiguous int64 [M]) when given.
 
     log_probs: fp32 [M, V] (already at the request's temperature; greedy rows should take
     log_probs.argmax(-1) instead); seeds, positions: int64 [M]; threshold: fp32 [M] or None
@@ -364,4 +378,5 @@ def gumbel_argmax(
         if tuple(threshold.shape) != (log_probs.shape[0],):
             raise ValueError(f"threshold must have shape ({log_probs.shape[0]},), got {tuple(threshold.shape)}")
     check_same_device(log_probs=log_probs, seeds=seeds, positions=positions, threshold=threshold)
-    return _GUMBEL_IMPLS[backend_for(log_probs)](log_probs, seeds, positions, threshold)
+    check_out(out, (log_probs.shape[0],), torch.int64, log_probs.device)
+    return _GUMBEL_IMPLS[backend_for(log_probs)](log_probs, seeds, positions, threshold, out)

@@ -244,7 +244,7 @@ def _launch_rows(logits, tau, tokens, mode, out=None, lse=None):
     n_rows, vocab = logits.shape
     tau = tau.reshape(-1).contiguous()
     if mode == _MODE_ALL:
-        out = torch.empty(n_rows, vocab, dtype=torch.float32, device=logits.device)
+        out = torch.empty(n_rows, vocab, dtype=torch.float32, device=logits.device) if out is None else out
         lse = tau  # unused
         tokens = tau  # unused
     else:
@@ -331,12 +331,13 @@ class _TokenLogProbsFunction(torch.autograd.Function):
         return _token_grad(logits, tau, tokens, lse, grad_out, torch.float32), None, None
 
 
-def log_softmax_triton(logits: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
-    """fp32 [M, V] log-probs of fp32 logits [M, V]; tau: fp32 [M, 1] (requested or effective)."""
+def log_softmax_triton(logits: torch.Tensor, tau: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 [M, V] log-probs of fp32 logits [M, V]; tau: fp32 [M, 1] (requested or effective);
+    `out`: a contiguous fp32 [M, V] to write them into (no autograd then; checked by the caller)."""
     _check_rows(logits, tau, None)
-    if torch.is_grad_enabled() and logits.requires_grad:
+    if out is None and torch.is_grad_enabled() and logits.requires_grad:
         return _LogSoftmaxFunction.apply(logits, tau)
-    return _launch_rows(logits, tau, None, _MODE_ALL)[0]
+    return _launch_rows(logits, tau, None, _MODE_ALL, out=out)[0]
 
 
 def token_log_probs_triton(logits: torch.Tensor, tokens: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:

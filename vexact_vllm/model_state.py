@@ -16,4 +16,7 @@ class VexactModelState(DefaultModelState):
     def custom_sampler(self, sampler):
         if self.vllm_config.speculative_config is not None:  # the model refuses it at build time
             raise ValueError("speculative decoding is not supported with --model-impl vexact")
-        return VexactSamplerV2.from_base(sampler), None
+        from vllm.config.compilation import CUDAGraphMode
+
+        graphs_on = self.vllm_config.compilation_config.cudagraph_mode != CUDAGraphMode.NONE
+        return VexactSamplerV2.from_base(sampler, self.model, use_graphs=graphs_on), None

@@ -163,7 +163,16 @@ class VllmVexactForCausalLM(nn.Module):
         warm_up_linear(self.lm_head_weight, out_dtype=torch.float32, config_n=self._lm_head_config_n)
         self._kernels_warm = True
 
+    # The lm_head's CUDA graphs, set by the vexact sampler once captured (sampler_graphs.py).
+    sampler_graphs = None
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """fp32 [N, V] logits. With the sampler's graphs: a replay into their static logits (valid
+        until the next call: vLLM's runner samples, or gathers prompt log-probs, from them at once)."""
+        if self.sampler_graphs is not None:
+            logits = self.sampler_graphs.lm_head(hidden_states)
+            if logits is not None:
+                return logits
         logits = linear(
             hidden_states, self.lm_head_weight, out_dtype=torch.float32, config_n=self._lm_head_config_n
         )

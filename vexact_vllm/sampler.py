@@ -81,16 +81,22 @@ def draw_tokens(
     return torch.where(greedy, log_probs.argmax(-1), sampled)
 
 
+def truncates(vocab: int, host_top_k, host_top_p, host_min_p) -> bool:
+    """Whether any row of the batch asks for top-k (0 < k < vocab), top-p (< 1) or min-p (> 0)."""
+    k_on = (host_top_k > 0) & (host_top_k < vocab)
+    return bool(k_on.any() or (host_top_p < 1.0).any() or (host_min_p > 0.0).any())
+
+
 def truncation(log_probs, device_rows, host_top_k, host_top_p, host_min_p) -> torch.Tensor | None:
     """The per-row threshold of `kernels.truncation_threshold` for the options that are on in this
     batch (decided from host copies: no sync), or None when no row truncates. `device_rows(name)`
     gives the device tensor of "top_k", "top_p" or "min_p" per row; it is called only for options
     that are on (a batch without truncation, the usual RL rollout, launches nothing here)."""
     vocab = log_probs.shape[1]
+    if not truncates(vocab, host_top_k, host_top_p, host_min_p):
+        return None
     k_on = (host_top_k > 0) & (host_top_k < vocab)
     p_on, m_on = host_top_p < 1.0, host_min_p > 0.0
-    if not (k_on.any() or p_on.any() or m_on.any()):
-        return None
     return truncation_threshold(
         log_probs,
         device_rows("top_k") if k_on.any() else None,

@@ -17,6 +17,11 @@ Top-k, top-p and min-p (vLLM's per-request states, filled from the request or th
 generation_config) narrow which tokens Gumbel-max may draw through the batch-invariant threshold of
 `kernels.truncation` (sampler.py's `truncation`); the returned log-prob stays the full-vocabulary one.
 
+CUDA graphs (sampler_graphs.py): after vLLM's warm-up call, the lm_head and this sampler are
+captured per padded batch size and replayed on the usual decode step (no truncation, at most 128
+rows, no tensor parallelism, CUDA graphs on): the same kernels on the same inputs, so the same bits,
+without their host time.
+
 Nothing else of vLLM's sampling runs: no penalties, logit bias, bad words, structured outputs.
 Requests asking for them are refused at admission (request_validation.py: `LLM.generate`, the
 OpenAI server and AsyncLLM all admit requests there), so none reaches this sampler; the runner's own
@@ -35,16 +40,49 @@ from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 
 from vexact_vllm.kernels import gumbel_argmax, log_softmax
 
-from .sampler import GREEDY_EPS, draw_tokens, truncation
+from .sampler import GREEDY_EPS, draw_tokens, truncates, truncation
+from .sampler_graphs import SamplerGraphs
 
 
 class VexactSamplerV2(Sampler):
+    graphs: SamplerGraphs | None = None
+
     @classmethod
-    def from_base(cls, base: Sampler) -> VexactSamplerV2:
-        """This sampler over `base`'s request states (no state is rebuilt or copied)."""
+    def from_base(cls, base: Sampler, model=None, use_graphs: bool = False) -> VexactSamplerV2:
+        """This sampler over `base`'s request states (no state is rebuilt or copied). `model` (the
+        vexact model) and `use_graphs` (vLLM's CUDA graphs are on): capture the lm_head and the
+        sampler after the warm-up call (`_capture_graphs`)."""
         sampler = cls.__new__(cls)
         sampler.__dict__.update(base.__dict__)
+        sampler.model, sampler.use_graphs = model, use_graphs
         return sampler
+
+    def _capture_graphs(self, device: torch.device) -> None:
+        """The lm_head and sampler graphs (sampler_graphs.py), handed to the model's compute_logits.
+        Run once, in vLLM's profile run (so their memory is counted before the KV cache is sized)."""
+        model = self.model
+        if not self.use_graphs or model is None or device.type != "cuda" or getattr(model, "tp", None) is not None:
+            return
+        graphs = SamplerGraphs(
+            model.lm_head_weight, self.sampling_states.max_num_reqs, config_n=model._lm_head_config_n
+        )
+        graphs.capture()
+        self.graphs = model.sampler_graphs = graphs
+
+    def _sample_graphed(self, logits, input_batch, host_temperature, host_greedy):
+        """(log_probs, tokens) by a replay (the eager path's bits: sampler_graphs.py)."""
+        variant = "greedy" if host_greedy.all() else "sampled" if not host_greedy.any() else "mixed"
+        states = self.sampling_states
+        return self.graphs.sample(
+            logits.shape[0],
+            variant,
+            temperature=states.temperature.gpu,
+            seeds=states.seeds.gpu,
+            req_index=input_batch.expanded_idx_mapping,
+            positions=input_batch.positions,
+            logits_index=input_batch.logits_indices,
+            zero_tiny_temperatures=bool(((host_temperature > 0) & (host_temperature < GREEDY_EPS)).any()),
+        )
 
     def rows(self, input_batch, host_temperature) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(temperature, seed, position of the sampled token) per sampling row, on the device.
@@ -67,22 +105,25 @@ class VexactSamplerV2(Sampler):
         idx_np = input_batch.idx_mapping_np
         states = self.sampling_states
         host_temperature = states.temperature.np[idx_np]  # host copies: no sync
-        tau, seeds, positions = self.rows(input_batch, host_temperature)
-        log_probs = log_softmax(logits.float(), tau)  # fp32 [B, V]
         host_greedy = host_temperature < GREEDY_EPS
-        greedy = tau < GREEDY_EPS if host_greedy.any() and not host_greedy.all() else None  # mixed batch only
-        threshold = None
-        if not host_greedy.all():
-            idx = input_batch.expanded_idx_mapping
-            threshold = truncation(
-                log_probs, lambda name: getattr(states, name).gpu[idx],
-                states.top_k.np[idx_np], states.top_p.np[idx_np], states.min_p.np[idx_np],
-            )  # fmt: skip
-        sampled = draw_tokens(log_probs, greedy, host_greedy, seeds, positions, threshold)
-        if not getattr(self, "_kernels_warm", False):  # vLLM's warm-up step: compile both draw variants
-            gumbel_argmax(log_probs[:1], seeds[:1], positions[:1])
-            gumbel_argmax(log_probs[:1], seeds[:1], positions[:1], torch.full_like(tau[:1], float("-inf")))
-            self._kernels_warm = True
+        host_truncation = (states.top_k.np[idx_np], states.top_p.np[idx_np], states.min_p.np[idx_np])
+        truncated = not host_greedy.all() and truncates(logits.shape[1], *host_truncation)
+        if self.graphs is not None and not truncated and self.graphs.owns(logits):
+            log_probs, sampled = self._sample_graphed(logits, input_batch, host_temperature, host_greedy)
+        else:
+            tau, seeds, positions = self.rows(input_batch, host_temperature)
+            log_probs = log_softmax(logits.float(), tau)  # fp32 [B, V]
+            greedy = tau < GREEDY_EPS if host_greedy.any() and not host_greedy.all() else None  # mixed only
+            threshold = None
+            if truncated:
+                idx = input_batch.expanded_idx_mapping
+                threshold = truncation(log_probs, lambda name: getattr(states, name).gpu[idx], *host_truncation)
+            sampled = draw_tokens(log_probs, greedy, host_greedy, seeds, positions, threshold)
+            if not getattr(self, "_kernels_warm", False):  # vLLM's warm-up step: compile both draw variants
+                gumbel_argmax(log_probs[:1], seeds[:1], positions[:1])
+                gumbel_argmax(log_probs[:1], seeds[:1], positions[:1], torch.full_like(tau[:1], float("-inf")))
+                self._kernels_warm = True
+                self._capture_graphs(logits.device)
 
         logprobs_tensors = None
         if self.returns_logprobs(idx_np):

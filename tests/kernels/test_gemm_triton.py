@@ -493,3 +493,14 @@ def test_warm_up_linear_is_a_no_op_off_cuda(monkeypatch):
     monkeypatch.setattr(gemm, "linear", lambda *a, **k: calls.append(a))
     gemm.warm_up_linear(torch.zeros(8, 4, dtype=torch.bfloat16))
     assert calls == []
+
+
+def test_launch_into_out_interpreted(small_tiles):
+    """`launch_linear(..., out=)` (the lm_head's CUDA-graph output) writes the same bits into the
+    given rows of a larger buffer and leaves the rest alone."""
+    x, w, b = _inputs(5, 40, 24, torch.bfloat16)
+    buf = torch.full((9, 40), 7.0)
+    got = small_tiles.launch_linear(x, w, b, torch.float32, out=buf[:5])
+    assert got.data_ptr() == buf.data_ptr()
+    assert torch.equal(buf[:5], small_tiles.linear_triton(x, w, b, torch.float32))
+    assert torch.equal(buf[5:], torch.full((4, 40), 7.0))

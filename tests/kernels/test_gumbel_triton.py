@@ -92,3 +92,13 @@ def test_cuda_batch_invariant_and_close_to_torch():
     assert torch.equal(gumbel_argmax(log_probs[perm], seeds[perm], positions[perm]), tokens[perm])
     agree = (tokens == _reference(log_probs, seeds, positions)).float().mean().item()
     assert agree > 0.99  # the same hash; only ulp-level ties of torch's vs Triton's log can differ
+
+
+def test_interpreted_writes_into_out(gk):
+    """`gumbel_argmax_triton(..., out=)` (the sampler graph's static tokens): the same tokens, in the
+    given rows of a larger buffer only."""
+    log_probs, seeds, positions = _inputs(5, BLOCK + 9)
+    buf = torch.full((7,), -1, dtype=torch.int64)
+    gk.gumbel_argmax_triton(log_probs, seeds, positions, out=buf[:5])
+    assert torch.equal(buf[:5], gk.gumbel_argmax_triton(log_probs, seeds, positions))
+    assert torch.equal(buf[5:], torch.full((2,), -1, dtype=torch.int64))

@@ -281,3 +281,14 @@ def test_cuda_fused_equals_unfused_and_gradients():
     (ref * g.double()).sum().backward()
     torch.testing.assert_close(h.grad.double(), hd.grad, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(w.grad.double(), wd.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_log_softmax_into_out(tk):
+    """`log_softmax_triton(..., out=)` (the sampler graph's static log-probs): the same bits, written
+    into the given rows of a larger buffer only."""
+    logits = torch.randn(6, 3000) * 4
+    tau = _tau(torch.tensor([0.0, 0.5, 1.0, 1.5, 0.005, 2.0]), 6)
+    buf = torch.full((8, 3000), 3.0)
+    assert tk.log_softmax_triton(logits, tau, out=buf[:6]).data_ptr() == buf.data_ptr()
+    assert torch.equal(buf[:6], tk.log_softmax_triton(logits, tau))
+    assert torch.equal(buf[6:], torch.full((2, 3000), 3.0))

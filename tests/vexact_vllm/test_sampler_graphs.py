@@ -1,0 +1,225 @@
+"""The decode step's lm_head and sampler graphs (sampler_graphs.py) against the eager path, bit for bit.
+
+On CPU the graphs are `Rerun` stand-ins (a replay calls the captured function again on the static
+buffers): that covers the buckets, the padding, the static buffers and the variants. On CUDA the
+same tests run with real CUDA graphs at the Qwen3 vocabulary (`-m cuda`, on the GPU host)."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _graphs(device, vocab, hidden, max_rows, dtype=torch.bfloat16):
+    from vexact_vllm.sampler_graphs import SamplerGraphs
+
+    weight = (torch.randn(vocab, hidden, device=device) * 0.5).to(dtype)
+    graphs = SamplerGraphs(weight, max_rows)
+    graphs.capture()
+    return graphs
+
+
+def _eager(graphs, hidden, temperature, seeds, positions, greedy_tiny=False):
+    """The eager sampler's path (sampler_v2: rows, log_softmax, draw_tokens) on the same rows."""
+    from vexact_vllm.kernels import linear, log_softmax
+    from vexact_vllm.sampler import GREEDY_EPS, draw_tokens
+
+    logits = linear(hidden, graphs.weight, out_dtype=torch.float32)
+    tau = temperature.clone()
+    if greedy_tiny:
+        tau = torch.where(tau < GREEDY_EPS, torch.zeros_like(tau), tau)
+    log_probs = log_softmax(logits, tau)
+    host_greedy = (tau < GREEDY_EPS).cpu().numpy()
+    greedy = tau < GREEDY_EPS if host_greedy.any() and not host_greedy.all() else None
+    return logits, log_probs, draw_tokens(log_probs, greedy, host_greedy, seeds, positions + 1, None)
+
+
+def _step(graphs, n, variant, device, rng, tiny=False):
+    """One random step through the graphs, checked against the eager path."""
+    slots = 3 * graphs.buckets[-1]
+    temperature = torch.rand(slots, device=device) + 0.3
+    if variant == "greedy":
+        temperature.zero_()
+    elif variant == "mixed":
+        temperature[torch.rand(slots, device=device) < 0.5] = 0.0
+        temperature[0] = 0.0
+        temperature[1] = 0.9
+        if tiny:
+            temperature[2] = 5e-6  # greedy for vLLM: the graph must zero it as the eager path does
+    seeds = torch.randint(-(2**62), 2**62, (slots,), device=device)
+    req_index = torch.tensor(rng.sample(range(slots), n), device=device, dtype=torch.int32)
+    if variant == "mixed":
+        req_index[: min(n, 3)] = torch.arange(min(n, 3), device=device, dtype=torch.int32)
+    positions = torch.randint(0, 30000, (4 * n,), device=device)
+    logits_index = torch.tensor(sorted(rng.sample(range(4 * n), n)), device=device)
+    hidden = torch.randn(n, graphs.hidden.shape[1], device=device).to(graphs.hidden.dtype)
+    # stale padding: whatever sits past row n must not reach a real row
+    graphs.hidden[n:] = float("nan")
+    graphs.tau[n:] = 1e-3
+    logits = graphs.lm_head(hidden)
+    assert graphs.owns(logits) and logits.shape == (n, graphs.weight.shape[0])
+    log_probs, tokens = graphs.sample(
+        n, variant, temperature=temperature, seeds=seeds, req_index=req_index, positions=positions,
+        logits_index=logits_index, zero_tiny_temperatures=tiny,
+    )  # fmt: skip
+    ref_logits, ref_log_probs, ref_tokens = _eager(
+        graphs, hidden, temperature[req_index.long()], seeds[req_index.long()], positions[logits_index], tiny
+    )
+    assert torch.equal(logits, ref_logits)
+    assert torch.equal(log_probs, ref_log_probs)
+    assert torch.equal(tokens, ref_tokens)
+    graphs.tokens.fill_(-7)  # the next replay writes here: the returned tokens are a clone
+    assert torch.equal(tokens, ref_tokens)
+    return tokens
+
+
+def test_buckets_cover_the_engine_rows():
+    from vexact_vllm.sampler_graphs import BUCKETS, buckets_for
+
+    assert buckets_for(1) == (1,)
+    assert buckets_for(20) == (1, 2, 4, 8, 16, 20)
+    assert buckets_for(16) == (1, 2, 4, 8, 16)
+    assert buckets_for(1024) == BUCKETS
+    with pytest.raises(ValueError, match="max_rows"):
+        buckets_for(0)
+
+
+def test_bucket_and_ownership():
+    graphs = _graphs("cpu", 50, 16, 20)
+    assert [graphs.bucket(n) for n in (0, 1, 3, 16, 17, 20, 21)] == [None, 1, 4, 16, 20, 20, None]
+    assert graphs.owns(graphs.logits[:5])
+    assert not graphs.owns(torch.zeros(5, 50))
+    assert graphs.lm_head(torch.zeros(21, 16, dtype=torch.bfloat16)) is None  # past the largest: eager
+    with pytest.raises(ValueError, match="no sampler graph"):
+        graphs.sample(21, "sampled", temperature=graphs.tau, seeds=graphs.seeds, req_index=graphs.seeds[:21],
+                      positions=graphs.positions, logits_index=graphs.seeds[:21])  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", ["greedy", "sampled", "mixed"])
+def test_replays_equal_the_eager_path(variant):
+    torch.manual_seed(1)
+    rng = random.Random(2)
+    graphs = _graphs("cpu", 3000, 32, 24)
+    for n in rng.sample(range(1, 25), 6):
+        _step(graphs, n, variant, "cpu", rng)
+
+
+def test_tiny_temperatures_are_greedy_in_the_graph_too():
+    torch.manual_seed(3)
+    graphs = _graphs("cpu", 700, 16, 8)
+    _step(graphs, 5, "mixed", "cpu", random.Random(4), tiny=True)
+
+
+def test_a_row_samples_the_same_token_in_every_bucket():
+    """Padding and bucket size never reach a row: one request alone (bucket 1) and among others."""
+    torch.manual_seed(5)
+    graphs = _graphs("cpu", 2000, 16, 32)
+    hidden = torch.randn(32, 16).to(torch.bfloat16)
+    seeds = torch.randint(0, 2**40, (32,))
+    temperature = torch.full((32,), 0.8)
+    positions = torch.arange(32) * 7
+    out = {}
+    for n in (1, 3, 9, 32):
+        graphs.lm_head(hidden[:n])
+        idx = torch.arange(n, dtype=torch.int32)
+        _, tokens = graphs.sample(n, "sampled", temperature=temperature, seeds=seeds, req_index=idx,
+                                  positions=positions, logits_index=torch.arange(n))  # fmt: skip
+        out[n] = tokens
+    for n in (3, 9, 32):
+        assert torch.equal(out[n][: min(n, 3)], out[32][: min(n, 3)])
+    assert torch.equal(out[1], out[32][:1])
+
+
+def _sampler_v2(graphs, temperature, seeds, top_p):
+    from vexact_vllm.sampler_v2 import VexactSamplerV2
+
+    def state(values, dtype):
+        t = torch.tensor(values, dtype=dtype)
+        return SimpleNamespace(gpu=t, np=t.numpy())
+
+    slots = len(temperature)
+    base = SimpleNamespace(
+        sampling_states=SimpleNamespace(
+            temperature=state(temperature, torch.float32),
+            seeds=state(seeds, torch.int64),
+            top_k=state([0] * slots, torch.int32),
+            top_p=state(top_p, torch.float32),
+            min_p=state([0.0] * slots, torch.float32),
+        )
+    )
+    sampler = VexactSamplerV2.from_base(base)
+    sampler.graphs = graphs
+    return sampler
+
+
+def test_sampler_v2_takes_the_graph_only_where_it_may():
+    """The runner-v2 sampler's graph step equals its eager rows + draw; truncation stays eager."""
+    from vexact_vllm.kernels import log_softmax
+    from vexact_vllm.sampler import draw_tokens, truncates
+
+    torch.manual_seed(6)
+    graphs = _graphs("cpu", 900, 16, 8)
+    temperature, seeds = [0.7, 0.0, 1.2, 0.9], [5, 6, 7, 8]
+    sampler = _sampler_v2(graphs, temperature, seeds, [1.0, 1.0, 1.0, 0.9])
+    batch = SimpleNamespace(
+        expanded_idx_mapping=torch.tensor([2, 0, 1], dtype=torch.int32),
+        idx_mapping_np=np.array([2, 0, 1]),
+        positions=torch.tensor([4, 9, 13, 2, 30]),
+        logits_indices=torch.tensor([1, 2, 4]),
+    )
+    logits = graphs.lm_head(torch.randn(3, 16).to(torch.bfloat16))
+    host_t = np.array(temperature, np.float32)[batch.idx_mapping_np]
+    host_greedy = host_t < 1e-5
+    log_probs, tokens = sampler._sample_graphed(logits, batch, host_t, host_greedy)
+    tau, s, pos = sampler.rows(batch, host_t)
+    ref_lp = log_softmax(logits.clone(), tau)
+    ref = draw_tokens(ref_lp, tau < 1e-5, host_greedy, s, pos, None)
+    assert torch.equal(log_probs, ref_lp) and torch.equal(tokens, ref)
+    # a batch with a top-p row truncates: the sampler must not take the graph for it
+    top_p = sampler.sampling_states.top_p.np[np.array([3, 0])]
+    assert truncates(900, np.zeros(2, np.int32), top_p, np.zeros(2, np.float32))
+    assert not truncates(900, np.array([0, 900]), np.ones(2, np.float32), np.zeros(2, np.float32))
+
+
+def test_kernels_write_through_out():
+    """`out=` of linear, log_softmax and gumbel_argmax: the same bits, and clear errors."""
+    from vexact_vllm.kernels import gumbel_argmax, linear, log_softmax
+
+    x, w = torch.randn(5, 32).to(torch.bfloat16), torch.randn(70, 32).to(torch.bfloat16)
+    out = torch.empty(5, 70)
+    assert linear(x, w, out_dtype=torch.float32, out=out) is out
+    assert torch.equal(out, linear(x, w, out_dtype=torch.float32))
+    lp = torch.empty(5, 70)
+    tau = torch.tensor([0.0, 0.5, 1.0, 2.0, 0.005])
+    assert torch.equal(log_softmax(out, tau, out=lp), log_softmax(out, tau))
+    tok = torch.empty(5, dtype=torch.int64)
+    seeds, pos = torch.arange(5), torch.arange(5) + 100
+    assert torch.equal(gumbel_argmax(lp, seeds, pos, out=tok), gumbel_argmax(lp, seeds, pos))
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        linear(x, w, out_dtype=torch.float32, out=torch.empty(5, 70, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        log_softmax(out, tau, out=torch.empty(70, 5).t())
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        gumbel_argmax(lp, seeds, pos, out=torch.empty(5, dtype=torch.int32))
+    with pytest.raises(ValueError, match="inference"):
+        linear(x, w.float().requires_grad_().to(torch.bfloat16), out_dtype=torch.float32, out=out)
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", ["greedy", "sampled", "mixed"])
+def test_cuda_graph_replays_equal_the_eager_path(variant):
+    """Real CUDA graphs at the Qwen3 vocabulary and hidden size: every bucket's replay gives the
+    eager kernels' logits, log-probs and tokens, with NaN padding in the static buffers."""
+    torch.manual_seed(7)
+    rng = random.Random(8)
+    graphs = _graphs("cuda", 151936, 2048, 128)
+    for n in [1, 2, 16, 17, 128] + rng.sample(range(3, 128), 5):
+        _step(graphs, n, variant, "cuda", rng, tiny=variant == "mixed" and n > 3)
