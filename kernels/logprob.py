@@ -186,7 +186,8 @@ def mask_logits_(logits: torch.Tensor, blocked: torch.Tensor | None) -> torch.Te
 
 def log_softmax(logits: torch.Tensor, temperature, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 [M, V] log-probs of fp32 logits [M, V] at temperature (float, or fp32 tensor [M]).
-    `out`: a contiguous fp32 [M, V] tensor to write them into (inference only; the same bits)."""
+    `out`: a contiguous fp32 [M, V] tensor to write them into (inference only; the same bits); it
+    may be `logits` itself (in place: every element is read before it is written)."""
     _check_logits(logits)
     _check_temperature(temperature, logits.shape[0], logits.device)
     check_out(out, logits.shape, torch.float32, logits.device)

@@ -7,7 +7,8 @@ of ~5 us), and at small batches the decode step is host-bound: the GPU waits for
 
 What is captured, for each bucket b of BUCKETS up to the engine's max_num_reqs:
     lm_head:  hidden[:b] -> logits[:b]                                      one graph
-    sampler:  logits[:b], tau[:b], seeds[:b], positions[:b] -> log_probs[:b], tokens[:b]
+    sampler:  logits[:b], tau[:b], seeds[:b], positions[:b] -> log_probs[:b] (written over the
+              logits, in place: the runner is done with them once it samples), tokens[:b]
               one graph per variant: "greedy" (argmax), "sampled" (Gumbel-max), "mixed" (both,
               taken per row by tau < GREEDY_EPS, as `sampler.draw_tokens` does)
 Every buffer is static (allocated once, outside the graphs); a step copies its inputs in (the hidden
@@ -30,6 +31,7 @@ parallelism (the lm_head's all-gather), `--enforce-eager` / cudagraph_mode NONE,
 from __future__ import annotations
 
 import torch
+from vllm.logger import init_logger
 
 from vexact_vllm.kernels import gumbel_argmax, linear, log_softmax
 from vexact_vllm.kernels._capture import gc_paused
@@ -37,10 +39,11 @@ from vexact_vllm.kernels._capture import gc_paused
 from .sampler import GREEDY_EPS
 
 # Padded row counts (one set of graphs each): fine-grained, since the sampler's kernels scale with
-# rows; up to 128, past which the decode step's GPU time hides its host time (the `default`
-# workload's 256-row steps ran at parity eagerly) and the static logits and log-probs would cost
-# more memory (2 x 128 x V x 4 bytes: 156 MB at V = 151,936).
-BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+# rows; up to 256 (vLLM's default max_num_seqs), the static logits then costing 256 x V x 4 bytes
+# (156 MB at V = 151,936; the log-probs are written over them). Past it a step's GPU time dwarfs
+# the ~300 us of host time the eager path costs.
+logger = init_logger(__name__)
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 VARIANTS = ("greedy", "sampled", "mixed")
 
 
@@ -102,7 +105,6 @@ class SamplerGraphs:
         dev = weight.device
         self.hidden = torch.zeros(rows, hidden, dtype=weight.dtype, device=dev)
         self.logits = torch.zeros(rows, vocab, dtype=torch.float32, device=dev)
-        self.log_probs = torch.zeros(rows, vocab, dtype=torch.float32, device=dev)
         self.tau = torch.ones(rows, dtype=torch.float32, device=dev)
         self.seeds = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=dev)  # of the last input token
@@ -117,6 +119,11 @@ class SamplerGraphs:
                 self.graphs[b, "lm_head"] = self.graph_cls(lambda b=b: self._lm_head(b), pool)
                 for variant in VARIANTS:
                     self.graphs[b, variant] = self.graph_cls(lambda b=b, v=variant: self._sample(b, v), pool)
+        static = sum(t.numel() * t.element_size() for t in (self.hidden, self.logits)) / 2**20
+        logger.info(
+            "vexact: lm_head and sampler captured in %d graphs for batches of 1-%d rows (%.0f MiB of static "
+            "buffers)", len(self.graphs), self.buckets[-1], static,
+        )  # fmt: skip
 
     def bucket(self, rows: int) -> int | None:
         """The smallest bucket holding `rows`, or None (eager) past the largest or for 0 rows."""
@@ -128,8 +135,8 @@ class SamplerGraphs:
         linear(self.hidden[:b], self.weight, out_dtype=torch.float32, config_n=self.config_n, out=self.logits[:b])
 
     def _sample(self, b: int, variant: str) -> None:
-        log_probs, tokens = self.log_probs[:b], self.tokens[:b]
-        log_softmax(self.logits[:b], self.tau[:b], out=log_probs)
+        log_probs, tokens = self.logits[:b], self.tokens[:b]
+        log_softmax(log_probs, self.tau[:b], out=log_probs)  # in place: each element read, then written
         if variant == "greedy":
             torch.argmax(log_probs, -1, out=tokens)
             return
@@ -169,8 +176,8 @@ class SamplerGraphs:
         logits_index: torch.Tensor,
         zero_tiny_temperatures: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log_probs fp32 [n, V] view, tokens int64 [n] clone) of the static logits' first n rows
-        (`owns`), by a replay of `variant`'s graph. Row i's temperature and seed are
+        """(log_probs fp32 [n, V], tokens int64 [n] clone) of the static logits' first n rows (`owns`),
+        by a replay of `variant`'s graph: the log-probs replace those logits (the same view). Row i's temperature and seed are
         temperature[req_index[i]] and seeds[req_index[i]] (vLLM's per-request states), its last input
         token's position positions[logits_index[i]]. `zero_tiny_temperatures`: temperatures in (0,
         GREEDY_EPS), greedy for vLLM, count as 0 (the eager sampler's `rows`)."""
@@ -185,4 +192,4 @@ class SamplerGraphs:
             _gather_into(self.seeds[:n], seeds, req_index)
             _gather_into(self.positions[:n], positions, logits_index)
         self.graphs[b, variant].replay()
-        return self.log_probs[:n], self.tokens[:n].clone()
+        return self.logits[:n], self.tokens[:n].clone()

@@ -18,7 +18,7 @@ generation_config) narrow which tokens Gumbel-max may draw through the batch-inv
 `kernels.truncation` (sampler.py's `truncation`); the returned log-prob stays the full-vocabulary one.
 
 CUDA graphs (sampler_graphs.py): after vLLM's warm-up call, the lm_head and this sampler are
-captured per padded batch size and replayed on the usual decode step (no truncation, at most 128
+captured per padded batch size and replayed on the usual decode step (no truncation, at most 256
 rows, no tensor parallelism, CUDA graphs on): the same kernels on the same inputs, so the same bits,
 without their host time.
 

@@ -292,3 +292,6 @@ def test_log_softmax_into_out(tk):
     assert tk.log_softmax_triton(logits, tau, out=buf[:6]).data_ptr() == buf.data_ptr()
     assert torch.equal(buf[:6], tk.log_softmax_triton(logits, tau))
     assert torch.equal(buf[6:], torch.full((2, 3000), 3.0))
+    in_place = logits.clone()  # out = logits: the sampler graphs' static buffer
+    tk.log_softmax_triton(in_place, tau, out=in_place)
+    assert torch.equal(in_place, buf[:6])

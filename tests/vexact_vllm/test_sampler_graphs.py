@@ -65,6 +65,7 @@ def _step(graphs, n, variant, device, rng, tiny=False):
     graphs.tau[n:] = 1e-3
     logits = graphs.lm_head(hidden)
     assert graphs.owns(logits) and logits.shape == (n, graphs.weight.shape[0])
+    logits = logits.clone()  # the sampler writes the log-probs over the static logits
     log_probs, tokens = graphs.sample(
         n, variant, temperature=temperature, seeds=seeds, req_index=req_index, positions=positions,
         logits_index=logits_index, zero_tiny_temperatures=tiny,
@@ -87,6 +88,7 @@ def test_buckets_cover_the_engine_rows():
     assert buckets_for(20) == (1, 2, 4, 8, 16, 20)
     assert buckets_for(16) == (1, 2, 4, 8, 16)
     assert buckets_for(1024) == BUCKETS
+    assert buckets_for(200) == (*BUCKETS[: BUCKETS.index(192) + 1], 200)
     with pytest.raises(ValueError, match="max_rows"):
         buckets_for(0)
 
@@ -175,11 +177,12 @@ def test_sampler_v2_takes_the_graph_only_where_it_may():
         logits_indices=torch.tensor([1, 2, 4]),
     )
     logits = graphs.lm_head(torch.randn(3, 16).to(torch.bfloat16))
+    logits_before = logits.clone()
     host_t = np.array(temperature, np.float32)[batch.idx_mapping_np]
     host_greedy = host_t < 1e-5
     log_probs, tokens = sampler._sample_graphed(logits, batch, host_t, host_greedy)
     tau, s, pos = sampler.rows(batch, host_t)
-    ref_lp = log_softmax(logits.clone(), tau)
+    ref_lp = log_softmax(logits_before, tau)
     ref = draw_tokens(ref_lp, tau < 1e-5, host_greedy, s, pos, None)
     assert torch.equal(log_probs, ref_lp) and torch.equal(tokens, ref)
     # a batch with a top-p row truncates: the sampler must not take the graph for it
@@ -199,6 +202,8 @@ def test_kernels_write_through_out():
     lp = torch.empty(5, 70)
     tau = torch.tensor([0.0, 0.5, 1.0, 2.0, 0.005])
     assert torch.equal(log_softmax(out, tau, out=lp), log_softmax(out, tau))
+    in_place = out.clone()
+    assert torch.equal(log_softmax(in_place, tau, out=in_place), lp)
     tok = torch.empty(5, dtype=torch.int64)
     seeds, pos = torch.arange(5), torch.arange(5) + 100
     assert torch.equal(gumbel_argmax(lp, seeds, pos, out=tok), gumbel_argmax(lp, seeds, pos))
@@ -220,6 +225,6 @@ def test_cuda_graph_replays_equal_the_eager_path(variant):
     eager kernels' logits, log-probs and tokens, with NaN padding in the static buffers."""
     torch.manual_seed(7)
     rng = random.Random(8)
-    graphs = _graphs("cuda", 151936, 2048, 128)
-    for n in [1, 2, 16, 17, 128] + rng.sample(range(3, 128), 5):
+    graphs = _graphs("cuda", 151936, 2048, 256)
+    for n in [1, 2, 16, 17, 128, 256] + rng.sample(range(3, 256), 5):
         _step(graphs, n, variant, "cuda", rng, tiny=variant == "mixed" and n > 3)
