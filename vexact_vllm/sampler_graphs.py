@@ -42,7 +42,7 @@ from .sampler import GREEDY_EPS
 # rows; up to 256 (vLLM's default max_num_seqs), the static logits then costing 256 x V x 4 bytes
 # (156 MB at V = 151,936; the log-probs are written over them). Past it a step's GPU time dwarfs
 # the ~300 us of host time the eager path costs.
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, so its handler prints it
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 VARIANTS = ("greedy", "sampled", "mixed")
 
