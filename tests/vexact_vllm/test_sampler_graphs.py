@@ -228,3 +228,33 @@ def test_cuda_graph_replays_equal_the_eager_path(variant):
     graphs = _graphs("cuda", 151936, 2048, 256)
     for n in [1, 2, 16, 17, 128, 256] + rng.sample(range(3, 256), 5):
         _step(graphs, n, variant, "cuda", rng, tiny=variant == "mixed" and n > 3)
+
+
+def test_no_graphs_where_the_engine_runs_eagerly_or_sharded():
+    """`--enforce-eager` (cudagraph_mode NONE), tensor parallelism and CPU keep the eager sampler."""
+    from vexact_vllm.sampler_v2 import VexactSamplerV2
+
+    base = SimpleNamespace(sampling_states=SimpleNamespace(max_num_reqs=8))
+    model = SimpleNamespace(tp=None, sampler_graphs=None)
+    cuda = torch.device("cuda")
+    for sampler, device in (
+        (VexactSamplerV2.from_base(base, model, use_graphs=False), cuda),  # enforce-eager
+        (VexactSamplerV2.from_base(base, SimpleNamespace(tp=object(), sampler_graphs=None), True), cuda),
+        (VexactSamplerV2.from_base(base, model, use_graphs=True), torch.device("cpu")),
+        (VexactSamplerV2.from_base(base, None, use_graphs=True), cuda),
+    ):
+        sampler._capture_graphs(device)  # returns before touching the device
+        assert sampler.graphs is None and model.sampler_graphs is None
+
+
+def test_compute_logits_replays_where_a_bucket_fits():
+    from vexact_vllm.kernels import linear
+    from vexact_vllm.models import VllmVexactForCausalLM
+
+    graphs = _graphs("cpu", 90, 16, 4)
+    model = SimpleNamespace(sampler_graphs=graphs, lm_head_weight=graphs.weight, _lm_head_config_n=None, tp=None)
+    for rows, graphed in ((3, True), (4, True), (5, False)):
+        hidden = torch.randn(rows, 16).to(torch.bfloat16)
+        logits = VllmVexactForCausalLM.compute_logits(model, hidden)
+        assert graphs.owns(logits) == graphed
+        assert torch.equal(logits, linear(hidden, graphs.weight, out_dtype=torch.float32))
