@@ -6,6 +6,7 @@ import importlib
 import os
 import sys
 
+import numpy as np
 import pytest
 
 ATTENTION_TRITON_MODULES = (
@@ -55,11 +56,45 @@ def tiny_model(tiny_cache):
     return build
 
 
+def _rowwise_interpreter_dot() -> None:
+    """Make the Triton interpreter's `tl.dot` multiply each row alone (installed once).
+
+    The interpreter computes `tl.dot` with numpy's matmul, i.e. the CPU's BLAS, whose fp32 result for a
+    row can depend on the row's position in the tile: with numpy 2.3's OpenBLAS 0.3.30 on an AMD EPYC,
+    its Zen and Haswell kernels change a row moved within a 16-row tile by an ulp (its SkylakeX kernels
+    do not). That breaks, on such CPUs only, the batch invariance the interpreted tests check, which
+    the GPU's MMA keeps (a row's accumulation order is fixed by the K loop). One (1 x K) @ (K x N) call
+    per row, on contiguous copies, is the same BLAS call for every row and every operand layout (a
+    kernel's TMA and pointer variants load transposed views), so the interpreted kernels are as
+    row-invariant as the compiled ones; the fp32 values stay BLAS's."""
+    interpreter = importlib.import_module("triton.runtime.interpreter")
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_dot, "rowwise", False):
+        return
+    original = builder.create_dot
+
+    def create_dot(self, a, b, d, *args, **kwargs):
+        if a.data.ndim < 2 or a.data.shape[-2] < 2:
+            return original(self, a, b, d, *args, **kwargs)
+        handle, dense = interpreter.TensorHandle, np.ascontiguousarray  # one layout: one BLAS path
+        b = handle(dense(b.data), b.dtype)
+        rows = [
+            original(self, handle(dense(a.data[..., i : i + 1, :]), a.dtype), b,
+                     handle(d.data[..., i : i + 1, :], d.dtype), *args, **kwargs)
+            for i in range(a.data.shape[-2])
+        ]  # fmt: skip
+        return handle(np.concatenate([r.data for r in rows], axis=-2), rows[0].dtype)
+
+    create_dot.rowwise = True
+    builder.create_dot = create_dot
+
+
 def import_interpreted_modules(names: tuple[str, ...]) -> list:
     """The kernel modules `names` (a module first, then modules it imports; `KERNEL_COMPANIONS` are
     added) imported afresh with TRITON_INTERPRET=1, so they take CPU tensors. The variable,
     sys.modules and the package attributes are restored at once, so later imports (the CUDA tests,
     vLLM engines started in the same run) get the compiled kernels."""
+    _rowwise_interpreter_dot()
     package = importlib.import_module("vexact_vllm.kernels")
     every = list(dict.fromkeys([*names, *(c for name in names for c in KERNEL_COMPANIONS.get(name, ()))]))
     attrs = [name.rsplit(".", 1)[1] for name in every]
