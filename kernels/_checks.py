@@ -41,9 +41,12 @@ def check_same_device(**tensors: torch.Tensor) -> None:
         raise ValueError(f"inputs must share one device, got {devices}")
 
 
-def check_out(out: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
+def check_out(
+    out: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device: torch.device, *inputs: torch.Tensor | None
+) -> None:
     """A kernel's `out=`: None, or a contiguous tensor of the result's shape, dtype and device (the
-    result is written there, with the bits it has without `out=`)."""
+    result is written there, with the bits it has without `out=`); inference only, so neither `out`
+    nor any of `inputs` may need a gradient."""
     if out is None:
         return
     if not isinstance(out, torch.Tensor):
@@ -53,5 +56,5 @@ def check_out(out: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device
             f"out must be a contiguous {dtype} tensor of shape {tuple(shape)} on {device}, got "
             f"{out.dtype} {tuple(out.shape)} strides {out.stride()} on {out.device}"
         )
-    if out.requires_grad and torch.is_grad_enabled():
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (out, *inputs)):
         raise ValueError("out= is for inference: no input or output may need a gradient")

@@ -232,11 +232,7 @@ def linear(
     _check_linear(x, weight, bias, out_dtype, k_slices)
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
     backend = backend_for(x)
-    needs_grad = _needs_grad(x2, weight, bias)
-    if out is not None:
-        check_out(out, (*x.shape[:-1], weight.shape[0]), out_dtype, x.device)
-        if needs_grad:
-            raise ValueError("linear(..., out=) is for inference: no input may need a gradient")
+    check_out(out, (*x.shape[:-1], weight.shape[0]), out_dtype, x.device, x, weight, bias)
     if k_slices > 1:
         y = _SlicedLinearFunction.apply(x2, weight, bias, out_dtype, k_slices, backend, config_n)
         if out is not None:
@@ -245,7 +241,7 @@ def linear(
         _FORWARDS[backend](x2, weight, bias, out_dtype, config_n, out=out.view(-1, weight.shape[0]))
         return out
     else:
-        impls = _IMPLS if needs_grad else _FORWARDS
+        impls = _IMPLS if _needs_grad(x2, weight, bias) else _FORWARDS
         y = impls[backend](x2, weight, bias, out_dtype, config_n)  # [M, N]
     return y.reshape(*x.shape[:-1], weight.shape[0])
 

@@ -190,9 +190,7 @@ def log_softmax(logits: torch.Tensor, temperature, *, out: torch.Tensor | None =
     may be `logits` itself (in place: every element is read before it is written)."""
     _check_logits(logits)
     _check_temperature(temperature, logits.shape[0], logits.device)
-    check_out(out, logits.shape, torch.float32, logits.device)
-    if out is not None and torch.is_grad_enabled() and logits.requires_grad:
-        raise ValueError("log_softmax(..., out=) is for inference: logits must not need a gradient")
+    check_out(out, logits.shape, torch.float32, logits.device, logits)
     backend = backend_for(logits)
     tau = _temperature_column(temperature, logits.shape[0], logits.device, effective=backend == "torch")
     return _LOG_SOFTMAX_IMPLS[backend](logits, tau, out)

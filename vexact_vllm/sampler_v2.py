@@ -44,6 +44,12 @@ from .sampler import GREEDY_EPS, draw_tokens, truncates, truncation
 from .sampler_graphs import SamplerGraphs
 
 
+def _tiny_temperatures(host_temperature) -> bool:
+    """Whether a row asks for a temperature in (0, GREEDY_EPS): greedy for vLLM, zeroed before the
+    log-prob kernels (which would score it at 0.01)."""
+    return bool(((host_temperature > 0) & (host_temperature < GREEDY_EPS)).any())
+
+
 class VexactSamplerV2(Sampler):
     graphs: SamplerGraphs | None = None
 
@@ -81,7 +87,7 @@ class VexactSamplerV2(Sampler):
             req_index=input_batch.expanded_idx_mapping,
             positions=input_batch.positions,
             logits_index=input_batch.logits_indices,
-            zero_tiny_temperatures=bool(((host_temperature > 0) & (host_temperature < GREEDY_EPS)).any()),
+            zero_tiny_temperatures=_tiny_temperatures(host_temperature),
         )
 
     def rows(self, input_batch, host_temperature) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -94,7 +100,7 @@ class VexactSamplerV2(Sampler):
         nothing on the usual step (the sampler runs eagerly every decode step: host time)."""
         idx = input_batch.expanded_idx_mapping
         temperature = self.sampling_states.temperature.gpu[idx]  # fp32 [B]
-        if ((host_temperature > 0) & (host_temperature < GREEDY_EPS)).any():
+        if _tiny_temperatures(host_temperature):
             temperature = torch.where(temperature < GREEDY_EPS, torch.zeros_like(temperature), temperature)
         seeds = self.sampling_states.seeds.gpu[idx]  # int64 [B]
         positions = input_batch.positions[input_batch.logits_indices].long() + 1  # [B]

@@ -215,6 +215,8 @@ def test_kernels_write_through_out():
         gumbel_argmax(lp, seeds, pos, out=torch.empty(5, dtype=torch.int32))
     with pytest.raises(ValueError, match="inference"):
         linear(x, w.float().requires_grad_().to(torch.bfloat16), out_dtype=torch.float32, out=out)
+    with pytest.raises(ValueError, match="inference"):
+        log_softmax(out.clone().requires_grad_(), tau, out=lp)
 
 
 @requires_cuda
