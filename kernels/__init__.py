@@ -21,6 +21,7 @@ from .moe import fused_moe
 from .moe_routing import route
 from .rms_norm import add_rms_norm, rms_norm
 from .rope import apply_rope, rope_cache
+from .sample import Sampled, sample_tokens
 from .truncation import truncation_threshold
 
 warm_up_vml()  # before any parallel CPU op of ours can race on MKL's lazy dispatch (see _mkl_vml.py)
@@ -44,6 +45,8 @@ __all__ = [
     "rms_norm",
     "rope_cache",
     "route",
+    "Sampled",
+    "sample_tokens",
     "silu_and_mul",
     "token_log_probs",
     "truncation_threshold",

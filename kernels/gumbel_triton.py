@@ -42,6 +42,22 @@ def _mix63(x):
 
 
 @triton.jit
+def _row_key(SEEDS, POS, row):
+    """The row's noise key: mix(mix(seed ^ GOLDEN) ^ position), seed and position on 63 bits."""
+    seed = tl.load(SEEDS + row).to(tl.int64) & _MASK63
+    pos = tl.load(POS + row).to(tl.int64) & _MASK63
+    return _mix63(_mix63(seed ^ _GOLDEN) ^ pos)
+
+
+@triton.jit
+def _gumbel(row_key, ids, UNIFORM_BITS: tl.constexpr):
+    """g = -log(-log(u)) of ids (int64), u = (top UNIFORM_BITS of mix(row_key ^ id) + 0.5) / 2^bits."""
+    h = _mix63(row_key ^ ids)
+    u = ((h >> (63 - UNIFORM_BITS)).to(tl.float32) + 0.5) * (2.0**-UNIFORM_BITS)
+    return -tl.log(-tl.log(u))
+
+
+@triton.jit
 def _gumbel_chunk_kernel(
     LOGP,
     SEEDS,
@@ -59,9 +75,7 @@ def _gumbel_chunk_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    seed = tl.load(SEEDS + row).to(tl.int64) & _MASK63
-    pos = tl.load(POS + row).to(tl.int64) & _MASK63
-    row_key = _mix63(_mix63(seed ^ _GOLDEN) ^ pos)
+    row_key = _row_key(SEEDS, POS, row)
     cols = tl.arange(0, BLOCK).to(tl.int64)
     best_val = tl.full([], float("-inf"), tl.float32)
     best_idx = tl.full([], 0, tl.int64)
@@ -74,9 +88,7 @@ def _gumbel_chunk_kernel(
         lp = tl.load(LOGP + row * stride_l + offs, mask=mask, other=float("-inf"))
         if HAS_THRESHOLD:  # truncated sampling: ids below the threshold cannot win
             lp = tl.where(lp >= thr, lp, float("-inf"))
-        h = _mix63(row_key ^ offs)
-        u = ((h >> (63 - UNIFORM_BITS)).to(tl.float32) + 0.5) * (2.0**-UNIFORM_BITS)
-        val = tl.where(mask, lp - tl.log(-tl.log(u)), float("-inf"))
+        val = tl.where(mask, lp + _gumbel(row_key, offs, UNIFORM_BITS), float("-inf"))
         # tl.argmax(val, 0, tie_break_left=True), spelled as its reduce (interpreter-safe: the
         # interpreter answers with the lane, so the lane is what both modes reduce).
         block_max, lane = tl.reduce((val, cols), 0, _argmax_combine_tie_break_left)

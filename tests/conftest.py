@@ -21,6 +21,10 @@ KERNEL_COMPANIONS = {
         "vexact_vllm.kernels.gemm_tiles_triton",
     ),
     "vexact_vllm.kernels.rope_triton": ("vexact_vllm.kernels.rms_norm_triton",),
+    "vexact_vllm.kernels.sample_triton": (
+        "vexact_vllm.kernels.logprob_triton",
+        "vexact_vllm.kernels.gumbel_triton",
+    ),
 }
 
 

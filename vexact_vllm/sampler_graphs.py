@@ -7,21 +7,22 @@ of ~5 us), and at small batches the decode step is host-bound: the GPU waits for
 
 What is captured, for each bucket b of BUCKETS up to the engine's max_num_reqs:
     lm_head:  hidden[:b] -> logits[:b]                                      one graph
-    sampler:  logits[:b], tau[:b], seeds[:b], positions[:b] -> log_probs[:b] (written over the
-              logits, in place: the runner is done with them once it samples), tokens[:b]
-              one graph per variant: "greedy" (argmax), "sampled" (Gumbel-max), "mixed" (both,
-              taken per row by tau < GREEDY_EPS, as `sampler.draw_tokens` does)
+    sampler:  logits[:b], tau[:b], seeds[:b], positions[:b] -> `kernels.sample_tokens`' outputs
+              one graph per (draw, output) variant: draw "greedy", "sampled" or "mixed" (greedy
+              where tau is 0); output "tokens", "token_log_probs" (tokens, their log-probs and
+              ranks) or "log_probs" (tokens and the log-probs, written over the logits in place:
+              the runner is done with them once it samples)
 Every buffer is static (allocated once, outside the graphs); a step copies its inputs in (the hidden
 rows; each row's temperature, seed and position gathered by index_select(out=)), replays, and reads
-the outputs: the sampler returns a clone of the tokens (vLLM copies them to the host on another
-stream, which may still run when the next step replays) and the log-probs as a view (read on this
-stream, by `compute_topk_scores`, before the next replay can write them).
+the outputs: the sampler returns clones of the tokens, their log-probs and ranks (vLLM copies them
+to the host on another stream, which may still run when the next step replays) and the log-probs
+as a view (read on this stream, by `compute_topk_scores`, before the next replay can write them).
 
-Bits: a replay runs the eager path's kernels on the eager path's inputs (the same `linear`,
-`log_softmax` and `gumbel_argmax`, writing through `out=`), so it gives the eager path's logits,
-log-probs and tokens. Rows past the batch are padding: they hold stale rows of earlier steps, and
-every kernel here is row-wise (a row's result depends on its own inputs only), so they change no
-real row and their results are never read.
+Bits: a replay runs the eager path's kernels on the eager path's inputs (the same `linear` and
+`sample_tokens`, writing through `out=`), so it gives the eager path's logits, tokens and
+log-probs. Rows past the batch are padding: they hold stale rows of earlier steps, and every kernel
+here is row-wise (a row's result depends on its own inputs only), so they change no real row and
+their results are never read.
 
 Eager instead (the same functions, so the same bits): batches above the largest bucket, truncated
 sampling (top-k / top-p / min-p, whose threshold's work depends on the batch's options), tensor
@@ -33,8 +34,9 @@ from __future__ import annotations
 import torch
 from vllm.logger import init_logger
 
-from vexact_vllm.kernels import gumbel_argmax, linear, log_softmax
+from vexact_vllm.kernels import Sampled, linear, sample_tokens
 from vexact_vllm.kernels._capture import gc_paused
+from vexact_vllm.kernels.sample import DRAWS, OUTPUTS
 
 from .sampler import GREEDY_EPS
 
@@ -44,7 +46,7 @@ from .sampler import GREEDY_EPS
 # the ~300 us of host time the eager path costs.
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, so its handler prints it
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
-VARIANTS = ("greedy", "sampled", "mixed")
+VARIANTS = tuple((draw, output) for draw in DRAWS for output in OUTPUTS)
 
 
 class Rerun:
@@ -109,7 +111,9 @@ class SamplerGraphs:
         self.seeds = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=dev)  # of the last input token
         self.tokens = torch.zeros(rows, dtype=torch.int64, device=dev)
-        self.graphs: dict[tuple[int, str], object] = {}
+        self.token_log_probs = torch.zeros(rows, dtype=torch.float32, device=dev)
+        self.ranks = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.graphs: dict[tuple, object] = {}
 
     def capture(self) -> None:
         """Every bucket's graphs, the largest first (one memory pool: later captures reuse its blocks)."""
@@ -117,8 +121,8 @@ class SamplerGraphs:
         with gc_paused():
             for b in reversed(self.buckets):
                 self.graphs[b, "lm_head"] = self.graph_cls(lambda b=b: self._lm_head(b), pool)
-                for variant in VARIANTS:
-                    self.graphs[b, variant] = self.graph_cls(lambda b=b, v=variant: self._sample(b, v), pool)
+                for draw, output in VARIANTS:
+                    self.graphs[b, draw, output] = self.graph_cls(lambda b=b, d=draw, o=output: self._sample(b, d, o), pool)
         static = sum(t.numel() * t.element_size() for t in (self.hidden, self.logits)) / 2**20
         logger.info(
             "vexact: lm_head and sampler captured in %d graphs for batches of 1-%d rows (%.0f MiB of static "
@@ -134,18 +138,15 @@ class SamplerGraphs:
     def _lm_head(self, b: int) -> None:
         linear(self.hidden[:b], self.weight, out_dtype=torch.float32, config_n=self.config_n, out=self.logits[:b])
 
-    def _sample(self, b: int, variant: str) -> None:
-        log_probs, tokens = self.logits[:b], self.tokens[:b]
-        log_softmax(log_probs, self.tau[:b], out=log_probs)  # in place: each element read, then written
-        if variant == "greedy":
-            torch.argmax(log_probs, -1, out=tokens)
-            return
+    def _sample(self, b: int, draw: str, output: str) -> None:
+        out = Sampled(
+            self.tokens[:b],
+            self.token_log_probs[:b] if output == "token_log_probs" else None,
+            self.ranks[:b] if output == "token_log_probs" else None,
+            self.logits[:b] if output == "log_probs" else None,  # in place: each element read, then written
+        )
         positions = self.positions[:b] + 1  # the sampled token's position: its noise key
-        if variant == "sampled":
-            gumbel_argmax(log_probs, self.seeds[:b], positions, out=tokens)
-            return
-        drawn = gumbel_argmax(log_probs, self.seeds[:b], positions)
-        torch.where(self.tau[:b] < GREEDY_EPS, log_probs.argmax(-1), drawn, out=tokens)
+        sample_tokens(self.logits[:b], self.tau[:b], self.seeds[:b], positions, draw=draw, output=output, out=out)
 
     # --- a step -------------------------------------------------------------------------------
 
@@ -167,7 +168,8 @@ class SamplerGraphs:
     def sample(
         self,
         n: int,
-        variant: str,
+        draw: str,
+        output: str,
         *,
         temperature: torch.Tensor,
         seeds: torch.Tensor,
@@ -175,21 +177,28 @@ class SamplerGraphs:
         positions: torch.Tensor,
         logits_index: torch.Tensor,
         zero_tiny_temperatures: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log_probs fp32 [n, V], tokens int64 [n] clone) of the static logits' first n rows (`owns`),
-        by a replay of `variant`'s graph: the log-probs replace those logits (the same view). Row i's temperature and seed are
-        temperature[req_index[i]] and seeds[req_index[i]] (vLLM's per-request states), its last input
-        token's position positions[logits_index[i]]. `zero_tiny_temperatures`: temperatures in (0,
-        GREEDY_EPS), greedy for vLLM, count as 0 (the eager sampler's `rows`)."""
+    ) -> Sampled:
+        """`kernels.sample_tokens(..., draw=, output=)` of the static logits' first n rows (`owns`) by
+        a replay: clones of the tokens, token log-probs and ranks; the log-probs as a view (they
+        replace those logits). Row i's temperature and seed are temperature[req_index[i]] and
+        seeds[req_index[i]] (vLLM's per-request states), its last input token's position
+        positions[logits_index[i]]. `zero_tiny_temperatures`: temperatures in (0, GREEDY_EPS),
+        greedy for vLLM, count as 0 (the eager sampler's `rows`)."""
         b = self.bucket(n)
-        if b is None or variant not in VARIANTS:
-            raise ValueError(f"no sampler graph for {n} rows, variant {variant!r} (buckets {self.buckets})")
+        if b is None or (draw, output) not in VARIANTS:
+            raise ValueError(f"no sampler graph for {n} rows, {draw!r}, {output!r} (buckets {self.buckets})")
         tau = self.tau[:n]
         _gather_into(tau, temperature, req_index)
         if zero_tiny_temperatures:
             tau.masked_fill_(tau < GREEDY_EPS, 0.0)
-        if variant != "greedy":
+        if draw != "greedy":
             _gather_into(self.seeds[:n], seeds, req_index)
             _gather_into(self.positions[:n], positions, logits_index)
-        self.graphs[b, variant].replay()
-        return self.logits[:n], self.tokens[:n].clone()
+        self.graphs[b, draw, output].replay()
+        with_lp = output == "token_log_probs"
+        return Sampled(
+            self.tokens[:n].clone(),
+            self.token_log_probs[:n].clone() if with_lp else None,
+            self.ranks[:n].clone() if with_lp else None,
+            self.logits[:n] if output == "log_probs" else None,
+        )

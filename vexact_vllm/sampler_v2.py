@@ -4,18 +4,21 @@ Runner v2 builds its `Sampler` after the model and offers it to the model's `Mod
 custom_sampler` (model_state.py), which returns this subclass, carrying over the base sampler's
 per-request states (temperatures, seeds, logprob settings, filled by the runner's `add_request`).
 Per step, on the rows the runner samples (one per request; prefill chunks that end mid-prompt are
-sampled and discarded, as in stock vLLM):
+sampled and discarded, as in stock vLLM), `kernels.sample_tokens` computes:
 1. log_probs = kernels.log_softmax(logits, tau): the fp32 lm_head logits divided once by the
    request's temperature (tau < 1e-5 is greedy, scored at 1), fp32 log-softmax with a fixed block
    order. The trainer calls the same function, so the returned log-prob is its value.
 2. the token: greedy rows take argmax(log_probs); the others Gumbel-max with noise keyed by (request
    seed, absolute position of the new token, token id), the same key as the V1 sampler: a request
    samples the same tokens alone, in any batch, chunked or after preemption.
-3. the sampled token's log-prob (and top-k or `logprob_token_ids` when asked) is gathered from those
-   log-probs by vLLM's own `compute_topk_scores` in logits mode (a gather, no arithmetic).
+3. when the batch asks for log-probs: the sampled token's log-prob and rank (vLLM's `>=` count), from
+   the same expression without writing the [B, V] log-probs (output "token_log_probs"), or, for top-k
+   log-probs or `logprob_token_ids`, the log-probs themselves (output "log_probs"), gathered by vLLM's
+   own `compute_topk_scores` in logits mode (a gather, no arithmetic).
 Top-k, top-p and min-p (vLLM's per-request states, filled from the request or the checkpoint's
 generation_config) narrow which tokens Gumbel-max may draw through the batch-invariant threshold of
-`kernels.truncation` (sampler.py's `truncation`); the returned log-prob stays the full-vocabulary one.
+`kernels.truncation` (sampler.py's `truncation`, on the log-probs of step 1 written out); the
+returned log-prob stays the full-vocabulary one.
 
 CUDA graphs (sampler_graphs.py): after vLLM's warm-up call, the lm_head and this sampler are
 captured per padded batch size and replayed on the usual decode step (no truncation, at most 256
@@ -31,6 +34,7 @@ warm-up requests, which set every option to exercise vLLM's kernels, are sampled
 from __future__ import annotations
 
 import torch
+from vllm.v1.outputs import LogprobsTensors
 from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
 from vllm.v1.worker.gpu.metrics.logits import get_num_nans
 from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
@@ -38,7 +42,8 @@ from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.sample.sampler import Sampler
 from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 
-from vexact_vllm.kernels import gumbel_argmax, log_softmax
+from vexact_vllm.kernels import Sampled, gumbel_argmax, log_softmax, sample_tokens
+from vexact_vllm.kernels.sample import DRAWS, OUTPUTS
 
 from .sampler import GREEDY_EPS, draw_tokens, truncates, truncation
 from .sampler_graphs import SamplerGraphs
@@ -75,13 +80,13 @@ class VexactSamplerV2(Sampler):
         graphs.capture()
         self.graphs = model.sampler_graphs = graphs
 
-    def _sample_graphed(self, logits, input_batch, host_temperature, host_greedy):
-        """(log_probs, tokens) by a replay (the eager path's bits: sampler_graphs.py)."""
-        variant = "greedy" if host_greedy.all() else "sampled" if not host_greedy.any() else "mixed"
+    def _sample_graphed(self, logits, input_batch, host_temperature, draw, output) -> Sampled:
+        """`sample_tokens` by a replay (the eager path's bits: sampler_graphs.py)."""
         states = self.sampling_states
         return self.graphs.sample(
             logits.shape[0],
-            variant,
+            draw,
+            output,
             temperature=states.temperature.gpu,
             seeds=states.seeds.gpu,
             req_index=input_batch.expanded_idx_mapping,
@@ -89,6 +94,27 @@ class VexactSamplerV2(Sampler):
             logits_index=input_batch.logits_indices,
             zero_tiny_temperatures=_tiny_temperatures(host_temperature),
         )
+
+    def output_for(self, idx_np) -> str:
+        """What the step's log-probs need (`kernels.sample_tokens`' output): "tokens" when no
+        request of the batch asks for log-probs, "token_log_probs" when they ask for the sampled
+        token's only (an RL rollout's `logprobs=0`), "log_probs" for top-k or `logprob_token_ids`."""
+        top_k = self.sampling_states.max_num_logprobs(idx_np)  # NO_LOGPROBS: none asked
+        if self.logprob_token_ids_state.max_num_token_ids(idx_np) > 0 or top_k > 0:
+            return "log_probs"
+        return "tokens" if top_k == NO_LOGPROBS else "token_log_probs"
+
+    def _warm_up(self, logits, tau, seeds, positions) -> None:
+        """vLLM's warm-up step: compile every kernel variant the eager path may launch (so no
+        request waits for Triton), then capture the graphs."""
+        for draw in DRAWS:
+            for output in OUTPUTS:
+                sample_tokens(logits[:1], tau[:1], seeds[:1], positions[:1], draw=draw, output=output)
+        log_probs = log_softmax(logits[:1], tau[:1])  # truncated sampling's path, both draw variants
+        gumbel_argmax(log_probs, seeds[:1], positions[:1])
+        gumbel_argmax(log_probs, seeds[:1], positions[:1], torch.full_like(tau[:1], float("-inf")))
+        self._kernels_warm = True
+        self._capture_graphs(logits.device)
 
     def rows(self, input_batch, host_temperature) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(temperature, seed, position of the sampled token) per sampling row, on the device.
@@ -114,32 +140,38 @@ class VexactSamplerV2(Sampler):
         host_greedy = host_temperature < GREEDY_EPS
         host_truncation = (states.top_k.np[idx_np], states.top_p.np[idx_np], states.min_p.np[idx_np])
         truncated = not host_greedy.all() and truncates(logits.shape[1], *host_truncation)
-        if self.graphs is not None and not truncated and self.graphs.owns(logits):
-            log_probs, sampled = self._sample_graphed(logits, input_batch, host_temperature, host_greedy)
+        output = self.output_for(idx_np)
+        if not getattr(self, "_kernels_warm", False):
+            self._warm_up(logits.float(), *self.rows(input_batch, host_temperature))
+        if truncated:  # the threshold needs the log-probs written out
+            result = self._sample_truncated(logits, input_batch, host_temperature, host_greedy, host_truncation)
+            output = "log_probs" if output != "tokens" else output
         else:
-            tau, seeds, positions = self.rows(input_batch, host_temperature)
-            log_probs = log_softmax(logits.float(), tau)  # fp32 [B, V]
-            greedy = tau < GREEDY_EPS if host_greedy.any() and not host_greedy.all() else None  # mixed only
-            threshold = None
-            if truncated:
-                idx = input_batch.expanded_idx_mapping
-                threshold = truncation(log_probs, lambda name: getattr(states, name).gpu[idx], *host_truncation)
-            sampled = draw_tokens(log_probs, greedy, host_greedy, seeds, positions, threshold)
-            if not getattr(self, "_kernels_warm", False):  # vLLM's warm-up step: compile both draw variants
-                gumbel_argmax(log_probs[:1], seeds[:1], positions[:1])
-                gumbel_argmax(log_probs[:1], seeds[:1], positions[:1], torch.full_like(tau[:1], float("-inf")))
-                self._kernels_warm = True
-                self._capture_graphs(logits.device)
+            draw = "greedy" if host_greedy.all() else "sampled" if not host_greedy.any() else "mixed"
+            if self.graphs is not None and self.graphs.owns(logits):
+                result = self._sample_graphed(logits, input_batch, host_temperature, draw, output)
+            else:
+                tau, seeds, positions = self.rows(input_batch, host_temperature)
+                result = sample_tokens(logits.float(), tau, seeds, positions, draw=draw, output=output)
+        sampled = result.tokens
 
         logprobs_tensors = None
-        if self.returns_logprobs(idx_np):
+        expanded = sampled.shape[0] != idx_np.shape[0]
+        cu_num_logits = input_batch.cu_num_logits_np.tolist() if expanded else None
+        if output == "token_log_probs":  # what compute_topk_scores returns for it, without [B, V]
+            logprobs_tensors = LogprobsTensors(
+                logprob_token_ids=sampled.unsqueeze(-1),
+                logprobs=result.token_log_probs.unsqueeze(-1),
+                selected_token_ranks=result.ranks,
+                cu_num_generated_tokens=cu_num_logits,
+            )
+        elif output == "log_probs":
             num_logprobs = self.sampling_states.max_num_logprobs(idx_np)
-            expanded = log_probs.shape[0] != idx_np.shape[0]
             logprobs_tensors = compute_topk_scores(
-                log_probs,
+                result.log_probs,
                 num_logprobs if num_logprobs != NO_LOGPROBS else 0,
                 sampled,
-                input_batch.cu_num_logits_np.tolist() if expanded else None,
+                cu_num_logits,
                 logprob_token_ids_state=self.logprob_token_ids_state,
                 expanded_idx_mapping=input_batch.expanded_idx_mapping,
                 max_per_req_token_ids=self.logprob_token_ids_state.max_num_token_ids(idx_np),
@@ -160,3 +192,14 @@ class VexactSamplerV2(Sampler):
             num_sampled=num_sampled,
             num_rejected=num_rejected,
         )
+
+    def _sample_truncated(self, logits, input_batch, host_temperature, host_greedy, host_truncation) -> Sampled:
+        """Top-k / top-p / min-p in the batch: the log-probs written out, the threshold from them,
+        then `draw_tokens` (greedy rows ignore the threshold)."""
+        tau, seeds, positions = self.rows(input_batch, host_temperature)
+        log_probs = log_softmax(logits.float(), tau)  # fp32 [B, V]
+        greedy = tau < GREEDY_EPS if host_greedy.any() else None  # mixed only (truncated: not all greedy)
+        idx = input_batch.expanded_idx_mapping
+        states = self.sampling_states
+        threshold = truncation(log_probs, lambda name: getattr(states, name).gpu[idx], *host_truncation)
+        return Sampled(draw_tokens(log_probs, greedy, host_greedy, seeds, positions, threshold), log_probs=log_probs)

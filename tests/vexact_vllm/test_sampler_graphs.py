@@ -27,8 +27,9 @@ def _graphs(device, vocab, hidden, max_rows, dtype=torch.bfloat16):
 
 
 def _eager(graphs, hidden, temperature, seeds, positions, greedy_tiny=False):
-    """The eager sampler's path (sampler_v2: rows, log_softmax, draw_tokens) on the same rows."""
-    from vexact_vllm.kernels import linear, log_softmax
+    """The sampler's composition (sampler_v2's rows, log_softmax, draw_tokens, then the token's
+    log-prob and vLLM's rank) on the same rows: (logits, Sampled with every field)."""
+    from vexact_vllm.kernels import Sampled, linear, log_softmax
     from vexact_vllm.sampler import GREEDY_EPS, draw_tokens
 
     logits = linear(hidden, graphs.weight, out_dtype=torch.float32)
@@ -38,16 +39,18 @@ def _eager(graphs, hidden, temperature, seeds, positions, greedy_tiny=False):
     log_probs = log_softmax(logits, tau)
     host_greedy = (tau < GREEDY_EPS).cpu().numpy()
     greedy = tau < GREEDY_EPS if host_greedy.any() and not host_greedy.all() else None
-    return logits, log_probs, draw_tokens(log_probs, greedy, host_greedy, seeds, positions + 1, None)
+    tokens = draw_tokens(log_probs, greedy, host_greedy, seeds, positions + 1, None)
+    token_lp = log_probs.gather(1, tokens[:, None])[:, 0]
+    return logits, Sampled(tokens, token_lp, (log_probs >= token_lp[:, None]).sum(-1), log_probs)
 
 
-def _step(graphs, n, variant, device, rng, tiny=False):
-    """One random step through the graphs, checked against the eager path."""
+def _step(graphs, n, draw, output, device, rng, tiny=False):
+    """One random step through the graphs, checked against the composition."""
     slots = 3 * graphs.buckets[-1]
     temperature = torch.rand(slots, device=device) + 0.3
-    if variant == "greedy":
+    if draw == "greedy":
         temperature.zero_()
-    elif variant == "mixed":
+    elif draw == "mixed":
         temperature[torch.rand(slots, device=device) < 0.5] = 0.0
         temperature[0] = 0.0
         temperature[1] = 0.9
@@ -55,7 +58,7 @@ def _step(graphs, n, variant, device, rng, tiny=False):
             temperature[2] = 5e-6  # greedy for vLLM: the graph must zero it as the eager path does
     seeds = torch.randint(-(2**62), 2**62, (slots,), device=device)
     req_index = torch.tensor(rng.sample(range(slots), n), device=device, dtype=torch.int32)
-    if variant == "mixed":
+    if draw == "mixed":
         req_index[: min(n, 3)] = torch.arange(min(n, 3), device=device, dtype=torch.int32)
     positions = torch.randint(0, 30000, (4 * n,), device=device)
     logits_index = torch.tensor(sorted(rng.sample(range(4 * n), n)), device=device)
@@ -65,20 +68,29 @@ def _step(graphs, n, variant, device, rng, tiny=False):
     graphs.tau[n:] = 1e-3
     logits = graphs.lm_head(hidden)
     assert graphs.owns(logits) and logits.shape == (n, graphs.weight.shape[0])
-    logits = logits.clone()  # the sampler writes the log-probs over the static logits
-    log_probs, tokens = graphs.sample(
-        n, variant, temperature=temperature, seeds=seeds, req_index=req_index, positions=positions,
+    logits = logits.clone()  # the "log_probs" output writes over the static logits
+    got = graphs.sample(
+        n, draw, output, temperature=temperature, seeds=seeds, req_index=req_index, positions=positions,
         logits_index=logits_index, zero_tiny_temperatures=tiny,
     )  # fmt: skip
-    ref_logits, ref_log_probs, ref_tokens = _eager(
+    ref_logits, ref = _eager(
         graphs, hidden, temperature[req_index.long()], seeds[req_index.long()], positions[logits_index], tiny
     )
     assert torch.equal(logits, ref_logits)
-    assert torch.equal(log_probs, ref_log_probs)
-    assert torch.equal(tokens, ref_tokens)
-    graphs.tokens.fill_(-7)  # the next replay writes here: the returned tokens are a clone
-    assert torch.equal(tokens, ref_tokens)
-    return tokens
+    assert torch.equal(got.tokens, ref.tokens)
+    with_lp = output == "token_log_probs"
+    assert (got.token_log_probs is not None, got.ranks is not None) == (with_lp, with_lp)
+    if with_lp:
+        assert torch.equal(got.token_log_probs, ref.token_log_probs) and torch.equal(got.ranks, ref.ranks)
+    assert (got.log_probs is not None) == (output == "log_probs")
+    if output == "log_probs":
+        assert torch.equal(got.log_probs, ref.log_probs)
+    for static in (graphs.tokens, graphs.token_log_probs, graphs.ranks):
+        static.fill_(-7)  # the next replay writes here: the returned tokens, log-probs and ranks are clones
+    assert torch.equal(got.tokens, ref.tokens)
+    if with_lp:
+        assert torch.equal(got.token_log_probs, ref.token_log_probs) and torch.equal(got.ranks, ref.ranks)
+    return got.tokens
 
 
 def test_buckets_cover_the_engine_rows():
@@ -100,23 +112,29 @@ def test_bucket_and_ownership():
     assert not graphs.owns(torch.zeros(5, 50))
     assert graphs.lm_head(torch.zeros(21, 16, dtype=torch.bfloat16)) is None  # past the largest: eager
     with pytest.raises(ValueError, match="no sampler graph"):
-        graphs.sample(21, "sampled", temperature=graphs.tau, seeds=graphs.seeds, req_index=graphs.seeds[:21],
-                      positions=graphs.positions, logits_index=graphs.seeds[:21])  # fmt: skip
+        graphs.sample(21, "sampled", "tokens", temperature=graphs.tau, seeds=graphs.seeds,
+                      req_index=graphs.seeds[:21], positions=graphs.positions, logits_index=graphs.seeds[:21])  # fmt: skip
+    with pytest.raises(ValueError, match="no sampler graph"):
+        graphs.sample(2, "sampled", "probs", temperature=graphs.tau, seeds=graphs.seeds,
+                      req_index=graphs.seeds[:2], positions=graphs.positions, logits_index=graphs.seeds[:2])  # fmt: skip
 
 
-@pytest.mark.parametrize("variant", ["greedy", "sampled", "mixed"])
-def test_replays_equal_the_eager_path(variant):
+@pytest.mark.parametrize("draw", ["greedy", "sampled", "mixed"])
+def test_replays_equal_the_eager_path(draw):
+    from vexact_vllm.kernels.sample import OUTPUTS
+
     torch.manual_seed(1)
     rng = random.Random(2)
     graphs = _graphs("cpu", 3000, 32, 24)
     for n in rng.sample(range(1, 25), 6):
-        _step(graphs, n, variant, "cpu", rng)
+        for output in OUTPUTS:
+            _step(graphs, n, draw, output, "cpu", rng)
 
 
 def test_tiny_temperatures_are_greedy_in_the_graph_too():
     torch.manual_seed(3)
     graphs = _graphs("cpu", 700, 16, 8)
-    _step(graphs, 5, "mixed", "cpu", random.Random(4), tiny=True)
+    _step(graphs, 5, "mixed", "token_log_probs", "cpu", random.Random(4), tiny=True)
 
 
 def test_a_row_samples_the_same_token_in_every_bucket():
@@ -131,9 +149,9 @@ def test_a_row_samples_the_same_token_in_every_bucket():
     for n in (1, 3, 9, 32):
         graphs.lm_head(hidden[:n])
         idx = torch.arange(n, dtype=torch.int32)
-        _, tokens = graphs.sample(n, "sampled", temperature=temperature, seeds=seeds, req_index=idx,
-                                  positions=positions, logits_index=torch.arange(n))  # fmt: skip
-        out[n] = tokens
+        got = graphs.sample(n, "sampled", "token_log_probs", temperature=temperature, seeds=seeds,
+                            req_index=idx, positions=positions, logits_index=torch.arange(n))  # fmt: skip
+        out[n] = torch.stack([got.tokens.double(), got.token_log_probs.double(), got.ranks.double()], 1)
     for n in (3, 9, 32):
         assert torch.equal(out[n][: min(n, 3)], out[32][: min(n, 3)])
     assert torch.equal(out[1], out[32][:1])
@@ -180,11 +198,11 @@ def test_sampler_v2_takes_the_graph_only_where_it_may():
     logits_before = logits.clone()
     host_t = np.array(temperature, np.float32)[batch.idx_mapping_np]
     host_greedy = host_t < 1e-5
-    log_probs, tokens = sampler._sample_graphed(logits, batch, host_t, host_greedy)
+    got = sampler._sample_graphed(logits, batch, host_t, "mixed", "log_probs")
     tau, s, pos = sampler.rows(batch, host_t)
     ref_lp = log_softmax(logits_before, tau)
     ref = draw_tokens(ref_lp, tau < 1e-5, host_greedy, s, pos, None)
-    assert torch.equal(log_probs, ref_lp) and torch.equal(tokens, ref)
+    assert torch.equal(got.log_probs, ref_lp) and torch.equal(got.tokens, ref)
     # a batch with a top-p row truncates: the sampler must not take the graph for it
     top_p = sampler.sampling_states.top_p.np[np.array([3, 0])]
     assert truncates(900, np.zeros(2, np.int32), top_p, np.zeros(2, np.float32))
@@ -221,15 +239,19 @@ def test_kernels_write_through_out():
 
 @requires_cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", ["greedy", "sampled", "mixed"])
-def test_cuda_graph_replays_equal_the_eager_path(variant):
-    """Real CUDA graphs at the Qwen3 vocabulary and hidden size: every bucket's replay gives the
-    eager kernels' logits, log-probs and tokens, with NaN padding in the static buffers."""
+@pytest.mark.parametrize("draw", ["greedy", "sampled", "mixed"])
+def test_cuda_graph_replays_equal_the_eager_path(draw):
+    """Real CUDA graphs at the Qwen3 vocabulary and hidden size: every bucket's replay of every
+    output gives the eager kernels' logits, tokens, log-probs and ranks, with NaN padding in the
+    static buffers."""
+    from vexact_vllm.kernels.sample import OUTPUTS
+
     torch.manual_seed(7)
     rng = random.Random(8)
     graphs = _graphs("cuda", 151936, 2048, 256)
     for n in [1, 2, 16, 17, 128, 256] + rng.sample(range(3, 256), 5):
-        _step(graphs, n, variant, "cuda", rng, tiny=variant == "mixed" and n > 3)
+        for output in OUTPUTS:
+            _step(graphs, n, draw, output, "cuda", rng, tiny=draw == "mixed" and n > 3)
 
 
 def test_no_graphs_where_the_engine_runs_eagerly_or_sharded():

@@ -57,3 +57,98 @@ def test_rows_launch_nothing_for_the_temperature_on_a_usual_batch():
     logits = torch.randn(4, 300)
     ones = log_softmax(logits, 1.0)
     assert torch.equal(log_softmax(logits, tau)[1], ones[1])  # the greedy row: scored at 1
+
+
+def _step_sampler(monkeypatch, num_logprobs, token_ids=0, top_p=1.0):
+    """A VexactSamplerV2 over fake runner-v2 states (6 request slots, a batch of 4 rows), with
+    vLLM's two Triton helpers replaced: `get_num_sampled_and_rejected` (not what is tested) and
+    `compute_topk_scores` (its logits-mode fast path restated in torch, recording its calls)."""
+    from vllm.v1.outputs import LogprobsTensors
+
+    from vexact_vllm import sampler_v2
+
+    def state(values, dtype):
+        t = torch.tensor(values, dtype=dtype)
+        return SimpleNamespace(gpu=t, np=t.numpy())
+
+    calls = []
+
+    def topk_scores(log_probs, k, sampled, cu, **kwargs):
+        calls.append(k)
+        ids = sampled.unsqueeze(-1)
+        token_lp = log_probs.gather(-1, ids)
+        return LogprobsTensors(ids, token_lp, (log_probs >= token_lp).sum(-1), cu)
+
+    monkeypatch.setattr(sampler_v2, "get_num_sampled_and_rejected", lambda *args: (None, None))
+    monkeypatch.setattr(sampler_v2, "compute_topk_scores", topk_scores)
+    slots = 6
+    base = SimpleNamespace(
+        sampling_states=SimpleNamespace(
+            temperature=state([0.0, 0.7, 1.0, 0.9, 1.3, 0.0], torch.float32),
+            seeds=state([5, 6, 7, 8, 9, 10], torch.int64),
+            top_k=state([0] * slots, torch.int32),
+            top_p=state([top_p] * slots, torch.float32),
+            min_p=state([0.0] * slots, torch.float32),
+            max_num_logprobs=lambda idx: num_logprobs,
+        ),
+        logprob_token_ids_state=SimpleNamespace(max_num_token_ids=lambda idx: token_ids),
+        req_states=SimpleNamespace(prefill_len=SimpleNamespace(gpu=None)),
+        compute_nans=False,
+    )
+    sampler = sampler_v2.VexactSamplerV2.from_base(base)
+    sampler._kernels_warm = True  # no warm-up: it would capture nothing on CPU anyway
+    batch = SimpleNamespace(
+        expanded_idx_mapping=torch.tensor([3, 0, 1, 4], dtype=torch.int32),
+        idx_mapping_np=np.array([3, 0, 1, 4]),
+        positions=torch.tensor([4, 9, 13, 2, 30, 7]),
+        logits_indices=torch.tensor([1, 2, 4, 5]),
+        cu_num_logits_np=np.arange(5),
+        seq_lens=torch.ones(4, dtype=torch.int32),
+        num_reqs=4,
+        cu_num_logits=None,
+        idx_mapping=None,
+    )
+    return sampler, batch, calls
+
+
+@pytest.mark.parametrize(
+    "num_logprobs, token_ids, top_p, output",
+    [
+        (-1, 0, 1.0, "tokens"),  # NO_LOGPROBS: nothing asked
+        (0, 0, 1.0, "token_log_probs"),  # the sampled token's log-prob: RL's case
+        (2, 0, 1.0, "log_probs"),  # top-k log-probs
+        (-1, 3, 1.0, "log_probs"),  # logprob_token_ids
+        (0, 0, 0.9, "log_probs"),  # top-p: the truncated path writes the log-probs
+    ],
+)
+def test_a_step_returns_the_log_probs_the_batch_asks_for(monkeypatch, num_logprobs, token_ids, top_p, output):
+    """The step's tokens are the composition's (log_softmax, draw_tokens), whichever path runs; its
+    LogprobsTensors are what vLLM's compute_topk_scores gives for the token, without [B, V]
+    log-probs in the token-only case."""
+    from vexact_vllm.kernels import log_softmax, truncation_threshold
+    from vexact_vllm.sampler import draw_tokens
+
+    sampler, batch, calls = _step_sampler(monkeypatch, num_logprobs, token_ids, top_p)
+    host_t = sampler.sampling_states.temperature.np[batch.idx_mapping_np]
+    assert sampler.output_for(batch.idx_mapping_np) == ("token_log_probs" if output == "log_probs" and top_p < 1
+                                                        else output)  # fmt: skip
+    logits = torch.randn(4, 700) * 3
+    result = sampler(logits.clone(), batch)
+    tau, seeds, positions = sampler.rows(batch, host_t)
+    log_probs = log_softmax(logits, tau)
+    greedy = torch.from_numpy(host_t < 1e-5)
+    thr = None
+    if top_p < 1:
+        thr = truncation_threshold(log_probs, None, torch.full((4,), top_p), None)
+    tokens = draw_tokens(log_probs, greedy, host_t < 1e-5, seeds, positions, thr)
+    assert torch.equal(result.sampled_token_ids, tokens.view(-1, 1))
+    lt = result.logprobs_tensors
+    if output == "tokens":
+        assert lt is None and calls == []
+        return
+    token_lp = log_probs.gather(1, tokens[:, None])
+    assert torch.equal(lt.logprob_token_ids, tokens[:, None])
+    assert torch.equal(lt.logprobs, token_lp)
+    assert torch.equal(lt.selected_token_ranks, (log_probs >= token_lp).sum(-1))
+    assert lt.cu_num_generated_tokens is None
+    assert calls == ([] if output == "token_log_probs" else [max(num_logprobs, 0)])
