@@ -45,6 +45,11 @@ from .logprob_triton import (
 
 # `draw` codes (the kernels' DRAW constexpr: one compilation per draw, never a per-row branch on it).
 DRAW_CODES = {"greedy": 0, "sampled": 1, "mixed": 2}
+# Warps of the chunk-sampling and rank programs: speed only (a first maximum with ties to the lowest id
+# and an integer count are the same whatever the tree). The chunk lse keeps logprob_triton's 16, which
+# shape its sums. H200, 256 x 151,936: sampling 56 / 61 / 88 us at 4 / 8 / 16 warps without noise,
+# 182 / 179 / 191 with it; 8 is the best or near it at 16 and 256 rows (docs/BENCHMARKS.md, session 17).
+_SAMPLE_WARPS = 8
 
 
 @triton.jit
@@ -182,9 +187,10 @@ def sample_triton(logits, tau, seeds, positions, draw, output, tokens, token_log
     seeds, positions = seeds.contiguous(), positions.contiguous()
     write = output == "log_probs"
     lp_out = log_probs if write else logits  # unused unless WRITE
+    chunked = dict(sizes, num_warps=_SAMPLE_WARPS)
     _sample_chunk_kernel[grid](
         logits, tau, seeds, positions, part, lp_out, best_val, best_idx, stride_z, lp_out.stride(0), vocab,
-        DRAW=DRAW_CODES[draw], WRITE=write, UNIFORM_BITS=logprob._UNIFORM_BITS, **sizes,
+        DRAW=DRAW_CODES[draw], WRITE=write, UNIFORM_BITS=logprob._UNIFORM_BITS, **chunked,
     )  # fmt: skip
     with_lp = output == "token_log_probs"
     token_lp = token_log_probs if with_lp else best_val  # unused unless TOKEN_LOG_PROBS
@@ -194,4 +200,4 @@ def sample_triton(logits, tau, seeds, positions, draw, output, tokens, token_log
     )  # fmt: skip
     if with_lp:
         ranks.zero_()
-        _rank_kernel[grid](logits, tau, part, token_log_probs, ranks, stride_z, vocab, **sizes)
+        _rank_kernel[grid](logits, tau, part, token_log_probs, ranks, stride_z, vocab, **chunked)
