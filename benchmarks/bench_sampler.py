@@ -3,10 +3,10 @@
     python benchmarks/bench_sampler.py [--rows 1,16,64,256,512] [--vocab 151936] [--out DIR]
 
 Per row count, draw and output, both timed as CUDA-graph replays (as the decode step runs them):
-"composition" is what the sampler launched before: log_softmax written to [B, V], then argmax or
-gumbel_argmax reading it, then (output "token_log_probs") the token's log-prob gathered and its rank
-counted by torch (`(log_probs >= token_lp).sum(-1)`, standing in for vLLM's rank kernel, which also
-reads the row once). "fused" is `sample_tokens(..., draw=, output=)`. Greedy against sampled shows
+"composition" is what the sampler launched before (`kernels.sample._sample_composed` on CUDA
+tensors): log_softmax written to [B, V], then argmax or gumbel_argmax reading it, then (output
+"token_log_probs") the token's log-prob gathered and its rank counted by torch
+(`(log_probs >= token_lp).sum(-1)`, standing in for vLLM's rank kernel, which also reads the row once). "fused" is `sample_tokens(..., draw=, output=)`. Greedy against sampled shows
 what the Gumbel noise costs. The `equal` column checks the two give the same bits. Full numbers to
 DIR/sampler.json; the table last.
 """
@@ -31,17 +31,6 @@ def _time_graph(fn) -> float:
         return 1e3 * float(do_bench_cudagraph(fn, rep=50, return_mode="median"))  # us
 
 
-def _composition(logits, tau, seeds, positions, draw, output):
-    from vexact_vllm.kernels import gumbel_argmax, log_softmax
-
-    log_probs = log_softmax(logits, tau)
-    tokens = log_probs.argmax(-1) if draw == "greedy" else gumbel_argmax(log_probs, seeds, positions)
-    if output != "token_log_probs":
-        return tokens, log_probs
-    token_lp = log_probs.gather(1, tokens[:, None])[:, 0]
-    return tokens, token_lp, (log_probs >= token_lp[:, None]).sum(-1)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,16,64,256,512")
@@ -50,7 +39,8 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
-    from vexact_vllm.kernels import sample_tokens
+    from vexact_vllm.kernels import Sampled, sample_tokens
+    from vexact_vllm.kernels.sample import _sample_composed  # the composition, each op by its own kernel
 
     torch.manual_seed(0)
     results = []
@@ -61,13 +51,12 @@ def main() -> None:
         for draw in ("greedy", "sampled"):
             tau = torch.zeros(rows, device="cuda") if draw == "greedy" else torch.full((rows,), 0.9, device="cuda")
             for output in ("tokens", "token_log_probs", "log_probs"):
-                old = _composition(logits, tau, seeds, positions, draw, output)
                 new = sample_tokens(logits, tau, seeds, positions, draw=draw, output=output)
-                new_fields = [new.tokens] + ([new.token_log_probs, new.ranks] if output == "token_log_probs"
-                                             else [new.log_probs] if output == "log_probs" else [])
-                equal = all(torch.equal(a, b) for a, b in zip(old, new_fields))
+                old = Sampled(*(None if t is None else torch.empty_like(t) for t in new))
                 inputs = (logits, tau, seeds, positions)
-                t_old = _time_graph(lambda i=inputs, d=draw, o=output: _composition(*i, d, o))
+                _sample_composed(*inputs, draw, output, old)
+                equal = all((a is None and b is None) or torch.equal(a, b) for a, b in zip(old, new))
+                t_old = _time_graph(lambda i=inputs, d=draw, o=output, b=old: _sample_composed(*i, d, o, b))
                 t_new = _time_graph(lambda i=inputs, d=draw, o=output: sample_tokens(*i, draw=d, output=o))
                 results.append(dict(rows=rows, draw=draw, output=output, composition_us=t_old, fused_us=t_new,
                                     speedup=t_old / t_new, equal=equal))  # fmt: skip

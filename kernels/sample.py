@@ -1,8 +1,9 @@
 """The decode step's sampling, one function: the token, its log-prob and rank from the fp32 logits.
 
 `sample_tokens(logits, temperature, seeds, positions, draw=, output=)` is, by definition, this
-composition of logprob.py's functions (the torch path runs it as written; the Triton path,
-sample_triton.py, fuses it without writing the [M, V] log-probs, with the same bits):
+composition of logprob.py's functions (`_sample_composed` runs it as written: the torch path, and on
+CUDA tensors the sampler's kernels before this fusion; the Triton path, sample_triton.py, fuses it
+without writing the [M, V] log-probs, with the same bits):
     log_probs       = log_softmax(logits, temperature)                                      [M, V]
     tokens          = draw "greedy":  argmax_v log_probs[m, v]      (the first maximum)       [M]
                       draw "sampled": gumbel_argmax(log_probs, seeds, positions)
@@ -39,8 +40,9 @@ class Sampled(NamedTuple):
     log_probs: torch.Tensor | None = None  # fp32 [M, V], may be the logits themselves ("log_probs")
 
 
-def _sample_torch(logits, tau, seeds, positions, draw, output, out: Sampled) -> None:
-    """The composition of the module docstring, written into `out`."""
+def _sample_composed(logits, tau, seeds, positions, draw, output, out: Sampled) -> None:
+    """The composition of the module docstring, written into `out`, each op on the backend its
+    public function picks (the torch path here; benchmarks/bench_sampler.py times it on CUDA)."""
     log_probs = log_softmax(logits, tau, out=out.log_probs)
     if draw == "greedy":
         torch.argmax(log_probs, -1, out=out.tokens)
@@ -61,7 +63,7 @@ def _sample_triton(logits, tau, seeds, positions, draw, output, out: Sampled) ->
     sample_triton(logits, tau, seeds, positions, draw, output, *out)
 
 
-_IMPLS = {"torch": _sample_torch, "triton": _sample_triton}
+_IMPLS = {"torch": _sample_composed, "triton": _sample_triton}
 
 
 def _buffers(logits: torch.Tensor, output: str, out: Sampled | None) -> Sampled:

@@ -1,7 +1,7 @@
 """Triton sampling step (the CUDA path of `sample.sample_tokens`): the draw, the sampled token's
 log-prob and rank, and the log-probs only when asked, without writing and re-reading [M, V] log-probs.
 
-The composition it replaces (`sample._sample_torch` spells it): log_probs = log_softmax(logits, tau)
+The composition it replaces (`sample._sample_composed` spells it): log_probs = log_softmax(logits, tau)
 written to memory, then argmax or gumbel_argmax reading it back, then vLLM's gather and rank reading it
 again. At 256 rows of a 151,936-token vocabulary that is 156 MB read four times and written once a
 decode step; here the logits are read twice (three times with the rank) and nothing [M, V] is written.

@@ -145,7 +145,8 @@ class VexactSamplerV2(Sampler):
             self._warm_up(logits.float(), *self.rows(input_batch, host_temperature))
         if truncated:  # the threshold needs the log-probs written out
             result = self._sample_truncated(logits, input_batch, host_temperature, host_greedy, host_truncation)
-            output = "log_probs" if output != "tokens" else output
+            if output == "token_log_probs":
+                output = "log_probs"
         else:
             draw = "greedy" if host_greedy.all() else "sampled" if not host_greedy.any() else "mixed"
             if self.graphs is not None and self.graphs.owns(logits):
