@@ -58,6 +58,31 @@ def _gumbel(row_key, ids, UNIFORM_BITS: tl.constexpr):
 
 
 @triton.jit
+def _fold_first_max(val, lanes, start, best_val, best_idx):
+    """(best_val, best_idx) after a block of values `val` at ids start + lanes: the block's first
+    maximum, taken only when strictly greater (an earlier block keeps a tie). The argmax is
+    tl.argmax(val, 0, tie_break_left=True) spelled as its reduce over the lanes (interpreter-safe: the
+    interpreter answers with the lane, so the lane is what both modes reduce)."""
+    block_max, lane = tl.reduce((val, lanes), 0, _argmax_combine_tie_break_left)
+    take = block_max > best_val
+    return tl.where(take, block_max, best_val), tl.where(take, start + lane, best_idx)
+
+
+@triton.jit
+def _pick_first_max(BEST_VAL, BEST_IDX, row, NUM_CHUNKS):
+    """The row's id: its chunks' first maxima scanned in chunk order, a later one taken only when
+    strictly greater, so the row's first maximum whatever the chunking."""
+    best_val = tl.full([], float("-inf"), tl.float32)
+    best_idx = tl.full([], 0, tl.int64)
+    for c in range(NUM_CHUNKS):
+        val = tl.load(BEST_VAL + row * NUM_CHUNKS + c)
+        take = val > best_val
+        best_idx = tl.where(take, tl.load(BEST_IDX + row * NUM_CHUNKS + c), best_idx)
+        best_val = tl.where(take, val, best_val)
+    return best_idx
+
+
+@triton.jit
 def _gumbel_chunk_kernel(
     LOGP,
     SEEDS,
@@ -89,28 +114,16 @@ def _gumbel_chunk_kernel(
         if HAS_THRESHOLD:  # truncated sampling: ids below the threshold cannot win
             lp = tl.where(lp >= thr, lp, float("-inf"))
         val = tl.where(mask, lp + _gumbel(row_key, offs, UNIFORM_BITS), float("-inf"))
-        # tl.argmax(val, 0, tie_break_left=True), spelled as its reduce (interpreter-safe: the
-        # interpreter answers with the lane, so the lane is what both modes reduce).
-        block_max, lane = tl.reduce((val, cols), 0, _argmax_combine_tie_break_left)
-        take = block_max > best_val  # strict: the earlier block keeps a tie
-        best_idx = tl.where(take, start + lane, best_idx)
-        best_val = tl.where(take, block_max, best_val)
+        best_val, best_idx = _fold_first_max(val, cols, start, best_val, best_idx)
     tl.store(BEST_VAL + row * NUM_CHUNKS + chunk, best_val)
     tl.store(BEST_IDX + row * NUM_CHUNKS + chunk, best_idx)
 
 
 @triton.jit
 def _gumbel_pick_kernel(BEST_VAL, BEST_IDX, OUT, NUM_CHUNKS):
-    """The row's token: the chunks in order, a later one taken only when strictly greater."""
+    """The row's token (`_pick_first_max`)."""
     row = tl.program_id(0).to(tl.int64)
-    best_val = tl.full([], float("-inf"), tl.float32)
-    best_idx = tl.full([], 0, tl.int64)
-    for c in range(NUM_CHUNKS):
-        val = tl.load(BEST_VAL + row * NUM_CHUNKS + c)
-        take = val > best_val
-        best_idx = tl.where(take, tl.load(BEST_IDX + row * NUM_CHUNKS + c), best_idx)
-        best_val = tl.where(take, val, best_val)
-    tl.store(OUT + row, best_idx)
+    tl.store(OUT + row, _pick_first_max(BEST_VAL, BEST_IDX, row, NUM_CHUNKS))
 
 
 def gumbel_argmax_triton(

@@ -29,10 +29,10 @@ the composition's bit for bit.
 import torch
 import triton
 import triton.language as tl
-from triton.language.standard import _argmax_combine_tie_break_left, _sum_combine
+from triton.language.standard import _sum_combine
 
 from . import logprob
-from .gumbel_triton import _gumbel, _row_key
+from .gumbel_triton import _fold_first_max, _gumbel, _pick_first_max, _row_key
 from .logprob_triton import (
     _NUM_WARPS,
     CHUNK_BLOCKS,
@@ -97,13 +97,7 @@ def _sample_chunk_kernel(
             val = lp + _gumbel(row_key, offs, UNIFORM_BITS)
         if DRAW == 2:
             val = tl.where(tau_req == 0, lp, lp + _gumbel(row_key, offs, UNIFORM_BITS))
-        val = tl.where(mask, val, float("-inf"))
-        # tl.argmax(val, 0, tie_break_left=True) spelled as its reduce, over lanes (interpreter-safe,
-        # as in gumbel_triton)
-        block_max, lane = tl.reduce((val, lanes), 0, _argmax_combine_tie_break_left)
-        take = block_max > best_val  # strict: the earlier block keeps a tie
-        best_idx = tl.where(take, start + lane, best_idx)
-        best_val = tl.where(take, block_max, best_val)
+        best_val, best_idx = _fold_first_max(tl.where(mask, val, float("-inf")), lanes, start, best_val, best_idx)
     tl.store(BEST_VAL + row * NUM_CHUNKS + chunk, best_val)
     tl.store(BEST_IDX + row * NUM_CHUNKS + chunk, best_idx)
 
@@ -124,13 +118,7 @@ def _sample_pick_kernel(
     """The row's token: the chunks in order, a later one taken only when strictly greater; then
     lp[token] = div_rn(z[token], tau) - lse, the chunk kernel's expression."""
     row = tl.program_id(0).to(tl.int64)
-    best_val = tl.full([], float("-inf"), tl.float32)
-    best_idx = tl.full([], 0, tl.int64)
-    for c in range(NUM_CHUNKS):
-        val = tl.load(BEST_VAL + row * NUM_CHUNKS + c)
-        take = val > best_val
-        best_idx = tl.where(take, tl.load(BEST_IDX + row * NUM_CHUNKS + c), best_idx)
-        best_val = tl.where(take, val, best_val)
+    best_idx = _pick_first_max(BEST_VAL, BEST_IDX, row, NUM_CHUNKS)
     tl.store(TOKENS + row, best_idx)
     if TOKEN_LOG_PROBS:
         tau = _effective_tau(tl.load(TAU + row))
