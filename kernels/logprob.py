@@ -351,6 +351,14 @@ def _gumbel_argmax_triton(log_probs, seeds, positions, threshold=None, out=None)
 _GUMBEL_IMPLS = {"torch": _gumbel_argmax_torch, "triton": _gumbel_argmax_triton}
 
 
+def _check_noise_keys(seeds: torch.Tensor, positions: torch.Tensor, n_rows: int) -> None:
+    """The Gumbel noise's key: int tensors [M] of seeds and positions."""
+    for name, t in (("seeds", seeds), ("positions", positions)):
+        check_int(name, t)
+        if tuple(t.shape) != (n_rows,):
+            raise ValueError(f"{name} must have shape ({n_rows},), got {tuple(t.shape)}")
+
+
 def gumbel_argmax(
     log_probs: torch.Tensor,
     seeds: torch.Tensor,
@@ -368,10 +376,7 @@ def gumbel_argmax(
     (`kernels.truncation.truncation_threshold`: top-k, top-p, min-p). Ties go to the lowest token id.
     """
     _check_logits(log_probs, "log_probs")
-    for name, t in (("seeds", seeds), ("positions", positions)):
-        check_int(name, t)
-        if tuple(t.shape) != (log_probs.shape[0],):
-            raise ValueError(f"{name} must have shape ({log_probs.shape[0]},), got {tuple(t.shape)}")
+    _check_noise_keys(seeds, positions, log_probs.shape[0])
     if threshold is not None:
         check_dtype("threshold", threshold, (torch.float32,))
         if tuple(threshold.shape) != (log_probs.shape[0],):

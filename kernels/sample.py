@@ -22,9 +22,16 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import check_int, check_out, check_same_device
+from ._checks import check_out, check_same_device
 from .dispatch import backend_for
-from .logprob import _check_logits, _check_temperature, _temperature_column, gumbel_argmax, log_softmax
+from .logprob import (
+    _check_logits,
+    _check_noise_keys,
+    _check_temperature,
+    _temperature_column,
+    gumbel_argmax,
+    log_softmax,
+)
 
 DRAWS = ("greedy", "sampled", "mixed")
 OUTPUTS = ("tokens", "token_log_probs", "log_probs")
@@ -109,10 +116,7 @@ def sample_tokens(
     n_rows = logits.shape[0]
     _check_temperature(temperature, n_rows, logits.device)
     if draw != "greedy":
-        for name, t in (("seeds", seeds), ("positions", positions)):
-            check_int(name, t)
-            if tuple(t.shape) != (n_rows,):
-                raise ValueError(f"{name} must have shape ({n_rows},), got {tuple(t.shape)}")
+        _check_noise_keys(seeds, positions, n_rows)
         check_same_device(logits=logits, seeds=seeds, positions=positions)
     out = _buffers(logits, output, out)
     tau = _temperature_column(temperature, n_rows, logits.device, effective=False)[:, 0]  # requested, [M]
