@@ -227,7 +227,10 @@ class Embedding(nn.Module):
 
 class RotaryCache:
     """cos|sin table [max_positions, head_dim] (fp32), built once per device, never a buffer, so
-    meta-device construction and FSDP leave it alone."""
+    meta-device construction and FSDP leave it alone. The layers receive this object, not the table:
+    FSDP2 with `cast_forward_inputs` (VeOmni's and verl's mixed precision) casts every floating-point
+    tensor argument of a wrapped layer to the parameter dtype, which would hand the rotation a bf16
+    table."""
 
     def __init__(self, config: DecoderConfig):
         self.args = (config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
@@ -300,7 +303,7 @@ class SelfAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, positions, rope, attn: AttentionContext):
+    def forward(self, x, positions, rope: RotaryCache, attn: AttentionContext):
         t = x.shape[0]
         # Views of one [T, Nq + 2 Nkv] GEMM output: rows strided, last dim contiguous, which every
         # op below accepts (the kernels check only the last dim; the torch ones copy where they
@@ -312,7 +315,7 @@ class SelfAttention(nn.Module):
         qk_norm = None  # Qwen3: each head's RMSNorm, fused with the rotation (one kernel)
         if self.q_norm is not None:
             qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        q, k = apply_rope(q, k, positions, rope, qk_norm)
+        q, k = apply_rope(q, k, positions, rope.get(x.device), qk_norm)
         out = attn.attend(self.layer_idx, q, k, v, self.scale)  # [T, Hq, D]
         out = out.reshape(t, self.num_heads * self.head_dim)
         if self.tp is None:
@@ -333,7 +336,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, x, residual, positions, rope, attn: AttentionContext):
+    def forward(self, x, residual, positions, rope: RotaryCache, attn: AttentionContext):
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
@@ -373,7 +376,7 @@ class DecoderModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, H]
-        rope = self.rotary.get(x.device)
+        rope = self.rotary  # the object: see RotaryCache
         residual = None
         checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layers:
