@@ -101,7 +101,7 @@ def _old_attention_forward(self, x, positions, rope, attn):
     v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
     if self.q_norm is not None:
         q, k = self.q_norm(q), self.k_norm(k)
-    q, k = apply_rope(q, k, positions, rope)
+    q, k = apply_rope(q, k, positions, rope.get(x.device))  # rope: the model's RotaryCache
     out = attn.attend(self.layer_idx, q, k, v, self.scale)
     return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
