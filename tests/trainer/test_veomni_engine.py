@@ -28,10 +28,8 @@ What does not run on CPU, and what stands in for it:
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
-import socket
 
 import pytest
 import torch
@@ -39,80 +37,13 @@ import torch
 pytest.importorskip("veomni")
 pytest.importorskip("verl")
 
-from verl.plugin.platform.platform_base import PlatformBase  # noqa: E402
-
-from .test_veomni_hooks import veomni_process_state  # noqa: E402
-
-
-class PlatformCPU(PlatformBase):
-    """The CPU as a verl platform (verl ships CUDA, NPU and ROCm ones)."""
-
-    device_name = "cpu"
-    vendor_name = "cpu"
-    device_module = torch.cpu
-
-    def is_available(self):
-        return True
-
-    def current_device(self):
-        return "cpu"
-
-    def device_count(self):
-        return 1
-
-    def set_device(self, device_index):
-        pass
-
-    def synchronize(self, device_index=None):
-        pass
-
-    def manual_seed(self, seed):
-        torch.manual_seed(seed)
-
-    def manual_seed_all(self, seed):
-        torch.manual_seed(seed)
-
-    def set_allocator_settings(self, settings):
-        pass
-
-    def empty_cache(self):
-        pass
-
-    def get_device_capability(self, device_index=0):
-        return (None, None)
-
-    def communication_backend_name(self):
-        return "gloo"
-
-    def visible_devices_envvar(self):
-        return "CUDA_VISIBLE_DEVICES"
-
-    def nvtx_range(self, msg):
-        return contextlib.nullcontext()
-
-    def profiler_start(self):
-        pass
-
-    def profiler_stop(self):
-        pass
-
-    def ray_resource_name(self):
-        return "CPU"
-
-    def ray_noset_envvars(self):
-        return []
-
-    def is_ipc_supported(self):
-        return False
-
-    def cudart(self):
-        return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ._veomni_cpu import (  # noqa: E402
+    PlatformCPU,
+    _assert_engine_equals_vllm,
+    _batch,
+    _free_port,
+    veomni_process_state,
+)
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])
@@ -141,7 +72,9 @@ def veomni_engine(tiny_model, request):
         verl_hooks.install()
         with veomni_process_state(), training.training_enabled(), veomni_hooks.installed():
             model_config = HFModelConfig(path=path, enable_gradient_checkpointing=False)
-            engine_config = VeOmniEngineConfig(init_device="cpu", use_torch_compile=False, mixed_precision=False)
+            engine_config = VeOmniEngineConfig(
+                init_device="cpu", use_torch_compile=False, mixed_precision=False
+            )
             engine = transformer_impl.VeOmniEngineWithLMHead(
                 model_config=model_config,
                 engine_config=engine_config,
@@ -166,52 +99,6 @@ def veomni_engine(tiny_model, request):
         if started:
             dist.destroy_process_group()
         platform_manager._current_platform = saved_platform
-
-
-def _batch(rollouts, temperature: float, micro_batch_size: int):
-    """The actor's compute-log-prob input as verl's trainer hands it to the engine (no padding)."""
-    from verl.utils import tensordict_utils as tu
-
-    seqs = [torch.tensor(r.prompt_ids + r.output_ids) for r in rollouts]
-    masks = [torch.tensor([0] * len(r.prompt_ids) + [1] * len(r.output_ids)) for r in rollouts]
-    nested = lambda ts: torch.nested.as_nested_tensor(ts, layout=torch.jagged)
-    return tu.get_tensordict(
-        {
-            "input_ids": nested(seqs),
-            "position_ids": nested([torch.arange(len(s)) for s in seqs]),
-            "loss_mask": nested(masks),
-        },
-        {
-            "temperature": temperature,
-            "use_dynamic_bsz": False,
-            "micro_batch_size_per_gpu": micro_batch_size,
-            "use_remove_padding": True,
-            "use_fused_kernels": True,
-            "calculate_entropy": True,
-        },
-    )
-
-
-def _generated_log_probs(log_probs, rollouts):
-    """Row t of a sequence scores token t+1; keep the rows that score the generated tokens."""
-    out = []
-    for lp, r in zip(log_probs.unbind(), rollouts):
-        first = len(r.prompt_ids) - 1
-        out.append(lp[first : first + len(r.output_ids)])
-    return out
-
-
-def _assert_engine_equals_vllm(engine, masked_rollouts, micro_batch_size):
-    """The engine's log-probs of every generated token are torch.equal to vLLM's, at each temperature."""
-    for temperature, rollouts in masked_rollouts.items():
-        data = _batch(rollouts, temperature, micro_batch_size)
-        with engine.eval_mode():
-            out = engine.forward_backward_batch(data, loss_function=None, forward_only=True)
-        scored = _generated_log_probs(out["model_output"]["log_probs"], rollouts)
-        for r, s in zip(rollouts, scored):
-            assert torch.equal(torch.tensor(r.logprobs, dtype=torch.float32), s), (temperature, micro_batch_size)
-        entropy = out["model_output"]["entropy"]
-        assert bool(torch.isfinite(entropy.values()).all()) and bool((entropy.values() >= 0).all())
 
 
 @pytest.fixture
@@ -257,8 +144,11 @@ def test_engine_backward_through_log_probs(veomni_engine, masked_rollouts):
     grads = {n: p.grad for n, p in model.named_parameters()}
     assert all(g is not None and bool(torch.isfinite(g).all()) for g in grads.values()), "missing/non-finite"
     layer = model.model.layers[0]
-    mlp = [("down_proj", layer.mlp.down_proj.weight)] if hasattr(layer.mlp, "down_proj") else [
-        ("router", layer.mlp.gate.weight), ("experts.gate_up_proj", layer.mlp.experts.gate_up_proj)]  # MoE layer 0
+    mlp = (
+        [("down_proj", layer.mlp.down_proj.weight)]
+        if hasattr(layer.mlp, "down_proj")
+        else [("router", layer.mlp.gate.weight), ("experts.gate_up_proj", layer.mlp.experts.gate_up_proj)]
+    )  # MoE layer 0
     for name, p in [("lm_head", model.lm_head.weight), ("q_proj", layer.self_attn.q_proj.weight), *mlp]:
         assert float(p.grad.float().abs().sum()) > 0, name
     model.zero_grad(set_to_none=True)

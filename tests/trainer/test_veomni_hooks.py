@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -18,6 +16,8 @@ from vexact_vllm.model_patches.veomni_modeling import (  # noqa: E402
     veomni_causal_lm_loss,
     vexact_causal_lm_loss,
 )
+
+from ._veomni_cpu import veomni_process_state  # noqa: E402
 
 
 def _ops(**overrides):
@@ -37,22 +37,6 @@ def _build(config, **ops):
 
     torch.manual_seed(0)
     return build_foundation_model(config, torch_dtype="bfloat16", ops_implementation=_ops(**ops), init_device="cpu")
-
-
-@contextlib.contextmanager
-def veomni_process_state():
-    """Restore what VeOmni's apply_ops_config changes process-wide (transformers' LOSS_MAPPING, whose
-    VeOmni wrappers return 3-tuples that stock HF forwards cannot use, and its ops-config singleton)."""
-    from transformers.loss.loss_utils import LOSS_MAPPING
-    from veomni.ops.config import singleton
-
-    mapping, ops = dict(LOSS_MAPPING), singleton.get_ops_config()
-    try:
-        yield
-    finally:
-        LOSS_MAPPING.clear()
-        LOSS_MAPPING.update(mapping)
-        singleton.set_ops_config(ops)
 
 
 @pytest.fixture

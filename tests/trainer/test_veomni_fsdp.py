@@ -1,0 +1,38 @@
+"""verl's `model_engine=veomni` with FSDP on, as on two GPUs, but on two CPU processes (gloo):
+VeOmni shards the shared model over both ranks (meta-device init, rank 0 loads and broadcasts, FSDP2
+with its bf16-over-fp32 mixed precision and `cast_forward_inputs`), and each rank's log-probs of the
+rollouts are torch.equal to what vLLM returned. With one rank VeOmni turns FSDP off
+(test_veomni_engine.py covers that path); this is the path the two-H200 verl run took, where the
+layers' fp32 RoPE table reached `apply_rope` cast to bf16 (docs/BENCHMARKS.md, session 18)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("veomni")
+pytest.importorskip("verl")
+
+from ._veomni_cpu import _free_port  # noqa: E402
+
+
+def test_two_rank_fsdp_engine_log_probs_equal_vllm(tiny_model, masked_rollouts_of, tmp_path):
+    """The tiny Qwen3-MoE: its layers hold both block kinds (three MoE, one dense MLP), and every
+    layer's attention takes the RoPE table; one family keeps the two spawned ranks to ~40 s of CI."""
+    arch = "qwen3_moe"
+    rollouts = masked_rollouts_of(arch)
+    case = tmp_path / "case.pkl"
+    case.write_bytes(
+        pickle.dumps({"model": str(tiny_model(arch)), "rollouts": {t: rs[:4] for t, rs in rollouts.items()}})
+    )
+    script = Path(__file__).with_name("_veomni_fsdp_rank.py")
+    proc = subprocess.run(
+        [sys.executable, str(script), str(case), str(_free_port())],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"a rank failed:\n{proc.stderr[-6000:]}"
