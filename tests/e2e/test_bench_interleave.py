@@ -20,7 +20,7 @@ def test_interleave_starts_each_engine_once_and_alternates(tiny_model, tmp_path,
     rc = main([
         "bench", "--model", tiny_model("qwen3"), "--configs", "vexact,stock", "--interleave", "--repeats", "3",
         "--num-prompts", "3", "--input-len", "8-12", "--output-len", "5", "--warmup-passes", "1",
-        "--duration", "0.2", "--output", str(out),
+        "--duration", "0.2", "--output", str(out), "--enforce-eager",  # no CPU compile: the protocol is tested
         "--engine-kwargs", json.dumps({"kv_cache_memory_bytes": 64 << 20, "block_size": 32}),
     ])  # fmt: skip
     assert rc == 0
