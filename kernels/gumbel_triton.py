@@ -1,8 +1,10 @@
 """Triton Gumbel-max sampling (the CUDA path of `logprob.gumbel_argmax`).
 
 token[m] = argmax_v(log_probs[m, v] + g(seeds[m], positions[m], v)), ties to the lowest v, with the
-hash and the uniform of `logprob.py` (int64 arithmetic wraps mod 2^64 and values stay masked to 63
-bits, so the shifts and products give the torch path's bits) and g = -log(-log(u)) in fp32.
+hash and the uniform of `logprob.py` and g = -log(-log(u)) in fp32: the row key in int64 arithmetic
+(wrapping mod 2^64, values masked to 63 bits, as the torch path computes it), the per-id hash in
+uint32 arithmetic (wrapping mod 2^32: the torch path's masked int64 products have the same low 32
+bits), so the noise has the torch path's bits up to `log`'s rounding.
 
 The vocabulary is cut into chunks of CHUNK_BLOCKS blocks of BLOCK ids; one program per (row, chunk)
 walks its chunk's blocks in index order, generating the noise in registers (the torch path
@@ -31,6 +33,9 @@ _C1 = tl.constexpr(logprob._C1)
 _C2 = tl.constexpr(logprob._C2)
 _GOLDEN = tl.constexpr(logprob._GOLDEN)
 _MASK63 = tl.constexpr(logprob._MASK63)
+_MASK32 = tl.constexpr(logprob._MASK32)
+_H1 = tl.constexpr(logprob._H1)
+_H2 = tl.constexpr(logprob._H2)
 
 
 @triton.jit
@@ -43,17 +48,26 @@ def _mix63(x):
 
 @triton.jit
 def _row_key(SEEDS, POS, row):
-    """The row's noise key: mix(mix(seed ^ GOLDEN) ^ position), seed and position on 63 bits."""
+    """The row's noise key, uint32: mix(mix(seed ^ GOLDEN) ^ position) mod 2^32, seed and position
+    on 63 bits."""
     seed = tl.load(SEEDS + row).to(tl.int64) & _MASK63
     pos = tl.load(POS + row).to(tl.int64) & _MASK63
-    return _mix63(_mix63(seed ^ _GOLDEN) ^ pos)
+    return (_mix63(_mix63(seed ^ _GOLDEN) ^ pos) & _MASK32).to(tl.uint32)
+
+
+@triton.jit
+def _hash32(x):
+    """The per-id 32-bit finalizer on uint32 (products wrap mod 2^32; `>>` is a logical shift)."""
+    x = (x ^ (x >> 16)) * tl.full([], _H1, tl.uint32)
+    x = (x ^ (x >> 15)) * tl.full([], _H2, tl.uint32)
+    return x ^ (x >> 16)
 
 
 @triton.jit
 def _gumbel(row_key, ids, UNIFORM_BITS: tl.constexpr):
-    """g = -log(-log(u)) of ids (int64), u = (top UNIFORM_BITS of mix(row_key ^ id) + 0.5) / 2^bits."""
-    h = _mix63(row_key ^ ids)
-    u = ((h >> (63 - UNIFORM_BITS)).to(tl.float32) + 0.5) * (2.0**-UNIFORM_BITS)
+    """g = -log(-log(u)) of ids (int64 < 2^32), u = (top UNIFORM_BITS of hash32(row_key ^ id) + 0.5) / 2^bits."""
+    h = _hash32(row_key ^ ids.to(tl.uint32))
+    u = ((h >> (32 - UNIFORM_BITS)).to(tl.float32) + 0.5) * (2.0**-UNIFORM_BITS)
     return -tl.log(-tl.log(u))
 
 

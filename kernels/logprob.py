@@ -28,12 +28,17 @@ everything else is elementwise, so a row's log-probs are the same bits alone or 
 `token_log_probs(linear(...))` bit for bit.
 
 Gumbel-max sampling: token = argmax_v(log_probs[v] + g_v), with g_v = -log(-log(u_v)) in fp32 and
-u_v a function of (seed, position, v) only, by a counter-based hash in int64 torch ops:
+u_v a function of (seed, position, v) only, by a counter-based hash (int64 torch ops, masked):
     mix(x)   = splitmix64's finalizer on 63 bits: x ^= x >> 30; x *= C1; x ^= x >> 27; x *= C2;
                x ^= x >> 31, each product wrapped mod 2^64 then masked to 63 bits
-    h        = mix(mix(mix(seed ^ GOLDEN) ^ position) ^ v)      (seed, position masked to 63 bits)
-    u        = ((h >> 40) + 0.5) / 2^23                           top 23 bits: exact in fp32, in (0, 1)
-So a request samples the same tokens alone or in any batch, in any order.
+    key      = mix(mix(seed ^ GOLDEN) ^ position) mod 2^32       once per row (seed, position on 63 bits)
+    hash(x)  = a 32-bit finalizer ("lowbias32"): x ^= x >> 16; x *= H1; x ^= x >> 15; x *= H2;
+               x ^= x >> 16, each product wrapped mod 2^32 (a bijection of 32-bit words)
+    h        = hash(key ^ v)                                      per token id, 32-bit arithmetic only
+    u        = ((h >> 9) + 0.5) / 2^23                            top 23 bits: exact in fp32, in (0, 1)
+So a request samples the same tokens alone or in any batch, in any order. The per-id hash is 32-bit
+because it runs V times a row (the CUDA kernel's cost was its 64-bit products); the row key keeps
+splitmix64's 63 bits of seed and position.
 """
 
 import torch
@@ -62,6 +67,10 @@ _GOLDEN = 0x9E3779B97F4A7C15 & _MASK63
 # splitmix64 multipliers as signed int64 (same low 64 bits): torch has no uint64 arithmetic.
 _C1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _C2 = 0x94D049BB133111EB - (1 << 64)
+# The per-id 32-bit hash (lowbias32's multipliers) and its mask.
+_MASK32 = (1 << 32) - 1
+_H1 = 0x7FEB352D
+_H2 = 0x846CA68B
 _UNIFORM_BITS = 23
 # Rows per chunk of the [rows, V] hash in gumbel_argmax; only bounds memory.
 _GUMBEL_ELEMENTS = 1 << 22
@@ -320,12 +329,19 @@ def _mix63(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 31)
 
 
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """The per-id 32-bit finalizer; x: int64 in [0, 2^32): products wrap mod 2^64, masked to 32 bits."""
+    x = ((x ^ (x >> 16)) * _H1) & _MASK32
+    x = ((x ^ (x >> 15)) * _H2) & _MASK32
+    return x ^ (x >> 16)
+
+
 def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """fp32 [M, V] Gumbel noise keyed by (seeds[m], positions[m], v) only."""
-    row_key = _mix63(_mix63((seeds.long() & _MASK63) ^ _GOLDEN) ^ (positions.long() & _MASK63))  # [M]
+    row_key = _mix63(_mix63((seeds.long() & _MASK63) ^ _GOLDEN) ^ (positions.long() & _MASK63)) & _MASK32
     token_ids = torch.arange(vocab, dtype=torch.int64, device=seeds.device)  # [V]
-    h = _mix63(row_key[:, None] ^ token_ids[None, :])  # [M, V]
-    u = ((h >> (63 - _UNIFORM_BITS)).float() + 0.5) * (2.0**-_UNIFORM_BITS)  # exact, in (0, 1)
+    h = _hash32(row_key[:, None] ^ token_ids[None, :])  # [M, V]
+    u = ((h >> (32 - _UNIFORM_BITS)).float() + 0.5) * (2.0**-_UNIFORM_BITS)  # exact, in (0, 1)
     return -torch.log(-torch.log(u))
 
 

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -111,6 +113,8 @@ def test_log_softmax_gradient():
 
 
 def _python_hash(seed, position, token):
+    """The noise's hash in Python integers: splitmix64's finalizer on 63 bits for the row key, the
+    32-bit lowbias32 finalizer per token id (logprob's docstring)."""
     mask, c1, c2 = (1 << 63) - 1, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
     def mix(x):
@@ -118,19 +122,40 @@ def _python_hash(seed, position, token):
         x = ((x ^ (x >> 27)) * c2) % (1 << 64) & mask
         return x ^ (x >> 31)
 
-    return mix(mix(mix((seed & mask) ^ (0x9E3779B97F4A7C15 & mask)) ^ (position & mask)) ^ token)
+    def hash32(x):
+        x = ((x ^ (x >> 16)) * 0x7FEB352D) % (1 << 32)
+        x = ((x ^ (x >> 15)) * 0x846CA68B) % (1 << 32)
+        return x ^ (x >> 16)
+
+    key = mix(mix((seed & mask) ^ (0x9E3779B97F4A7C15 & mask)) ^ (position & mask)) % (1 << 32)
+    return hash32(key ^ token)
 
 
 def test_gumbel_noise_matches_python_hash():
     seeds = torch.tensor([0, 1, 123456789, -5, 2**62 + 3])
     positions = torch.tensor([0, 7, 100000, 3, 2**40])
-    noise = gumbel_noise(seeds, positions, 50)
+    noise = gumbel_noise(seeds, positions, 151936)
     for i in range(5):
-        for v in (0, 1, 17, 49):
+        for v in (0, 1, 17, 49, 65535, 65536, 151935):
             h = _python_hash(int(seeds[i]), int(positions[i]), v)
-            u = ((h >> 40) + 0.5) / 2**23
+            u = ((h >> 9) + 0.5) / 2**23
             expected = -torch.log(-torch.log(torch.tensor(u, dtype=torch.float32)))
             assert torch.equal(noise[i, v], expected)
+
+
+def test_gumbel_noise_is_standard_gumbel_and_uncorrelated():
+    """Per row over a vocabulary, and across neighbouring seeds, positions and ids: the moments of a
+    standard Gumbel (mean = Euler's gamma, variance pi^2 / 6) and no correlation."""
+    seeds = torch.tensor([11, 12, 11, -7])
+    positions = torch.tensor([300, 300, 301, 2**33])
+    noise = gumbel_noise(seeds, positions, 151936).double()
+    for row in noise:
+        assert abs(row.mean().item() - 0.5772157) < 0.01
+        assert abs(row.var().item() - math.pi**2 / 6) < 0.03
+    corr = torch.corrcoef(noise)
+    assert (corr - torch.eye(4, dtype=corr.dtype)).abs().max() < 0.01  # seeds, positions
+    lag = torch.corrcoef(torch.stack([noise[0, :-1], noise[0, 1:]]))[0, 1]
+    assert abs(lag.item()) < 0.01  # neighbouring ids
 
 
 def test_gumbel_argmax_row_alone_equals_row_in_batch(threads):
