@@ -100,7 +100,7 @@ def _paged_inputs(batch, context, hq, hkv, d, block_size=16):
 @section
 def decode_attention(quick):
     """Paged decode at the default bench's batch and at long context (8k-32k keys, fewer requests)."""
-    for batch, context in [(256, 1024), (64, 8192), (16, 32768)] if not quick else [(256, 1024), (16, 32768)]:
+    for batch, context in [(256, 1024), (64, 8192), (32, 6144), (16, 32768)] if not quick else [(256, 1024), (16, 32768)]:
         _decode_case(batch, context)
 
 
