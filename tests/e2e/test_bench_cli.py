@@ -4,6 +4,7 @@ starts vLLM; the others are pure (fake run records, a fake clock, a fake child).
 
 from __future__ import annotations
 
+import argparse
 import json
 import shlex
 import subprocess
@@ -100,6 +101,42 @@ def test_bench_runs_a_named_workload(tiny_model, tmp_path):
     (result,) = report["results"]
     assert 6 * 3 <= result["output_tokens"] <= 6 * 5 and "workload grpo: 2 prompts of 8-12 tokens x 3 samples" in report["workload"]
     assert "--workload" in report["forwarded"] and "--samples" in report["forwarded"]
+
+
+def test_workload_list_names_known_workloads_once():
+    from vexact_vllm.cli.bench_workloads import workload_list
+
+    assert workload_list("grpo, long") == "grpo,long"
+    for bad in ("fast", "grpo,grpo", ",", "default,fast"):
+        with pytest.raises(argparse.ArgumentTypeError, match="comma-separated"):
+            workload_list(bad)
+
+
+def test_several_workloads_run_one_after_another(monkeypatch, tmp_path, capsys):
+    """Without --interleave each workload runs as its own bench (fresh processes, its own fields, the
+    command line's overrides kept); --output saves one report per workload."""
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 448}))
+    monkeypatch.setattr(bench, "resolve_model", lambda name, load_format: str(tmp_path))
+    seen = []
+
+    def fake_child(name, repeat, args):
+        seen.append(args)
+        return {"config": name, "repeat": repeat, "output_tok_s": 1.0, "startup_s": 1.0, "elapsed_s": 1.0,
+                "output_tokens": 1, "passes": 1, "device": "Fake GPU"}  # fmt: skip
+
+    monkeypatch.setattr(bench, "_run_child", fake_child)
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--model", "tiny-qwen3", "--configs", "vexact", "--workload", "grpo,decode-small",
+               "--num-prompts", "4", "--repeats", "1", "--output", str(out)])  # fmt: skip
+    assert rc == 0
+    assert [a.workload for a in seen] == ["grpo", "decode-small"]
+    fields = [(a.num_prompts, a.samples, a.output_len, a.max_model_len) for a in seen]
+    assert fields == [(4, 8, "1024-2048", 3072), (4, 1, "1024-1024", 1536)]  # each its own; --num-prompts for both
+    assert seen[0].forward[seen[0].forward.index("--workload") + 1] == "grpo"
+    reports = json.loads(out.read_text())["workloads"]
+    assert ["workload grpo: 4 prompts" in r["workload"] for r in reports] == [True, False]
+    assert "workload decode-small: 4 prompts of 64-511 tokens, 1024-1024 output tokens" in reports[1]["workload"]
+    assert capsys.readouterr().out.count("configuration") == 2  # a summary table per workload
 
 
 def test_bench_refuses_unknown_configuration_and_bad_counts():

@@ -43,7 +43,14 @@ from collections.abc import Callable
 
 from .bench_interleave import run_interleaved, serve, shared_engine_kwargs
 from .bench_report import git_commit, markdown_report, summarize, summary_table, to_table
-from .bench_workloads import WORKLOADS, apply_workload, describe, requests
+from .bench_workloads import (
+    apply_workload,
+    describe,
+    for_workload,
+    requests,
+    shared_max_model_len,
+    workload_list,
+)
 
 CONFIGS = {
     "stock": {"model_impl": "vllm", "env": {}},
@@ -67,10 +74,11 @@ def timed_passes(generate: Callable[[], int], duration: float, before: Callable[
 
 class EngineRun:
     """One configuration's engine in this process (`args.config`): started on construction, then
-    warm-up passes and timed runs over the same requests."""
+    warm-up passes and timed runs over the same requests. `args.workload` may name several workloads
+    (`--interleave`): one engine serves each one's requests in turn."""
 
     def __init__(self, args):
-        from vllm import LLM, SamplingParams
+        from vllm import LLM
 
         self.args = args
         t0 = time.perf_counter()
@@ -81,10 +89,17 @@ class EngineRun:
             **profiler_kwargs(args), **json.loads(args.engine_kwargs),
         )  # fmt: skip
         self.startup_s = time.perf_counter() - t0
+        self.workloads = {name: self._requests(for_workload(args, name)) for name in args.workload.split(",")}
+
+    @staticmethod
+    def _requests(args) -> tuple[list, list]:
+        from vllm import SamplingParams
+
         reqs = requests(args)
-        self.prompts = [{"prompt_token_ids": r.prompt} for r in reqs]
-        self.params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=args.temperature,
-                                      seed=r.seed, detokenize=False) for r in reqs]  # fmt: skip
+        prompts = [{"prompt_token_ids": r.prompt} for r in reqs]
+        params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=args.temperature,
+                                 seed=r.seed, detokenize=False) for r in reqs]  # fmt: skip
+        return prompts, params
 
     def reset_prefix_cache(self) -> None:  # else a repeated pass would skip most of its prefill
         for _ in range(20):  # vLLM says False while finished requests still hold blocks
@@ -93,24 +108,27 @@ class EngineRun:
             time.sleep(0.05)
         raise RuntimeError("vLLM could not reset its prefix cache between passes")
 
-    def generate(self) -> int:
-        return sum(len(o.outputs[0].token_ids) for o in self.llm.generate(self.prompts, self.params, use_tqdm=False))
+    def generate(self, workload: str | None = None) -> int:
+        prompts, params = self.workloads[workload or next(iter(self.workloads))]
+        return sum(len(o.outputs[0].token_ids) for o in self.llm.generate(prompts, params, use_tqdm=False))
 
     def warm_up(self) -> float:
-        """The untimed passes; their seconds."""
+        """The untimed passes, of every workload; their seconds."""
         t1 = time.perf_counter()
-        for _ in range(self.args.warmup_passes):
-            self.reset_prefix_cache()
-            self.generate()
+        for workload in self.workloads:
+            for _ in range(self.args.warmup_passes):
+                self.reset_prefix_cache()
+                self.generate(workload)
         return time.perf_counter() - t1
 
-    def timed(self) -> dict:
-        """Timed passes until --duration seconds: the run's record."""
+    def timed(self, workload: str | None = None) -> dict:
+        """Timed passes of `workload` (the only one when None) until --duration seconds: the run's record."""
         import torch
 
-        passes = timed_passes(self.generate, self.args.duration, before=self.reset_prefix_cache)
+        workload = workload or next(iter(self.workloads))
+        passes = timed_passes(lambda: self.generate(workload), self.args.duration, before=self.reset_prefix_cache)
         tokens, elapsed = sum(n for n, _ in passes), sum(s for _, s in passes)
-        return {"config": self.args.config, "startup_s": self.startup_s, "elapsed_s": elapsed,
+        return {"config": self.args.config, "workload": workload, "startup_s": self.startup_s, "elapsed_s": elapsed,
                 "output_tokens": tokens, "output_tok_s": tokens / elapsed, "passes": len(passes),
                 "pass_tokens": [n for n, _ in passes], "pass_s": [s for _, s in passes],
                 "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"}  # fmt: skip
@@ -250,10 +268,11 @@ def _command_line(args) -> str:
 
 
 def run_bench(args) -> int:
-    apply_workload(args)  # a no-op in the child, which gets every field on its command line
-    if args.config:  # child process
+    workloads = args.workload.split(",")
+    if args.config:  # child process: it gets every field of a single workload on its command line
         if args.serve:
             return serve(args)
+        apply_workload(args)
         print("VEXACT_BENCH " + json.dumps(run_one(args)), flush=True)
         return 0
     names = _config_names(args)
@@ -265,12 +284,30 @@ def run_bench(args) -> int:
     args.model = resolve_model(args.model, args.load_format)
     if args.vocab_limit is None:
         args.vocab_limit = _vocab_size(args.model)
-    args.forward = forward_args(args)
-    results = []
+    if args.interleave and args.max_model_len is None:
+        args.max_model_len = shared_max_model_len(workloads)  # one engine for all of them
     shared = shared_engine_kwargs(args.engine_kwargs, len(names))  # --interleave: each engine's share
-    if args.interleave:  # the child's last --engine-kwargs wins
+    results: dict[str, list[dict]] = {}
+    if args.interleave:  # children get the workloads' names and only the command line's overrides
+        args.forward = forward_args(args)
         command = [sys.executable, "-m", "vexact_vllm.cli", "bench", *args.forward, "--engine-kwargs", shared]
-        results = run_interleaved(names, args, command, lambda name: CONFIGS[name]["env"])
+        for record in run_interleaved(names, args, command, lambda name: CONFIGS[name]["env"], workloads):
+            results.setdefault(record["workload"], []).append(record)
+    reports = []
+    for workload in workloads:
+        one = for_workload(args, workload)
+        one.forward = forward_args(one)
+        reports.append(_bench_workload(one, names, results.get(workload), shared))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(reports[0] if len(reports) == 1 else {"workloads": reports}, f, indent=1)
+    return 1 if any(r.get("failed") for report in reports for r in report["results"]) else 0
+
+
+def _bench_workload(args, names: list[str], interleaved: list[dict] | None, shared: str) -> dict:
+    """One workload: its runs (fresh processes, or the records `--interleave` already made), each
+    repeat's table, the summary and --report on stdout; returns what --output saves."""
+    results = list(interleaved or [])
     for position, (repeat, name) in enumerate(run_order(names, args.repeats)):  # a failure does not stop the rest
         if not args.interleave:
             results.append({**_run_child(name, repeat, args), "position": position})
@@ -290,13 +327,9 @@ def run_bench(args) -> int:
     print(summary_table(rows))
     if args.report:
         print("\n" + markdown_report(rows, meta))
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump({"model": args.model, "model_name": args.model_name, "workload": workload,
-                       "forwarded": args.forward, "results": results, "summary": rows, "order": names,
-                       "repeats": args.repeats, "duration_s": args.duration, "warmup_passes": args.warmup_passes,
-                       **meta}, f, indent=1)  # fmt: skip
-    return 1 if any(r.get("failed") for r in results) else 0
+    return {"model": args.model, "model_name": args.model_name, "workload": workload, "forwarded": args.forward,
+            "results": results, "summary": rows, "order": names, "repeats": args.repeats, "duration_s": args.duration,
+            "warmup_passes": args.warmup_passes, **meta}  # fmt: skip
 
 
 def positive_int(text: str) -> int:
@@ -328,10 +361,12 @@ def add_arguments(parser) -> None:
                         "dummy weights only), tiny-qwen3, tiny-qwen2, tiny-llama, tiny-qwen3-moe")
     parser.add_argument("--configs", help=f"comma-separated subset of {', '.join(CONFIGS)}, in the order of the "
                         "first repeat (default: all; stock-batch-invariant only on CUDA)")
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="default",
+    parser.add_argument("--workload", type=workload_list, default="default",
                         help="named request shapes (vexact_vllm/cli/bench_workloads.py): default (256 prompts of "
                         "64-511 tokens, 256 out), long (1-4k in, 4-8k out), grpo (64 prompts x 8 samples, 1-2k "
-                        "out), decode-small (16 requests, 1k out); the options below override its values")
+                        "out), decode-small (16 requests, 1k out); several, comma-separated, run one after another "
+                        "(with --interleave on the same engines, started once, max-model-len the largest); the "
+                        "options below override every listed workload's values")
     parser.add_argument("--num-prompts", type=positive_int, help="prompts in one pass of the workload")
     parser.add_argument("--input-len", type=length_range, help="prompt length range LO-HI, inclusive, or one length N")
     parser.add_argument("--output-len", type=length_range,

@@ -7,10 +7,11 @@ configuration and the runs being compared are seconds apart.
 How: one child process per configuration (its own environment, as in the default mode), started one
 after another so that each profiles its memory alone, each with an equal share of the GPU memory
 (`gpu_memory_utilization` of --engine-kwargs, vLLM's 0.9 by default, divided by the number of
-configurations). A child starts its engine, makes the warm-up passes, says ready, then makes one
-timed run per "run" line on its stdin and answers with the run's record; idle engines wait on their
-request queue. The order of runs is `run_order`'s, as in the default mode. The KV cache is smaller
-than one engine alone would get, the same for every configuration.
+configurations). A child starts its engine, makes the warm-up passes (of every workload), says ready,
+then makes one timed run per "run WORKLOAD" line on its stdin and answers with the run's record; idle
+engines wait on their request queue. The order of runs is `run_order`'s, as in the default mode,
+workload after workload. The KV cache is smaller than one engine alone would get, the same for every
+configuration; several workloads share one engine whose max_model_len is the largest of theirs.
 """
 
 from __future__ import annotations
@@ -33,18 +34,19 @@ def shared_engine_kwargs(engine_kwargs: str, configurations: int) -> str:
 
 
 def serve(args) -> int:
-    """Child: start the engine, warm up, then one timed run per "run" line until "quit" or EOF."""
+    """Child: start the engine, warm up, then one timed run per "run WORKLOAD" line until "quit" or EOF."""
     from .bench import EngineRun
 
     engine = EngineRun(args)
     warmup = engine.warm_up()
     print(READY + json.dumps({"startup_s": engine.startup_s, "warmup_s": warmup}), flush=True)
     for line in sys.stdin:
-        if line.strip() == "quit":
+        words = line.split()
+        if words == ["quit"]:
             break
-        if line.strip() != "run":
-            raise SystemExit(f"error: bench child: unknown command {line.strip()!r} (run, quit)")
-        print(RECORD + json.dumps({**engine.timed(), "warmup_s": warmup}), flush=True)
+        if len(words) != 2 or words[0] != "run" or words[1] not in engine.workloads:
+            raise SystemExit(f"error: bench child: unknown command {line.strip()!r} (run WORKLOAD, quit)")
+        print(RECORD + json.dumps({**engine.timed(words[1]), "warmup_s": warmup}), flush=True)
     return 0
 
 
@@ -58,9 +60,10 @@ def _read_tagged(proc: subprocess.Popen, tag: str) -> dict | None:
     return None
 
 
-def run_interleaved(names: list[str], args, command: list[str], env_of) -> list[dict]:
-    """Records in `run_order`; a configuration whose child fails gets failure records, the others
-    still run. `command`: the child's command line without --config; `env_of(name)`: its env."""
+def run_interleaved(names: list[str], args, command: list[str], env_of, workloads: list[str]) -> list[dict]:
+    """Records in `run_order`, workload after workload (each record names its workload and its
+    position in its workload's order); a configuration whose child fails gets failure records, the
+    others still run. `command`: the child's command line without --config; `env_of(name)`: its env."""
     from .bench import run_order
 
     children: dict[str, subprocess.Popen] = {}
@@ -74,20 +77,22 @@ def run_interleaved(names: list[str], args, command: list[str], env_of) -> list[
             if ready[name] is None:
                 print(f"error: configuration {name} did not start (exit {proc.wait()}); see its log above",
                       file=sys.stderr, flush=True)  # fmt: skip
-        for position, (repeat, name) in enumerate(run_order(names, args.repeats)):
-            record = None
-            if ready[name] is not None:
-                children[name].stdin.write("run\n")
-                children[name].stdin.flush()
-                record = _read_tagged(children[name], RECORD)
-            if record is None:
-                ready[name] = None  # a child that stopped answering gets no more runs
-                results.append({"config": name, "repeat": repeat, "position": position,
-                                "failed": "its engine stopped, see its log on stderr"})  # fmt: skip
-                continue
-            results.append({**record, "repeat": repeat, "position": position})
-            print(f"{name} (repeat {repeat}): {record['output_tok_s']:.0f} output tok/s over {record['elapsed_s']:.1f} s "
-                  f"({record['passes']} passes), engines side by side", file=sys.stderr, flush=True)  # fmt: skip
+        for workload in workloads:
+            for position, (repeat, name) in enumerate(run_order(names, args.repeats)):
+                record = None
+                if ready[name] is not None:
+                    children[name].stdin.write(f"run {workload}\n")
+                    children[name].stdin.flush()
+                    record = _read_tagged(children[name], RECORD)
+                if record is None:
+                    ready[name] = None  # a child that stopped answering gets no more runs
+                    results.append({"config": name, "workload": workload, "repeat": repeat, "position": position,
+                                    "failed": "its engine stopped, see its log on stderr"})  # fmt: skip
+                    continue
+                results.append({**record, "workload": workload, "repeat": repeat, "position": position})
+                print(f"{name} (repeat {repeat}, {workload}): {record['output_tok_s']:.0f} output tok/s over "
+                      f"{record['elapsed_s']:.1f} s ({record['passes']} passes), engines side by side",
+                      file=sys.stderr, flush=True)  # fmt: skip
     finally:
         for proc in children.values():
             if proc.poll() is None:

@@ -12,7 +12,7 @@
 
 Lengths are drawn per request, uniformly in the range, from `--seed`; every pass of a run replays the
 same requests. `--num-prompts`, `--input-len`, `--output-len`, `--samples` and `--max-model-len`
-override the workload's values.
+override the workload's values (every listed workload's, when `--workload` names several).
 """
 
 from __future__ import annotations
@@ -29,6 +29,19 @@ WORKLOADS = {
 FIELDS = ("num_prompts", "input_len", "output_len", "samples", "max_model_len")
 
 
+def workload_list(text: str) -> str:
+    """argparse type of --workload: one name or several, comma-separated, each a WORKLOADS key."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in WORKLOADS]
+    if not names or unknown or len(set(names)) < len(names):
+        import argparse
+
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: name workloads from {', '.join(sorted(WORKLOADS))}, comma-separated, each once"
+        )
+    return ",".join(names)
+
+
 class Request(NamedTuple):
     prompt: list[int]  # token ids
     max_tokens: int
@@ -36,10 +49,25 @@ class Request(NamedTuple):
 
 
 def apply_workload(args) -> None:
-    """Fill every workload field the command line left unset (None) from `args.workload`."""
+    """Fill every workload field the command line left unset (None) from `args.workload` (one name)."""
     for field in FIELDS:
         if getattr(args, field) is None:
             setattr(args, field, WORKLOADS[args.workload][field])
+
+
+def for_workload(args, name: str):
+    """A copy of `args` for workload `name`: its fields, the command line's overrides kept."""
+    import copy
+
+    one = copy.copy(args)
+    one.workload = name
+    apply_workload(one)
+    return one
+
+
+def shared_max_model_len(names: list[str]) -> int:
+    """The engine's max_model_len when one engine runs several workloads: the largest of theirs."""
+    return max(WORKLOADS[n]["max_model_len"] for n in names)
 
 
 def bounds(text: str) -> tuple[int, int]:
