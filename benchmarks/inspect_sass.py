@@ -1,0 +1,132 @@
+"""Compile vexact's attention kernels for Hopper (sm_90a) on any machine, no GPU needed, and print what
+the hardware would run: registers, spills, shared memory, and the instruction mix of each kernel.
+
+    python benchmarks/inspect_sass.py [--kernels paged,varlen,dkdv,dq] [--head-dim 128] [--group 2]
+        [--block-m 64] [--out DIR]
+
+Why: device time is scarce; a kernel that spills, loads K/V with scalar 16-bit loads instead of
+128-bit cp.async (LDGSTS), or waits on every wgmma (HGMMA) shows it in its SASS, before any timing.
+Run it with the GPU host's Triton (3.6: `pip install --target DIR triton==3.6.0`, then
+PYTHONPATH=DIR) to see that host's code. The integer arguments are specialised as Triton's launcher
+specialises them at run time (pointers and strides divisible by 16, as every tensor here is), and
+the launch options (warps, stages, no FP contraction) are the wrappers' own. Each kernel's cubin and
+SASS go to DIR (default: a temporary folder). registers / spill_stores of -1: the bundled ptxas gave
+no figure for sm_90a (seen with Triton 3.9); the SASS counts still hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from vexact_vllm.kernels import attention_triton as fwd
+from vexact_vllm.kernels import attention_triton_bwd as bwd
+
+FLOATS = {"qk_scale", "scale"}
+INT_POINTERS = {"block_table_ptr", "seq_lens_ptr", "start_loc_ptr", "cu_ptr"}
+FP32_POINTERS = {"lse_ptr", "delta_ptr"}
+# Instruction families worth counting (SASS opcode prefixes).
+FAMILIES = ("HGMMA", "HMMA", "LDGSTS", "LDG", "STG", "LDS", "STS", "LDSM", "STL", "LDL", "MUFU", "SHFL",
+            "WARPGROUP", "BAR", "DEPBAR")  # fmt: skip
+
+
+def signature(kernel, constexprs: dict) -> tuple[dict, dict]:
+    """(types, attrs) for ASTSource: bf16 tensors unless named otherwise, int32 scalars, divisibility
+    16 on pointers and strides (what the launcher's specialisation gives these kernels)."""
+    names = kernel.arg_names
+    types, attrs = {}, {}
+    for i, name in enumerate(names):
+        if name in constexprs:
+            types[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            types[name] = "*i32" if name in INT_POINTERS else "*fp32" if name in FP32_POINTERS else "*bf16"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in FLOATS:
+            types[name] = "fp32"
+        else:
+            types[name] = "i32"
+            if name.startswith("stride"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return types, attrs
+
+
+def specs(head_dim: int, group: int, block_m: int | None) -> dict:
+    """name -> (jit function, constexprs, launch options), as the wrappers launch them."""
+    fwd_m, fwd_warps, fwd_stages = fwd.forward_config(head_dim, group)
+    block_m = block_m or fwd_m
+    common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_N=fwd.KEY_TILE, PRECISION="tf32", DOT_FP32=False)
+    fwd_opts = dict(num_warps=fwd_warps, num_stages=fwd_stages, enable_fp_fusion=False)
+    (kv_m, kv_n, kv_w, kv_s), (q_m, q_n, q_w, q_s) = bwd._BWD_CONFIGS[head_dim]
+    bwd_common = dict(GROUP=group, HEAD_DIM=head_dim, PRECISION="tf32", DOT_FP32=False)
+    return {
+        "paged": (fwd._paged_fwd_kernel, dict(common, BLOCK_M=block_m, PAGE=16), fwd_opts),
+        "varlen": (fwd._varlen_fwd_kernel, dict(common, BLOCK_M=block_m, STORE_LSE=True), fwd_opts),
+        "dkdv": (bwd._dkdv_kernel, dict(bwd_common, BLOCK_M=kv_m, BLOCK_N=kv_n), dict(num_warps=kv_w, num_stages=kv_s)),
+        "dq": (bwd._dq_kernel, dict(bwd_common, BLOCK_M=q_m, BLOCK_N=q_n), dict(num_warps=q_w, num_stages=q_s)),
+    }
+
+
+def tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def inspect(name: str, kernel, constexprs: dict, options: dict, out_dir: str) -> dict:
+    types, attrs = signature(kernel, constexprs)
+    compiled = triton.compile(ASTSource(fn=kernel, signature=types, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=options)  # fmt: skip
+    cubin = os.path.join(out_dir, f"{name}.cubin")
+    with open(cubin, "wb") as f:
+        f.write(compiled.asm["cubin"])
+    ptx = os.path.join(out_dir, f"{name}.ptx")
+    with open(ptx, "w") as f:
+        f.write(compiled.asm["ptx"])
+    verbose = subprocess.run([tool("ptxas"), "-arch=sm_90a", "-v", ptx, "-o", os.devnull],
+                             capture_output=True, text=True).stderr  # fmt: skip
+    sass = subprocess.run([tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
+    with open(os.path.join(out_dir, f"{name}.sass"), "w") as f:
+        f.write(sass)
+    opcodes = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)", sass, re.M)
+    mix = collections.Counter()
+    for op in opcodes:
+        family = next((f for f in FAMILIES if op == f or op.startswith(f + ".")), None)
+        if family:
+            mix[op if family in ("LDG", "LDGSTS", "STS", "LDS") else family] += 1
+    number = lambda pattern: int(m.group(1)) if (m := re.search(pattern, verbose)) else -1  # noqa: E731
+    return {"kernel": name, "registers": number(r"Used (\d+) registers"), "spill_stores": number(r"(\d+) bytes spill stores"),
+            "shared_bytes": compiled.metadata.shared, "instructions": len(opcodes), "mix": dict(sorted(mix.items())),
+            **{k: v for k, v in options.items() if k != "enable_fp_fusion"}, **{k: v for k, v in constexprs.items() if k.startswith("BLOCK")}}  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kernels", default="paged,varlen,dkdv,dq")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--group", type=int, default=2, help="query heads per kv head (Qwen3-1.7B: 2, 8B: 4)")
+    parser.add_argument("--block-m", type=int, help="forward rows per tile (default: the wrappers' config)")
+    parser.add_argument("--out", help="folder for the cubin, PTX and SASS of each kernel")
+    args = parser.parse_args()
+    out_dir = args.out or tempfile.mkdtemp(prefix="vexact-sass-")
+    os.makedirs(out_dir, exist_ok=True)
+    table = specs(args.head_dim, args.group, args.block_m)
+    print(f"Triton {triton.__version__}, sm_90a, head_dim {args.head_dim}, group {args.group}; files in {out_dir}")
+    for name in args.kernels.split(","):
+        if name not in table:
+            sys.exit(f"unknown kernel {name!r}; choose from {', '.join(table)}")
+        row = inspect(name, *table[name], out_dir)
+        mix = row.pop("mix")
+        print(" ".join(f"{k}={v}" for k, v in row.items()))
+        print("   ", " ".join(f"{k}:{v}" for k, v in mix.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
