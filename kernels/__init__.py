@@ -7,7 +7,7 @@ order depends only on its own row and absolute position (see each module's docst
 
 from ._mkl_vml import warm_up_vml
 from .activation import silu_and_mul
-from .attention import KEY_TILE, paged_attention, varlen_attention, write_kv_cache
+from .attention import KEY_TILE, longest_last_schedule, paged_attention, varlen_attention, write_kv_cache
 from .dispatch import (
     backend_for,
     disable_reference_mode,
@@ -40,6 +40,7 @@ __all__ = [
     "linear",
     "linear_token_log_probs",
     "log_softmax",
+    "longest_last_schedule",
     "paged_attention",
     "reference_mode",
     "rms_norm",

@@ -146,7 +146,8 @@ def _write_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping):
     v_cache[blocks, offsets] = v[valid]
 
 
-def _paged_attention_torch(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out=None):
+def _paged_attention_torch(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out=None, schedule=None):
+    del schedule  # one sequence after another: the order of the work changes no value
     block_size = k_cache.shape[1]
     lens = [int(n) for n in seq_lens.tolist()]
     starts = [int(s) for s in query_start_loc.tolist()]
@@ -273,6 +274,30 @@ def write_kv_cache(
     _WRITE_IMPLS[backend_for(k)](k, v, k_cache, v_cache, slot_mapping)
 
 
+def longest_last_schedule(
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `schedule` of `paged_attention` that starts the longest sequences' tiles first: (order,
+    order_start) int32, order = the sequences by seq_lens ascending (ties by index), order_start =
+    query_start_loc of the batch laid out in that order ([B + 1], from 0). The CUDA kernel's programs
+    take the tiles last first, so a decode step's longest sequences start first and the short ones
+    fill the GPU at the end (FlashAttention balances the same way by splitting the keys, which would
+    change the reduction order). Torch ops only, no host synchronisation (CUDA-graph safe); `out`:
+    preallocated int32 [>= B] and [>= B + 1] buffers to write into (their leading parts are returned).
+    """
+    n_seqs = seq_lens.shape[0]
+    order = torch.argsort(seq_lens, stable=True)
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1])[order]
+    if out is None:
+        out = (torch.empty(n_seqs, dtype=torch.int32, device=seq_lens.device),
+               torch.empty(n_seqs + 1, dtype=torch.int32, device=seq_lens.device))  # fmt: skip
+    order_out, start_out = out[0][:n_seqs], out[1][: n_seqs + 1]
+    order_out.copy_(order)
+    start_out[:1].zero_()
+    start_out[1:].copy_(q_lens.cumsum(0))
+    return order_out, start_out
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -282,6 +307,7 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    schedule: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new queries over a paged KV cache (inference; no gradient).
 
@@ -291,7 +317,10 @@ def paged_attention(
     sits at absolute position seq_lens[b] - q_len + i. Returns [T, Hq, D] in q.dtype, bitwise equal
     to `varlen_attention` on the same values. `out`: an optional [T, Hq, D] tensor of q's dtype and
     device (last dim contiguous, rows and heads may be strided, e.g. a view of the caller's output
-    buffer) written in place and returned instead of a new tensor.
+    buffer) written in place and returned instead of a new tensor. `schedule`: which program computes
+    which tile on CUDA (`longest_last_schedule`), never a value: the output is the same bits with any
+    schedule or none. Its values are not checked (that would synchronise the host): it must be a
+    permutation of the sequences and the query_start_loc of the batch in that order.
     """
     _check_qkv(q, k_cache, v_cache, ("k_cache", "v_cache"), "[num_blocks, block_size, Hkv, D]")
     check_last_dim_contiguous("k_cache", k_cache)
@@ -317,6 +346,14 @@ def paged_attention(
             raise ValueError(f"query_start_loc must rise from 0 to T = {q.shape[0]}, got {starts}")
     _check_scale(scale)
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens)
+    if schedule is not None:
+        order, order_start = schedule
+        for name, t, n in (("order", order, n_seqs), ("order_start", order_start, n_seqs + 1)):
+            if t.dtype != torch.int32 or tuple(t.shape) != (n,) or t.device != q.device:
+                raise ValueError(
+                    f"schedule {name} must be int32 [{n}] on {q.device} (longest_last_schedule), got "
+                    f"{t.dtype} {tuple(t.shape)} on {t.device}"
+                )
     if out is not None:
         if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
             raise ValueError(
@@ -326,5 +363,5 @@ def paged_attention(
         check_last_dim_contiguous("out", out)
     with torch.no_grad():
         return _PAGED_IMPLS[backend_for(q)](
-            q, k_cache, v_cache, block_table, seq_lens, query_start_loc, float(scale), out=out
+            q, k_cache, v_cache, block_table, seq_lens, query_start_loc, float(scale), out=out, schedule=schedule
         )

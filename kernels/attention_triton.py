@@ -320,6 +320,8 @@ def _paged_fwd_kernel(
     block_table_ptr,
     seq_lens_ptr,
     start_loc_ptr,
+    order_ptr,  # int32 [B]: ORDERED only, sequences in the order their tiles are laid out
+    order_start_ptr,  # int32 [B + 1]: ORDERED only, query_start_loc of the sequences in that order
     n_seqs,
     qk_scale,
     stride_qt,
@@ -340,13 +342,21 @@ def _paged_fwd_kernel(
     PAGE: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    ORDERED: tl.constexpr,  # tiles laid out in order_ptr's sequence order (which program, never a value)
 ):
     """Inference entry: the new queries of each sequence (its last q_len positions) over the paged
-    cache; program (tile, kv head) -> BLOCK_M rows, as in training."""
+    cache; program (tile, kv head) -> BLOCK_M rows, as in training. The programs take the tiles last
+    first; ORDERED lays the tiles out sequence by sequence in `order` (the schedule of
+    `paged_attention`), so the last tiles, taken first, are those of the sequences put last."""
     TOKENS: tl.constexpr = BLOCK_M // GROUP
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
-    b = _seq_of_tile(start_loc_ptr, n_seqs, tile, TOKENS)
+    if ORDERED:  # tile of the rank-th sequence in `order` -> the same tile in the batch's own layout
+        rank = _seq_of_tile(order_start_ptr, n_seqs, tile, TOKENS)
+        b = tl.load(order_ptr + rank)
+        tile += tl.load(start_loc_ptr + b) // TOKENS + b - (tl.load(order_start_ptr + rank) // TOKENS + rank)
+    else:
+        b = _seq_of_tile(start_loc_ptr, n_seqs, tile, TOKENS)
     q_start = tl.load(start_loc_ptr + b)
     q_end = tl.load(start_loc_ptr + b + 1)
     first = q_start + (tile - q_start // TOKENS - b) * TOKENS
@@ -511,11 +521,12 @@ def varlen_attention(q, k, v, cu_seqlens, scale):
     return _varlen_forward(q, k, v, cu_seqlens, scale, store_lse=False)[0]
 
 
-def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out=None):
+def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out=None, schedule=None):
     """Triton implementation of `attention.paged_attention` (inputs already checked there).
 
     No host synchronisation: the grid is (T // TOKENS + B, Hkv) from the shapes alone, and sequence
     b's q_len = query_start_loc[b + 1] - query_start_loc[b] must be <= seq_lens[b] (not checked here).
+    `schedule`: (order, order_start) int32, `attention.longest_last_schedule`'s, or None.
     """
     n_tokens, n_heads, head_dim = q.shape
     n_kv = k_cache.shape[2]
@@ -528,14 +539,16 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
     block_table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
     seq_lens = seq_lens.to(torch.int32)
     start_loc = query_start_loc.to(torch.int32)
+    order, order_start = schedule if schedule is not None else (seq_lens, start_loc)  # unread when None
     grid = (n_tokens // (block_m // group) + n_seqs, n_kv)
     _paged_fwd_kernel[grid](
-        q, k_cache, v_cache, out, block_table, seq_lens, start_loc, n_seqs, scale * _LOG2E,
+        q, k_cache, v_cache, out, block_table, seq_lens, start_loc, order, order_start, n_seqs, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=KEY_TILE, PAGE=k_cache.shape[1],
-        PRECISION=_precision(q.dtype), DOT_FP32=_interpreted(), enable_fp_fusion=False, num_warps=num_warps, num_stages=num_stages,
+        PRECISION=_precision(q.dtype), DOT_FP32=_interpreted(), ORDERED=schedule is not None,
+        enable_fp_fusion=False, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
 

@@ -8,6 +8,12 @@ absolute position 0 exactly like the training kernel `kernels.varlen_attention`.
 CUDA graphs: decode and mixed prefill/decode batches alike (the builder declares ALWAYS support and
 the vexact model asks vLLM for FULL graphs, models.py).
 
+Scheduling (CUDA, batches of SCHEDULE_MIN_REQS requests or more): the builder lays the attention
+tiles out longest sequence last (`kernels.longest_last_schedule`, computed on the device into
+persistent buffers, so a replayed graph reads the step's own order), and the kernel's programs take
+them last first: a decode step's longest sequences start first instead of ending the step alone.
+Which program computes a tile changes no value.
+
 Cache layout (one tensor per layer, allocated by vLLM from `get_kv_cache_spec`): the logical view
 [num_blocks, num_kv_heads, block_size, 2 * head_size], keys in the first half of the last axis and
 values in the second.
@@ -28,7 +34,11 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
 )
 
-from vexact_vllm.kernels import paged_attention, write_kv_cache
+from vexact_vllm.kernels import longest_last_schedule, paged_attention, write_kv_cache
+
+# Requests from which a step's attention tiles are laid out longest last: below it the programs fit
+# in about one wave of the GPU (Hkv programs a request) and ordering costs more host time than it saves.
+SCHEDULE_MIN_REQS = 64
 
 BACKEND_NAME = "CUSTOM"  # vLLM's registry slot for out-of-tree backends
 
@@ -78,18 +88,29 @@ class VexactAttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32: keys per sequence after this step's tokens are written
     block_table: torch.Tensor  # [B, max_blocks] int32
     slot_mapping: torch.Tensor  # [T] int64, -1 for padding
+    schedule: tuple[torch.Tensor, torch.Tensor] | None = None  # the kernel's tile layout (no value changes)
 
 
 class VexactAttentionMetadataBuilder(AttentionMetadataBuilder[VexactAttentionMetadata]):
-    """Views of vLLM's common metadata, nothing computed on the host. Any batch can be captured in
-    a CUDA graph (ALWAYS): the kernels read lengths and block tables on the device, their grids
-    depend on the padded token and request counts only, padded requests have empty queries and
-    padded tokens the slot -1 (neither written nor stored)."""
+    """Views of vLLM's common metadata, and on CUDA the tile schedule (computed on the device),
+    nothing computed on the host. Any batch can be captured in a CUDA graph (ALWAYS): the kernels read
+    lengths, block tables and the schedule on the device, their grids depend on the padded token and
+    request counts only, padded requests have empty queries and padded tokens the slot -1 (neither
+    written nor stored)."""
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        scheduler = vllm_config.scheduler_config
+        # Persistent: a CUDA graph captured with a schedule reads these addresses at every replay.
+        # Padded request counts stay within the tokens of a step, so this bounds them.
+        capacity = scheduler.max_num_seqs + scheduler.max_num_batched_tokens
+        schedules = torch.device(device).type == "cuda"
+        self._schedule_buffers = (
+            (torch.zeros(capacity, dtype=torch.int32, device=device),
+             torch.zeros(capacity + 1, dtype=torch.int32, device=device)) if schedules else None
+        )  # fmt: skip
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -97,12 +118,18 @@ class VexactAttentionMetadataBuilder(AttentionMetadataBuilder[VexactAttentionMet
         m = common_attn_metadata
         if isinstance(m.causal, torch.Tensor) or not m.causal:
             raise ValueError("vexact attention is causal decoder attention only")
+        query_start_loc, seq_lens = m.query_start_loc[: m.num_reqs + 1], m.seq_lens[: m.num_reqs]
+        buffers = self._schedule_buffers
+        schedule = None  # decided by the request count alone: a graph's capture and replays agree
+        if buffers is not None and SCHEDULE_MIN_REQS <= m.num_reqs < buffers[0].shape[0]:
+            schedule = longest_last_schedule(seq_lens, query_start_loc, out=buffers)
         return VexactAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens,
-            query_start_loc=m.query_start_loc[: m.num_reqs + 1],
-            seq_lens=m.seq_lens[: m.num_reqs],
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
             block_table=m.block_table_tensor[: m.num_reqs],
             slot_mapping=m.slot_mapping[: m.num_actual_tokens],
+            schedule=schedule,
         )
 
 
@@ -169,6 +196,7 @@ class VexactAttentionImpl(AttentionImpl):
             attn_metadata.query_start_loc,
             self.scale,
             out=output[:n].view(n, self.num_heads, self.head_size),  # written in place: no copy
+            schedule=attn_metadata.schedule,
         )
         output[n:].fill_(0)
         return output

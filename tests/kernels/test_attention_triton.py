@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from vexact_vllm.kernels import KEY_TILE
+from vexact_vllm.kernels import KEY_TILE, longest_last_schedule, paged_attention
 from vexact_vllm.kernels._capture import gc_paused
 
 pytest.importorskip("triton")
@@ -63,8 +63,10 @@ class _Engine:
     halves are seen as strided [num_blocks, block_size, Hkv, D] views, NaN-filled, each sequence on
     shuffled blocks. `step` plays one engine step: write the new K/V (plus padding slots -1), attend."""
 
-    def __init__(self, ops, k, v, cu, block_size):
+    def __init__(self, ops, k, v, cu, block_size, schedule="none"):
         self.ops, self.k, self.v, self.block_size = ops, k, v, block_size
+        self.schedule = schedule  # "none", "longest" (longest_last_schedule) or "random": tiles' layout
+        self._rng = torch.Generator().manual_seed(5)
         self.cu = cu.tolist()
         self.lens = [hi - lo for lo, hi in zip(self.cu[:-1], self.cu[1:])]
         per_seq = [-(-n // block_size) for n in self.lens]
@@ -106,16 +108,28 @@ class _Engine:
         )
         q_lens = [chunks[b][1] - chunks[b][0] for b in seqs]
         qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        seq_lens = torch.tensor([chunks[b][1] for b in seqs], dtype=torch.int32, device=dev)
         out = self.ops.paged_attention(
             q[rows_dev],
             self.k_cache,
             self.v_cache,
             self.block_table[torch.tensor(seqs, device=dev)],
-            torch.tensor([chunks[b][1] for b in seqs], dtype=torch.int32, device=dev),
+            seq_lens,
             qsl.to(dev),
             scale,
+            schedule=self._schedule(seq_lens, qsl.to(dev)),
         )
         return {b: out[qsl[i] : qsl[i + 1]] for i, b in enumerate(seqs)}
+
+
+    def _schedule(self, seq_lens, qsl):
+        if self.schedule == "longest":
+            return longest_last_schedule(seq_lens, qsl)
+        if self.schedule == "random":  # any order lays the tiles out correctly
+            order = torch.randperm(seq_lens.shape[0], generator=self._rng).to(seq_lens.device)
+            starts = torch.cat([qsl[:1], (qsl[1:] - qsl[:-1])[order].cumsum(0)])
+            return order.int(), starts.int()
+        return None
 
 
 def _run_chunked(ops, q, k, v, cu, block_size, chunk, scale):
@@ -142,10 +156,10 @@ def _check_invariance(ops, seq_lens, n_heads, n_kv, head_dim, block_size, dtype,
     return q, k, v, cu, scale, train
 
 
-def _mixed_steps(ops, q, k, v, cu, block_size, scale):
+def _mixed_steps(ops, q, k, v, cu, block_size, scale, schedule="none"):
     """Steps mixing decodes, prefill chunks and fresh prompts, sequences in a shuffled order."""
     lens = (cu[1:] - cu[:-1]).tolist()
-    engine = _Engine(ops, k, v, cu, block_size)
+    engine = _Engine(ops, k, v, cu, block_size, schedule)
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
     done = [0] * len(lens)
     rng = torch.Generator().manual_seed(1)
@@ -190,6 +204,33 @@ def test_paged_equals_varlen_interpreted_mha(interp):
         interp, INTERP_LENS, 2, 2, 32, 32, torch.float32, chunks=(max(INTERP_LENS), 64)
     )
     assert torch.equal(_mixed_steps(interp, q, k, v, cu, 32, scale), train)
+
+
+@pytest.mark.parametrize("schedule", ["longest", "random"])
+def test_schedule_changes_no_bit_interpreted(interp, schedule):
+    """Tiles laid out in another sequence order (longest_last_schedule, or any permutation): the same
+    outputs, in steps mixing decodes with multi-tile prefill chunks (GQA 2: 32 tokens a tile)."""
+    q, k, v, cu = _packed((1, 63, 64, 65, 70, 3, 40), 4, 2, 16, torch.bfloat16)
+    scale = 0.25
+    train = interp.varlen_attention(q, k, v, cu, scale)
+    assert torch.equal(_mixed_steps(interp, q, k, v, cu, 16, scale, schedule), train)
+
+
+def test_longest_last_schedule():
+    seq_lens = torch.tensor([5, 9, 5, 1, 7], dtype=torch.int32)
+    qsl = torch.tensor([0, 1, 4, 5, 6, 8], dtype=torch.int32)  # q_lens 1, 3, 1, 1, 2
+    order, starts = longest_last_schedule(seq_lens, qsl)
+    assert order.tolist() == [3, 0, 2, 4, 1] and order.dtype == torch.int32  # ascending, ties by index
+    assert starts.tolist() == [0, 1, 2, 3, 5, 8] and starts.dtype == torch.int32  # q_lens 1, 1, 1, 2, 3
+    buffers = (torch.full((8,), -1, dtype=torch.int32), torch.full((9,), -1, dtype=torch.int32))
+    got = longest_last_schedule(seq_lens, qsl, out=buffers)
+    assert got[0].data_ptr() == buffers[0].data_ptr() and got[1].data_ptr() == buffers[1].data_ptr()
+    assert torch.equal(got[0], order) and torch.equal(got[1], starts) and buffers[0][5:].eq(-1).all()
+    with pytest.raises(ValueError, match="schedule order must be int32"):
+        q = torch.zeros(8, 2, 16)
+        cache = torch.zeros(4, 16, 2, 16)
+        paged_attention(q, cache, cache, torch.zeros(5, 1, dtype=torch.int32), seq_lens, qsl, 0.25,
+                        schedule=(order.long(), starts))  # fmt: skip
 
 
 @pytest.mark.parametrize("n_heads,dtype", [(4, torch.bfloat16), (6, torch.float32)])
@@ -267,7 +308,8 @@ def test_paged_equals_varlen_cuda(compiled, head_dim, n_heads, n_kv, block_size)
         compiled, CUDA_LENS, n_heads, n_kv, head_dim, block_size, torch.bfloat16,
         chunks=(max(CUDA_LENS), 1000, 100, 64, 7, 1), device="cuda",
     )  # fmt: skip
-    assert torch.equal(_mixed_steps(compiled, q, k, v, cu, block_size, scale), train)
+    for schedule in ("none", "longest", "random"):  # the tile layout changes no bit
+        assert torch.equal(_mixed_steps(compiled, q, k, v, cu, block_size, scale, schedule), train), schedule
     for b in range(len(CUDA_LENS)):  # each sequence alone: training layout and a one-sequence prefill
         lo, hi = cu[b].item(), cu[b + 1].item()
         one = torch.tensor([0, hi - lo], dtype=torch.int32, device="cuda")
@@ -284,12 +326,13 @@ def test_large_batch_decode_cuda(compiled):
     lens = torch.randint(1, 400, (300,)).tolist()
     q, k, v, cu = _packed(lens, 16, 8, 128, torch.bfloat16, device="cuda")
     train = compiled.varlen_attention(q, k, v, cu, 0.1)
-    engine = _Engine(compiled, k, v, cu, 16)
-    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
-    for step in ({b: (0, n - 1) for b, n in enumerate(lens)}, {b: (n - 1, n) for b, n in enumerate(lens)}):
-        for b, o in engine.step(q, step, 0.1).items():
-            out[engine.cu[b] + step[b][0] : engine.cu[b] + step[b][1]] = o
-    assert torch.equal(out, train)
+    for schedule in ("none", "longest"):
+        engine = _Engine(compiled, k, v, cu, 16, schedule)
+        out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
+        for step in ({b: (0, n - 1) for b, n in enumerate(lens)}, {b: (n - 1, n) for b, n in enumerate(lens)}):
+            for b, o in engine.step(q, step, 0.1).items():
+                out[engine.cu[b] + step[b][0] : engine.cu[b] + step[b][1]] = o
+        assert torch.equal(out, train), schedule
 
 
 @pytest.mark.cuda
@@ -348,6 +391,8 @@ def test_paged_cuda_graph_replay(compiled):
         "slots": torch.full((n,), -1, dtype=torch.int64, device="cuda"),
         "seq_lens": torch.ones(n, dtype=torch.int32, device="cuda"),
         "qsl": torch.arange(n + 1, dtype=torch.int32, device="cuda"),
+        "order": torch.arange(n, dtype=torch.int32, device="cuda"),  # the builder's persistent schedule
+        "order_start": torch.arange(n + 1, dtype=torch.int32, device="cuda"),  # (a valid one at capture)
     }
 
     def run():
@@ -360,6 +405,7 @@ def test_paged_cuda_graph_replay(compiled):
             static["seq_lens"],
             static["qsl"],
             scale,
+            schedule=(static["order"], static["order_start"]),
         )
 
     run()  # compile outside the capture
@@ -375,6 +421,8 @@ def test_paged_cuda_graph_replay(compiled):
     static["v"].copy_(v[last])
     static["slots"].copy_((table[torch.arange(3), pos // 16].long() * 16 + pos % 16).cuda())
     static["seq_lens"].copy_((pos + 1).int().cuda())
+    longest_last_schedule(static["seq_lens"], static["qsl"], out=(static["order"], static["order_start"]))
+    assert static["order"].tolist() == [1, 2, 0]  # this step's order, read by the replay
     graph.replay()
     assert torch.equal(out, train[last])
 
