@@ -107,7 +107,8 @@ def test_workload_list_names_known_workloads_once():
     from vexact_vllm.cli.bench_workloads import workload_list
 
     assert workload_list("grpo, long") == "grpo,long"
-    for bad in ("fast", "grpo,grpo", ",", "default,fast"):
+    assert workload_list("grpo:32,default") == "grpo:32,default"
+    for bad in ("fast", "grpo,grpo", ",", "default,fast", "grpo:0", "grpo:x", "grpo,grpo:32", "fast:3"):
         with pytest.raises(argparse.ArgumentTypeError, match="comma-separated"):
             workload_list(bad)
 
@@ -126,17 +127,18 @@ def test_several_workloads_run_one_after_another(monkeypatch, tmp_path, capsys):
 
     monkeypatch.setattr(bench, "_run_child", fake_child)
     out = tmp_path / "bench.json"
-    rc = main(["bench", "--model", "tiny-qwen3", "--configs", "vexact", "--workload", "grpo,decode-small",
-               "--num-prompts", "4", "--repeats", "1", "--output", str(out)])  # fmt: skip
+    rc = main(["bench", "--model", "tiny-qwen3", "--configs", "vexact", "--workload", "grpo:3,decode-small,default",
+               "--num-prompts", "4", "--output-len", "9", "--repeats", "1", "--output", str(out)])  # fmt: skip
     assert rc == 0
-    assert [a.workload for a in seen] == ["grpo", "decode-small"]
+    assert [a.workload for a in seen] == ["grpo:3", "decode-small", "default"]
     fields = [(a.num_prompts, a.samples, a.output_len, a.max_model_len) for a in seen]
-    assert fields == [(4, 8, "1024-2048", 3072), (4, 1, "1024-1024", 1536)]  # each its own; --num-prompts for both
-    assert seen[0].forward[seen[0].forward.index("--workload") + 1] == "grpo"
+    # each workload its own fields; the command line's overrides for all; grpo:3 its own prompt count
+    assert fields == [(3, 8, "9-9", 3072), (4, 1, "9-9", 1536), (4, 1, "9-9", 1024)]
+    assert seen[0].forward[seen[0].forward.index("--workload") + 1] == "grpo:3"
     reports = json.loads(out.read_text())["workloads"]
-    assert ["workload grpo: 4 prompts" in r["workload"] for r in reports] == [True, False]
-    assert "workload decode-small: 4 prompts of 64-511 tokens, 1024-1024 output tokens" in reports[1]["workload"]
-    assert capsys.readouterr().out.count("configuration") == 2  # a summary table per workload
+    assert "workload grpo:3: 3 prompts of 256-1024 tokens x 8 samples" in reports[0]["workload"]
+    assert "workload decode-small: 4 prompts of 64-511 tokens, 9-9 output tokens" in reports[1]["workload"]
+    assert capsys.readouterr().out.count("configuration") == 3  # a summary table per workload
 
 
 def test_bench_refuses_unknown_configuration_and_bad_counts():

@@ -21,14 +21,14 @@ def test_interleave_starts_each_engine_once_and_alternates(tiny_model, tmp_path,
     out = tmp_path / "bench.json"
     rc = main([
         "bench", "--model", tiny_model("qwen3"), "--configs", "vexact,stock", "--interleave", "--repeats", "2",
-        "--workload", "grpo,decode-small", "--samples", "1", "--max-model-len", "256",
+        "--workload", "grpo:3,decode-small", "--samples", "1", "--max-model-len", "256",
         "--num-prompts", "3", "--input-len", "8-12", "--output-len", "5", "--warmup-passes", "1",
         "--duration", "0", "--output", str(out), "--enforce-eager",  # no CPU compile: the protocol is tested
         "--engine-kwargs", json.dumps({"kv_cache_memory_bytes": 64 << 20, "block_size": 32}),
     ])  # fmt: skip
     assert rc == 0
     reports = json.loads(out.read_text())["workloads"]
-    assert [r["workload"].split(": ")[0].split(", ")[-1] for r in reports] == ["workload grpo", "workload decode-small"]
+    assert [r["workload"].split(": ")[0].split(", ")[-1] for r in reports] == ["workload grpo:3", "workload decode-small"]
     startups = set()
     for report in reports:
         runs = report["results"]

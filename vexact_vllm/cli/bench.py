@@ -366,7 +366,8 @@ def add_arguments(parser) -> None:
                         "64-511 tokens, 256 out), long (1-4k in, 4-8k out), grpo (64 prompts x 8 samples, 1-2k "
                         "out), decode-small (16 requests, 1k out); several, comma-separated, run one after another "
                         "(with --interleave on the same engines, started once, max-model-len the largest); the "
-                        "options below override every listed workload's values")
+                        "options below override every listed workload's values; NAME:PROMPTS (grpo:32) sets one "
+                        "workload's prompt count")
     parser.add_argument("--num-prompts", type=positive_int, help="prompts in one pass of the workload")
     parser.add_argument("--input-len", type=length_range, help="prompt length range LO-HI, inclusive, or one length N")
     parser.add_argument("--output-len", type=length_range,

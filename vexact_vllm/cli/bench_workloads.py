@@ -29,15 +29,29 @@ WORKLOADS = {
 FIELDS = ("num_prompts", "input_len", "output_len", "samples", "max_model_len")
 
 
+def split_name(name: str) -> tuple[str, int | None]:
+    """"grpo:32" -> ("grpo", 32): a workload and its own prompt count (None: the workload's or
+    --num-prompts)."""
+    base, _, prompts = name.partition(":")
+    return base, int(prompts) if prompts else None
+
+
 def workload_list(text: str) -> str:
-    """argparse type of --workload: one name or several, comma-separated, each a WORKLOADS key."""
+    """argparse type of --workload: one name or several, comma-separated, each a WORKLOADS key,
+    optionally with its own prompt count (NAME:PROMPTS, e.g. grpo:32)."""
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in WORKLOADS]
-    if not names or unknown or len(set(names)) < len(names):
+
+    def ok(name: str) -> bool:
+        base, _, prompts = name.partition(":")
+        return base in WORKLOADS and (not prompts or (prompts.isdigit() and int(prompts) > 0))
+
+    bases = [n.partition(":")[0] for n in names]
+    if not names or not all(ok(n) for n in names) or len(set(bases)) < len(bases):
         import argparse
 
         raise argparse.ArgumentTypeError(
-            f"{text!r}: name workloads from {', '.join(sorted(WORKLOADS))}, comma-separated, each once"
+            f"{text!r}: name workloads from {', '.join(sorted(WORKLOADS))}, comma-separated, each once, "
+            "optionally NAME:PROMPTS (e.g. grpo:32)"
         )
     return ",".join(names)
 
@@ -49,10 +63,14 @@ class Request(NamedTuple):
 
 
 def apply_workload(args) -> None:
-    """Fill every workload field the command line left unset (None) from `args.workload` (one name)."""
+    """Fill every workload field the command line left unset (None) from `args.workload` (one name;
+    NAME:PROMPTS sets its prompt count, over --num-prompts)."""
+    base, prompts = split_name(args.workload)
+    if prompts is not None:
+        args.num_prompts = prompts
     for field in FIELDS:
         if getattr(args, field) is None:
-            setattr(args, field, WORKLOADS[args.workload][field])
+            setattr(args, field, WORKLOADS[base][field])
 
 
 def for_workload(args, name: str):
@@ -67,7 +85,7 @@ def for_workload(args, name: str):
 
 def shared_max_model_len(names: list[str]) -> int:
     """The engine's max_model_len when one engine runs several workloads: the largest of theirs."""
-    return max(WORKLOADS[n]["max_model_len"] for n in names)
+    return max(WORKLOADS[split_name(n)[0]]["max_model_len"] for n in names)
 
 
 def bounds(text: str) -> tuple[int, int]:

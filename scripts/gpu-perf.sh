@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Issue 13's round on the GPU host, in phases, after vLLM is staged there (../shared/gpu/README.md:
+# three transfers; the project installed with `python3 -m pip install --no-deps --no-build-isolation -e .`).
+#
+#   OUT=DIR bash scripts/gpu-perf.sh PHASE [PHASE ...]
+#
+# Phases (each one log DIR/PHASE.log, its summary lines printed; the device tool returns at most 8
+# files, so one phase one file). Limits are what each took on an H100 plus a margin, so that a call
+# of several phases stays inside the tool's 600 s:
+#   tests       CUDA tests of the attention, sampling and GEMM kernels and the sampler graphs   ~150 s
+#   check       vexact-vllm check on the Qwen3-1.7B shape, every composition                    ~230 s
+#   check-long  the same with four 2,700-3,300-token prompts                                    ~250 s
+#   bench       default, decode-small and grpo (32 prompts x 8) side by side, one engine pair    ~450 s
+#   bench-8b    default and grpo (32 x 8) on the Qwen3-8B shape, one engine pair                ~500 s
+#   kernels     bench_kernels.py: decode and prefill attention vs FA3, training attention       ~150 s
+#   bwd         sweep_attention_bwd.py: the backward's launch configurations                    ~120 s
+set -uo pipefail
+: "${OUT:?set OUT to the folder the logs go to}"
+cd "$(dirname "$0")/.."
+[ -f /opt/vx/env.sh ] && source /opt/vx/env.sh
+export PYTHONUNBUFFERED=1
+start=$(date +%s)
+
+run() {  # run NAME LIMIT CMD...: the command's output into $OUT/NAME.log, its exit and seconds printed
+  local name=$1 limit=$2
+  shift 2
+  local t0=$(date +%s)
+  timeout "$limit" "$@" >>"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "[$name] rc=$rc $(( $(date +%s) - t0 )) s (at $(( $(date +%s) - start )) s): $*" | cut -c1-240
+  return $rc
+}
+
+summary() {  # the report lines of a check or bench log
+  grep -E "^(engine|vexact |stock |configuration|PASS|FAIL|qwen3|workload)|mismatch" "$1" | grep -v "INFO\|WARNING" | tail -40
+}
+
+long_prompts() {
+  python3 - "$1" <<'PY'
+import random, sys
+rng = random.Random(5)
+words = ("the of and to in is was for on that with as by at from his her an which were are this be had not have or "
+         "their one all its also new first two has been other after more into time who some would can only most").split()
+with open(sys.argv[1], "w") as f:
+    for n in (900, 950, 1000, 1100):  # 2,700-3,300 tokens of the built-in tokenizer
+        f.write(" ".join(rng.choice(words) + (str(rng.randrange(100)) if rng.random() < 0.2 else "") for _ in range(n)) + "\n")
+PY
+}
+
+B17="vexact-vllm bench --model qwen3-1.7b-shape --interleave --configs stock,vexact"
+for phase in "$@"; do
+  case $phase in
+    tests)
+      run tests 300 python3 -m pytest -q -m cuda tests/kernels/test_attention_triton.py tests/kernels/test_sample.py \
+        tests/kernels/test_gumbel_triton.py tests/kernels/test_logprob_triton.py tests/kernels/test_gemm_triton.py \
+        tests/vexact_vllm/test_sampler_graphs.py
+      tail -3 "$OUT/tests.log" ;;
+    check)
+      run check 400 vexact-vllm check --model qwen3-1.7b-shape --num-prompts 6 --max-tokens 16 --quiet
+      summary "$OUT/check.log" ;;
+    check-long)
+      long_prompts /tmp/vexact-long-prompts.txt
+      run check-long 400 vexact-vllm check --model qwen3-1.7b-shape --prompts /tmp/vexact-long-prompts.txt \
+        --num-prompts 4 --max-tokens 48 --max-model-len 4096 --quiet
+      summary "$OUT/check-long.log" ;;
+    bench)
+      run bench 570 $B17 --workload default,decode-small,grpo:32 --repeats 3 --duration 8
+      summary "$OUT/bench.log" ;;
+    bench-8b)
+      run bench-8b 570 ${B17/qwen3-1.7b-shape/qwen3-8b-shape} --workload default,grpo:32 --repeats 2 --duration 8
+      summary "$OUT/bench-8b.log" ;;
+    kernels)
+      run kernels 300 python3 benchmarks/bench_kernels.py --only decode,prefill,train-attn --out "$OUT"
+      sed -n '/^section    case/,$p' "$OUT/kernels.log" ;;
+    bwd)
+      run bwd 200 python3 benchmarks/sweep_attention_bwd.py --out "$OUT"
+      grep -v "^\s*$" "$OUT/bwd.log" | tail -18 ;;
+    *)
+      echo "unknown phase $phase (tests check check-long bench bench-8b kernels bwd)"; exit 2 ;;
+  esac
+done
