@@ -97,6 +97,9 @@ def _paged_inputs(batch, context, hq, hkv, d, block_size=16):
     return q, k_cache, v_cache, block_table, seq_lens, qsl
 
 
+PAGED_STAGES: list[int] = []  # --paged-stages: pipelining depths of the paged kernel to time (speed only)
+
+
 @section
 def decode_attention(quick):
     """Paged decode at the default bench's batch and at long context (8k-32k keys, fewer requests)."""
@@ -107,18 +110,27 @@ def decode_attention(quick):
 def _decode_case(batch, context):
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
-    from vexact_vllm.kernels import paged_attention
+    from vexact_vllm.kernels import attention_triton, paged_attention
 
     hq, hkv, d = 16, 8, 128
     q, kc, vc, bt, sl, qsl = _paged_inputs(batch, context, hq, hkv, d)
     scale = d**-0.5
-    ours = bench_graph(lambda: paged_attention(q, kc, vc, bt, sl, qsl, scale))
     stock = bench_graph(lambda: flash_attn_varlen_func(
         q, kc, vc, max_seqlen_q=1, cu_seqlens_q=qsl, max_seqlen_k=context, seqused_k=sl,
         softmax_scale=scale, causal=True, block_table=bt, fa_version=3))
     bytes_moved = 2 * kc.numel() * kc.element_size()
-    record("decode", f"B={batch} ctx={context} Hq={hq} Hkv={hkv} D={d}", ours, stock,
-           0.8 if context <= 1024 else 0.9, vexact_tb_s=bytes_moved / ours / 1e9)
+    reference = paged_attention(q, kc, vc, bt, sl, qsl, scale)
+    for stages in [None, *PAGED_STAGES]:  # None: the kernel's own configuration
+        if stages is not None:
+            attention_triton._PAGED_STAGES[d] = stages
+        try:
+            same = torch.equal(paged_attention(q, kc, vc, bt, sl, qsl, scale), reference)
+            ours = bench_graph(lambda: paged_attention(q, kc, vc, bt, sl, qsl, scale))
+        finally:
+            attention_triton._PAGED_STAGES.pop(d, None)
+        label = "" if stages is None else f" stages={stages}{'' if same else ' BITS DIFFER'}"
+        record("decode", f"B={batch} ctx={context} Hq={hq} Hkv={hkv} D={d}{label}", ours, stock,
+               0.8 if context <= 1024 else 0.9, vexact_tb_s=bytes_moved / ours / 1e9, same_bits=same)
 
 
 def _varlen_inputs(nseq, length, hq, hkv, d, grad=False):
@@ -251,7 +263,10 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", default="", help="comma-separated sections")
+    parser.add_argument("--paged-stages", default="",
+                        help="comma-separated pipelining depths of the paged decode kernel to time beside its own")
     args = parser.parse_args()
+    PAGED_STAGES.extend(int(x) for x in args.paged_stages.split(",") if x)
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     torch.manual_seed(0)

@@ -59,6 +59,13 @@ _FWD_CONFIGS = {
 }
 
 
+# head_dim -> num_stages of the paged (inference) launches where it differs from _FWD_CONFIGS': speed
+# only (how many K/V tiles a program has in flight), never a bit. With Triton 3.6 on sm_90a, 3 stages
+# give two K/V buffers (81 KB of shared memory), 5 give three (113 KB, still two programs per SM):
+# benchmarks/bench_kernels.py --paged-stages times them.
+_PAGED_STAGES: dict[int, int] = {}
+
+
 # Interpreter note: reductions are spelled `tl.reduce(x, 1, _sum_combine)` / `_elementwise_max` and
 # constants `tl.full`: exactly what `tl.sum` / `tl.max` / `tl.zeros` expand to for fp32, without a call
 # to a @triton.jit library function, which stays compiled-only when Triton was imported before
@@ -532,6 +539,7 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
     n_kv = k_cache.shape[2]
     group = n_heads // n_kv
     block_m, num_warps, num_stages = forward_config(head_dim, group)
+    num_stages = _PAGED_STAGES.get(head_dim, num_stages)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out  # [T, Hq, D]
     n_seqs = seq_lens.shape[0]
     if n_tokens == 0 or n_seqs == 0:

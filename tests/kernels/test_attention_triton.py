@@ -337,6 +337,18 @@ def test_large_batch_decode_cuda(compiled):
 
 @pytest.mark.cuda
 @needs_cuda
+@pytest.mark.parametrize("stages", [2, 5])
+def test_paged_pipelining_depth_changes_no_bit_cuda(compiled, monkeypatch, stages):
+    """_PAGED_STAGES (how many K/V tiles a program has in flight) at 2 and 5: decode and prefill
+    chunks equal to training, bit for bit."""
+    monkeypatch.setitem(compiled._PAGED_STAGES, 128, stages)
+    q, k, v, cu = _packed((1, 64, 129, 1000, 4097), 16, 8, 128, torch.bfloat16, device="cuda")
+    train = compiled.varlen_attention(q, k, v, cu, 0.1)
+    assert torch.equal(_mixed_steps(compiled, q, k, v, cu, 16, 0.1, "longest"), train)
+
+
+@pytest.mark.cuda
+@needs_cuda
 @pytest.mark.parametrize("head_dim,dtype", [(64, torch.bfloat16), (128, torch.bfloat16), (64, torch.float32)])
 def test_accuracy_cuda(compiled, head_dim, dtype):
     q, k, v, cu = _packed(CUDA_LENS, 8, 2, head_dim, dtype, device="cuda")
