@@ -61,7 +61,8 @@ _FWD_CONFIGS = {
 
 # head_dim -> num_stages of the paged (inference) launches where it differs from _FWD_CONFIGS': speed
 # only (how many K/V tiles a program has in flight), never a bit. With Triton 3.6 on sm_90a, 3 stages
-# give two K/V buffers (81 KB of shared memory), 5 give three (113 KB, still two programs per SM):
+# give two K/V buffers (81 KB of shared memory), 5 give three (113 KB, still two programs per SM), 7
+# four (145 KB, one program per SM: for steps with fewer programs than SMs):
 # benchmarks/bench_kernels.py --paged-stages times them.
 _PAGED_STAGES: dict[int, int] = {}
 

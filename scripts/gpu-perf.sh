@@ -70,7 +70,7 @@ for phase in "$@"; do
       run bench-8b 570 ${B17/qwen3-1.7b-shape/qwen3-8b-shape} --workload default,grpo:32 --repeats 2 --duration 8
       summary "$OUT/bench-8b.log" ;;
     kernels)
-      run kernels 300 python3 benchmarks/bench_kernels.py --only decode,prefill,train-attn --paged-stages 2,5 --out "$OUT"
+      run kernels 300 python3 benchmarks/bench_kernels.py --only decode,prefill,train-attn --paged-stages 5,7 --out "$OUT"
       sed -n '/^section    case/,$p' "$OUT/kernels.log" ;;
     bwd)
       run bwd 200 python3 benchmarks/sweep_attention_bwd.py --out "$OUT"

@@ -337,9 +337,9 @@ def test_large_batch_decode_cuda(compiled):
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("stages", [2, 5])
+@pytest.mark.parametrize("stages", [2, 5, 7])
 def test_paged_pipelining_depth_changes_no_bit_cuda(compiled, monkeypatch, stages):
-    """_PAGED_STAGES (how many K/V tiles a program has in flight) at 2 and 5: decode and prefill
+    """_PAGED_STAGES (how many K/V tiles a program has in flight) at 2, 5 and 7: decode and prefill
     chunks equal to training, bit for bit."""
     monkeypatch.setitem(compiled._PAGED_STAGES, 128, stages)
     q, k, v, cu = _packed((1, 64, 129, 1000, 4097), 16, 8, 128, torch.bfloat16, device="cuda")
