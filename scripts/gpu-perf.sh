@@ -10,6 +10,8 @@
 #   tests       CUDA tests of the attention, sampling and GEMM kernels and the sampler graphs   ~150 s
 #   check       vexact-vllm check on the Qwen3-1.7B shape, every composition                    ~230 s
 #   check-long  the same with four 2,700-3,300-token prompts                                    ~250 s
+#   check-many  the tiny Qwen3 with 80 prompts: batches of 64 requests or more, where the
+#               attention builder lays the tiles out longest last (vexact_vllm/attention.py)     ~250 s
 #   bench       default, decode-small and grpo (32 prompts x 8) side by side, one engine pair    ~450 s
 #   bench-8b    default and grpo (32 x 8) on the Qwen3-8B shape, one engine pair                ~500 s
 #   kernels     bench_kernels.py: decode and prefill attention vs FA3, training attention       ~150 s
@@ -53,7 +55,7 @@ for phase in "$@"; do
     tests)
       run tests 300 python3 -m pytest -q -m cuda tests/kernels/test_attention_triton.py tests/kernels/test_sample.py \
         tests/kernels/test_gumbel_triton.py tests/kernels/test_logprob_triton.py tests/kernels/test_gemm_triton.py \
-        tests/vexact_vllm/test_sampler_graphs.py
+        tests/vexact_vllm/test_sampler_graphs.py tests/vexact_vllm/test_attention_schedule.py
       tail -3 "$OUT/tests.log" ;;
     check)
       run check 400 vexact-vllm check --model qwen3-1.7b-shape --num-prompts 6 --max-tokens 16 --quiet
@@ -63,6 +65,9 @@ for phase in "$@"; do
       run check-long 400 vexact-vllm check --model qwen3-1.7b-shape --prompts /tmp/vexact-long-prompts.txt \
         --num-prompts 4 --max-tokens 48 --max-model-len 4096 --quiet
       summary "$OUT/check-long.log" ;;
+    check-many)
+      run check-many 400 vexact-vllm check --model tiny-qwen3 --num-prompts 80 --max-tokens 24 --quiet
+      summary "$OUT/check-many.log" ;;
     bench)
       run bench 570 $B17 --workload default,decode-small,grpo:32 --repeats 3 --duration 8
       summary "$OUT/bench.log" ;;
@@ -76,6 +81,6 @@ for phase in "$@"; do
       run bwd 200 python3 benchmarks/sweep_attention_bwd.py --out "$OUT"
       grep -v "^\s*$" "$OUT/bwd.log" | tail -18 ;;
     *)
-      echo "unknown phase $phase (tests check check-long bench bench-8b kernels bwd)"; exit 2 ;;
+      echo "unknown phase $phase (tests check check-long check-many bench bench-8b kernels bwd)"; exit 2 ;;
   esac
 done

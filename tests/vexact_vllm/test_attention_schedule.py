@@ -52,3 +52,15 @@ def test_schedule_from_the_minimum_request_count_into_persistent_buffers(monkeyp
         assert sorted(order.tolist()) == list(range(n))
         assert [seq_lens[i] for i in order.tolist()] == sorted(seq_lens)  # longest last
         assert starts.tolist() == [0, *torch.tensor([q_lens[i] for i in order.tolist()]).cumsum(0).tolist()]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_builder_writes_the_schedule_into_its_buffers():
+    builder = _builder("cuda")
+    n = attention.SCHEDULE_MIN_REQS
+    metadata = _metadata([9] * (n - 1) + [2], [1] * n)
+    cuda = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in vars(metadata).items()}
+    order, starts = builder.build(0, SimpleNamespace(**cuda)).schedule
+    assert order.is_cuda and order.data_ptr() == builder._schedule_buffers[0].data_ptr()
+    assert order.tolist() == [n - 1, *range(n - 1)] and starts.tolist() == list(range(n + 1))
