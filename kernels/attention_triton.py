@@ -36,6 +36,7 @@ every program reads the sequence metadata on the device (programs without work e
 """
 
 import math
+import os
 
 import torch
 import triton
@@ -65,6 +66,22 @@ _FWD_CONFIGS = {
 # four (145 KB, one program per SM: for steps with fewer programs than SMs):
 # benchmarks/bench_kernels.py --paged-stages times them.
 _PAGED_STAGES: dict[int, int] = {}
+
+
+def _env_paged_stages() -> int | None:
+    """VEXACT_PAGED_STAGES: every paged launch's pipelining depth, for A/B benchmarks (speed only)."""
+    text = os.environ.get("VEXACT_PAGED_STAGES", "")
+    if not text:
+        return None
+    if not text.isdigit() or not 1 <= int(text) <= 8:
+        raise ValueError(
+            f"VEXACT_PAGED_STAGES must be an integer from 1 to 8 (the paged attention kernel's pipelining "
+            f"depth, speed only), got {text!r}; unset it for the kernel's own"
+        )
+    return int(text)
+
+
+_PAGED_STAGES_ENV = _env_paged_stages()
 
 
 # Interpreter note: reductions are spelled `tl.reduce(x, 1, _sum_combine)` / `_elementwise_max` and
@@ -540,7 +557,7 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
     n_kv = k_cache.shape[2]
     group = n_heads // n_kv
     block_m, num_warps, num_stages = forward_config(head_dim, group)
-    num_stages = _PAGED_STAGES.get(head_dim, num_stages)
+    num_stages = _PAGED_STAGES.get(head_dim, _PAGED_STAGES_ENV or num_stages)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out  # [T, Hq, D]
     n_seqs = seq_lens.shape[0]
     if n_tokens == 0 or n_seqs == 0:

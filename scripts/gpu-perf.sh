@@ -14,6 +14,8 @@
 #               attention builder lays the tiles out longest last (vexact_vllm/attention.py)     ~250 s
 #   bench       default, decode-small and grpo (32 prompts x 8) side by side, one engine pair    ~450 s
 #   bench-8b    default and grpo (32 x 8) on the Qwen3-8B shape, one engine pair                ~500 s
+#   bench-ab    vexact against itself without the longest-last tile layout and with 5 pipeline
+#               stages in the paged kernel (speed-only choices), default and grpo, 3 engines     ~450 s
 #   kernels     bench_kernels.py: decode and prefill attention vs FA3, training attention       ~150 s
 #   bwd         sweep_attention_bwd.py: the backward's launch configurations                    ~120 s
 set -uo pipefail
@@ -74,6 +76,10 @@ for phase in "$@"; do
     bench-8b)
       run bench-8b 570 ${B17/qwen3-1.7b-shape/qwen3-8b-shape} --workload default,grpo:32 --repeats 2 --duration 8
       summary "$OUT/bench-8b.log" ;;
+    bench-ab)
+      run bench-ab 570 ${B17/stock,vexact/vexact,vexact-no-schedule,vexact-stages5} --workload default,grpo:32 \
+        --repeats 2 --duration 8
+      summary "$OUT/bench-ab.log" ;;
     kernels)
       run kernels 300 python3 benchmarks/bench_kernels.py --only decode,prefill,train-attn --paged-stages 5,7 --out "$OUT"
       sed -n '/^section    case/,$p' "$OUT/kernels.log" ;;
@@ -81,6 +87,6 @@ for phase in "$@"; do
       run bwd 200 python3 benchmarks/sweep_attention_bwd.py --out "$OUT"
       grep -v "^\s*$" "$OUT/bwd.log" | tail -18 ;;
     *)
-      echo "unknown phase $phase (tests check check-long check-many bench bench-8b kernels bwd)"; exit 2 ;;
+      echo "unknown phase $phase (tests check check-long check-many bench bench-8b bench-ab kernels bwd)"; exit 2 ;;
   esac
 done

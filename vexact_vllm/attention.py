@@ -21,6 +21,7 @@ values in the second.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -39,6 +40,14 @@ from vexact_vllm.kernels import longest_last_schedule, paged_attention, write_kv
 # Requests from which a step's attention tiles are laid out longest last: below it the programs fit
 # in about one wave of the GPU (Hkv programs a request) and ordering costs more host time than it saves.
 SCHEDULE_MIN_REQS = 64
+
+
+def schedule_enabled() -> bool:
+    """VEXACT_ATTENTION_SCHEDULE=0 turns the longest-last layout off (A/B benchmarks; no bit changes)."""
+    text = os.environ.get("VEXACT_ATTENTION_SCHEDULE", "1")
+    if text not in ("0", "1"):
+        raise ValueError(f"VEXACT_ATTENTION_SCHEDULE must be 0 or 1 (the attention tile layout), got {text!r}")
+    return text == "1"
 
 BACKEND_NAME = "CUSTOM"  # vLLM's registry slot for out-of-tree backends
 
@@ -106,7 +115,7 @@ class VexactAttentionMetadataBuilder(AttentionMetadataBuilder[VexactAttentionMet
         # Persistent: a CUDA graph captured with a schedule reads these addresses at every replay.
         # Padded request counts stay within the tokens of a step, so this bounds them.
         capacity = scheduler.max_num_seqs + scheduler.max_num_batched_tokens
-        schedules = torch.device(device).type == "cuda"
+        schedules = torch.device(device).type == "cuda" and schedule_enabled()
         self._schedule_buffers = (
             (torch.zeros(capacity, dtype=torch.int32, device=device),
              torch.zeros(capacity + 1, dtype=torch.int32, device=device)) if schedules else None

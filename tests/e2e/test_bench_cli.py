@@ -141,6 +141,18 @@ def test_several_workloads_run_one_after_another(monkeypatch, tmp_path, capsys):
     assert capsys.readouterr().out.count("configuration") == 3  # a summary table per workload
 
 
+def test_ab_variants_are_asked_for_by_name_only(monkeypatch):
+    """The vexact-* variants run only when named; each is vexact with one speed-only setting."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert bench.default_configs() == ["stock", "stock-batch-invariant", "vexact"]
+    variants = {name: cfg for name, cfg in bench.CONFIGS.items() if name.startswith("vexact-")}
+    assert variants["vexact-no-schedule"]["env"] == {"VEXACT_ATTENTION_SCHEDULE": "0"}
+    assert {cfg["env"].get("VEXACT_PAGED_STAGES") for cfg in variants.values()} >= {"5", "7"}
+    assert all(cfg["model_impl"] == "vexact" and len(cfg["env"]) == 1 for cfg in variants.values())
+
+
 def test_bench_refuses_unknown_configuration_and_bad_counts():
     with pytest.raises(SystemExit, match="unknown configuration"):
         main(["bench", "--model", "tiny-qwen3", "--configs", "fastest"])

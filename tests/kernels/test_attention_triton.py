@@ -216,6 +216,16 @@ def test_schedule_changes_no_bit_interpreted(interp, schedule):
     assert torch.equal(_mixed_steps(interp, q, k, v, cu, 16, scale, schedule), train)
 
 
+def test_paged_stages_from_the_environment(monkeypatch, compiled):
+    for good, want in (("", None), ("5", 5)):
+        monkeypatch.setenv("VEXACT_PAGED_STAGES", good)
+        assert compiled._env_paged_stages() == want
+    for bad in ("0", "9", "five", "-1"):
+        monkeypatch.setenv("VEXACT_PAGED_STAGES", bad)
+        with pytest.raises(ValueError, match="VEXACT_PAGED_STAGES must be an integer from 1 to 8"):
+            compiled._env_paged_stages()
+
+
 def test_longest_last_schedule():
     seq_lens = torch.tensor([5, 9, 5, 1, 7], dtype=torch.int32)
     qsl = torch.tensor([0, 1, 4, 5, 6, 8], dtype=torch.int32)  # q_lens 1, 3, 1, 1, 2

@@ -64,3 +64,13 @@ def test_cuda_builder_writes_the_schedule_into_its_buffers():
     order, starts = builder.build(0, SimpleNamespace(**cuda)).schedule
     assert order.is_cuda and order.data_ptr() == builder._schedule_buffers[0].data_ptr()
     assert order.tolist() == [n - 1, *range(n - 1)] and starts.tolist() == list(range(n + 1))
+
+
+def test_schedule_can_be_turned_off_for_ab_runs(monkeypatch):
+    monkeypatch.setenv("VEXACT_ATTENTION_SCHEDULE", "0")
+    assert not attention.schedule_enabled()
+    monkeypatch.setenv("VEXACT_ATTENTION_SCHEDULE", "yes")
+    with pytest.raises(ValueError, match="VEXACT_ATTENTION_SCHEDULE must be 0 or 1"):
+        attention.schedule_enabled()
+    monkeypatch.delenv("VEXACT_ATTENTION_SCHEDULE")
+    assert attention.schedule_enabled()

@@ -56,7 +56,12 @@ CONFIGS = {
     "stock": {"model_impl": "vllm", "env": {}},
     "stock-batch-invariant": {"model_impl": "vllm", "env": {"VLLM_BATCH_INVARIANT": "1"}},
     "vexact": {"model_impl": "vexact", "env": {}},
+    # Asked for by name only (--configs): vexact with one speed-only choice changed, for A/B runs.
+    "vexact-no-schedule": {"model_impl": "vexact", "env": {"VEXACT_ATTENTION_SCHEDULE": "0"}},
+    "vexact-stages5": {"model_impl": "vexact", "env": {"VEXACT_PAGED_STAGES": "5"}},
+    "vexact-stages7": {"model_impl": "vexact", "env": {"VEXACT_PAGED_STAGES": "7"}},
 }
+DEFAULT_CONFIGS = ("stock", "stock-batch-invariant", "vexact")
 
 
 def timed_passes(generate: Callable[[], int], duration: float, before: Callable[[], object] = lambda: None,
@@ -217,17 +222,17 @@ def _vocab_size(model: str) -> int:
 
 
 def default_configs() -> list[str]:
-    """All of them on CUDA. Elsewhere not stock-batch-invariant: vLLM's batch-invariant kernels are
-    Triton kernels (it can still be asked for)."""
+    """DEFAULT_CONFIGS on CUDA. Elsewhere not stock-batch-invariant: vLLM's batch-invariant kernels
+    are Triton kernels (it can still be asked for, as can the vexact A/B variants)."""
     import torch
 
-    return [c for c in CONFIGS if c != "stock-batch-invariant" or torch.cuda.is_available()]
+    return [c for c in DEFAULT_CONFIGS if c != "stock-batch-invariant" or torch.cuda.is_available()]
 
 
 def _config_names(args) -> list[str]:
     if args.configs is None:
         names = default_configs()
-        if len(names) < len(CONFIGS):
+        if len(names) < len(DEFAULT_CONFIGS):
             print("note: no CUDA: leaving out stock-batch-invariant (VLLM_BATCH_INVARIANT needs Triton)",
                   file=sys.stderr)  # fmt: skip
     else:
@@ -360,7 +365,8 @@ def add_arguments(parser) -> None:
                         "config is written when --load-format is dummy), qwen3-8b-shape, qwen3-30b-a3b-shape (MoE, "
                         "dummy weights only), tiny-qwen3, tiny-qwen2, tiny-llama, tiny-qwen3-moe")
     parser.add_argument("--configs", help=f"comma-separated subset of {', '.join(CONFIGS)}, in the order of the "
-                        "first repeat (default: all; stock-batch-invariant only on CUDA)")
+                        "first repeat (default: stock, stock-batch-invariant, vexact; stock-batch-invariant only on "
+                        "CUDA; the vexact-* variants change one speed-only choice, for A/B runs)")
     parser.add_argument("--workload", type=workload_list, default="default",
                         help="named request shapes (vexact_vllm/cli/bench_workloads.py): default (256 prompts of "
                         "64-511 tokens, 256 out), long (1-4k in, 4-8k out), grpo (64 prompts x 8 samples, 1-2k "
