@@ -95,12 +95,13 @@ def test_bench_table_ratios():
 
 
 def test_bench_default_configs(monkeypatch):
-    from vexact_vllm.cli.bench import CONFIGS, default_configs
+    from vexact_vllm.cli.bench import CONFIGS, DEFAULT_CONFIGS, default_configs
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert default_configs() == ["stock", "vexact"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert default_configs() == list(CONFIGS)
+    assert default_configs() == list(DEFAULT_CONFIGS) == ["stock", "stock-batch-invariant", "vexact"]
+    assert set(DEFAULT_CONFIGS) < set(CONFIGS)  # the A/B variants run only when named
 
 
 def test_preemption_blocks_fit_the_longest_request_and_one_spare():
