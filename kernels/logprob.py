@@ -336,13 +336,17 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """fp32 [M, V] Gumbel noise keyed by (seeds[m], positions[m], v) only."""
+def gumbel_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """fp32 [M, V] uniforms in (0, 1) keyed by (seeds[m], positions[m], v) only: the hash's u."""
     row_key = _mix63(_mix63((seeds.long() & _MASK63) ^ _GOLDEN) ^ (positions.long() & _MASK63)) & _MASK32
     token_ids = torch.arange(vocab, dtype=torch.int64, device=seeds.device)  # [V]
     h = _hash32(row_key[:, None] ^ token_ids[None, :])  # [M, V]
-    u = ((h >> (32 - _UNIFORM_BITS)).float() + 0.5) * (2.0**-_UNIFORM_BITS)  # exact, in (0, 1)
-    return -torch.log(-torch.log(u))
+    return ((h >> (32 - _UNIFORM_BITS)).float() + 0.5) * (2.0**-_UNIFORM_BITS)  # exact, in (0, 1)
+
+
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """fp32 [M, V] Gumbel noise keyed by (seeds[m], positions[m], v) only."""
+    return -torch.log(-torch.log(gumbel_uniform(seeds, positions, vocab)))
 
 
 def _gumbel_argmax_torch(log_probs, seeds, positions, threshold=None, out=None):

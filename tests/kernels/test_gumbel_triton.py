@@ -8,8 +8,8 @@ import torch
 
 pytest.importorskip("triton")  # imported here, in compiled mode, before any interpreted import
 
-from vexact_vllm.kernels import gumbel_argmax, log_softmax, logprob  # noqa: E402
-from vexact_vllm.kernels.logprob import gumbel_noise  # noqa: E402
+from vexact_vllm.kernels import gumbel_argmax, log_softmax  # noqa: E402
+from vexact_vllm.kernels.logprob import gumbel_noise, gumbel_uniform  # noqa: E402
 
 MODULE = "vexact_vllm.kernels.gumbel_triton"
 BLOCK = importlib.import_module(MODULE).BLOCK
@@ -36,9 +36,7 @@ def _reference(log_probs, seeds, positions):
 def _numpy_noise(seeds, positions, vocab):
     """The noise as the interpreter computes it: the hash's uniform (logprob's definition), numpy's
     fp32 log."""
-    key = logprob._mix63(logprob._mix63((seeds & logprob._MASK63) ^ logprob._GOLDEN) ^ (positions & logprob._MASK63))
-    h = logprob._hash32((key & logprob._MASK32)[:, None] ^ torch.arange(vocab)[None, :])
-    u = (((h >> (32 - logprob._UNIFORM_BITS)).float() + 0.5) * 2.0**-logprob._UNIFORM_BITS).numpy()
+    u = gumbel_uniform(seeds, positions, vocab).numpy()
     return torch.from_numpy(-np.log(-np.log(u)))
 
 
