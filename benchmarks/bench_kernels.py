@@ -133,6 +133,87 @@ def _decode_case(batch, context):
                0.8 if context <= 1024 else 0.9, vexact_tb_s=bytes_moved / ours / 1e9, same_bits=same)
 
 
+def _shared_prefix_inputs(groups, samples, prompt, generated, shared, hq, hkv, d, page=16, seed=0):
+    """A decode step of a rollout engine: `groups` prompts (lengths drawn from `prompt`, a (lo, hi)
+    range) x `samples` each, every sample `generated` tokens in. With `shared`, the samples of a
+    prompt read its whole prompt blocks from the same cache blocks (vLLM's prefix caching); the rest
+    of each sample's keys are its own blocks. Caches in vexact's engine layout ([blocks, Hkv, page,
+    2D], keys then values, vexact_vllm/attention.py) and in FlashAttention's ([blocks, page, Hkv, D])."""
+    rng = torch.Generator().manual_seed(seed)
+    lens, tables, next_block = [], [], 0
+    for _ in range(groups):
+        p = int(torch.randint(prompt[0], prompt[1] + 1, (1,), generator=rng))
+        n = p + generated
+        full = p // page if shared else 0  # blocks read by every sample of the prompt
+        common = list(range(next_block, next_block + full))
+        next_block += full
+        for _ in range(samples):
+            own = -(-n // page) - full
+            tables.append(common + list(range(next_block, next_block + own)))
+            next_block += own
+            lens.append(n)
+    perm = torch.randperm(next_block, generator=rng)  # blocks scattered over the cache, as after churn
+    width = max(len(t) for t in tables)
+    block_table = torch.zeros(len(tables), width, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        block_table[i, : len(t)] = perm[torch.tensor(t)].to(torch.int32)
+    kv = torch.randn(next_block, hkv, page, 2 * d, device="cuda", dtype=torch.bfloat16)
+    engine = (kv.transpose(1, 2)[..., :d], kv.transpose(1, 2)[..., d:])  # [blocks, page, Hkv, D] views
+    fa = (engine[0].contiguous(), engine[1].contiguous())
+    batch = len(lens)
+    q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
+    qsl = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    seq_lens = torch.tensor(lens, device="cuda", dtype=torch.int32)
+    return q, engine, fa, block_table.cuda(), seq_lens, qsl
+
+
+# Speed-only launch choices of the paged kernel timed by decode_rollout: name -> (stages, heads_fast,
+# longest-last schedule). None: the kernel's own.
+PAGED_VARIANTS = {"own": (None, False, False), "schedule": (None, False, True), "stages5": (5, False, False),
+                  "stages7": (7, False, False), "heads-fast": (None, True, False),
+                  "heads-fast stages5": (5, True, False)}  # fmt: skip
+
+
+@section
+def decode_rollout(quick):
+    """Paged decode as a rollout engine runs it (vexact's cache layout, scattered blocks, lengths
+    that differ per prompt): GRPO's 32 prompts x 8 samples sharing each prompt's blocks (and the
+    same without sharing, to see what the shared reads are worth), and a long-rollout step.
+    Each of PAGED_VARIANTS against FlashAttention-3 on the same blocks, bits checked equal."""
+    cases = [("grpo 32x8 shared", 32, 8, (256, 1024), 600, True), ("grpo 32x8 private", 32, 8, (256, 1024), 600, False),
+             ("long 32x1", 32, 1, (1024, 4096), 2000, False)]  # fmt: skip
+    for label, groups, samples, prompt, generated, shared in cases[:1] if quick else cases:
+        _decode_rollout_case(label, groups, samples, prompt, generated, shared)
+
+
+def _decode_rollout_case(label, groups, samples, prompt, generated, shared):
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    from vexact_vllm.kernels import attention_triton, longest_last_schedule, paged_attention
+
+    hq, hkv, d = 16, 8, 128
+    q, (kc, vc), (kf, vf), bt, sl, qsl = _shared_prefix_inputs(groups, samples, prompt, generated, shared, hq, hkv, d)
+    scale, max_len = d**-0.5, int(sl.max())
+    stock = bench_graph(lambda: flash_attn_varlen_func(
+        q, kf, vf, max_seqlen_q=1, cu_seqlens_q=qsl, max_seqlen_k=max_len, seqused_k=sl,
+        softmax_scale=scale, causal=True, block_table=bt, fa_version=3))  # fmt: skip
+    reference = paged_attention(q, kc, vc, bt, sl, qsl, scale)
+    schedule = longest_last_schedule(sl, qsl)
+    for name, (stages, heads_fast, ordered) in PAGED_VARIANTS.items():
+        sched = schedule if ordered else None
+        if stages is not None:
+            attention_triton._PAGED_STAGES[d] = stages
+        attention_triton._PAGED_HEADS_FAST = heads_fast
+        try:
+            same = torch.equal(paged_attention(q, kc, vc, bt, sl, qsl, scale, schedule=sched), reference)
+            ours = bench_graph(lambda s=sched: paged_attention(q, kc, vc, bt, sl, qsl, scale, schedule=s))
+        finally:
+            attention_triton._PAGED_STAGES.pop(d, None)
+            attention_triton._PAGED_HEADS_FAST = False
+        record("rollout", f"{label} {name}{'' if same else ' BITS DIFFER'}", ours, stock, 0.9,
+               mean_keys=float(sl.float().mean()), same_bits=same)
+
+
 def _varlen_inputs(nseq, length, hq, hkv, d, grad=False):
     t = nseq * length
     q = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
@@ -270,7 +351,7 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     torch.manual_seed(0)
-    sections = {"gemm": gemm, "decode": decode_attention, "prefill": prefill_attention,
+    sections = {"gemm": gemm, "decode": decode_attention, "rollout": decode_rollout, "prefill": prefill_attention,
                 "train-attn": training_attention, "logprob": linear_logprob, "layer": decoder_layer}
     chosen = [s for s in args.only.split(",") if s] or list(sections)
     for name in chosen:
@@ -282,7 +363,7 @@ def main():
         if "speed" in r:
             meets = "-" if r["meets"] is None else ("yes" if r["meets"] else "NO")
             tgt = "-" if r["target"] is None else f"{r['target']:.2f}"
-            print(f"{r['section']:10s} {r['case'][:40]:40s} {r['speed']:5.2f}  {tgt:6s}  {meets}")
+            print(f"{r['section']:10s} {r['case'][:44]:44s} {r['speed']:5.2f}  {tgt:6s}  {meets}")
         else:
             print(f"{r['section']:10s} ERROR (see log)")
 

@@ -19,8 +19,11 @@ import os
 import torch
 import torch.nn.functional as F
 
+from vexact_vllm.kernels import (
+    attention_triton,  # noqa: F401 (first: it imports the backward module, which imports it)
+    varlen_attention,
+)
 from vexact_vllm.kernels import attention_triton_bwd as bwd
-from vexact_vllm.kernels import varlen_attention
 
 # (dK/dV config, dQ config): (BLOCK_M, BLOCK_N, num_warps, num_stages) each; the first is the current one.
 CONFIGS = [
@@ -34,7 +37,9 @@ CONFIGS = [
 
 def _inputs(nseq: int, length: int):
     t = nseq * length
-    q, k, v = (torch.randn(t, h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (16, 8, 8))
+    q, k, v = (
+        torch.randn(t, h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (16, 8, 8)
+    )
     cu = torch.arange(0, t + 1, length, device="cuda", dtype=torch.int32)
     return q, k, v, cu, torch.randn(t, 16, 128, device="cuda", dtype=torch.bfloat16)
 

@@ -83,6 +83,22 @@ def _env_paged_stages() -> int | None:
 
 _PAGED_STAGES_ENV = _env_paged_stages()
 
+# The paged launch's grid order (speed only: which program computes a tile, never a value): False,
+# (tiles, Hkv), a wave of programs spans many sequences of one kv head; True, (Hkv, tiles), a wave
+# spans every kv head of fewer sequences. VEXACT_PAGED_HEADS_FAST=1 sets it for A/B benchmarks;
+# benchmarks/bench_kernels.py's rollout section times both.
+def _env_paged_heads_fast() -> bool:
+    text = os.environ.get("VEXACT_PAGED_HEADS_FAST", "0")
+    if text not in ("0", "1"):
+        raise ValueError(
+            f"VEXACT_PAGED_HEADS_FAST must be 0 or 1 (the paged attention kernel's grid order, speed only), "
+            f"got {text!r}"
+        )
+    return text == "1"
+
+
+_PAGED_HEADS_FAST = _env_paged_heads_fast()
+
 
 # Interpreter note: reductions are spelled `tl.reduce(x, 1, _sum_combine)` / `_elementwise_max` and
 # constants `tl.full`: exactly what `tl.sum` / `tl.max` / `tl.zeros` expand to for fp32, without a call
@@ -368,14 +384,19 @@ def _paged_fwd_kernel(
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
     ORDERED: tl.constexpr,  # tiles laid out in order_ptr's sequence order (which program, never a value)
+    HEADS_FAST: tl.constexpr,  # grid (Hkv, tiles) instead of (tiles, Hkv) (which program, never a value)
 ):
     """Inference entry: the new queries of each sequence (its last q_len positions) over the paged
     cache; program (tile, kv head) -> BLOCK_M rows, as in training. The programs take the tiles last
     first; ORDERED lays the tiles out sequence by sequence in `order` (the schedule of
     `paged_attention`), so the last tiles, taken first, are those of the sequences put last."""
     TOKENS: tl.constexpr = BLOCK_M // GROUP
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FAST:
+        tile = tl.num_programs(1) - 1 - tl.program_id(1)
+        kv_head = tl.program_id(0)
+    else:
+        tile = tl.num_programs(0) - 1 - tl.program_id(0)
+        kv_head = tl.program_id(1)
     if ORDERED:  # tile of the rank-th sequence in `order` -> the same tile in the batch's own layout
         rank = _seq_of_tile(order_start_ptr, n_seqs, tile, TOKENS)
         b = tl.load(order_ptr + rank)
@@ -566,7 +587,8 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
     seq_lens = seq_lens.to(torch.int32)
     start_loc = query_start_loc.to(torch.int32)
     order, order_start = schedule if schedule is not None else (seq_lens, start_loc)  # unread when None
-    grid = (n_tokens // (block_m // group) + n_seqs, n_kv)
+    n_tiles = n_tokens // (block_m // group) + n_seqs
+    grid = (n_kv, n_tiles) if _PAGED_HEADS_FAST else (n_tiles, n_kv)
     _paged_fwd_kernel[grid](
         q, k_cache, v_cache, out, block_table, seq_lens, start_loc, order, order_start, n_seqs, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -574,7 +596,7 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=KEY_TILE, PAGE=k_cache.shape[1],
         PRECISION=_precision(q.dtype), DOT_FP32=_interpreted(), ORDERED=schedule is not None,
-        enable_fp_fusion=False, num_warps=num_warps, num_stages=num_stages,
+        HEADS_FAST=_PAGED_HEADS_FAST, enable_fp_fusion=False, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
 

@@ -17,6 +17,8 @@
 #   bench-ab    vexact against itself without the longest-last tile layout and with 5 pipeline
 #               stages in the paged kernel (speed-only choices), default and grpo, 3 engines     ~450 s
 #   kernels     bench_kernels.py: decode and prefill attention vs FA3, training attention       ~150 s
+#   rollout     bench_kernels.py's rollout section: decode steps shaped like grpo (32 prompts x 8
+#               sharing prompt blocks) and long, each speed-only paged launch choice vs FA3      ~120 s
 #   bwd         sweep_attention_bwd.py: the backward's launch configurations                    ~120 s
 set -uo pipefail
 : "${OUT:?set OUT to the folder the logs go to}"
@@ -83,10 +85,13 @@ for phase in "$@"; do
     kernels)
       run kernels 300 python3 benchmarks/bench_kernels.py --only decode,prefill,train-attn --paged-stages 5,7 --out "$OUT"
       sed -n '/^section    case/,$p' "$OUT/kernels.log" ;;
+    rollout)
+      run rollout 240 python3 benchmarks/bench_kernels.py --only rollout --out "$OUT"
+      sed -n '/^section    case/,$p' "$OUT/rollout.log" ;;
     bwd)
       run bwd 200 python3 benchmarks/sweep_attention_bwd.py --out "$OUT"
       grep -v "^\s*$" "$OUT/bwd.log" | tail -18 ;;
     *)
-      echo "unknown phase $phase (tests check check-long check-many bench bench-8b bench-ab kernels bwd)"; exit 2 ;;
+      echo "unknown phase $phase (tests check check-long check-many bench bench-8b bench-ab kernels rollout bwd)"; exit 2 ;;
   esac
 done

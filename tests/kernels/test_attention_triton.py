@@ -206,10 +206,12 @@ def test_paged_equals_varlen_interpreted_mha(interp):
     assert torch.equal(_mixed_steps(interp, q, k, v, cu, 32, scale), train)
 
 
-@pytest.mark.parametrize("schedule", ["longest", "random"])
-def test_schedule_changes_no_bit_interpreted(interp, schedule):
-    """Tiles laid out in another sequence order (longest_last_schedule, or any permutation): the same
-    outputs, in steps mixing decodes with multi-tile prefill chunks (GQA 2: 32 tokens a tile)."""
+@pytest.mark.parametrize("schedule,heads_fast", [("longest", False), ("random", False), ("none", True), ("longest", True)])
+def test_schedule_changes_no_bit_interpreted(interp, monkeypatch, schedule, heads_fast):
+    """Tiles laid out in another sequence order (longest_last_schedule, or any permutation), and the
+    grid's axes swapped (_PAGED_HEADS_FAST): the same outputs, in steps mixing decodes with multi-tile
+    prefill chunks (GQA 2: 32 tokens a tile)."""
+    monkeypatch.setattr(interp, "_PAGED_HEADS_FAST", heads_fast)
     q, k, v, cu = _packed((1, 63, 64, 65, 70, 3, 40), 4, 2, 16, torch.bfloat16)
     scale = 0.25
     train = interp.varlen_attention(q, k, v, cu, scale)
@@ -224,6 +226,18 @@ def test_paged_stages_from_the_environment(monkeypatch, compiled):
         monkeypatch.setenv("VEXACT_PAGED_STAGES", bad)
         with pytest.raises(ValueError, match="VEXACT_PAGED_STAGES must be an integer from 1 to 8"):
             compiled._env_paged_stages()
+
+
+def test_paged_heads_fast_from_the_environment(monkeypatch, compiled):
+    for good, want in (("0", False), ("1", True)):
+        monkeypatch.setenv("VEXACT_PAGED_HEADS_FAST", good)
+        assert compiled._env_paged_heads_fast() is want
+    monkeypatch.delenv("VEXACT_PAGED_HEADS_FAST")
+    assert compiled._env_paged_heads_fast() is False
+    for bad in ("yes", "2", ""):
+        monkeypatch.setenv("VEXACT_PAGED_HEADS_FAST", bad)
+        with pytest.raises(ValueError, match="VEXACT_PAGED_HEADS_FAST must be 0 or 1"):
+            compiled._env_paged_heads_fast()
 
 
 def test_longest_last_schedule():
@@ -347,11 +361,13 @@ def test_large_batch_decode_cuda(compiled):
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("stages", [2, 5, 7])
-def test_paged_pipelining_depth_changes_no_bit_cuda(compiled, monkeypatch, stages):
-    """_PAGED_STAGES (how many K/V tiles a program has in flight) at 2, 5 and 7: decode and prefill
-    chunks equal to training, bit for bit."""
-    monkeypatch.setitem(compiled._PAGED_STAGES, 128, stages)
+@pytest.mark.parametrize("stages,heads_fast", [(2, False), (5, False), (7, False), (None, True), (5, True)])
+def test_paged_pipelining_depth_changes_no_bit_cuda(compiled, monkeypatch, stages, heads_fast):
+    """_PAGED_STAGES (how many K/V tiles a program has in flight) at 2, 5 and 7, and the grid's axes
+    swapped (_PAGED_HEADS_FAST): decode and prefill chunks equal to training, bit for bit."""
+    if stages is not None:
+        monkeypatch.setitem(compiled._PAGED_STAGES, 128, stages)
+    monkeypatch.setattr(compiled, "_PAGED_HEADS_FAST", heads_fast)
     q, k, v, cu = _packed((1, 64, 129, 1000, 4097), 16, 8, 128, torch.bfloat16, device="cuda")
     train = compiled.varlen_attention(q, k, v, cu, 0.1)
     assert torch.equal(_mixed_steps(compiled, q, k, v, cu, 16, 0.1, "longest"), train)

@@ -60,6 +60,7 @@ CONFIGS = {
     "vexact-no-schedule": {"model_impl": "vexact", "env": {"VEXACT_ATTENTION_SCHEDULE": "0"}},
     "vexact-stages5": {"model_impl": "vexact", "env": {"VEXACT_PAGED_STAGES": "5"}},
     "vexact-stages7": {"model_impl": "vexact", "env": {"VEXACT_PAGED_STAGES": "7"}},
+    "vexact-heads-fast": {"model_impl": "vexact", "env": {"VEXACT_PAGED_HEADS_FAST": "1"}},
 }
 DEFAULT_CONFIGS = ("stock", "stock-batch-invariant", "vexact")
 
