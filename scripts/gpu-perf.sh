@@ -10,11 +10,11 @@
 #   tests       CUDA tests of the attention, sampling and GEMM kernels and the sampler graphs   ~150 s
 #   check       vexact-vllm check on the Qwen3-1.7B shape, every composition                    ~230 s
 #   check-long  the same with four 2,700-3,300-token prompts                                    ~250 s
-#   check-many  the tiny Qwen3 with 80 prompts: batches of 64 requests or more, where the
-#               attention builder lays the tiles out longest last (vexact_vllm/attention.py)     ~250 s
+#   check-many  the tiny Qwen3 with 80 prompts: batches of 64 requests or more (with
+#               VEXACT_ATTENTION_SCHEDULE=1 set, the longest-last tile layout)                   ~180 s
 #   bench       default, decode-small and grpo (32 prompts x 8) side by side, one engine pair    ~450 s
 #   bench-8b    default and grpo (32 x 8) on the Qwen3-8B shape, one engine pair                ~500 s
-#   bench-ab    vexact against itself without the longest-last tile layout and with 5 pipeline
+#   bench-ab    vexact against itself with the longest-last tile layout and with 5 pipeline
 #               stages in the paged kernel (speed-only choices), default and grpo, 3 engines     ~450 s
 #   kernels     bench_kernels.py: decode and prefill attention vs FA3, training attention       ~150 s
 #   rollout     bench_kernels.py's rollout section: decode steps shaped like grpo (32 prompts x 8
@@ -79,7 +79,7 @@ for phase in "$@"; do
       run bench-8b 570 ${B17/qwen3-1.7b-shape/qwen3-8b-shape} --workload default,grpo:32 --repeats 2 --duration 8
       summary "$OUT/bench-8b.log" ;;
     bench-ab)
-      run bench-ab 570 ${B17/stock,vexact/vexact,vexact-no-schedule,vexact-stages5} --workload default,grpo:32 \
+      run bench-ab 570 ${B17/stock,vexact/vexact,vexact-schedule,vexact-stages5} --workload default,grpo:32 \
         --repeats 2 --duration 8
       summary "$OUT/bench-ab.log" ;;
     kernels)

@@ -8,11 +8,13 @@ absolute position 0 exactly like the training kernel `kernels.varlen_attention`.
 CUDA graphs: decode and mixed prefill/decode batches alike (the builder declares ALWAYS support and
 the vexact model asks vLLM for FULL graphs, models.py).
 
-Scheduling (CUDA, batches of SCHEDULE_MIN_REQS requests or more): the builder lays the attention
-tiles out longest sequence last (`kernels.longest_last_schedule`, computed on the device into
+Scheduling (opt-in, VEXACT_ATTENTION_SCHEDULE=1; CUDA, batches of SCHEDULE_MIN_REQS requests or
+more): the builder lays the attention tiles out longest sequence last (`kernels.longest_last_schedule`, computed on the device into
 persistent buffers, so a replayed graph reads the step's own order), and the kernel's programs take
 them last first: a decode step's longest sequences start first instead of ending the step alone.
-Which program computes a tile changes no value.
+Which program computes a tile changes no value. Off by default: on an H100 it gained nothing on
+uniform or long decode steps and cost 5% where GRPO's samples share their prompt's cache blocks
+(docs/BENCHMARKS.md, session 20).
 
 Cache layout (one tensor per layer, allocated by vLLM from `get_kv_cache_spec`): the logical view
 [num_blocks, num_kv_heads, block_size, 2 * head_size], keys in the first half of the last axis and
@@ -43,8 +45,8 @@ SCHEDULE_MIN_REQS = 64
 
 
 def schedule_enabled() -> bool:
-    """VEXACT_ATTENTION_SCHEDULE=0 turns the longest-last layout off (A/B benchmarks; no bit changes)."""
-    text = os.environ.get("VEXACT_ATTENTION_SCHEDULE", "1")
+    """VEXACT_ATTENTION_SCHEDULE=1 turns the longest-last layout on (A/B benchmarks; no bit changes)."""
+    text = os.environ.get("VEXACT_ATTENTION_SCHEDULE", "0")
     if text not in ("0", "1"):
         raise ValueError(f"VEXACT_ATTENTION_SCHEDULE must be 0 or 1 (the attention tile layout), got {text!r}")
     return text == "1"

@@ -148,7 +148,7 @@ def test_ab_variants_are_asked_for_by_name_only(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert bench.default_configs() == ["stock", "stock-batch-invariant", "vexact"]
     variants = {name: cfg for name, cfg in bench.CONFIGS.items() if name.startswith("vexact-")}
-    assert variants["vexact-no-schedule"]["env"] == {"VEXACT_ATTENTION_SCHEDULE": "0"}
+    assert variants["vexact-schedule"]["env"] == {"VEXACT_ATTENTION_SCHEDULE": "1"}
     assert {cfg["env"].get("VEXACT_PAGED_STAGES") for cfg in variants.values()} >= {"5", "7"}
     assert variants["vexact-heads-fast"]["env"] == {"VEXACT_PAGED_HEADS_FAST": "1"}
     assert all(cfg["model_impl"] == "vexact" and len(cfg["env"]) == 1 for cfg in variants.values())

@@ -1,5 +1,6 @@
 """The attention metadata builder's tile schedule (vexact_vllm/attention.py): laid out longest last
-into persistent buffers on CUDA, for batches of SCHEDULE_MIN_REQS requests or more; none elsewhere."""
+into persistent buffers on CUDA, for batches of SCHEDULE_MIN_REQS requests or more, when
+VEXACT_ATTENTION_SCHEDULE=1 asks for it; none elsewhere."""
 
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def test_schedule_from_the_minimum_request_count_into_persistent_buffers(monkeyp
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_builder_writes_the_schedule_into_its_buffers():
+def test_cuda_builder_writes_the_schedule_into_its_buffers(monkeypatch):
+    monkeypatch.setenv("VEXACT_ATTENTION_SCHEDULE", "1")
     builder = _builder("cuda")
     n = attention.SCHEDULE_MIN_REQS
     metadata = _metadata([9] * (n - 1) + [2], [1] * n)
@@ -66,11 +68,12 @@ def test_cuda_builder_writes_the_schedule_into_its_buffers():
     assert order.tolist() == [n - 1, *range(n - 1)] and starts.tolist() == list(range(n + 1))
 
 
-def test_schedule_can_be_turned_off_for_ab_runs(monkeypatch):
-    monkeypatch.setenv("VEXACT_ATTENTION_SCHEDULE", "0")
-    assert not attention.schedule_enabled()
+def test_schedule_is_opt_in_for_ab_runs(monkeypatch):
+    monkeypatch.setenv("VEXACT_ATTENTION_SCHEDULE", "1")
+    assert attention.schedule_enabled()
     monkeypatch.setenv("VEXACT_ATTENTION_SCHEDULE", "yes")
     with pytest.raises(ValueError, match="VEXACT_ATTENTION_SCHEDULE must be 0 or 1"):
         attention.schedule_enabled()
     monkeypatch.delenv("VEXACT_ATTENTION_SCHEDULE")
-    assert attention.schedule_enabled()
+    assert not attention.schedule_enabled()  # off unless asked for (docs/BENCHMARKS.md, session 20)
+    assert _builder("cuda" if torch.cuda.is_available() else "cpu")._schedule_buffers is None

@@ -57,7 +57,7 @@ CONFIGS = {
     "stock-batch-invariant": {"model_impl": "vllm", "env": {"VLLM_BATCH_INVARIANT": "1"}},
     "vexact": {"model_impl": "vexact", "env": {}},
     # Asked for by name only (--configs): vexact with one speed-only choice changed, for A/B runs.
-    "vexact-no-schedule": {"model_impl": "vexact", "env": {"VEXACT_ATTENTION_SCHEDULE": "0"}},
+    "vexact-schedule": {"model_impl": "vexact", "env": {"VEXACT_ATTENTION_SCHEDULE": "1"}},
     "vexact-stages5": {"model_impl": "vexact", "env": {"VEXACT_PAGED_STAGES": "5"}},
     "vexact-stages7": {"model_impl": "vexact", "env": {"VEXACT_PAGED_STAGES": "7"}},
     "vexact-heads-fast": {"model_impl": "vexact", "env": {"VEXACT_PAGED_HEADS_FAST": "1"}},
