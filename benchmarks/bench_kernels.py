@@ -168,10 +168,10 @@ def _shared_prefix_inputs(groups, samples, prompt, generated, shared, hq, hkv, d
 
 
 # Speed-only launch choices of the paged kernel timed by decode_rollout: name -> (stages, heads_fast,
-# longest-last schedule). None: the kernel's own.
+# True: the longest-last schedule, "groups": shared-prompt groups). None: the kernel's own.
 PAGED_VARIANTS = {"own": (None, False, False), "schedule": (None, False, True), "stages5": (5, False, False),
-                  "stages7": (7, False, False), "heads-fast": (None, True, False),
-                  "heads-fast stages5": (5, True, False)}  # fmt: skip
+                  "heads-fast": (None, True, False), "heads-fast stages5": (5, True, False),
+                  "groups": (None, False, "groups"), "groups stages5": (5, False, "groups")}  # fmt: skip
 
 
 @section
@@ -189,7 +189,12 @@ def decode_rollout(quick):
 def _decode_rollout_case(label, groups, samples, prompt, generated, shared):
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
-    from vexact_vllm.kernels import attention_triton, longest_last_schedule, paged_attention
+    from vexact_vllm.kernels import (
+        attention_triton,
+        longest_last_schedule,
+        paged_attention,
+        shared_prefix_groups,
+    )
 
     hq, hkv, d = 16, 8, 128
     q, (kc, vc), (kf, vf), bt, sl, qsl = _shared_prefix_inputs(groups, samples, prompt, generated, shared, hq, hkv, d)
@@ -199,14 +204,16 @@ def _decode_rollout_case(label, groups, samples, prompt, generated, shared):
         softmax_scale=scale, causal=True, block_table=bt, fa_version=3))  # fmt: skip
     reference = paged_attention(q, kc, vc, bt, sl, qsl, scale)
     schedule = longest_last_schedule(sl, qsl)
+    grouping = shared_prefix_groups(bt, sl, qsl, kc.shape[1], 64 // (hq // hkv))  # as the engine's builder
     for name, (stages, heads_fast, ordered) in PAGED_VARIANTS.items():
-        sched = schedule if ordered else None
+        sched = schedule if ordered is True else None
+        by_prompt = grouping if ordered == "groups" else None
         if stages is not None:
             attention_triton._PAGED_STAGES[d] = stages
         attention_triton._PAGED_HEADS_FAST = heads_fast
         try:
-            same = torch.equal(paged_attention(q, kc, vc, bt, sl, qsl, scale, schedule=sched), reference)
-            ours = bench_graph(lambda s=sched: paged_attention(q, kc, vc, bt, sl, qsl, scale, schedule=s))
+            same = torch.equal(paged_attention(q, kc, vc, bt, sl, qsl, scale, schedule=sched, shared=by_prompt), reference)
+            ours = bench_graph(lambda s=sched, g=by_prompt: paged_attention(q, kc, vc, bt, sl, qsl, scale, schedule=s, shared=g))
         finally:
             attention_triton._PAGED_STAGES.pop(d, None)
             attention_triton._PAGED_HEADS_FAST = False

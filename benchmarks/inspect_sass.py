@@ -1,7 +1,7 @@
 """Compile vexact's attention kernels for Hopper (sm_90a) on any machine, no GPU needed, and print what
 the hardware would run: registers, spills, shared memory, and the instruction mix of each kernel.
 
-    python benchmarks/inspect_sass.py [--kernels paged,paged-ordered,varlen,dkdv,dq] [--head-dim 128] [--group 2]
+    python benchmarks/inspect_sass.py [--kernels paged,paged-ordered,paged-shared,prefix,varlen,dkdv,dq] [--head-dim 128] [--group 2]
         [--block-m 64] [--out DIR]
 
 Why: device time is scarce; a kernel that spills, loads K/V with scalar 16-bit loads instead of
@@ -28,12 +28,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from vexact_vllm.kernels import attention_prefix_triton as prefix
 from vexact_vllm.kernels import attention_triton as fwd
 from vexact_vllm.kernels import attention_triton_bwd as bwd
 
 FLOATS = {"qk_scale", "scale"}
-INT_POINTERS = {"block_table_ptr", "seq_lens_ptr", "start_loc_ptr", "cu_ptr", "order_ptr", "order_start_ptr"}
-FP32_POINTERS = {"lse_ptr", "delta_ptr"}
+INT_POINTERS = {"block_table_ptr", "seq_lens_ptr", "start_loc_ptr", "cu_ptr", "order_ptr", "order_start_ptr",
+                "resume_ptr", "members_ptr", "tiles_ptr"}  # fmt: skip
+FP32_POINTERS = {"lse_ptr", "delta_ptr", "ws_acc_ptr", "ws_ml_ptr"}
 # Instruction families worth counting (SASS opcode prefixes).
 FAMILIES = ("HGMMA", "HMMA", "LDGSTS", "LDG", "STG", "LDS", "STS", "LDSM", "STL", "LDL", "MUFU", "SHFL",
             "WARPGROUP", "BAR", "DEPBAR")  # fmt: skip
@@ -67,9 +69,12 @@ def specs(head_dim: int, group: int, block_m: int | None) -> dict:
     fwd_opts = dict(num_warps=fwd_warps, num_stages=fwd_stages, enable_fp_fusion=False)
     (kv_m, kv_n, kv_w, kv_s), (q_m, q_n, q_w, q_s) = bwd._BWD_CONFIGS[head_dim]
     bwd_common = dict(GROUP=group, HEAD_DIM=head_dim, PRECISION="tf32", DOT_FP32=False)
+    paged = dict(common, BLOCK_M=block_m, PAGE=16, HEADS_FAST=False, SHARED=False)
     return {
-        "paged": (fwd._paged_fwd_kernel, dict(common, BLOCK_M=block_m, PAGE=16, ORDERED=False), fwd_opts),
-        "paged-ordered": (fwd._paged_fwd_kernel, dict(common, BLOCK_M=block_m, PAGE=16, ORDERED=True), fwd_opts),
+        "paged": (fwd._paged_fwd_kernel, dict(paged, ORDERED=False), fwd_opts),
+        "paged-ordered": (fwd._paged_fwd_kernel, dict(paged, ORDERED=True), fwd_opts),
+        "paged-shared": (fwd._paged_fwd_kernel, dict(paged, ORDERED=False, SHARED=True), fwd_opts),
+        "prefix": (prefix._shared_prefix_kernel, dict(common, BLOCK_M=block_m, PAGE=16), fwd_opts),
         "varlen": (fwd._varlen_fwd_kernel, dict(common, BLOCK_M=block_m, STORE_LSE=True), fwd_opts),
         "dkdv": (bwd._dkdv_kernel, dict(bwd_common, BLOCK_M=kv_m, BLOCK_N=kv_n), dict(num_warps=kv_w, num_stages=kv_s)),
         "dq": (bwd._dq_kernel, dict(bwd_common, BLOCK_M=q_m, BLOCK_N=q_n), dict(num_warps=q_w, num_stages=q_s)),
@@ -109,7 +114,7 @@ def inspect(name: str, kernel, constexprs: dict, options: dict, out_dir: str) ->
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kernels", default="paged,paged-ordered,varlen,dkdv,dq")
+    parser.add_argument("--kernels", default="paged,paged-ordered,paged-shared,prefix,varlen,dkdv,dq")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--group", type=int, default=2, help="query heads per kv head (Qwen3-1.7B: 2, 8B: 4)")
     parser.add_argument("--block-m", type=int, help="forward rows per tile (default: the wrappers' config)")

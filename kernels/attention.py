@@ -146,8 +146,10 @@ def _write_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping):
     v_cache[blocks, offsets] = v[valid]
 
 
-def _paged_attention_torch(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out=None, schedule=None):
-    del schedule  # one sequence after another: the order of the work changes no value
+def _paged_attention_torch(
+    q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out=None, schedule=None, shared=None
+):
+    del schedule, shared  # one sequence after another: the order and grouping of the work change no value
     block_size = k_cache.shape[1]
     lens = [int(n) for n in seq_lens.tolist()]
     starts = [int(s) for s in query_start_loc.tolist()]
@@ -308,6 +310,7 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     schedule: tuple[torch.Tensor, torch.Tensor] | None = None,
+    shared=None,
 ) -> torch.Tensor:
     """Causal attention of packed new queries over a paged KV cache (inference; no gradient).
 
@@ -320,7 +323,10 @@ def paged_attention(
     buffer) written in place and returned instead of a new tensor. `schedule`: which program computes
     which tile on CUDA (`longest_last_schedule`), never a value: the output is the same bits with any
     schedule or none. Its values are not checked (that would synchronise the host): it must be a
-    permutation of the sequences and the query_start_loc of the batch in that order.
+    permutation of the sequences and the query_start_loc of the batch in that order. `shared`:
+    `attention_prefix.shared_prefix_groups` of this step's block_table, seq_lens and query_start_loc
+    (decode sequences reading the same cache blocks, attended once per group on CUDA), or None: the
+    same bits either way; built for other inputs, it gives wrong values (not checked: that would sync).
     """
     _check_qkv(q, k_cache, v_cache, ("k_cache", "v_cache"), "[num_blocks, block_size, Hkv, D]")
     check_last_dim_contiguous("k_cache", k_cache)
@@ -354,6 +360,14 @@ def paged_attention(
                     f"schedule {name} must be int32 [{n}] on {q.device} (longest_last_schedule), got "
                     f"{t.dtype} {tuple(t.shape)} on {t.device}"
                 )
+    if shared is not None:
+        for name in ("order", "members", "tiles"):
+            t = getattr(shared, name)
+            if t.dtype != torch.int32 or tuple(t.shape) != (n_seqs,) or t.device != q.device:
+                raise ValueError(
+                    f"shared {name} must be int32 [{n_seqs}] on {q.device} (shared_prefix_groups), got "
+                    f"{t.dtype} {tuple(t.shape)} on {t.device}"
+                )
     if out is not None:
         if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
             raise ValueError(
@@ -363,5 +377,6 @@ def paged_attention(
         check_last_dim_contiguous("out", out)
     with torch.no_grad():
         return _PAGED_IMPLS[backend_for(q)](
-            q, k_cache, v_cache, block_table, seq_lens, query_start_loc, float(scale), out=out, schedule=schedule
-        )
+            q, k_cache, v_cache, block_table, seq_lens, query_start_loc, float(scale), out=out, schedule=schedule,
+            shared=shared,
+        )  # fmt: skip

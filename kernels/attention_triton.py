@@ -261,8 +261,48 @@ def _attend_rows(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0, dtype=tl.float32)
     acc = tl.full([BLOCK_M, HEAD_DIM], 0, dtype=tl.float32)
+    m_i, l_i, acc = _attend_from(
+        0, m_i, l_i, acc, q, q_pos, min_pos, max_pos, seq_len, k_base, v_base, kv_row0, stride_k_row,
+        stride_v_row, block_table_row, stride_k_block, stride_v_block, qk_scale,
+        PAGED, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
+    )  # fmt: skip
+    # 4. Normalise.
+    return acc / l_i[:, None], m_i + tl.log2(l_i)
+
+
+@triton.jit
+def _attend_from(
+    t0,
+    m_i,
+    l_i,
+    acc,
+    q,
+    q_pos,
+    min_pos,
+    max_pos,
+    seq_len,
+    k_base,
+    v_base,
+    kv_row0,
+    stride_k_row,
+    stride_v_row,
+    block_table_row,
+    stride_k_block,
+    stride_v_block,
+    qk_scale,
+    PAGED: tl.constexpr,
+    PAGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """`_attend_rows`'s loops from key tile t0 on, the online softmax's state (m_i, l_i, acc) after
+    tiles 0 .. t0 - 1 given (t0 <= (min_pos + 1) // BLOCK_N: those tiles unmasked for every row);
+    returns the state after the last tile, unnormalised (`_attend_rows` starts it at tile 0)."""
     n_full = (min_pos + 1) // BLOCK_N
-    for t in range(0, n_full):
+    for t in range(t0, n_full):
         m_i, l_i, acc = _attend_tile(
             t, q, q_pos, m_i, l_i, acc, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
             block_table_row, stride_k_block, stride_v_block, qk_scale,
@@ -274,8 +314,7 @@ def _attend_rows(
             block_table_row, stride_k_block, stride_v_block, qk_scale,
             True, PAGED, PAGE, HEAD_DIM, BLOCK_N, PRECISION, DOT_FP32,
         )  # fmt: skip
-    # 4. Normalise.
-    return acc / l_i[:, None], m_i + tl.log2(l_i)
+    return m_i, l_i, acc
 
 
 @triton.jit(do_not_specialize=["n_seqs"])  # the batch size must not select another kernel
@@ -385,6 +424,12 @@ def _paged_fwd_kernel(
     DOT_FP32: tl.constexpr,
     ORDERED: tl.constexpr,  # tiles laid out in order_ptr's sequence order (which program, never a value)
     HEADS_FAST: tl.constexpr,  # grid (Hkv, tiles) instead of (tiles, Hkv) (which program, never a value)
+    SHARED: tl.constexpr = False,  # resume sequences whose first key tiles the shared-prefix kernel did
+    resume_ptr=None,  # SHARED: int32 [B], key tiles already attended per sequence (0: none)
+    ws_acc_ptr=None,  # SHARED: fp32 [T, Hq, HEAD_DIM], their unnormalised accumulators
+    ws_ml_ptr=None,  # SHARED: fp32 [T, Hq, 2], their running max and sum
+    stride_wt=0,  # SHARED: ws_acc's token stride (Hq * HEAD_DIM)
+    stride_mt=0,  # SHARED: ws_ml's token stride (Hq * 2)
 ):
     """Inference entry: the new queries of each sequence (its last q_len positions) over the paged
     cache; program (tile, kv head) -> BLOCK_M rows, as in training. The programs take the tiles last
@@ -418,18 +463,42 @@ def _paged_fwd_kernel(
         mask=valid[:, None],
         other=0.0,
     )
+    if SHARED:
+        out = _resume_rows(
+            q, q_pos, pos0, max_pos, seq_len, token, head, valid, b, resume_ptr, ws_acc_ptr, ws_ml_ptr,
+            stride_wt, stride_mt, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh, stride_ks, stride_vs,
+            block_table_ptr + b.to(tl.int64) * stride_bt, stride_kb, stride_vb, qk_scale,
+            PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
+        )  # fmt: skip
+    else:
+        out = _attend_paged(
+            q, q_pos, pos0, max_pos, seq_len, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh,
+            stride_ks, stride_vs, block_table_ptr + b.to(tl.int64) * stride_bt, stride_kb, stride_vb, qk_scale,
+            PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
+        )  # fmt: skip
+    o_ptrs = o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
+def _attend_paged(
+    q, q_pos, pos0, max_pos, seq_len, k_base, v_base, stride_ks, stride_vs, block_table_row, stride_kb,
+    stride_vb, qk_scale, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """A paged tile's rows from key tile 0: `_attend_rows` normalised."""
     out, _ = _attend_rows(
         q,
         q_pos,
         pos0,
         max_pos,
         seq_len,
-        k_ptr + kv_head * stride_kh,
-        v_ptr + kv_head * stride_vh,
+        k_base,
+        v_base,
         0,
         stride_ks,
         stride_vs,
-        block_table_ptr + b.to(tl.int64) * stride_bt,
+        block_table_row,
         stride_kb,
         stride_vb,
         qk_scale,
@@ -441,8 +510,33 @@ def _paged_fwd_kernel(
         PRECISION,
         DOT_FP32,
     )
-    o_ptrs = o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
+    return out
+
+
+@triton.jit
+def _resume_rows(
+    q, q_pos, pos0, max_pos, seq_len, token, head, valid, b, resume_ptr, ws_acc_ptr, ws_ml_ptr,
+    stride_wt, stride_mt, k_base, v_base, stride_ks, stride_vs, block_table_row, stride_kb, stride_vb, qk_scale,
+    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """A paged tile's rows, resumed after the key tiles the shared-prefix kernel attended for its
+    sequence (attention_prefix_triton.py; none: from tile 0). Its state was stored in fp32 and is
+    read back unchanged, so each row's arithmetic is the same as without the split."""
+    t0 = tl.load(resume_ptr + b)
+    resumed = valid.to(tl.int32) * t0 > 0  # rows of a sequence its group began
+    offs_d = tl.arange(0, HEAD_DIM)
+    ml = ws_ml_ptr + token * stride_mt + head * 2
+    m_i = tl.load(ml, mask=resumed, other=float("-inf"))
+    l_i = tl.load(ml + 1, mask=resumed, other=0.0)
+    acc_ptrs = ws_acc_ptr + token[:, None] * stride_wt + head[:, None] * HEAD_DIM + offs_d[None, :]
+    acc = tl.load(acc_ptrs, mask=resumed[:, None], other=0.0)
+    m_i, l_i, acc = _attend_from(
+        t0, m_i, l_i, acc, q, q_pos, pos0, max_pos, seq_len, k_base, v_base, 0, stride_ks, stride_vs,
+        block_table_row, stride_kb, stride_vb, qk_scale,
+        True, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
+    )  # fmt: skip
+    return acc / l_i[:, None]
 
 
 @triton.jit(do_not_specialize=["n_tokens"])  # the batch size must not select another kernel
@@ -537,7 +631,9 @@ def _varlen_forward(q, k, v, cu_seqlens, scale, store_lse):
     return out, lse
 
 
-# The backward kernels reuse the helpers above; imported here, after them, to break the cycle.
+# The backward and shared-prefix kernels reuse the helpers above; imported here, after them, to
+# break the cycle.
+from . import attention_prefix_triton  # noqa: E402 (the module: either may be imported first)
 from .attention_triton_bwd import varlen_attention_backward  # noqa: E402
 
 
@@ -567,12 +663,16 @@ def varlen_attention(q, k, v, cu_seqlens, scale):
     return _varlen_forward(q, k, v, cu_seqlens, scale, store_lse=False)[0]
 
 
-def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out=None, schedule=None):
+def paged_attention(
+    q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out=None, schedule=None, shared=None
+):
     """Triton implementation of `attention.paged_attention` (inputs already checked there).
 
     No host synchronisation: the grid is (T // TOKENS + B, Hkv) from the shapes alone, and sequence
     b's q_len = query_start_loc[b + 1] - query_start_loc[b] must be <= seq_lens[b] (not checked here).
     `schedule`: (order, order_start) int32, `attention.longest_last_schedule`'s, or None.
+    `shared`: `attention_prefix.shared_prefix_groups`'s groups, or None: their shared key tiles go
+    through `attention_prefix_triton` first, and their programs here resume after them.
     """
     n_tokens, n_heads, head_dim = q.shape
     n_kv = k_cache.shape[2]
@@ -589,6 +689,19 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
     order, order_start = schedule if schedule is not None else (seq_lens, start_loc)  # unread when None
     n_tiles = n_tokens // (block_m // group) + n_seqs
     grid = (n_kv, n_tiles) if _PAGED_HEADS_FAST else (n_tiles, n_kv)
+    resume = dict(SHARED=False)
+    if shared is not None:
+        if shared.max_members * group > block_m:
+            raise ValueError(
+                f"shared-prefix groups of {shared.max_members} sequences x {group} query heads exceed the "
+                f"{block_m}-row tile; build them with max_members <= {block_m // group}"
+            )
+        cfg = (block_m, num_warps, num_stages, group, _precision(q.dtype), _interpreted())
+        ws_acc, ws_ml = attention_prefix_triton.shared_prefix_forward(
+            q, k_cache, v_cache, block_table, start_loc, scale * _LOG2E, shared, cfg
+        )
+        resume = dict(SHARED=True, resume_ptr=shared.tiles, ws_acc_ptr=ws_acc, ws_ml_ptr=ws_ml,
+                      stride_wt=ws_acc.stride(0), stride_mt=ws_ml.stride(0))  # fmt: skip
     _paged_fwd_kernel[grid](
         q, k_cache, v_cache, out, block_table, seq_lens, start_loc, order, order_start, n_seqs, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -597,6 +710,7 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=KEY_TILE, PAGE=k_cache.shape[1],
         PRECISION=_precision(q.dtype), DOT_FP32=_interpreted(), ORDERED=schedule is not None,
         HEADS_FAST=_PAGED_HEADS_FAST, enable_fp_fusion=False, num_warps=num_warps, num_stages=num_stages,
+        **resume,
     )  # fmt: skip
     return out
 

@@ -12,6 +12,7 @@ import pytest
 ATTENTION_TRITON_MODULES = (
     "vexact_vllm.kernels.attention_triton",
     "vexact_vllm.kernels.attention_triton_bwd",
+    "vexact_vllm.kernels.attention_prefix_triton",
 )
 # Kernel modules whose jit helpers or kernels another module's kernels call: importing that module
 # interpreted must import these interpreted too (a compiled helper cannot run in an interpreted kernel).

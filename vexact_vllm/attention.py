@@ -16,6 +16,12 @@ Which program computes a tile changes no value. Off by default: on an H100 it ga
 uniform or long decode steps and cost 5% where GRPO's samples share their prompt's cache blocks
 (docs/BENCHMARKS.md, session 20).
 
+Shared prompts (CUDA, on unless VEXACT_SHARED_PREFIX=0): GRPO's samples of one prompt read the
+prompt's cache blocks (vLLM's prefix cache gives them the same blocks). The builder groups the decode
+requests whose block tables start alike (`kernels.shared_prefix_groups`, on the device, into
+persistent buffers), and the kernel attends each group's common key tiles once for all its members
+before each member's own tiles: the same bits, the prompt read once per group instead of per sample.
+
 Cache layout (one tensor per layer, allocated by vLLM from `get_kv_cache_spec`): the logical view
 [num_blocks, num_kv_heads, block_size, 2 * head_size], keys in the first half of the last axis and
 values in the second.
@@ -37,11 +43,25 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
 )
 
-from vexact_vllm.kernels import longest_last_schedule, paged_attention, write_kv_cache
+from vexact_vllm.kernels import (
+    SharedPrefix,
+    longest_last_schedule,
+    paged_attention,
+    shared_prefix_groups,
+    write_kv_cache,
+)
 
 # Requests from which a step's attention tiles are laid out longest last: below it the programs fit
 # in about one wave of the GPU (Hkv programs a request) and ordering costs more host time than it saves.
 SCHEDULE_MIN_REQS = 64
+
+
+def shared_prefix_enabled() -> bool:
+    """VEXACT_SHARED_PREFIX=0 turns the shared-prompt grouping off (A/B benchmarks; no bit changes)."""
+    text = os.environ.get("VEXACT_SHARED_PREFIX", "1")
+    if text not in ("0", "1"):
+        raise ValueError(f"VEXACT_SHARED_PREFIX must be 0 or 1 (shared-prompt decode groups), got {text!r}")
+    return text == "1"
 
 
 def schedule_enabled() -> bool:
@@ -100,6 +120,7 @@ class VexactAttentionMetadata:
     block_table: torch.Tensor  # [B, max_blocks] int32
     slot_mapping: torch.Tensor  # [T] int64, -1 for padding
     schedule: tuple[torch.Tensor, torch.Tensor] | None = None  # the kernel's tile layout (no value changes)
+    shared: SharedPrefix | None = None  # decode groups reading the same prompt blocks (no value changes)
 
 
 class VexactAttentionMetadataBuilder(AttentionMetadataBuilder[VexactAttentionMetadata]):
@@ -122,6 +143,16 @@ class VexactAttentionMetadataBuilder(AttentionMetadataBuilder[VexactAttentionMet
             (torch.zeros(capacity, dtype=torch.int32, device=device),
              torch.zeros(capacity + 1, dtype=torch.int32, device=device)) if schedules else None
         )  # fmt: skip
+        # Shared-prompt groups: at most as many members as one query tile has rows for (BLOCK_M = 64
+        # rows, Hq / Hkv of them a sequence: kernels/attention_triton.py's forward configurations).
+        group = _query_heads_per_kv_head(vllm_config, kv_cache_spec)
+        self._page = getattr(kv_cache_spec, "block_size", None)
+        shares = torch.device(device).type == "cuda" and shared_prefix_enabled() and group and self._page
+        self._max_members = 64 // group if shares else 0
+        self._shared_buffers = (
+            tuple(torch.zeros(capacity, dtype=torch.int32, device=device) for _ in range(3))
+            if self._max_members >= 2 else None
+        )  # fmt: skip
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -134,6 +165,11 @@ class VexactAttentionMetadataBuilder(AttentionMetadataBuilder[VexactAttentionMet
         schedule = None  # decided by the request count alone: a graph's capture and replays agree
         if buffers is not None and SCHEDULE_MIN_REQS <= m.num_reqs < buffers[0].shape[0]:
             schedule = longest_last_schedule(seq_lens, query_start_loc, out=buffers)
+        shared = None  # decided by the request count alone, like the schedule
+        if self._shared_buffers is not None and 2 <= m.num_reqs <= self._shared_buffers[0].shape[0]:
+            shared = shared_prefix_groups(
+                m.block_table_tensor, seq_lens, query_start_loc, self._page, self._max_members, out=self._shared_buffers
+            )
         return VexactAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens,
             query_start_loc=query_start_loc,
@@ -141,7 +177,18 @@ class VexactAttentionMetadataBuilder(AttentionMetadataBuilder[VexactAttentionMet
             block_table=m.block_table_tensor[: m.num_reqs],
             slot_mapping=m.slot_mapping[: m.num_actual_tokens],
             schedule=schedule,
+            shared=shared,
         )
+
+
+def _query_heads_per_kv_head(vllm_config, kv_cache_spec) -> int | None:
+    """Hq / Hkv of this rank's attention layers, or None where the config does not say."""
+    model_config = getattr(vllm_config, "model_config", None)
+    n_kv = getattr(kv_cache_spec, "num_kv_heads", None)
+    if model_config is None or not n_kv:
+        return None
+    n_heads = model_config.get_num_attention_heads(vllm_config.parallel_config)
+    return n_heads // n_kv if n_heads % n_kv == 0 else None
 
 
 def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,6 +255,7 @@ class VexactAttentionImpl(AttentionImpl):
             self.scale,
             out=output[:n].view(n, self.num_heads, self.head_size),  # written in place: no copy
             schedule=attn_metadata.schedule,
+            shared=attn_metadata.shared,
         )
         output[n:].fill_(0)
         return output

@@ -1,0 +1,117 @@
+"""The shared-prefix step of paged decode attention (CUDA, Triton): the key tiles that a group of
+decode sequences read from the same cache blocks, attended once for all of them.
+
+Why: GRPO samples n completions of each prompt; vLLM's prefix cache gives the n sequences the same
+cache blocks for the prompt, and one decode step of the paged kernel reads those blocks n times
+(once per sequence's program). Here one program per (group, kv head) puts the group's query rows
+(up to BLOCK_M // GROUP sequences of GROUP heads) into one tile and reads each shared key tile once.
+`attention_prefix.shared_prefix_groups` finds the groups; `_paged_fwd_kernel` (SHARED) then resumes
+each sequence from the state written here.
+
+Invariant: a row's arithmetic is the same as in `_attend_rows`. The key tiles 0 .. tiles - 1 are
+the same keys (the same cache blocks) for every member, wholly below every member's query position,
+so they are the unmasked tiles `_attend_rows` would take first; each is one `_attend_tile` step,
+whose dots and row reductions treat every row alike, wherever it sits in the tile (the rows of a
+training tile and of a decode tile already sit at different places). The state (running max, sum,
+unnormalised fp32 accumulator) goes through fp32 memory unchanged to the resuming program.
+"""
+
+import triton
+import triton.language as tl
+
+from .attention import KEY_TILE
+from .attention_triton import _attend_tile
+
+
+@triton.jit(do_not_specialize=["n_seqs"])  # the batch size must not select another kernel
+def _shared_prefix_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    ws_acc_ptr,  # fp32 [T, Hq, HEAD_DIM] out: each member row's unnormalised accumulator
+    ws_ml_ptr,  # fp32 [T, Hq, 2] out: its running max and sum
+    block_table_ptr,
+    start_loc_ptr,
+    order_ptr,  # int32 [B]: the sequences, each group's members contiguous
+    members_ptr,  # int32 [B]: at a group's first position in order, its member count; else 0
+    tiles_ptr,  # int32 [B]: per sequence, the key tiles its group attends here (0: none)
+    n_seqs,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_wt,
+    stride_mt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """Program (position p in order, kv head): the group starting at p, if one does."""
+    p = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    count = tl.load(members_ptr + p)
+    if count < 2:
+        return
+    leader = tl.load(order_ptr + p)
+    n_tiles = tl.load(tiles_ptr + leader)
+    rows = tl.arange(0, BLOCK_M)
+    valid = rows // GROUP < count
+    member = tl.load(order_ptr + p + rows // GROUP, mask=valid, other=0)
+    token = tl.load(start_loc_ptr + member, mask=valid, other=0).to(tl.int64)  # a decode: one query
+    head = kv_head * GROUP + rows % GROUP
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
+    q_pos = tl.full([BLOCK_M], 0, dtype=tl.int32)  # unread: the tiles are unmasked
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_DIM], 0, dtype=tl.float32)
+    block_table_row = block_table_ptr + leader.to(tl.int64) * stride_bt  # the members' blocks there
+    for t in range(0, n_tiles):
+        m_i, l_i, acc = _attend_tile(
+            t, q, q_pos, m_i, l_i, acc, 0, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh, 0,
+            stride_ks, stride_vs, block_table_row, stride_kb, stride_vb, qk_scale,
+            False, True, PAGE, HEAD_DIM, BLOCK_N, PRECISION, DOT_FP32,
+        )  # fmt: skip
+    ml = ws_ml_ptr + token * stride_mt + head * 2
+    tl.store(ml, m_i, mask=valid)
+    tl.store(ml + 1, l_i, mask=valid)
+    tl.store(ws_acc_ptr + token[:, None] * stride_wt + head[:, None] * HEAD_DIM + offs_d[None, :], acc,
+             mask=valid[:, None])  # fmt: skip
+
+
+def shared_prefix_forward(q, k_cache, v_cache, block_table, query_start_loc, scale, shared, cfg):
+    """Launch `_shared_prefix_kernel`; returns the workspaces (ws_acc, ws_ml) the paged kernel resumes
+    from. `scale` is already in log2 units; `cfg`: the paged launch's (block_m, num_warps,
+    num_stages, group, precision, interpreted)."""
+    import torch
+
+    block_m, num_warps, num_stages, group, precision, interpreted = cfg
+    n_tokens, n_heads, head_dim = q.shape
+    n_seqs, n_kv = shared.order.shape[0], k_cache.shape[2]
+    ws_acc = torch.empty((n_tokens, n_heads, head_dim), dtype=torch.float32, device=q.device)
+    ws_ml = torch.empty((n_tokens, n_heads, 2), dtype=torch.float32, device=q.device)
+    _shared_prefix_kernel[(n_seqs, n_kv)](
+        q, k_cache, v_cache, ws_acc, ws_ml, block_table, query_start_loc, shared.order, shared.members,
+        shared.tiles, n_seqs, scale, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
+        ws_acc.stride(0), ws_ml.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=KEY_TILE, PAGE=k_cache.shape[1],
+        PRECISION=precision, DOT_FP32=interpreted, enable_fp_fusion=False, num_warps=num_warps,
+        num_stages=num_stages,
+    )  # fmt: skip
+    return ws_acc, ws_ml

@@ -1,0 +1,143 @@
+"""Shared-prefix decode attention (`kernels/attention_prefix.py`, `attention_prefix_triton.py`):
+GRPO's samples of one prompt read the prompt's cache blocks once per group, with the same bits as
+each sequence alone and as the training kernel. Interpreter on CPU (tiny shapes), CUDA at real ones."""
+
+import pytest
+import torch
+
+from vexact_vllm.kernels import shared_prefix_groups
+
+pytest.importorskip("triton")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+
+@pytest.fixture(scope="module")
+def interp(interpreted_attention):
+    return interpreted_attention
+
+
+def _table(rows, width):
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
+
+
+def test_groups_by_first_block_with_their_common_whole_tiles():
+    """A's three decodes share 5 blocks (80 keys: 1 tile); B's are too short for a whole tile; C is
+    alone; D, a prefill chunk, shares A's first blocks but has 5 queries: never grouped."""
+    table = _table([[1, 2, 3, 4, 5, 10, 11], [7, 8, 20], [1, 2, 3, 4, 5, 12, 13], [30, 31, 32, 33, 34, 35],
+                    [1, 2, 3, 4, 5, 14], [7, 8, 21], [1, 2, 3, 4, 5, 6, 40]], 9)  # fmt: skip
+    seq_lens = torch.tensor([109, 46, 109, 90, 95, 46, 110])
+    qsl = torch.tensor([0, 1, 2, 3, 4, 5, 6, 11])
+    g = shared_prefix_groups(table, seq_lens, qsl, 16, 8)
+    order, members, tiles = g.order.tolist(), g.members.tolist(), g.tiles.tolist()
+    assert sorted(order) == list(range(7)) and g.max_members == 8
+    start = members.index(3)
+    assert sorted(order[start : start + 3]) == [0, 2, 4] and sum(m > 0 for m in members) == 1
+    assert tiles == [1, 0, 1, 0, 1, 0, 0]
+    # groups of at most 2: A's first two form one, the third is alone
+    g = shared_prefix_groups(table, seq_lens, qsl, 16, 2)
+    assert g.members.tolist().count(2) == 1 and sum(t > 0 for t in g.tiles.tolist()) == 2
+    # a group counts only the tiles every member shares: A2 shares 3 blocks (48 keys), so none
+    table[4, 3] = 50
+    assert shared_prefix_groups(table, seq_lens, qsl, 16, 8).tiles.tolist() == [0] * 7
+    table[4, 3], seq_lens[4] = 4, 63  # A2 shares the blocks again but is shorter than one tile: not a member
+    assert shared_prefix_groups(table, seq_lens, qsl, 16, 8).tiles.tolist() == [1, 0, 1, 0, 0, 0, 0]
+    with pytest.raises(ValueError, match="max_members must be at least 2"):
+        shared_prefix_groups(table, seq_lens, qsl, 16, 1)
+
+
+def test_groups_into_preallocated_buffers():
+    table = _table([[3, 4, 5, 6, 9], [3, 4, 5, 6, 8]], 6)
+    out = tuple(torch.full((10,), -7, dtype=torch.int32) for _ in range(3))
+    g = shared_prefix_groups(table, torch.tensor([70, 75]), torch.tensor([0, 1, 2]), 16, 4, out=out)
+    assert all(v.data_ptr() == o.data_ptr() for v, o in zip(g[:3], out))
+    assert g.tiles.tolist() == [1, 1] and sorted(g.members.tolist()) == [0, 2] and out[0][2] == -7
+
+
+def _rollout_step(prompts, samples, generated, n_heads, n_kv, head_dim, page, device, seed=0):
+    """One decode step of a rollout: each prompt's samples share its whole cache blocks (prefix
+    caching); the rest of each sample (the prompt's partial block, its generated tokens) is its own.
+    Plus two sequences outside any group: one sharing nothing, one 3-token prefill chunk. Returns the
+    training layout (q, k, v, cu) of every full sequence and the engine's step (query rows, cache,
+    block table, seq_lens, query_start_loc)."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype = torch.bfloat16
+
+    def rand(n, h):
+        return torch.randn(n, h, head_dim, generator=gen).to(dtype)
+
+    seqs = []  # (k, v, whole shared blocks, group)
+    for g, p in enumerate(prompts):
+        pk, pv = rand(p, n_kv), rand(p, n_kv)
+        for _ in range(samples):
+            n = int(torch.randint(1, generated + 1, (), generator=gen))
+            seqs.append((torch.cat([pk, rand(n, n_kv)]), torch.cat([pv, rand(n, n_kv)]), p // page, g))
+    for n in (150, 140):
+        seqs.append((rand(n, n_kv), rand(n, n_kv), 0, None))
+    q_lens = [1] * (len(seqs) - 1) + [3]
+    lens = [s[0].shape[0] for s in seqs]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    k, v = torch.cat([s[0] for s in seqs]), torch.cat([s[1] for s in seqs])
+    q = rand(int(cu[-1]), n_heads)
+    n_blocks = sum(-(-n // page) for n in lens) + 4
+    perm = torch.randperm(n_blocks, generator=gen).tolist()
+    kv = torch.full((n_blocks, n_kv, page, 2 * head_dim), float("nan"), dtype=dtype)
+    k_cache, v_cache = kv[..., :head_dim].transpose(1, 2), kv[..., head_dim:].transpose(1, 2)
+    tables, shared_blocks = [], {}
+    for (sk, sv, whole, g), n in zip(seqs, lens):
+        common = shared_blocks.setdefault(g, [perm.pop() for _ in range(whole)]) if g is not None else []
+        table = common + [perm.pop() for _ in range(-(-n // page) - len(common))]
+        for pos in range(n):
+            k_cache[table[pos // page], pos % page] = sk[pos]
+            v_cache[table[pos // page], pos % page] = sv[pos]
+        tables.append(table)
+    block_table = _table(tables, max(len(t) for t in tables) + 1)
+    rows = torch.cat([torch.arange(int(cu[b + 1]) - ql, int(cu[b + 1])) for b, ql in enumerate(q_lens)])
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    to = lambda *ts: [t.to(device) for t in ts]  # noqa: E731
+    train = to(q, k, v, cu)
+    step = (rows.to(device), *to(k_cache, v_cache, block_table, torch.tensor(lens, dtype=torch.int32), qsl))
+    return train, step
+
+
+def _check_rollout_step(ops, device, prompts, samples, generated, n_heads, n_kv, head_dim, page, max_members):
+    (q, k, v, cu), (rows, k_cache, v_cache, table, seq_lens, qsl) = _rollout_step(
+        prompts, samples, generated, n_heads, n_kv, head_dim, page, device
+    )
+    scale = head_dim**-0.5
+    train = ops.varlen_attention(q, k, v, cu, scale)[rows]
+    shared = shared_prefix_groups(table, seq_lens, qsl, page, max_members)
+    assert int((shared.tiles > 0).sum()) >= len(prompts) * min(samples, max_members) // 2  # groups formed
+    alone = ops.paged_attention(q[rows], k_cache, v_cache, table, seq_lens, qsl, scale)
+    grouped = ops.paged_attention(q[rows], k_cache, v_cache, table, seq_lens, qsl, scale, shared=shared)
+    assert torch.isfinite(grouped).all()
+    assert torch.equal(alone, train)
+    assert torch.equal(grouped, train)
+    return shared
+
+
+@pytest.mark.parametrize("max_members", [32, 3])
+def test_shared_prefix_equals_training_interpreted(interp, max_members):
+    """GQA 2, prompts of 70-200 tokens (1-3 whole shared tiles) x 4 samples, groups of 32 or cut into 3s."""
+    shared = _check_rollout_step(interp, "cpu", [200, 70, 131], 4, 40, 4, 2, 16, 16, max_members)
+    assert int(shared.members.max()) == min(4, max_members)
+
+
+def test_shared_prefix_refuses_groups_wider_than_the_tile(interp):
+    (q, _, _, _), (rows, k_cache, v_cache, table, seq_lens, qsl) = _rollout_step([100], 2, 5, 4, 2, 16, 16, "cpu")
+    shared = shared_prefix_groups(table, seq_lens, qsl, 16, 33)  # 33 x 2 rows > 64
+    with pytest.raises(ValueError, match="exceed the 64-row tile"):
+        interp.paged_attention(q[rows], k_cache, v_cache, table, seq_lens, qsl, 0.25, shared=shared)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("n_heads,n_kv,samples", [(16, 8, 8), (32, 8, 16), (16, 8, 40)])
+def test_shared_prefix_equals_training_cuda(n_heads, n_kv, samples):
+    """Qwen3 shapes (GQA 2 and 4, D 128): 12 prompts of 64-1,100 tokens x 8, 16 or 40 samples (40
+    groups are cut at 64 // GQA members), up to 300 generated tokens each."""
+    import importlib
+
+    ops = importlib.import_module("vexact_vllm.kernels.attention_triton")
+    prompts = torch.randint(64, 1100, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    shared = _check_rollout_step(ops, "cuda", prompts, samples, 300, n_heads, n_kv, 128, 16, 64 // (n_heads // n_kv))
+    assert int(shared.members.max()) == min(samples, 64 // (n_heads // n_kv))

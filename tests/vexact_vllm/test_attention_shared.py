@@ -1,0 +1,71 @@
+"""The attention metadata builder's shared-prompt groups (vexact_vllm/attention.py): on CUDA, for
+steps of 2+ requests, written into persistent buffers that CUDA graphs read; never elsewhere."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vexact_vllm import attention  # noqa: E402
+
+
+def _builder(device: str, heads: int = 16, kv_heads: int = 8):
+    model = SimpleNamespace(get_num_attention_heads=lambda parallel: heads)
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=256, max_num_batched_tokens=512),
+                             model_config=model, parallel_config=None)  # fmt: skip
+    spec = SimpleNamespace(num_kv_heads=kv_heads, block_size=16)
+    return attention.VexactAttentionMetadataBuilder(spec, ["layer.0"], config, torch.device(device))
+
+
+def _metadata(tables: list[list[int]], seq_lens: list[int], q_lens: list[int], device: str = "cpu"):
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    return SimpleNamespace(
+        causal=True, num_reqs=len(seq_lens), num_actual_tokens=int(starts[-1]), query_start_loc=starts.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device), block_table_tensor=table.to(device),
+        slot_mapping=torch.zeros(int(starts[-1]), dtype=torch.int64, device=device),
+    )  # fmt: skip
+
+
+def test_groups_sized_by_the_query_tile_into_persistent_buffers():
+    builder = _builder("cpu", heads=32, kv_heads=8)  # 4 query heads a kv head: 16 members at most
+    assert builder._shared_buffers is None  # CPU: the torch backend reads no groups
+    builder._max_members, builder._page = 64 // 4, 16
+    builder._shared_buffers = tuple(torch.zeros(768, dtype=torch.int32) for _ in range(3))
+    prompt = list(range(100, 110))  # 10 whole blocks: 160 keys, 2 tiles
+    tables = [prompt + [200 + i] for i in range(20)] + [[300, 301]]
+    for _step in range(2):
+        shared = builder.build(0, _metadata(tables, [170] * 20 + [20], [1] * 21)).shared
+        assert shared.order.data_ptr() == builder._shared_buffers[0].data_ptr()
+        assert shared.tiles.data_ptr() == builder._shared_buffers[2].data_ptr()
+        assert sorted(shared.members.tolist(), reverse=True)[:3] == [16, 4, 0]  # 20 members cut at 16
+        assert shared.tiles.tolist() == [2] * 20 + [0] and shared.max_members == 16
+    assert builder.build(0, _metadata([prompt], [170], [1])).shared is None  # one request: no group
+
+
+def test_shared_prefix_can_be_turned_off_for_ab_runs(monkeypatch):
+    monkeypatch.setenv("VEXACT_SHARED_PREFIX", "0")
+    assert not attention.shared_prefix_enabled()
+    monkeypatch.setenv("VEXACT_SHARED_PREFIX", "on")
+    with pytest.raises(ValueError, match="VEXACT_SHARED_PREFIX must be 0 or 1"):
+        attention.shared_prefix_enabled()
+    monkeypatch.delenv("VEXACT_SHARED_PREFIX")
+    assert attention.shared_prefix_enabled()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_builder_groups_shared_prompts(monkeypatch):
+    builder = _builder("cuda")
+    assert builder._max_members == 32 and builder._page == 16
+    tables = [[5, 6, 7, 8, 9, 40 + i] for i in range(8)]
+    shared = builder.build(0, _metadata(tables, [90] * 8, [1] * 8, "cuda")).shared
+    assert shared.order.is_cuda and shared.order.data_ptr() == builder._shared_buffers[0].data_ptr()
+    assert shared.tiles.tolist() == [1] * 8 and sorted(shared.members.tolist())[-1] == 8
+    monkeypatch.setenv("VEXACT_SHARED_PREFIX", "0")
+    assert _builder("cuda")._shared_buffers is None
