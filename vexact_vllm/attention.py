@@ -16,11 +16,13 @@ Which program computes a tile changes no value. Off by default: on an H100 it ga
 uniform or long decode steps and cost 5% where GRPO's samples share their prompt's cache blocks
 (docs/BENCHMARKS.md, session 20).
 
-Shared prompts (CUDA, on unless VEXACT_SHARED_PREFIX=0): GRPO's samples of one prompt read the
+Shared prompts (opt-in, VEXACT_SHARED_PREFIX=1; CUDA): GRPO's samples of one prompt read the
 prompt's cache blocks (vLLM's prefix cache gives them the same blocks). The builder groups the decode
 requests whose block tables start alike (`kernels.shared_prefix_groups`, on the device, into
 persistent buffers), and the kernel attends each group's common key tiles once for all its members
 before each member's own tiles: the same bits, the prompt read once per group instead of per sample.
+Off by default: on an H100 it made a grpo-shaped decode step 9% faster alone (bench_kernels.py's
+rollout section) but the grpo rollout 5% slower (docs/BENCHMARKS.md, session 20), not yet explained.
 
 Cache layout (one tensor per layer, allocated by vLLM from `get_kv_cache_spec`): the logical view
 [num_blocks, num_kv_heads, block_size, 2 * head_size], keys in the first half of the last axis and
@@ -57,8 +59,8 @@ SCHEDULE_MIN_REQS = 64
 
 
 def shared_prefix_enabled() -> bool:
-    """VEXACT_SHARED_PREFIX=0 turns the shared-prompt grouping off (A/B benchmarks; no bit changes)."""
-    text = os.environ.get("VEXACT_SHARED_PREFIX", "1")
+    """VEXACT_SHARED_PREFIX=1 turns the shared-prompt grouping on (A/B benchmarks; no bit changes)."""
+    text = os.environ.get("VEXACT_SHARED_PREFIX", "0")
     if text not in ("0", "1"):
         raise ValueError(f"VEXACT_SHARED_PREFIX must be 0 or 1 (shared-prompt decode groups), got {text!r}")
     return text == "1"

@@ -151,6 +151,7 @@ def test_ab_variants_are_asked_for_by_name_only(monkeypatch):
     assert variants["vexact-schedule"]["env"] == {"VEXACT_ATTENTION_SCHEDULE": "1"}
     assert {cfg["env"].get("VEXACT_PAGED_STAGES") for cfg in variants.values()} >= {"5", "7"}
     assert variants["vexact-heads-fast"]["env"] == {"VEXACT_PAGED_HEADS_FAST": "1"}
+    assert variants["vexact-shared-prefix"]["env"] == {"VEXACT_SHARED_PREFIX": "1"}
     assert all(cfg["model_impl"] == "vexact" and len(cfg["env"]) == 1 for cfg in variants.values())
 
 

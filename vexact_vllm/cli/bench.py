@@ -61,7 +61,7 @@ CONFIGS = {
     "vexact-stages5": {"model_impl": "vexact", "env": {"VEXACT_PAGED_STAGES": "5"}},
     "vexact-stages7": {"model_impl": "vexact", "env": {"VEXACT_PAGED_STAGES": "7"}},
     "vexact-heads-fast": {"model_impl": "vexact", "env": {"VEXACT_PAGED_HEADS_FAST": "1"}},
-    "vexact-no-shared-prefix": {"model_impl": "vexact", "env": {"VEXACT_SHARED_PREFIX": "0"}},
+    "vexact-shared-prefix": {"model_impl": "vexact", "env": {"VEXACT_SHARED_PREFIX": "1"}},
 }
 DEFAULT_CONFIGS = ("stock", "stock-batch-invariant", "vexact")
 
