@@ -18,15 +18,19 @@ from vexact_vllm.cli import bench, bench_report, main
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_bench_reports_throughput(tiny_model, tmp_path, capsys):
+    """A named workload (grpo: 2 prompts x 2 samples, each its own seed), timed over passes, with
+    the markdown report."""
     out = tmp_path / "bench.json"
     rc = main([
-        "bench", "--model", tiny_model("qwen3"), "--configs", "vexact", "--num-prompts", "4",
-        "--input-len", "8-20", "--output-len", "6", "--output", str(out), "--repeats", "1",
-        "--warmup-passes", "1", "--duration", "0.3", "--report",
+        "bench", "--model", tiny_model("qwen3"), "--configs", "vexact", "--workload", "grpo", "--num-prompts", "2",
+        "--samples", "2", "--input-len", "8-20", "--output-len", "6", "--max-model-len", "256", "--output", str(out),
+        "--repeats", "1", "--warmup-passes", "1", "--duration", "0.3", "--report",
         "--engine-kwargs", json.dumps({"kv_cache_memory_bytes": 64 << 20, "block_size": 32}),
     ])  # fmt: skip
     assert rc == 0
     report = json.loads(out.read_text())
+    assert "workload grpo: 2 prompts of 8-20 tokens x 2 samples" in report["workload"]
+    assert "--workload" in report["forwarded"] and "--samples" in report["forwarded"]
     assert [(r["config"], r["repeat"]) for r in report["results"]] == [("vexact", 0)]
     for result in report["results"]:
         assert result["pass_tokens"] == [4 * 6] * result["passes"]  # every pass the whole workload
@@ -86,21 +90,6 @@ def test_workloads_fill_what_the_command_line_leaves_unset():
     assert reqs[0].prompt != reqs[8].prompt
     assert requests(args) == reqs  # every pass replays the same requests
     assert set(WORKLOADS) == {"default", "long", "grpo", "decode-small"}
-
-
-def test_bench_runs_a_named_workload(tiny_model, tmp_path):
-    out = tmp_path / "bench.json"
-    rc = main([
-        "bench", "--model", tiny_model("qwen3"), "--configs", "vexact", "--workload", "grpo", "--num-prompts", "2",
-        "--samples", "3", "--input-len", "8-12", "--output-len", "3-5", "--max-model-len", "256", "--repeats", "1",
-        "--warmup-passes", "0", "--duration", "0", "--output", str(out),
-        "--engine-kwargs", json.dumps({"kv_cache_memory_bytes": 64 << 20, "block_size": 32}),
-    ])  # fmt: skip
-    assert rc == 0
-    report = json.loads(out.read_text())
-    (result,) = report["results"]
-    assert 6 * 3 <= result["output_tokens"] <= 6 * 5 and "workload grpo: 2 prompts of 8-12 tokens x 3 samples" in report["workload"]
-    assert "--workload" in report["forwarded"] and "--samples" in report["forwarded"]
 
 
 def test_workload_list_names_known_workloads_once():

@@ -21,12 +21,13 @@ from vexact_vllm.cli.score import compare, load_trainer, trainer_log_probs
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module", params=[("qwen3", 1), ("qwen3_moe", 1), ("qwen3_moe", 2)], ids=str)
+@pytest.fixture(scope="module", params=[("qwen3", 1), ("qwen3_moe", 2)], ids=str)
 def synced(tiny_model, tmp_path_factory, request):
     """(original checkpoint, perturbed checkpoint, the script's JSON with rollouts as Rollout). The MoE
     model is synced once with stacked experts (the trainer's own names) and, after the perturbation,
     with one tensor per expert (what verl's FSDP engine sends); also into a tensor-parallel engine of
-    two workers, each cutting its shard from the whole tensors verl sends it."""
+    two workers, each cutting its shard from the whole tensors verl sends it. (The MoE at one worker,
+    its loader without the cut, was dropped from CI for time; the engine checks load it there.)"""
     for module in ("vllm", "verl", "zmq"):
         pytest.importorskip(module)
     arch, tp = request.param
