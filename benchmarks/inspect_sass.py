@@ -61,12 +61,12 @@ def signature(kernel, constexprs: dict) -> tuple[dict, dict]:
     return types, attrs
 
 
-def specs(head_dim: int, group: int, block_m: int | None) -> dict:
+def specs(head_dim: int, group: int, block_m: int | None, warps: int | None = None) -> dict:
     """name -> (jit function, constexprs, launch options), as the wrappers launch them."""
     fwd_m, fwd_warps, fwd_stages = fwd.forward_config(head_dim, group)
     block_m = block_m or fwd_m
     common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_N=fwd.KEY_TILE, PRECISION="tf32", DOT_FP32=False)
-    fwd_opts = dict(num_warps=fwd_warps, num_stages=fwd_stages, enable_fp_fusion=False)
+    fwd_opts = dict(num_warps=warps or fwd_warps, num_stages=fwd_stages, enable_fp_fusion=False)
     (kv_m, kv_n, kv_w, kv_s), (q_m, q_n, q_w, q_s) = bwd._BWD_CONFIGS[head_dim]
     bwd_common = dict(GROUP=group, HEAD_DIM=head_dim, PRECISION="tf32", DOT_FP32=False)
     paged = dict(common, BLOCK_M=block_m, PAGE=16, HEADS_FAST=False, SHARED=False)
@@ -106,8 +106,11 @@ def inspect(name: str, kernel, constexprs: dict, options: dict, out_dir: str) ->
         family = next((f for f in FAMILIES if op == f or op.startswith(f + ".")), None)
         if family:
             mix[op if family in ("LDG", "LDGSTS", "STS", "LDS") else family] += 1
+    mma = sorted(set(re.findall(r"warpsPerCTA = \[(\d+), (\d+)\], instrShape = \[(\d+), (\d+), (\d+)\]",
+                                compiled.asm["ttgir"])))  # fmt: skip
+    layouts = " ".join(f"warps[{a},{b}]x{m}x{n}x{k}" for a, b, m, n, k in mma)
     number = lambda pattern: int(m.group(1)) if (m := re.search(pattern, verbose)) else -1  # noqa: E731
-    return {"kernel": name, "registers": number(r"Used (\d+) registers"), "spill_stores": number(r"(\d+) bytes spill stores"),
+    return {"kernel": name, "mma": layouts, "registers": number(r"Used (\d+) registers"), "spill_stores": number(r"(\d+) bytes spill stores"),
             "shared_bytes": compiled.metadata.shared, "instructions": len(opcodes), "mix": dict(sorted(mix.items())),
             **{k: v for k, v in options.items() if k != "enable_fp_fusion"}, **{k: v for k, v in constexprs.items() if k.startswith("BLOCK")}}  # fmt: skip
 
@@ -118,11 +121,13 @@ def main() -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--group", type=int, default=2, help="query heads per kv head (Qwen3-1.7B: 2, 8B: 4)")
     parser.add_argument("--block-m", type=int, help="forward rows per tile (default: the wrappers' config)")
+    parser.add_argument("--warps", type=int, help="forward warps (default: the wrappers' config); with --block-m "
+                        "128 --warps 8 the mma layouts show whether rows keep their arithmetic")  # fmt: skip
     parser.add_argument("--out", help="folder for the cubin, PTX and SASS of each kernel")
     args = parser.parse_args()
     out_dir = args.out or tempfile.mkdtemp(prefix="vexact-sass-")
     os.makedirs(out_dir, exist_ok=True)
-    table = specs(args.head_dim, args.group, args.block_m)
+    table = specs(args.head_dim, args.group, args.block_m, args.warps)
     print(f"Triton {triton.__version__}, sm_90a, head_dim {args.head_dim}, group {args.group}; files in {out_dir}")
     for name in args.kernels.split(","):
         if name not in table:
