@@ -67,6 +67,12 @@ _FWD_CONFIGS = {
 # benchmarks/bench_kernels.py --paged-stages times them.
 _PAGED_STAGES: dict[int, int] = {}
 
+# head_dim -> num_stages of the launches with shared-prompt groups (`paged_attention(shared=...)`:
+# the prefix kernel and the paged kernel resuming after it), where they differ from the above: speed
+# only. bench_kernels.py's rollout section (session 21, H100) put grpo-shaped steps at 1.06 of FA3
+# with 5 stages against 1.00 with 3, and 0.99 / 0.96 against 0.94 / 0.90 where groups share little.
+_SHARED_STAGES: dict[int, int] = {128: 5}
+
 
 def _env_paged_stages() -> int | None:
     """VEXACT_PAGED_STAGES: every paged launch's pipelining depth, for A/B benchmarks (speed only)."""
@@ -678,6 +684,8 @@ def paged_attention(
     n_kv = k_cache.shape[2]
     group = n_heads // n_kv
     block_m, num_warps, num_stages = forward_config(head_dim, group)
+    if shared is not None:
+        num_stages = _SHARED_STAGES.get(head_dim, num_stages)
     num_stages = _PAGED_STAGES.get(head_dim, _PAGED_STAGES_ENV or num_stages)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out  # [T, Hq, D]
     n_seqs = seq_lens.shape[0]
