@@ -107,57 +107,72 @@ def bits(configs, trials, device):
     return failures
 
 
-def timings(configs):
+def _config_name(cfg):
+    return "current" if cfg is None else "x".join(map(str, cfg))
+
+
+def _timed(cfg, fn):
+    from triton.testing import do_bench
+
+    old = _set(cfg)
+    try:
+        return do_bench(fn, return_mode="median")
+    finally:
+        _restore(old)
+
+
+def _prefill_rows(configs, nseq, length, fa3_fn, hq=16, hkv=8, d=128):
     from triton.testing import do_bench
 
     from vexact_vllm.kernels import varlen_attention
 
+    t, scale = nseq * length, d**-0.5
+    q = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16)
+    cu = torch.arange(0, t + 1, length, device="cuda", dtype=torch.int32)
+    fa3 = float("nan")
+    if fa3_fn is not None:
+        fa3 = do_bench(lambda: fa3_fn(
+            q, k, v, max_seqlen_q=length, cu_seqlens_q=cu, max_seqlen_k=length, cu_seqlens_k=cu,
+            softmax_scale=scale, causal=True, fa_version=3), return_mode="median")  # fmt: skip
+    for cfg in [None, *configs]:
+        with torch.no_grad():
+            ms = _timed(cfg, lambda: varlen_attention(q, k, v, cu, scale))
+        print(f"{f'prefill {nseq}x{length}':28s} {_config_name(cfg):10s} {ms:8.3f} {fa3 / ms:7.2f}")
+
+
+def _train_rows(configs, nseq, length, hq=16, hkv=8, d=128):
+    from triton.testing import do_bench
+
+    from vexact_vllm.kernels import varlen_attention
+
+    t, scale = nseq * length, d**-0.5
+    q, k, v = (torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (hq, hkv, hkv))
+    cu = torch.arange(0, t + 1, length, device="cuda", dtype=torch.int32)
+    g = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16)
+    rep = hq // hkv
+    qb = q.detach().view(nseq, length, hq, d).transpose(1, 2).contiguous().requires_grad_()
+    kb = k.detach().view(nseq, length, hkv, d).transpose(1, 2).repeat_interleave(rep, 1).contiguous().requires_grad_()
+    vb = v.detach().view(nseq, length, hkv, d).transpose(1, 2).repeat_interleave(rep, 1).contiguous().requires_grad_()
+    gb = g.view(nseq, length, hq, d).transpose(1, 2).contiguous()
+    sdpa = do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(
+        qb, kb, vb, is_causal=True, scale=scale).backward(gb), return_mode="median")  # fmt: skip
+    for cfg in [None, *configs]:
+        ms = _timed(cfg, lambda: varlen_attention(q, k, v, cu, scale).backward(g))
+        print(f"{f'train fwd+bwd {nseq}x{length}':28s} {_config_name(cfg):10s} {ms:8.3f} {sdpa / ms:7.2f} (vs SDPA)")
+
+
+def timings(configs):
     try:
         from vllm.vllm_flash_attn import flash_attn_varlen_func
     except ImportError:
         flash_attn_varlen_func = None
-    hq, hkv, d = 16, 8, 128
-    scale = d**-0.5
     print(f"{'case':28s} {'config':10s} {'ms':>8s} {'vs FA3':>7s}")
     for nseq, length in [(16, 1024), (4, 4096), (1, 16384)]:
-        t = nseq * length
-        q = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16)
-        cu = torch.arange(0, t + 1, length, device="cuda", dtype=torch.int32)
-        fa3 = float("nan")
-        if flash_attn_varlen_func is not None:
-            fa3 = do_bench(lambda: flash_attn_varlen_func(
-                q, k, v, max_seqlen_q=length, cu_seqlens_q=cu, max_seqlen_k=length, cu_seqlens_k=cu,
-                softmax_scale=scale, causal=True, fa_version=3), return_mode="median")  # fmt: skip
-        for cfg in [None, *configs]:
-            old = _set(cfg)
-            try:
-                with torch.no_grad():
-                    ms = do_bench(lambda: varlen_attention(q, k, v, cu, scale), return_mode="median")
-            finally:
-                _restore(old)
-            name = "current" if cfg is None else "x".join(map(str, cfg))
-            print(f"{f'prefill {nseq}x{length}':28s} {name:10s} {ms:8.3f} {fa3 / ms:7.2f}")
+        _prefill_rows(configs, nseq, length, flash_attn_varlen_func)
     for nseq, length in [(8, 1024), (4, 4096), (2, 16384)]:
-        t = nseq * length
-        q, k, v = (torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (hq, hkv, hkv))
-        cu = torch.arange(0, t + 1, length, device="cuda", dtype=torch.int32)
-        g = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16)
-        qb = q.detach().view(nseq, length, hq, d).transpose(1, 2).contiguous().requires_grad_()
-        kb = k.detach().view(nseq, length, hkv, d).transpose(1, 2).repeat_interleave(2, 1).contiguous().requires_grad_()
-        vb = v.detach().view(nseq, length, hkv, d).transpose(1, 2).repeat_interleave(2, 1).contiguous().requires_grad_()
-        gb = g.view(nseq, length, hq, d).transpose(1, 2).contiguous()
-        sdpa = do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(
-            qb, kb, vb, is_causal=True, scale=scale).backward(gb), return_mode="median")  # fmt: skip
-        for cfg in [None, *configs]:
-            old = _set(cfg)
-            try:
-                ms = do_bench(lambda: varlen_attention(q, k, v, cu, scale).backward(g), return_mode="median")
-            finally:
-                _restore(old)
-            name = "current" if cfg is None else "x".join(map(str, cfg))
-            print(f"{f'train fwd+bwd {nseq}x{length}':28s} {name:10s} {ms:8.3f} {sdpa / ms:7.2f} (vs SDPA)")
+        _train_rows(configs, nseq, length)
 
 
 def main():

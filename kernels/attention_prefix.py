@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 
 from .attention import KEY_TILE
+from .dispatch import backend_for
 
 
 class SharedPrefix(NamedTuple):
@@ -36,12 +37,24 @@ def shared_prefix_groups(
 ) -> SharedPrefix:
     """The groups of a step (module docstring). block_table [>= B, W] int32 (a row's entries past
     its sequence may hold anything: only blocks below seq_lens count), seq_lens [B],
-    query_start_loc [B + 1], `page` slots per cache block. Torch ops only, no host synchronisation;
-    `out`: three preallocated int32 buffers of >= B elements to write into (CUDA graphs read them)."""
+    query_start_loc [B + 1], `page` slots per cache block. No host synchronisation;
+    `out`: three preallocated int32 buffers of >= B elements to write into (CUDA graphs read them).
+    On CUDA one Triton launch (attention_prefix_groups_triton.py), elsewhere this torch composition."""
     if max_members < 2:
         raise ValueError(f"max_members must be at least 2, got {max_members}")
     n = seq_lens.shape[0]
     device = seq_lens.device
+    if out is None:
+        out = tuple(torch.empty(n, dtype=torch.int32, device=device) for _ in range(3))
+    views = tuple(buf[:n] for buf in out)
+    if backend_for(seq_lens) == "triton":  # one launch instead of this composition's ~66
+        from . import attention_prefix_groups_triton
+
+        table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+        attention_prefix_groups_triton.shared_prefix_groups(
+            table, seq_lens, query_start_loc, page, max_members, views, KEY_TILE
+        )
+        return SharedPrefix(*views, max_members)
     idx = torch.arange(n, device=device)
     seq_lens = seq_lens.long()
     table = block_table[:n].long()
@@ -65,9 +78,6 @@ def shared_prefix_groups(
     members = torch.where(grouped, size, 0)
     tiles_sorted = torch.where(grouped[first], group_tiles[first], 0)
     per_seq = torch.empty_like(tiles_sorted).scatter_(0, order, tiles_sorted)
-    if out is None:
-        out = tuple(torch.empty(n, dtype=torch.int32, device=device) for _ in range(3))
-    views = tuple(buf[:n] for buf in out)
     for view, value in zip(views, (order, members, per_seq), strict=True):
         view.copy_(value)
     return SharedPrefix(*views, max_members)

@@ -141,3 +141,63 @@ def test_shared_prefix_equals_training_cuda(n_heads, n_kv, samples):
     prompts = torch.randint(64, 1100, (12,), generator=torch.Generator().manual_seed(3)).tolist()
     shared = _check_rollout_step(ops, "cuda", prompts, samples, 300, n_heads, n_kv, 128, 16, 64 // (n_heads // n_kv))
     assert int(shared.members.max()) == min(samples, 64 // (n_heads // n_kv))
+
+
+def _random_step(rng, device="cpu"):
+    """A decode step's block table as the prefix cache leaves it: prompts whose samples share their
+    first blocks (some only partly), sequences sharing nothing, prefill chunks, and garbage past each
+    row's own blocks."""
+    page = rng.choice([16, 32])
+    rows, lens, q_lens, next_block = [], [], [], 1000
+    for _ in range(rng.randint(1, 12)):
+        prompt = [rng.randrange(1, 900) for _ in range(rng.randint(1, 6))]
+        for _ in range(rng.randint(1, 9)):
+            diverge = rng.randint(0, len(prompt)) if rng.random() < 0.2 else len(prompt)
+            own = [next_block + k for k in range(rng.randint(0, 4))]
+            next_block += len(own)
+            blocks = prompt[:diverge] + [rng.randrange(1, 900) for _ in range(len(prompt) - diverge)] + own
+            lens.append(rng.randint(max(1, (len(blocks) - 1) * page + 1), len(blocks) * page))
+            q_lens.append(1 if rng.random() < 0.85 else rng.randint(1, 5))
+            rows.append(blocks)
+    width = max(len(r) for r in rows) + rng.randint(0, 3)
+    table = torch.tensor([r + [rng.randrange(0, 900) for _ in range(width - len(r))] for r in rows], dtype=torch.int32)
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+    qsl = torch.tensor([0, *torch.tensor(q_lens)[order].cumsum(0).tolist()], dtype=torch.int32)
+    return table[order].to(device), torch.tensor(lens, dtype=torch.int32)[order].to(device), qsl.to(device), page
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_one_launch_grouping_equals_the_torch_composition_interpreted(interpreted_modules, seed):
+    """The Triton grouping (attention_prefix_groups_triton.py, the CUDA path) gives the torch
+    composition's order, members and tiles element for element, on random steps."""
+    import random
+
+    mod = interpreted_modules(("vexact_vllm.kernels.attention_prefix_groups_triton",))[0]
+    rng = random.Random(seed)
+    for _ in range(4):
+        table, seq_lens, qsl, page = _random_step(rng)
+        max_members = rng.choice([2, 3, 8, 32])
+        want = shared_prefix_groups(table, seq_lens, qsl, page, max_members)
+        views = tuple(torch.full((seq_lens.shape[0],), -5, dtype=torch.int32) for _ in range(3))
+        mod.shared_prefix_groups(table, seq_lens, qsl, page, max_members, views, 64)
+        for name, got, ref in zip(("order", "members", "tiles"), views, want[:3], strict=True):
+            assert torch.equal(got, ref), (name, got.tolist(), ref.tolist())
+        assert int(want.tiles.gt(0).sum()) > 0 or not bool(want.members.gt(0).any())
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_one_launch_grouping_equals_the_torch_composition_cuda():
+    import random
+
+    from vexact_vllm.kernels import reference_mode
+
+    rng = random.Random(7)
+    for _ in range(20):
+        table, seq_lens, qsl, page = _random_step(rng, "cuda")
+        max_members = rng.choice([2, 8, 32])
+        got = shared_prefix_groups(table, seq_lens, qsl, page, max_members)
+        with reference_mode():
+            want = shared_prefix_groups(table, seq_lens, qsl, page, max_members)
+        for a, b in zip(got[:3], want[:3], strict=True):
+            assert torch.equal(a, b)

@@ -1,0 +1,132 @@
+"""`attention_prefix.shared_prefix_groups` in one Triton launch (CUDA): the same three arrays as the
+torch composition, which costs some 66 kernel launches of host time at every engine step.
+
+One program walks the step's n sequences in three phases, global memory and a barrier between them:
+
+A. key k_i = the first cache block of a decode of more than one key tile, else -1 - i (alone).
+   The stable sort's position of i is pos_i = #{k_j < k_i} + #{j < i: k_j = k_i}; its run of equal
+   keys starts at #{k_j < k_i} and is cut into groups of at most MAX_MEMBERS, so i's group starts at
+   first_i = #{k_j < k_i} + (#{j < i: k_j = k_i} // MAX_MEMBERS) * MAX_MEMBERS. order[pos_i] = i.
+B. each sequence's whole key tiles shared with its group's leader order[first_i]: the leading cache
+   blocks equal to the leader's (below its own block count), as keys, capped at its length.
+C. a group's tiles are its members' minimum; a group of one, or of no whole tile, is no group.
+
+Only which sequences are grouped, never an attention value, follows from this (the kernels' bits
+are the same either way); the tests hold it to the torch composition element for element.
+"""
+
+import triton
+import triton.language as tl
+from triton.language.standard import _elementwise_max, _elementwise_min, _sum_combine
+
+_BIG = tl.constexpr(2**30)
+
+
+@triton.jit
+def _keys(i, n, table_ptr, stride_t, seq_lens_ptr, qsl_ptr, KEY_TILE: tl.constexpr):
+    """(key, is a groupable decode) of sequences i (phase A)."""
+    ok = i < n
+    q_len = tl.load(qsl_ptr + i + 1, mask=ok, other=0) - tl.load(qsl_ptr + i, mask=ok, other=0)
+    seq_len = tl.load(seq_lens_ptr + i, mask=ok, other=0)
+    cand = ok & (q_len == 1) & (seq_len > KEY_TILE)
+    block0 = tl.load(table_ptr + i.to(tl.int64) * stride_t, mask=cand, other=0)
+    return tl.where(cand, block0, -1 - i), cand
+
+
+@triton.jit(do_not_specialize=["n", "width"])  # the batch must not select another kernel
+def _groups_kernel(
+    table_ptr,
+    stride_t,
+    width,
+    seq_lens_ptr,
+    qsl_ptr,
+    n,
+    order_ptr,  # out, int32 [n]: by position
+    members_ptr,  # out, int32 [n]: by position, a group's size at its first position
+    tiles_ptr,  # out, int32 [n]: by sequence, the key tiles its group shares (0: none)
+    scratch_ptr,  # int32 [4, n]: first position of the group, its size, own position, own tiles
+    PAGE: tl.constexpr,
+    KEY_TILE: tl.constexpr,
+    MAX_MEMBERS: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    first_ptr = scratch_ptr
+    size_ptr = scratch_ptr + n
+    pos_ptr = scratch_ptr + 2 * n
+    own_ptr = scratch_ptr + 3 * n
+    # A. positions and groups.
+    for i0 in range(0, n, BLOCK_I):
+        i = i0 + tl.arange(0, BLOCK_I)
+        key_i, cand_i = _keys(i, n, table_ptr, stride_t, seq_lens_ptr, qsl_ptr, KEY_TILE)
+        less = tl.full([BLOCK_I], 0, tl.int32)
+        before = tl.full([BLOCK_I], 0, tl.int32)
+        equal = tl.full([BLOCK_I], 0, tl.int32)
+        for j0 in range(0, n, BLOCK_J):
+            j = j0 + tl.arange(0, BLOCK_J)
+            key_j, cand_j = _keys(j, n, table_ptr, stride_t, seq_lens_ptr, qsl_ptr, KEY_TILE)
+            in_j = (j < n)[None, :]
+            eq = in_j & (key_j[None, :] == key_i[:, None])
+            less += tl.reduce((in_j & (key_j[None, :] < key_i[:, None])).to(tl.int32), 1, _sum_combine)
+            equal += tl.reduce(eq.to(tl.int32), 1, _sum_combine)
+            before += tl.reduce((eq & (j[None, :] < i[:, None])).to(tl.int32), 1, _sum_combine)
+        cut = before // MAX_MEMBERS * MAX_MEMBERS
+        ok = i < n
+        tl.store(order_ptr + less + before, i, mask=ok)
+        tl.store(first_ptr + i, less + cut, mask=ok)
+        tl.store(size_ptr + i, tl.minimum(equal - cut, MAX_MEMBERS), mask=ok)
+        tl.store(pos_ptr + i, less + before, mask=ok)
+    tl.debug_barrier()
+    # B. whole key tiles shared with the group's leader.
+    for i0 in range(0, n, BLOCK_I):
+        i = i0 + tl.arange(0, BLOCK_I)
+        ok = i < n
+        key_b, cand = _keys(i, n, table_ptr, stride_t, seq_lens_ptr, qsl_ptr, KEY_TILE)
+        leader = tl.load(order_ptr + tl.load(first_ptr + i, mask=ok, other=0), mask=ok, other=0)
+        seq_len = tl.load(seq_lens_ptr + i, mask=ok, other=0)
+        blocks = tl.where(cand, tl.minimum((seq_len + PAGE - 1) // PAGE, width), 0)
+        same = blocks
+        row = table_ptr + i.to(tl.int64) * stride_t
+        lead_row = table_ptr + leader.to(tl.int64) * stride_t
+        for c0 in range(0, tl.reduce(blocks, 0, _elementwise_max), BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            inside = c[None, :] < blocks[:, None]
+            mine = tl.load(row[:, None] + c[None, :], mask=inside, other=0)
+            theirs = tl.load(lead_row[:, None] + c[None, :], mask=inside, other=0)
+            miss = tl.where(inside & (mine != theirs), c[None, :], _BIG)
+            same = tl.minimum(same, tl.reduce(miss, 1, _elementwise_min))
+        own = tl.where(cand, tl.minimum(same * PAGE, seq_len) // KEY_TILE, 0)
+        tl.store(own_ptr + i, own, mask=ok)
+    tl.debug_barrier()
+    # C. a group's tiles: its members' minimum.
+    for i0 in range(0, n, BLOCK_I):
+        i = i0 + tl.arange(0, BLOCK_I)
+        ok = i < n
+        first = tl.load(first_ptr + i, mask=ok, other=0)
+        size = tl.load(size_ptr + i, mask=ok, other=0)
+        pos = tl.load(pos_ptr + i, mask=ok, other=0)
+        shared = tl.full([BLOCK_I], _BIG, tl.int32)
+        for k in range(0, MAX_MEMBERS):
+            member_ok = ok & (k < size)
+            member = tl.load(order_ptr + first + k, mask=member_ok, other=0)
+            shared = tl.minimum(shared, tl.load(own_ptr + member, mask=member_ok, other=_BIG))
+        grouped = (size >= 2) & (shared >= 1)
+        tl.store(tiles_ptr + i, tl.where(grouped, shared, 0), mask=ok)
+        tl.store(members_ptr + pos, tl.where(grouped & (pos == first), size, 0), mask=ok)
+
+
+def shared_prefix_groups(block_table, seq_lens, query_start_loc, page, max_members, views, key_tile):
+    """Fill `views` (order, members, tiles: int32 [n] each) for the step; one launch, no host sync."""
+    import torch
+
+    n = seq_lens.shape[0]
+    if n == 0:
+        return
+    table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
+    scratch = torch.empty((4, n), dtype=torch.int32, device=seq_lens.device)
+    _groups_kernel[(1,)](
+        table, table.stride(0), table.shape[1], seq_lens.to(torch.int32), query_start_loc.to(torch.int32), n,
+        *views, scratch, PAGE=page, KEY_TILE=key_tile, MAX_MEMBERS=max_members,
+        BLOCK_I=64, BLOCK_J=128, BLOCK_C=64, num_warps=4,
+    )  # fmt: skip
