@@ -48,6 +48,7 @@ def _groups_kernel(
     PAGE: tl.constexpr,
     KEY_TILE: tl.constexpr,
     MAX_MEMBERS: tl.constexpr,
+    MEMBERS_P2: tl.constexpr,  # MAX_MEMBERS rounded up to a power of two (tl.arange)
     BLOCK_I: tl.constexpr,
     BLOCK_J: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -78,46 +79,56 @@ def _groups_kernel(
         tl.store(size_ptr + i, tl.minimum(equal - cut, MAX_MEMBERS), mask=ok)
         tl.store(pos_ptr + i, less + before, mask=ok)
     tl.debug_barrier()
-    # B. whole key tiles shared with the group's leader.
+    # B. whole key tiles shared with the group's leader: only members other than the leader compare
+    # (the leader shares all its blocks with itself), and a chunk's loop stops once each of its rows
+    # has met a differing block, so a step without groups reads no table column.
     for i0 in range(0, n, BLOCK_I):
         i = i0 + tl.arange(0, BLOCK_I)
         ok = i < n
         key_b, cand = _keys(i, n, table_ptr, stride_t, seq_lens_ptr, qsl_ptr, KEY_TILE)
         leader = tl.load(order_ptr + tl.load(first_ptr + i, mask=ok, other=0), mask=ok, other=0)
+        size = tl.load(size_ptr + i, mask=ok, other=0)
         seq_len = tl.load(seq_lens_ptr + i, mask=ok, other=0)
         blocks = tl.where(cand, tl.minimum((seq_len + PAGE - 1) // PAGE, width), 0)
+        compare = tl.where((size >= 2) & (leader != i), blocks, 0)
         same = blocks
         row = table_ptr + i.to(tl.int64) * stride_t
         lead_row = table_ptr + leader.to(tl.int64) * stride_t
-        for c0 in range(0, tl.reduce(blocks, 0, _elementwise_max), BLOCK_C):
+        c0 = 0
+        bound = tl.reduce(compare, 0, _elementwise_max)
+        while c0 < bound:
             c = c0 + tl.arange(0, BLOCK_C)
-            inside = c[None, :] < blocks[:, None]
+            inside = c[None, :] < compare[:, None]
             mine = tl.load(row[:, None] + c[None, :], mask=inside, other=0)
             theirs = tl.load(lead_row[:, None] + c[None, :], mask=inside, other=0)
             miss = tl.where(inside & (mine != theirs), c[None, :], _BIG)
             same = tl.minimum(same, tl.reduce(miss, 1, _elementwise_min))
+            c0 += BLOCK_C
+            bound = tl.reduce(tl.where(same > c0, compare, 0), 0, _elementwise_max)
         own = tl.where(cand, tl.minimum(same * PAGE, seq_len) // KEY_TILE, 0)
         tl.store(own_ptr + i, own, mask=ok)
     tl.debug_barrier()
-    # C. a group's tiles: its members' minimum.
+    # C. a group's tiles: its members' minimum (one gather of the members, one of their tiles).
+    k = tl.arange(0, MEMBERS_P2)
     for i0 in range(0, n, BLOCK_I):
         i = i0 + tl.arange(0, BLOCK_I)
         ok = i < n
         first = tl.load(first_ptr + i, mask=ok, other=0)
         size = tl.load(size_ptr + i, mask=ok, other=0)
         pos = tl.load(pos_ptr + i, mask=ok, other=0)
-        shared = tl.full([BLOCK_I], _BIG, tl.int32)
-        for k in range(0, MAX_MEMBERS):
-            member_ok = ok & (k < size)
-            member = tl.load(order_ptr + first + k, mask=member_ok, other=0)
-            shared = tl.minimum(shared, tl.load(own_ptr + member, mask=member_ok, other=_BIG))
+        member_ok = ok[:, None] & (k[None, :] < size[:, None])
+        member = tl.load(order_ptr + first[:, None] + k[None, :], mask=member_ok, other=0)
+        tiles = tl.load(own_ptr + member, mask=member_ok, other=_BIG)
+        shared = tl.reduce(tiles, 1, _elementwise_min)
         grouped = (size >= 2) & (shared >= 1)
         tl.store(tiles_ptr + i, tl.where(grouped, shared, 0), mask=ok)
         tl.store(members_ptr + pos, tl.where(grouped & (pos == first), size, 0), mask=ok)
 
 
-def shared_prefix_groups(block_table, seq_lens, query_start_loc, page, max_members, views, key_tile):
-    """Fill `views` (order, members, tiles: int32 [n] each) for the step; one launch, no host sync."""
+def shared_prefix_groups(block_table, seq_lens, query_start_loc, page, max_members, views, key_tile, blocks=(64, 128, 64)):
+    """Fill `views` (order, members, tiles: int32 [n] each) for the step; one launch, no host sync.
+    `blocks`: (sequences, sequences compared with them, table columns) per loop step: any values give
+    the same arrays (the tests take small ones to walk every loop more than once)."""
     import torch
 
     n = seq_lens.shape[0]
@@ -128,5 +139,6 @@ def shared_prefix_groups(block_table, seq_lens, query_start_loc, page, max_membe
     _groups_kernel[(1,)](
         table, table.stride(0), table.shape[1], seq_lens.to(torch.int32), query_start_loc.to(torch.int32), n,
         *views, scratch, PAGE=page, KEY_TILE=key_tile, MAX_MEMBERS=max_members,
-        BLOCK_I=64, BLOCK_J=128, BLOCK_C=64, num_warps=4,
+        MEMBERS_P2=triton.next_power_of_2(max_members),
+        BLOCK_I=blocks[0], BLOCK_J=blocks[1], BLOCK_C=blocks[2], num_warps=4,
     )  # fmt: skip

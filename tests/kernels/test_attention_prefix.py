@@ -179,7 +179,8 @@ def test_one_launch_grouping_equals_the_torch_composition_interpreted(interprete
         max_members = rng.choice([2, 3, 8, 32])
         want = shared_prefix_groups(table, seq_lens, qsl, page, max_members)
         views = tuple(torch.full((seq_lens.shape[0],), -5, dtype=torch.int32) for _ in range(3))
-        mod.shared_prefix_groups(table, seq_lens, qsl, page, max_members, views, 64)
+        blocks = rng.choice([(64, 128, 64), (16, 8, 2), (8, 32, 1)])  # small: every loop runs several steps
+        mod.shared_prefix_groups(table, seq_lens, qsl, page, max_members, views, 64, blocks)
         for name, got, ref in zip(("order", "members", "tiles"), views, want[:3], strict=True):
             assert torch.equal(got, ref), (name, got.tolist(), ref.tolist())
         assert int(want.tiles.gt(0).sum()) > 0 or not bool(want.members.gt(0).any())
