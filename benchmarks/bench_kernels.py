@@ -192,6 +192,7 @@ def _decode_rollout_case(label, groups, samples, prompt, generated, shared):
     from vexact_vllm.kernels import (
         attention_triton,
         longest_last_schedule,
+        max_group_members,
         paged_attention,
         shared_prefix_groups,
     )
@@ -204,7 +205,7 @@ def _decode_rollout_case(label, groups, samples, prompt, generated, shared):
         softmax_scale=scale, causal=True, block_table=bt, fa_version=3))  # fmt: skip
     reference = paged_attention(q, kc, vc, bt, sl, qsl, scale)
     schedule = longest_last_schedule(sl, qsl)
-    grouping = shared_prefix_groups(bt, sl, qsl, kc.shape[1], 64 // (hq // hkv))  # as the engine's builder
+    grouping = shared_prefix_groups(bt, sl, qsl, kc.shape[1], max_group_members(d, hq // hkv))  # as the builder
     for name, (stages, heads_fast, ordered) in PAGED_VARIANTS.items():
         sched = schedule if ordered is True else None
         by_prompt = grouping if ordered == "groups" else None

@@ -27,6 +27,15 @@ class SharedPrefix(NamedTuple):
     max_members: int  # the largest group: max_members x (Hq / Hkv) rows fit one query tile
 
 
+def max_group_members(head_dim: int, group: int) -> int:
+    """The most decode sequences one group may hold at this head_dim and Hq / Hkv = `group`: their
+    query rows (`group` each) must fit one forward query tile (`attention_triton.forward_config`'s
+    BLOCK_M rows). ValueError where the Triton attention has no configuration."""
+    from .attention_triton import forward_config
+
+    return forward_config(head_dim, group)[0] // group
+
+
 def shared_prefix_groups(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,

@@ -48,6 +48,7 @@ from vllm.v1.attention.backend import (
 from vexact_vllm.kernels import (
     SharedPrefix,
     longest_last_schedule,
+    max_group_members,
     paged_attention,
     shared_prefix_groups,
     write_kv_cache,
@@ -145,12 +146,13 @@ class VexactAttentionMetadataBuilder(AttentionMetadataBuilder[VexactAttentionMet
             (torch.zeros(capacity, dtype=torch.int32, device=device),
              torch.zeros(capacity + 1, dtype=torch.int32, device=device)) if schedules else None
         )  # fmt: skip
-        # Shared-prompt groups: at most as many members as one query tile has rows for (BLOCK_M = 64
-        # rows, Hq / Hkv of them a sequence: kernels/attention_triton.py's forward configurations).
+        # Shared-prompt groups: at most as many members as one query tile has rows for (Hq / Hkv rows
+        # a sequence: kernels.max_group_members).
         group = _query_heads_per_kv_head(vllm_config, kv_cache_spec)
         self._page = getattr(kv_cache_spec, "block_size", None)
+        head_dim = getattr(kv_cache_spec, "head_size", None)
         shares = torch.device(device).type == "cuda" and shared_prefix_enabled() and group and self._page
-        self._max_members = 64 // group if shares else 0
+        self._max_members = max_group_members(head_dim, group) if shares and head_dim else 0
         self._shared_buffers = (
             tuple(torch.zeros(capacity, dtype=torch.int32, device=device) for _ in range(3))
             if self._max_members >= 2 else None

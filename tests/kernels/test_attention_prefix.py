@@ -5,7 +5,7 @@ each sequence alone and as the training kernel. Interpreter on CPU (tiny shapes)
 import pytest
 import torch
 
-from vexact_vllm.kernels import shared_prefix_groups
+from vexact_vllm.kernels import max_group_members, shared_prefix_groups
 
 pytest.importorskip("triton")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
@@ -134,13 +134,14 @@ def test_shared_prefix_refuses_groups_wider_than_the_tile(interp):
 @pytest.mark.parametrize("n_heads,n_kv,samples", [(16, 8, 8), (32, 8, 16), (16, 8, 40)])
 def test_shared_prefix_equals_training_cuda(n_heads, n_kv, samples):
     """Qwen3 shapes (GQA 2 and 4, D 128): 12 prompts of 64-1,100 tokens x 8, 16 or 40 samples (40
-    groups are cut at 64 // GQA members), up to 300 generated tokens each."""
+    groups are cut at max_group_members: 64 // GQA), up to 300 generated tokens each."""
     import importlib
 
     ops = importlib.import_module("vexact_vllm.kernels.attention_triton")
     prompts = torch.randint(64, 1100, (12,), generator=torch.Generator().manual_seed(3)).tolist()
-    shared = _check_rollout_step(ops, "cuda", prompts, samples, 300, n_heads, n_kv, 128, 16, 64 // (n_heads // n_kv))
-    assert int(shared.members.max()) == min(samples, 64 // (n_heads // n_kv))
+    most = max_group_members(128, n_heads // n_kv)
+    shared = _check_rollout_step(ops, "cuda", prompts, samples, 300, n_heads, n_kv, 128, 16, most)
+    assert int(shared.members.max()) == min(samples, most)
 
 
 def _random_step(rng, device="cpu"):
@@ -202,3 +203,16 @@ def test_one_launch_grouping_equals_the_torch_composition_cuda():
             want = shared_prefix_groups(table, seq_lens, qsl, page, max_members)
         for a, b in zip(got[:3], want[:3], strict=True):
             assert torch.equal(a, b)
+
+
+def test_max_group_members_follows_the_forward_tile():
+    """As many sequences as the forward query tile has rows for (BLOCK_M / (Hq / Hkv)); refused where
+    the Triton attention has no configuration."""
+    from vexact_vllm.kernels.attention_triton import forward_config
+
+    for head_dim in (64, 128, 256):
+        for group in (1, 2, 4, 7):
+            assert max_group_members(head_dim, group) == forward_config(head_dim, group)[0] // group
+    assert max_group_members(128, 2) == 32
+    with pytest.raises(ValueError, match="head_dim"):
+        max_group_members(96, 2)

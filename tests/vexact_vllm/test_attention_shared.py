@@ -18,7 +18,7 @@ def _builder(device: str, heads: int = 16, kv_heads: int = 8):
     model = SimpleNamespace(get_num_attention_heads=lambda parallel: heads)
     config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=256, max_num_batched_tokens=512),
                              model_config=model, parallel_config=None)  # fmt: skip
-    spec = SimpleNamespace(num_kv_heads=kv_heads, block_size=16)
+    spec = SimpleNamespace(num_kv_heads=kv_heads, block_size=16, head_size=128)
     return attention.VexactAttentionMetadataBuilder(spec, ["layer.0"], config, torch.device(device))
 
 
@@ -36,7 +36,7 @@ def _metadata(tables: list[list[int]], seq_lens: list[int], q_lens: list[int], d
 def test_groups_sized_by_the_query_tile_into_persistent_buffers():
     builder = _builder("cpu", heads=32, kv_heads=8)  # 4 query heads a kv head: 16 members at most
     assert builder._shared_buffers is None  # CPU: the torch backend reads no groups
-    builder._max_members, builder._page = 64 // 4, 16
+    builder._max_members, builder._page = attention.max_group_members(128, 4), 16
     builder._shared_buffers = tuple(torch.zeros(768, dtype=torch.int32) for _ in range(3))
     prompt = list(range(100, 110))  # 10 whole blocks: 160 keys, 2 tiles
     tables = [prompt + [200 + i] for i in range(20)] + [[300, 301]]
