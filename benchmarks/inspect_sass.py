@@ -70,11 +70,12 @@ def specs(head_dim: int, group: int, block_m: int | None, warps: int | None = No
     (kv_m, kv_n, kv_w, kv_s), (q_m, q_n, q_w, q_s) = bwd._BWD_CONFIGS[head_dim]
     bwd_common = dict(GROUP=group, HEAD_DIM=head_dim, PRECISION="tf32", DOT_FP32=False)
     paged = dict(common, BLOCK_M=block_m, PAGE=16, HEADS_FAST=False, SHARED=False)
+    shared_opts = dict(fwd_opts, num_stages=fwd._SHARED_STAGES.get(head_dim, fwd_stages))  # paged_attention(shared=)
     return {
         "paged": (fwd._paged_fwd_kernel, dict(paged, ORDERED=False), fwd_opts),
         "paged-ordered": (fwd._paged_fwd_kernel, dict(paged, ORDERED=True), fwd_opts),
-        "paged-shared": (fwd._paged_fwd_kernel, dict(paged, ORDERED=False, SHARED=True), fwd_opts),
-        "prefix": (prefix._shared_prefix_kernel, dict(common, BLOCK_M=block_m, PAGE=16), fwd_opts),
+        "paged-shared": (fwd._paged_fwd_kernel, dict(paged, ORDERED=False, SHARED=True), shared_opts),
+        "prefix": (prefix._shared_prefix_kernel, dict(common, BLOCK_M=block_m, PAGE=16), shared_opts),
         "varlen": (fwd._varlen_fwd_kernel, dict(common, BLOCK_M=block_m, STORE_LSE=True), fwd_opts),
         "dkdv": (bwd._dkdv_kernel, dict(bwd_common, BLOCK_M=kv_m, BLOCK_N=kv_n), dict(num_warps=kv_w, num_stages=kv_s)),
         "dq": (bwd._dq_kernel, dict(bwd_common, BLOCK_M=q_m, BLOCK_N=q_n), dict(num_warps=q_w, num_stages=q_s)),

@@ -28,8 +28,8 @@ def _shared_prefix_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
-    ws_acc_ptr,  # fp32 [T, Hq, HEAD_DIM] out: each member row's unnormalised accumulator
-    ws_ml_ptr,  # fp32 [T, Hq, 2] out: its running max and sum
+    ws_acc_ptr,  # fp32 [B, Hq, HEAD_DIM] out: each member row's unnormalised accumulator (by sequence)
+    ws_ml_ptr,  # fp32 [B, Hq, 2] out: its running max and sum
     block_table_ptr,
     start_loc_ptr,
     order_ptr,  # int32 [B]: the sequences, each group's members contiguous
@@ -86,10 +86,11 @@ def _shared_prefix_kernel(
             stride_ks, stride_vs, block_table_row, stride_kb, stride_vb, qk_scale,
             False, True, PAGE, HEAD_DIM, BLOCK_N, PRECISION, DOT_FP32,
         )  # fmt: skip
-    ml = ws_ml_ptr + token * stride_mt + head * 2
+    seq = member.to(tl.int64)  # the workspace rows: one query a member
+    ml = ws_ml_ptr + seq * stride_mt + head * 2
     tl.store(ml, m_i, mask=valid)
     tl.store(ml + 1, l_i, mask=valid)
-    tl.store(ws_acc_ptr + token[:, None] * stride_wt + head[:, None] * HEAD_DIM + offs_d[None, :], acc,
+    tl.store(ws_acc_ptr + seq[:, None] * stride_wt + head[:, None] * HEAD_DIM + offs_d[None, :], acc,
              mask=valid[:, None])  # fmt: skip
 
 
@@ -100,10 +101,10 @@ def shared_prefix_forward(q, k_cache, v_cache, block_table, query_start_loc, sca
     import torch
 
     block_m, num_warps, num_stages, group, precision, interpreted = cfg
-    n_tokens, n_heads, head_dim = q.shape
+    n_heads, head_dim = q.shape[1], q.shape[2]
     n_seqs, n_kv = shared.order.shape[0], k_cache.shape[2]
-    ws_acc = torch.empty((n_tokens, n_heads, head_dim), dtype=torch.float32, device=q.device)
-    ws_ml = torch.empty((n_tokens, n_heads, 2), dtype=torch.float32, device=q.device)
+    ws_acc = torch.empty((n_seqs, n_heads, head_dim), dtype=torch.float32, device=q.device)  # by sequence:
+    ws_ml = torch.empty((n_seqs, n_heads, 2), dtype=torch.float32, device=q.device)  # a member has one query
     _shared_prefix_kernel[(n_seqs, n_kv)](
         q, k_cache, v_cache, ws_acc, ws_ml, block_table, query_start_loc, shared.order, shared.members,
         shared.tiles, n_seqs, scale, q.stride(0), q.stride(1),

@@ -432,10 +432,10 @@ def _paged_fwd_kernel(
     HEADS_FAST: tl.constexpr,  # grid (Hkv, tiles) instead of (tiles, Hkv) (which program, never a value)
     SHARED: tl.constexpr = False,  # resume sequences whose first key tiles the shared-prefix kernel did
     resume_ptr=None,  # SHARED: int32 [B], key tiles already attended per sequence (0: none)
-    ws_acc_ptr=None,  # SHARED: fp32 [T, Hq, HEAD_DIM], their unnormalised accumulators
-    ws_ml_ptr=None,  # SHARED: fp32 [T, Hq, 2], their running max and sum
-    stride_wt=0,  # SHARED: ws_acc's token stride (Hq * HEAD_DIM)
-    stride_mt=0,  # SHARED: ws_ml's token stride (Hq * 2)
+    ws_acc_ptr=None,  # SHARED: fp32 [B, Hq, HEAD_DIM], their unnormalised accumulators (by sequence)
+    ws_ml_ptr=None,  # SHARED: fp32 [B, Hq, 2], their running max and sum
+    stride_wt=0,  # SHARED: ws_acc's sequence stride (Hq * HEAD_DIM)
+    stride_mt=0,  # SHARED: ws_ml's sequence stride (Hq * 2)
 ):
     """Inference entry: the new queries of each sequence (its last q_len positions) over the paged
     cache; program (tile, kv head) -> BLOCK_M rows, as in training. The programs take the tiles last
@@ -471,7 +471,7 @@ def _paged_fwd_kernel(
     )
     if SHARED:
         out = _resume_rows(
-            q, q_pos, pos0, max_pos, seq_len, token, head, valid, b, resume_ptr, ws_acc_ptr, ws_ml_ptr,
+            q, q_pos, pos0, max_pos, seq_len, head, valid, b, resume_ptr, ws_acc_ptr, ws_ml_ptr,
             stride_wt, stride_mt, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh, stride_ks, stride_vs,
             block_table_ptr + b.to(tl.int64) * stride_bt, stride_kb, stride_vb, qk_scale,
             PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
@@ -521,7 +521,7 @@ def _attend_paged(
 
 @triton.jit
 def _resume_rows(
-    q, q_pos, pos0, max_pos, seq_len, token, head, valid, b, resume_ptr, ws_acc_ptr, ws_ml_ptr,
+    q, q_pos, pos0, max_pos, seq_len, head, valid, b, resume_ptr, ws_acc_ptr, ws_ml_ptr,
     stride_wt, stride_mt, k_base, v_base, stride_ks, stride_vs, block_table_row, stride_kb, stride_vb, qk_scale,
     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -532,10 +532,11 @@ def _resume_rows(
     t0 = tl.load(resume_ptr + b)
     resumed = valid.to(tl.int32) * t0 > 0  # rows of a sequence its group began
     offs_d = tl.arange(0, HEAD_DIM)
-    ml = ws_ml_ptr + token * stride_mt + head * 2
+    seq = b.to(tl.int64)  # resumed rows are a decode's: one query, workspace row b
+    ml = ws_ml_ptr + seq * stride_mt + head * 2
     m_i = tl.load(ml, mask=resumed, other=float("-inf"))
     l_i = tl.load(ml + 1, mask=resumed, other=0.0)
-    acc_ptrs = ws_acc_ptr + token[:, None] * stride_wt + head[:, None] * HEAD_DIM + offs_d[None, :]
+    acc_ptrs = ws_acc_ptr + seq * stride_wt + head[:, None] * HEAD_DIM + offs_d[None, :]
     acc = tl.load(acc_ptrs, mask=resumed[:, None], other=0.0)
     m_i, l_i, acc = _attend_from(
         t0, m_i, l_i, acc, q, q_pos, pos0, max_pos, seq_len, k_base, v_base, 0, stride_ks, stride_vs,

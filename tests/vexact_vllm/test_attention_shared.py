@@ -14,10 +14,10 @@ pytest.importorskip("vllm")
 from vexact_vllm import attention  # noqa: E402
 
 
-def _builder(device: str, heads: int = 16, kv_heads: int = 8):
+def _builder(device: str, heads: int = 16, kv_heads: int = 8, compilation=None):
     model = SimpleNamespace(get_num_attention_heads=lambda parallel: heads)
     config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=256, max_num_batched_tokens=512),
-                             model_config=model, parallel_config=None)  # fmt: skip
+                             model_config=model, parallel_config=None, compilation_config=compilation)  # fmt: skip
     spec = SimpleNamespace(num_kv_heads=kv_heads, block_size=16, head_size=128)
     return attention.VexactAttentionMetadataBuilder(spec, ["layer.0"], config, torch.device(device))
 
@@ -27,7 +27,8 @@ def _metadata(tables: list[list[int]], seq_lens: list[int], q_lens: list[int], d
     width = max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     return SimpleNamespace(
-        causal=True, num_reqs=len(seq_lens), num_actual_tokens=int(starts[-1]), query_start_loc=starts.to(device),
+        causal=True, num_reqs=len(seq_lens), num_actual_tokens=int(starts[-1]), max_query_len=max(q_lens),
+        query_start_loc=starts.to(device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device), block_table_tensor=table.to(device),
         slot_mapping=torch.zeros(int(starts[-1]), dtype=torch.int64, device=device),
     )  # fmt: skip
@@ -47,6 +48,30 @@ def test_groups_sized_by_the_query_tile_into_persistent_buffers():
         assert sorted(shared.members.tolist(), reverse=True)[:3] == [16, 4, 0]  # 20 members cut at 16
         assert shared.tiles.tolist() == [2] * 20 + [0] and shared.max_members == 16
     assert builder.build(0, _metadata([prompt], [170], [1])).shared is None  # one request: no group
+
+
+@pytest.mark.parametrize("graphs", [None, 8])
+def test_eager_prefill_steps_skip_the_grouping(graphs):
+    """A step with a prefill chunk and more tokens than the largest CUDA graph (every step with one
+    when graphs are off) runs eagerly: no graph reads the buffers, so it skips the grouping. Steps a
+    graph may replay keep it whatever they hold, so capture and replay launch the same kernels."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    compilation = None if graphs is None else SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL,
+                                                               max_cudagraph_capture_size=graphs)  # fmt: skip
+    builder = _builder("cpu", compilation=compilation)
+    builder._max_members, builder._page = attention.max_group_members(128, 2), 16
+    builder._shared_buffers = tuple(torch.zeros(64, dtype=torch.int32) for _ in range(3))
+    tables = [list(range(100, 110)) + [200 + i] for i in range(4)]
+    decodes = _metadata(tables, [170] * 4, [1] * 4)
+    assert builder.build(0, decodes).shared.tiles.tolist() == [2] * 4  # decode-only: grouped, eager or not
+    small = builder.build(0, _metadata(tables, [170] * 4, [1, 1, 1, 3])).shared  # 6 tokens
+    big = builder.build(0, _metadata(tables, [170] * 4, [1, 1, 1, 9])).shared  # 12 tokens
+    assert big is None
+    if graphs is None:
+        assert small is None
+    else:  # 6 tokens fit an 8-token graph: built, its three decodes grouped
+        assert small.tiles.tolist() == [2, 2, 2, 0]
 
 
 def test_shared_prefix_is_opt_in_for_ab_runs(monkeypatch):
