@@ -154,11 +154,7 @@ class VexactAttentionMetadataBuilder(AttentionMetadataBuilder[VexactAttentionMet
         head_dim = getattr(kv_cache_spec, "head_size", None)
         shares = torch.device(device).type == "cuda" and shared_prefix_enabled() and group and self._page
         self._max_members = max_group_members(head_dim, group) if shares and head_dim else 0
-        # Steps of more tokens than the largest CUDA graph run eagerly (no graph reads the buffers),
-        # so their prefill chunks skip the grouping and its launch a layer; -1: graphs off, every step.
-        compilation = getattr(vllm_config, "compilation_config", None)
-        graphs = getattr(compilation, "cudagraph_mode", None) not in (None, CUDAGraphMode.NONE)
-        self._graph_max_tokens = (getattr(compilation, "max_cudagraph_capture_size", None) or 0) if graphs else -1
+        self._compilation = getattr(vllm_config, "compilation_config", None)  # read at each step (_eager_prefill)
         self._shared_buffers = (
             tuple(torch.zeros(capacity, dtype=torch.int32, device=device) for _ in range(3))
             if self._max_members >= 2 else None
@@ -176,8 +172,8 @@ class VexactAttentionMetadataBuilder(AttentionMetadataBuilder[VexactAttentionMet
         if buffers is not None and SCHEDULE_MIN_REQS <= m.num_reqs < buffers[0].shape[0]:
             schedule = longest_last_schedule(seq_lens, query_start_loc, out=buffers)
         shared = None  # decided by the request count alone, like the schedule (eager prefills aside)
-        eager_prefill = m.max_query_len > 1 and m.num_actual_tokens > self._graph_max_tokens
-        if self._shared_buffers is not None and 2 <= m.num_reqs <= self._shared_buffers[0].shape[0] and not eager_prefill:
+        buffers = self._shared_buffers
+        if buffers is not None and 2 <= m.num_reqs <= buffers[0].shape[0] and not self._eager_prefill(m):
             shared = shared_prefix_groups(
                 m.block_table_tensor, seq_lens, query_start_loc, self._page, self._max_members, out=self._shared_buffers
             )
@@ -190,6 +186,19 @@ class VexactAttentionMetadataBuilder(AttentionMetadataBuilder[VexactAttentionMet
             schedule=schedule,
             shared=shared,
         )
+
+    def _eager_prefill(self, m) -> bool:
+        """A step with a prefill chunk that no CUDA graph can replay: more tokens than the largest
+        graph, or graphs off. No graph reads the groups' buffers then, so it may skip the grouping
+        (and its launch a layer). Read from vLLM's live config at each step; with graphs on and their
+        largest size unknown, no step counts as eager."""
+        if m.max_query_len <= 1:
+            return False
+        mode = getattr(self._compilation, "cudagraph_mode", None)
+        if mode is None or mode == CUDAGraphMode.NONE:
+            return True
+        largest = getattr(self._compilation, "max_cudagraph_capture_size", None)
+        return largest is not None and m.num_actual_tokens > largest
 
 
 def _query_heads_per_kv_head(vllm_config, kv_cache_spec) -> int | None:
