@@ -60,13 +60,13 @@ def _groups_kernel(
     # A. positions and groups.
     for i0 in range(0, n, BLOCK_I):
         i = i0 + tl.arange(0, BLOCK_I)
-        key_i, cand_i = _keys(i, n, table_ptr, stride_t, seq_lens_ptr, qsl_ptr, KEY_TILE)
+        key_i, _i = _keys(i, n, table_ptr, stride_t, seq_lens_ptr, qsl_ptr, KEY_TILE)
         less = tl.full([BLOCK_I], 0, tl.int32)
         before = tl.full([BLOCK_I], 0, tl.int32)
         equal = tl.full([BLOCK_I], 0, tl.int32)
         for j0 in range(0, n, BLOCK_J):
             j = j0 + tl.arange(0, BLOCK_J)
-            key_j, cand_j = _keys(j, n, table_ptr, stride_t, seq_lens_ptr, qsl_ptr, KEY_TILE)
+            key_j, _j = _keys(j, n, table_ptr, stride_t, seq_lens_ptr, qsl_ptr, KEY_TILE)
             in_j = (j < n)[None, :]
             eq = in_j & (key_j[None, :] == key_i[:, None])
             less += tl.reduce((in_j & (key_j[None, :] < key_i[:, None])).to(tl.int32), 1, _sum_combine)
@@ -85,7 +85,7 @@ def _groups_kernel(
     for i0 in range(0, n, BLOCK_I):
         i = i0 + tl.arange(0, BLOCK_I)
         ok = i < n
-        key_b, cand = _keys(i, n, table_ptr, stride_t, seq_lens_ptr, qsl_ptr, KEY_TILE)
+        _b, cand = _keys(i, n, table_ptr, stride_t, seq_lens_ptr, qsl_ptr, KEY_TILE)
         leader = tl.load(order_ptr + tl.load(first_ptr + i, mask=ok, other=0), mask=ok, other=0)
         size = tl.load(size_ptr + i, mask=ok, other=0)
         seq_len = tl.load(seq_lens_ptr + i, mask=ok, other=0)

@@ -21,8 +21,9 @@ prompt's cache blocks (vLLM's prefix cache gives them the same blocks). The buil
 requests whose block tables start alike (`kernels.shared_prefix_groups`, on the device, into
 persistent buffers), and the kernel attends each group's common key tiles once for all its members
 before each member's own tiles: the same bits, the prompt read once per group instead of per sample.
-Off by default: on an H100 it made a grpo-shaped decode step 9% faster alone (bench_kernels.py's
-rollout section) but the grpo rollout 5% slower (docs/BENCHMARKS.md, session 20), not yet explained.
+Off by default: on an H100 a grpo step's attention takes 13% less time with it (the 1.7B grpo rollout,
+engine alone, 0.944 of stock against 0.913), but a workload of distinct prompts, where no group
+forms, measured slower with it on, not yet explained (docs/BENCHMARKS.md, session 21).
 
 Cache layout (one tensor per layer, allocated by vLLM from `get_kv_cache_spec`): the logical view
 [num_blocks, num_kv_heads, block_size, 2 * head_size], keys in the first half of the last axis and
@@ -175,7 +176,7 @@ class VexactAttentionMetadataBuilder(AttentionMetadataBuilder[VexactAttentionMet
         buffers = self._shared_buffers
         if buffers is not None and 2 <= m.num_reqs <= buffers[0].shape[0] and not self._eager_prefill(m):
             shared = shared_prefix_groups(
-                m.block_table_tensor, seq_lens, query_start_loc, self._page, self._max_members, out=self._shared_buffers
+                m.block_table_tensor, seq_lens, query_start_loc, self._page, self._max_members, out=buffers
             )
         return VexactAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens,
