@@ -1,7 +1,7 @@
 """Compile vexact's attention kernels for Hopper (sm_90a) on any machine, no GPU needed, and print what
 the hardware would run: registers, spills, shared memory, and the instruction mix of each kernel.
 
-    python benchmarks/inspect_sass.py [--kernels paged,paged-ordered,paged-shared,prefix,varlen,dkdv,dq] [--head-dim 128] [--group 2]
+    python benchmarks/inspect_sass.py [--kernels paged,paged-ordered,paged-shared,prefix,varlen,dkdv,dq,groups,paged-thin,...] [--head-dim 128] [--group 2]
         [--block-m 64] [--out DIR]
 
 Why: device time is scarce; a kernel that spills, loads K/V with scalar 16-bit loads instead of
@@ -28,13 +28,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from vexact_vllm.kernels import attention_prefix_groups_triton as groups
 from vexact_vllm.kernels import attention_prefix_triton as prefix
 from vexact_vllm.kernels import attention_triton as fwd
 from vexact_vllm.kernels import attention_triton_bwd as bwd
 
 FLOATS = {"qk_scale", "scale"}
 INT_POINTERS = {"block_table_ptr", "seq_lens_ptr", "start_loc_ptr", "cu_ptr", "order_ptr", "order_start_ptr",
-                "resume_ptr", "members_ptr", "tiles_ptr"}  # fmt: skip
+                "resume_ptr", "members_ptr", "tiles_ptr", "starts_ptr", "count_ptr", "table_ptr", "qsl_ptr",
+                "scratch_ptr"}  # fmt: skip
 FP32_POINTERS = {"lse_ptr", "delta_ptr", "ws_acc_ptr", "ws_ml_ptr"}
 # Instruction families worth counting (SASS opcode prefixes).
 FAMILIES = ("HGMMA", "HMMA", "LDGSTS", "LDG", "STG", "LDS", "STS", "LDSM", "STL", "LDL", "MUFU", "SHFL",
@@ -71,11 +73,19 @@ def specs(head_dim: int, group: int, block_m: int | None, warps: int | None = No
     bwd_common = dict(GROUP=group, HEAD_DIM=head_dim, PRECISION="tf32", DOT_FP32=False)
     paged = dict(common, BLOCK_M=block_m, PAGE=16, HEADS_FAST=False, SHARED=False)
     shared_opts = dict(fwd_opts, num_stages=fwd._SHARED_STAGES.get(head_dim, fwd_stages))  # paged_attention(shared=)
+    thin = dict(fwd_opts, num_stages=max((st for _, st in fwd._THIN_STAGES.get(head_dim, ())), default=fwd_stages))
     return {
         "paged": (fwd._paged_fwd_kernel, dict(paged, ORDERED=False), fwd_opts),
+        "paged-thin": (fwd._paged_fwd_kernel, dict(paged, ORDERED=False), thin),  # thin steps' deepest
+        "paged-shared-thin": (fwd._paged_fwd_kernel, dict(paged, ORDERED=False, SHARED=True), thin),
+        "prefix-thin": (prefix._shared_prefix_kernel, dict(common, BLOCK_M=block_m, PAGE=16), thin),
         "paged-ordered": (fwd._paged_fwd_kernel, dict(paged, ORDERED=True), fwd_opts),
         "paged-shared": (fwd._paged_fwd_kernel, dict(paged, ORDERED=False, SHARED=True), shared_opts),
         "prefix": (prefix._shared_prefix_kernel, dict(common, BLOCK_M=block_m, PAGE=16), shared_opts),
+        "groups": (groups._groups_kernel, dict(PAGE=16, KEY_TILE=fwd.KEY_TILE, MAX_MEMBERS=block_m // group,
+                   MEMBERS_P2=triton.next_power_of_2(block_m // group),
+                   **dict(zip(("BLOCK_I", "BLOCK_J", "BLOCK_C", "BLOCK_S"), groups.BLOCKS))),
+                   dict(num_warps=groups.NUM_WARPS)),  # fmt: skip
         "varlen": (fwd._varlen_fwd_kernel, dict(common, BLOCK_M=block_m, STORE_LSE=True), fwd_opts),
         "dkdv": (bwd._dkdv_kernel, dict(bwd_common, BLOCK_M=kv_m, BLOCK_N=kv_n), dict(num_warps=kv_w, num_stages=kv_s)),
         "dq": (bwd._dq_kernel, dict(bwd_common, BLOCK_M=q_m, BLOCK_N=q_n), dict(num_warps=q_w, num_stages=q_s)),

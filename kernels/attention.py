@@ -361,11 +361,12 @@ def paged_attention(
                     f"{t.dtype} {tuple(t.shape)} on {t.device}"
                 )
     if shared is not None:
-        for name in ("order", "members", "tiles"):
+        for name in ("order", "members", "tiles", "starts", "count"):
             t = getattr(shared, name)
-            if t.dtype != torch.int32 or tuple(t.shape) != (n_seqs,) or t.device != q.device:
+            n = 1 if name == "count" else n_seqs
+            if t.dtype != torch.int32 or tuple(t.shape) != (n,) or t.device != q.device:
                 raise ValueError(
-                    f"shared {name} must be int32 [{n_seqs}] on {q.device} (shared_prefix_groups), got "
+                    f"shared {name} must be int32 [{n}] on {q.device} (shared_prefix_groups), got "
                     f"{t.dtype} {tuple(t.shape)} on {t.device}"
                 )
     if out is not None:

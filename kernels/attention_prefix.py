@@ -24,6 +24,8 @@ class SharedPrefix(NamedTuple):
     order: torch.Tensor  # int32 [B]: the sequences, each group's members contiguous
     members: torch.Tensor  # int32 [B]: at a group's first position in `order`, its size (>= 2); else 0
     tiles: torch.Tensor  # int32 [B]: per sequence, the key tiles its group attends (0: not grouped)
+    starts: torch.Tensor  # int32 [B]: the groups' first positions in `order`, rising (past count: unset)
+    count: torch.Tensor  # int32 [1]: the number of groups
     max_members: int  # the largest group: max_members x (Hq / Hkv) rows fit one query tile
 
 
@@ -42,20 +44,23 @@ def shared_prefix_groups(
     query_start_loc: torch.Tensor,
     page: int,
     max_members: int,
-    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    out: tuple[torch.Tensor, ...] | None = None,
 ) -> SharedPrefix:
     """The groups of a step (module docstring). block_table [>= B, W] int32 (a row's entries past
     its sequence may hold anything: only blocks below seq_lens count), seq_lens [B],
     query_start_loc [B + 1], `page` slots per cache block. No host synchronisation;
-    `out`: three preallocated int32 buffers of >= B elements to write into (CUDA graphs read them).
-    On CUDA one Triton launch (attention_prefix_groups_triton.py), elsewhere this torch composition."""
+    `out`: five preallocated int32 buffers of >= B elements (>= 1 for the count) to write into (CUDA
+    graphs read them). On CUDA one Triton launch (attention_prefix_groups_triton.py), elsewhere this
+    torch composition."""
     if max_members < 2:
         raise ValueError(f"max_members must be at least 2, got {max_members}")
     n = seq_lens.shape[0]
     device = seq_lens.device
     if out is None:
-        out = tuple(torch.empty(n, dtype=torch.int32, device=device) for _ in range(3))
-    views = tuple(buf[:n] for buf in out)
+        out = tuple(torch.empty(max(n, 1), dtype=torch.int32, device=device) for _ in range(5))
+    if len(out) != 5:
+        raise ValueError(f"out must hold 5 buffers (order, members, tiles, starts, count), got {len(out)}")
+    views = (*(buf[:n] for buf in out[:4]), out[4][:1])
     if backend_for(seq_lens) == "triton":  # one launch instead of this composition's ~66
         from . import attention_prefix_groups_triton
 
@@ -87,6 +92,8 @@ def shared_prefix_groups(
     members = torch.where(grouped, size, 0)
     tiles_sorted = torch.where(grouped[first], group_tiles[first], 0)
     per_seq = torch.empty_like(tiles_sorted).scatter_(0, order, tiles_sorted)
-    for view, value in zip(views, (order, members, per_seq), strict=True):
+    index = torch.where(grouped, grouped.long().cumsum(0) - 1, n)  # the n-th slot: a discard
+    starts = torch.zeros(n + 1, dtype=torch.long, device=device).scatter_(0, index, idx)[:n]
+    for view, value in zip(views, (order, members, per_seq, starts, grouped.sum().reshape(1)), strict=True):
         view.copy_(value)
     return SharedPrefix(*views, max_members)

@@ -10,6 +10,14 @@ A. key k_i = the first cache block of a decode of more than one key tile, else -
 B. each sequence's whole key tiles shared with its group's leader order[first_i]: the leading cache
    blocks equal to the leader's (below its own block count), as keys, capped at its length.
 C. a group's tiles are its members' minimum; a group of one, or of no whole tile, is no group.
+D. the groups' first positions, listed in order (`starts`), and their number (`count`): the prefix
+   kernel's programs walk that list, so a step without groups costs it one wave of programs.
+
+Latency: one program, so each phase's chunk loop is a chain of dependent global loads; the loads of
+a chunk are issued together (a key's cache block is read whatever the sequence is) and phases B-D
+take BLOCK_S sequences a chunk (256: one chunk a step of up to 256 requests). The default blocks at
+8 warps compile for sm_90a without spills (232 registers with Triton 3.6; 64-column table chunks
+spilled 1.6 KB).
 
 Only which sequences are grouped, never an attention value, follows from this (the kernels' bits
 are the same either way); the tests hold it to the torch composition element for element.
@@ -28,8 +36,8 @@ def _keys(i, n, table_ptr, stride_t, seq_lens_ptr, qsl_ptr, KEY_TILE: tl.constex
     ok = i < n
     q_len = tl.load(qsl_ptr + i + 1, mask=ok, other=0) - tl.load(qsl_ptr + i, mask=ok, other=0)
     seq_len = tl.load(seq_lens_ptr + i, mask=ok, other=0)
+    block0 = tl.load(table_ptr + i.to(tl.int64) * stride_t, mask=ok, other=0)  # beside the others
     cand = ok & (q_len == 1) & (seq_len > KEY_TILE)
-    block0 = tl.load(table_ptr + i.to(tl.int64) * stride_t, mask=cand, other=0)
     return tl.where(cand, block0, -1 - i), cand
 
 
@@ -44,6 +52,8 @@ def _groups_kernel(
     order_ptr,  # out, int32 [n]: by position
     members_ptr,  # out, int32 [n]: by position, a group's size at its first position
     tiles_ptr,  # out, int32 [n]: by sequence, the key tiles its group shares (0: none)
+    starts_ptr,  # out, int32 [n]: the groups' first positions in order (entries past count: unset)
+    count_ptr,  # out, int32 [1]: the number of groups
     scratch_ptr,  # int32 [4, n]: first position of the group, its size, own position, own tiles
     PAGE: tl.constexpr,
     KEY_TILE: tl.constexpr,
@@ -52,6 +62,7 @@ def _groups_kernel(
     BLOCK_I: tl.constexpr,
     BLOCK_J: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     first_ptr = scratch_ptr
     size_ptr = scratch_ptr + n
@@ -82,8 +93,8 @@ def _groups_kernel(
     # B. whole key tiles shared with the group's leader: only members other than the leader compare
     # (the leader shares all its blocks with itself), and a chunk's loop stops once each of its rows
     # has met a differing block, so a step without groups reads no table column.
-    for i0 in range(0, n, BLOCK_I):
-        i = i0 + tl.arange(0, BLOCK_I)
+    for i0 in range(0, n, BLOCK_S):
+        i = i0 + tl.arange(0, BLOCK_S)
         ok = i < n
         _b, cand = _keys(i, n, table_ptr, stride_t, seq_lens_ptr, qsl_ptr, KEY_TILE)
         leader = tl.load(order_ptr + tl.load(first_ptr + i, mask=ok, other=0), mask=ok, other=0)
@@ -110,8 +121,8 @@ def _groups_kernel(
     tl.debug_barrier()
     # C. a group's tiles: its members' minimum (one gather of the members, one of their tiles).
     k = tl.arange(0, MEMBERS_P2)
-    for i0 in range(0, n, BLOCK_I):
-        i = i0 + tl.arange(0, BLOCK_I)
+    for i0 in range(0, n, BLOCK_S):
+        i = i0 + tl.arange(0, BLOCK_S)
         ok = i < n
         first = tl.load(first_ptr + i, mask=ok, other=0)
         size = tl.load(size_ptr + i, mask=ok, other=0)
@@ -123,16 +134,32 @@ def _groups_kernel(
         grouped = (size >= 2) & (shared >= 1)
         tl.store(tiles_ptr + i, tl.where(grouped, shared, 0), mask=ok)
         tl.store(members_ptr + pos, tl.where(grouped & (pos == first), size, 0), mask=ok)
+    tl.debug_barrier()
+    # D. the groups' first positions in order, and their count.
+    count = 0
+    for p0 in range(0, n, BLOCK_S):
+        p = p0 + tl.arange(0, BLOCK_S)
+        start = (tl.load(members_ptr + p, mask=p < n, other=0) >= 2).to(tl.int32)
+        index = count + tl.associative_scan(start, 0, _sum_combine) - 1
+        tl.store(starts_ptr + index, p, mask=start > 0)
+        count += tl.reduce(start, 0, _sum_combine)
+    tl.store(count_ptr, count)
 
 
-def shared_prefix_groups(block_table, seq_lens, query_start_loc, page, max_members, views, key_tile, blocks=(64, 128, 64)):
-    """Fill `views` (order, members, tiles: int32 [n] each) for the step; one launch, no host sync.
-    `blocks`: (sequences, sequences compared with them, table columns) per loop step: any values give
-    the same arrays (the tests take small ones to walk every loop more than once)."""
+BLOCKS = (64, 256, 16, 256)  # (BLOCK_I, BLOCK_J, BLOCK_C, BLOCK_S) of the launch, at NUM_WARPS
+NUM_WARPS = 8
+
+
+def shared_prefix_groups(block_table, seq_lens, query_start_loc, page, max_members, views, key_tile, blocks=BLOCKS):
+    """Fill `views` (order, members, tiles, starts: int32 [n] each; count: int32 [1]) for the step;
+    one launch, no host sync. `blocks`: (sequences, sequences compared with them, table columns,
+    sequences of phases B-D) per loop step: any values give the same arrays (the tests take small
+    ones to walk every loop more than once)."""
     import torch
 
     n = seq_lens.shape[0]
     if n == 0:
+        views[4].zero_()
         return
     table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
     scratch = torch.empty((4, n), dtype=torch.int32, device=seq_lens.device)
@@ -140,5 +167,5 @@ def shared_prefix_groups(block_table, seq_lens, query_start_loc, page, max_membe
         table, table.stride(0), table.shape[1], seq_lens.to(torch.int32), query_start_loc.to(torch.int32), n,
         *views, scratch, PAGE=page, KEY_TILE=key_tile, MAX_MEMBERS=max_members,
         MEMBERS_P2=triton.next_power_of_2(max_members),
-        BLOCK_I=blocks[0], BLOCK_J=blocks[1], BLOCK_C=blocks[2], num_warps=4,
+        BLOCK_I=blocks[0], BLOCK_J=blocks[1], BLOCK_C=blocks[2], BLOCK_S=blocks[3], num_warps=NUM_WARPS,
     )  # fmt: skip

@@ -3,10 +3,13 @@ decode sequences read from the same cache blocks, attended once for all of them.
 
 Why: GRPO samples n completions of each prompt; vLLM's prefix cache gives the n sequences the same
 cache blocks for the prompt, and one decode step of the paged kernel reads those blocks n times
-(once per sequence's program). Here one program per (group, kv head) puts the group's query rows
-(up to BLOCK_M // GROUP sequences of GROUP heads) into one tile and reads each shared key tile once.
-`attention_prefix.shared_prefix_groups` finds the groups; `_paged_fwd_kernel` (SHARED) then resumes
-each sequence from the state written here.
+(once per sequence's program). Here a (group, kv head) puts the group's query rows (up to
+BLOCK_M // GROUP sequences of GROUP heads) into one tile and reads each shared key tile once.
+`attention_prefix.shared_prefix_groups` finds the groups and lists them (`starts`, `count`); a
+fixed grid of programs (`prefix_programs`: about two an SM) walks that list, so a step where no
+group forms costs one wave of programs that exit at once (session 22: a program per sequence and
+kv head cost 4 us a layer there, eight waves of empty programs). `_paged_fwd_kernel` (SHARED) then
+resumes each sequence from the state written here.
 
 Invariant: a row's arithmetic is the same as in `_attend_rows`. The key tiles 0 .. tiles - 1 are
 the same keys (the same cache blocks) for every member, wholly below every member's query position,
@@ -23,7 +26,7 @@ from .attention import KEY_TILE
 from .attention_triton import _attend_tile
 
 
-@triton.jit(do_not_specialize=["n_seqs"])  # the batch size must not select another kernel
+@triton.jit
 def _shared_prefix_kernel(
     q_ptr,
     k_ptr,
@@ -35,7 +38,8 @@ def _shared_prefix_kernel(
     order_ptr,  # int32 [B]: the sequences, each group's members contiguous
     members_ptr,  # int32 [B]: at a group's first position in order, its member count; else 0
     tiles_ptr,  # int32 [B]: per sequence, the key tiles its group attends here (0: none)
-    n_seqs,
+    starts_ptr,  # int32 [B]: the groups' first positions in order
+    count_ptr,  # int32 [1]: the number of groups
     qk_scale,
     stride_qt,
     stride_qh,
@@ -56,12 +60,29 @@ def _shared_prefix_kernel(
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
-    """Program (position p in order, kv head): the group starting at p, if one does."""
-    p = tl.program_id(0)
+    """Program (g0, kv head): groups g0, g0 + P, ... of the step's list (P programs on axis 0)."""
     kv_head = tl.program_id(1)
+    n_groups = tl.load(count_ptr)
+    for g in range(tl.program_id(0), n_groups, tl.num_programs(0)):
+        p = tl.load(starts_ptr + g)
+        _attend_group(
+            p, kv_head, q_ptr, k_ptr, v_ptr, ws_acc_ptr, ws_ml_ptr, block_table_ptr, start_loc_ptr, order_ptr,
+            members_ptr, tiles_ptr, qk_scale, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+            stride_kb, stride_vb, stride_bt, stride_wt, stride_mt,
+            GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, PAGE, PRECISION, DOT_FP32,
+        )  # fmt: skip
+
+
+@triton.jit
+def _attend_group(
+    p, kv_head, q_ptr, k_ptr, v_ptr, ws_acc_ptr, ws_ml_ptr, block_table_ptr, start_loc_ptr, order_ptr,
+    members_ptr, tiles_ptr, qk_scale, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+    stride_kb, stride_vb, stride_bt, stride_wt, stride_mt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """The group whose first member sits at position p of order: its shared tiles for one kv head."""
     count = tl.load(members_ptr + p)
-    if count < 2:
-        return
     leader = tl.load(order_ptr + p)
     n_tiles = tl.load(tiles_ptr + leader)
     rows = tl.arange(0, BLOCK_M)
@@ -94,10 +115,21 @@ def _shared_prefix_kernel(
              mask=valid[:, None])  # fmt: skip
 
 
-def shared_prefix_forward(q, k_cache, v_cache, block_table, query_start_loc, scale, shared, cfg):
+def prefix_programs(n_seqs: int, n_kv: int, sms: int | None) -> int:
+    """Programs on the prefix launch's group axis: enough for two a SM over the kv heads (its 5-stage
+    pipeline fits two an SM), never more than the step's possible groups (n_seqs // 2); with the SM
+    count unknown (the interpreter) one a possible group. Which program takes a group changes no bit."""
+    most = max(1, n_seqs // 2)
+    return most if sms is None else max(1, min(most, -(-_PROGRAMS_PER_SM * sms // n_kv)))
+
+
+_PROGRAMS_PER_SM = 2
+
+
+def shared_prefix_forward(q, k_cache, v_cache, block_table, query_start_loc, scale, shared, cfg, sms=None):
     """Launch `_shared_prefix_kernel`; returns the workspaces (ws_acc, ws_ml) the paged kernel resumes
     from. `scale` is already in log2 units; `cfg`: the paged launch's (block_m, num_warps,
-    num_stages, group, precision, interpreted)."""
+    num_stages, group, precision, interpreted); `sms`: the GPU's SM count (None: unknown)."""
     import torch
 
     block_m, num_warps, num_stages, group, precision, interpreted = cfg
@@ -105,9 +137,9 @@ def shared_prefix_forward(q, k_cache, v_cache, block_table, query_start_loc, sca
     n_seqs, n_kv = shared.order.shape[0], k_cache.shape[2]
     ws_acc = torch.empty((n_seqs, n_heads, head_dim), dtype=torch.float32, device=q.device)  # by sequence:
     ws_ml = torch.empty((n_seqs, n_heads, 2), dtype=torch.float32, device=q.device)  # a member has one query
-    _shared_prefix_kernel[(n_seqs, n_kv)](
+    _shared_prefix_kernel[(prefix_programs(n_seqs, n_kv, sms), n_kv)](
         q, k_cache, v_cache, ws_acc, ws_ml, block_table, query_start_loc, shared.order, shared.members,
-        shared.tiles, n_seqs, scale, q.stride(0), q.stride(1),
+        shared.tiles, shared.starts, shared.count, scale, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         ws_acc.stride(0), ws_ml.stride(0),

@@ -35,6 +35,7 @@ deterministic, no atomics). The paged path is CUDA-graph safe: its grid depends 
 every program reads the sequence metadata on the device (programs without work exit at once).
 """
 
+import functools
 import math
 import os
 
@@ -88,6 +89,36 @@ def _env_paged_stages() -> int | None:
 
 
 _PAGED_STAGES_ENV = _env_paged_stages()
+
+# head_dim -> ((programs per SM at most, num_stages), ...): the paged launches of thin steps, whose
+# grid leaves the GPU room (at 3 stages two programs fit an SM), keep more K/V tiles in flight per
+# program: speed only. Session 20's microbench (H100, decode at 16 x 32k keys: 128 programs) put them
+# at 0.81 of FA3 with 3 stages, 0.97 with 5 and 1.00 with 7; at 32 x 6k (256 programs) 0.99 / 1.00 /
+# 0.99. The grid follows the step's shapes, so a CUDA graph captured per batch size keeps its depth.
+_THIN_STAGES: dict[int, tuple[tuple[int, int], ...]] = {128: ((1, 7), (2, 5))}
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def paged_stages(head_dim: int, programs: int, sms: int | None, shared: bool, default: int) -> int:
+    """num_stages of a paged launch of `programs` programs on a GPU of `sms` SMs (None: unknown, as in
+    the interpreter): _PAGED_STAGES, else VEXACT_PAGED_STAGES, else the thin-step depth
+    (_THIN_STAGES), else the shared-prompt launches' (_SHARED_STAGES), else the forward's `default`.
+    Which depth runs changes no bit (tests: test_paged_pipelining_depth_changes_no_bit_cuda)."""
+    if head_dim in _PAGED_STAGES:
+        return _PAGED_STAGES[head_dim]
+    if _PAGED_STAGES_ENV:
+        return _PAGED_STAGES_ENV
+    for per_sm, stages in _THIN_STAGES.get(head_dim, ()) if sms else ():
+        if programs <= per_sm * sms:
+            return stages
+    if shared:
+        return _SHARED_STAGES.get(head_dim, default)
+    return default
+
 
 # The paged launch's grid order (speed only: which program computes a tile, never a value): False,
 # (tiles, Hkv), a wave of programs spans many sequences of one kv head; True, (Hkv, tiles), a wave
@@ -685,18 +716,17 @@ def paged_attention(
     n_kv = k_cache.shape[2]
     group = n_heads // n_kv
     block_m, num_warps, num_stages = forward_config(head_dim, group)
-    if shared is not None:
-        num_stages = _SHARED_STAGES.get(head_dim, num_stages)
-    num_stages = _PAGED_STAGES.get(head_dim, _PAGED_STAGES_ENV or num_stages)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out  # [T, Hq, D]
     n_seqs = seq_lens.shape[0]
     if n_tokens == 0 or n_seqs == 0:
         return out
+    n_tiles = n_tokens // (block_m // group) + n_seqs
+    sms = _sm_count(q.device.index) if q.is_cuda else None
+    num_stages = paged_stages(head_dim, n_tiles * n_kv, sms, shared is not None, num_stages)
     block_table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
     seq_lens = seq_lens.to(torch.int32)
     start_loc = query_start_loc.to(torch.int32)
     order, order_start = schedule if schedule is not None else (seq_lens, start_loc)  # unread when None
-    n_tiles = n_tokens // (block_m // group) + n_seqs
     grid = (n_kv, n_tiles) if _PAGED_HEADS_FAST else (n_tiles, n_kv)
     resume = dict(SHARED=False)
     if shared is not None:
@@ -707,7 +737,7 @@ def paged_attention(
             )
         cfg = (block_m, num_warps, num_stages, group, _precision(q.dtype), _interpreted())
         ws_acc, ws_ml = attention_prefix_triton.shared_prefix_forward(
-            q, k_cache, v_cache, block_table, start_loc, scale * _LOG2E, shared, cfg
+            q, k_cache, v_cache, block_table, start_loc, scale * _LOG2E, shared, cfg, sms
         )
         resume = dict(SHARED=True, resume_ptr=shared.tiles, ws_acc_ptr=ws_acc, ws_ml_ptr=ws_ml,
                       stride_wt=ws_acc.stride(0), stride_mt=ws_ml.stride(0))  # fmt: skip

@@ -156,8 +156,8 @@ class VexactAttentionMetadataBuilder(AttentionMetadataBuilder[VexactAttentionMet
         shares = torch.device(device).type == "cuda" and shared_prefix_enabled() and group and self._page
         self._max_members = max_group_members(head_dim, group) if shares and head_dim else 0
         self._compilation = getattr(vllm_config, "compilation_config", None)  # read at each step (_eager_prefill)
-        self._shared_buffers = (
-            tuple(torch.zeros(capacity, dtype=torch.int32, device=device) for _ in range(3))
+        self._shared_buffers = (  # order, members, tiles, starts, count (SharedPrefix)
+            tuple(torch.zeros(capacity, dtype=torch.int32, device=device) for _ in range(5))
             if self._max_members >= 2 else None
         )  # fmt: skip
 

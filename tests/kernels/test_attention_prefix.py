@@ -45,12 +45,34 @@ def test_groups_by_first_block_with_their_common_whole_tiles():
         shared_prefix_groups(table, seq_lens, qsl, 16, 1)
 
 
+def test_groups_are_listed_by_their_first_position():
+    """`starts` lists each group's first position in `order`, rising, and `count` their number: the
+    prefix kernel walks that list."""
+    table = _table([[1, 2, 3, 4, 5, 10], [7, 8, 9, 6, 20], [1, 2, 3, 4, 5, 12], [30, 31, 32, 33, 34],
+                    [7, 8, 9, 6, 21], [1, 2, 3, 4, 5, 14]], 7)  # fmt: skip
+    seq_lens = torch.tensor([90, 70, 90, 70, 70, 90])
+    qsl = torch.arange(7)
+    g = shared_prefix_groups(table, seq_lens, qsl, 16, 8)
+    members = g.members.tolist()
+    assert g.count.tolist() == [2] and g.starts.tolist()[:2] == [p for p, m in enumerate(members) if m]
+    assert [members[p] for p in g.starts.tolist()[:2]] == [3, 2]
+    assert g.starts.tolist()[:2] == [0, 3]  # A (first block 1) sorts before B (7)
+    g = shared_prefix_groups(table, seq_lens, qsl, 16, 2)  # A cut into two and one alone
+    members = g.members.tolist()
+    assert g.count.tolist() == [2] and [members[p] for p in g.starts.tolist()[:2]] == [2, 2]
+    none = shared_prefix_groups(table[:4:3], seq_lens[:4:3], torch.arange(3), 16, 8)
+    assert none.count.tolist() == [0]
+
+
 def test_groups_into_preallocated_buffers():
     table = _table([[3, 4, 5, 6, 9], [3, 4, 5, 6, 8]], 6)
-    out = tuple(torch.full((10,), -7, dtype=torch.int32) for _ in range(3))
+    out = tuple(torch.full((10,), -7, dtype=torch.int32) for _ in range(5))
     g = shared_prefix_groups(table, torch.tensor([70, 75]), torch.tensor([0, 1, 2]), 16, 4, out=out)
-    assert all(v.data_ptr() == o.data_ptr() for v, o in zip(g[:3], out))
+    assert all(v.data_ptr() == o.data_ptr() for v, o in zip(g[:5], out))
     assert g.tiles.tolist() == [1, 1] and sorted(g.members.tolist()) == [0, 2] and out[0][2] == -7
+    assert g.count.tolist() == [1] and g.starts[0] == g.members.tolist().index(2) and out[4][1] == -7
+    with pytest.raises(ValueError, match="out must hold 5 buffers"):
+        shared_prefix_groups(table, torch.tensor([70, 75]), torch.tensor([0, 1, 2]), 16, 4, out=out[:3])
 
 
 def _rollout_step(prompts, samples, generated, n_heads, n_kv, head_dim, page, device, seed=0):
@@ -115,11 +137,26 @@ def _check_rollout_step(ops, device, prompts, samples, generated, n_heads, n_kv,
     return shared
 
 
-@pytest.mark.parametrize("max_members", [32, 3])
-def test_shared_prefix_equals_training_interpreted(interp, max_members):
-    """GQA 2, prompts of 70-200 tokens (1-3 whole shared tiles) x 4 samples, groups of 32 or cut into 3s."""
+@pytest.mark.parametrize("max_members,programs", [(32, None), (3, None), (3, 1), (2, 2)])
+def test_shared_prefix_equals_training_interpreted(interp, monkeypatch, max_members, programs):
+    """GQA 2, prompts of 70-200 tokens (1-3 whole shared tiles) x 4 samples, groups of 32 or cut into
+    3s or 2s; the prefix launch with a program for each possible group, or fewer programs than groups
+    (each walks several: `programs`)."""
+    if programs is not None:
+        prefix = interp.attention_prefix_triton
+        monkeypatch.setattr(prefix, "prefix_programs", lambda n_seqs, n_kv, sms: programs)
     shared = _check_rollout_step(interp, "cpu", [200, 70, 131], 4, 40, 4, 2, 16, 16, max_members)
     assert int(shared.members.max()) == min(4, max_members)
+    assert int(shared.count[0]) > (programs or 0)  # the programs walked more than one group each
+
+
+def test_prefix_programs_fill_the_gpu_once():
+    from vexact_vllm.kernels.attention_prefix_triton import prefix_programs
+
+    assert prefix_programs(256, 8, 132) == 33  # 264 programs: two an SM, one wave
+    assert prefix_programs(40, 8, 132) == 20  # at most n_seqs // 2 groups
+    assert prefix_programs(1, 8, 132) == 1 and prefix_programs(256, 8, None) == 128
+    assert prefix_programs(4096, 1, 132) == 264
 
 
 def test_shared_prefix_refuses_groups_wider_than_the_tile(interp):
@@ -179,12 +216,22 @@ def test_one_launch_grouping_equals_the_torch_composition_interpreted(interprete
         table, seq_lens, qsl, page = _random_step(rng)
         max_members = rng.choice([2, 3, 8, 32])
         want = shared_prefix_groups(table, seq_lens, qsl, page, max_members)
-        views = tuple(torch.full((seq_lens.shape[0],), -5, dtype=torch.int32) for _ in range(3))
-        blocks = rng.choice([(64, 128, 64), (16, 8, 2), (8, 32, 1)])  # small: every loop runs several steps
+        views = (*(torch.full((seq_lens.shape[0],), -5, dtype=torch.int32) for _ in range(4)),
+                 torch.full((1,), -5, dtype=torch.int32))  # fmt: skip
+        # small blocks: every loop runs several steps
+        blocks = rng.choice([(64, 256, 64, 256), (16, 8, 2, 4), (8, 32, 1, 16), (4, 4, 4, 1)])
         mod.shared_prefix_groups(table, seq_lens, qsl, page, max_members, views, 64, blocks)
-        for name, got, ref in zip(("order", "members", "tiles"), views, want[:3], strict=True):
-            assert torch.equal(got, ref), (name, got.tolist(), ref.tolist())
+        _assert_same_groups(views, want)
         assert int(want.tiles.gt(0).sum()) > 0 or not bool(want.members.gt(0).any())
+
+
+def _assert_same_groups(got, want):
+    """order, members, tiles and count element for element; starts up to the count."""
+    for name, a, b in zip(("order", "members", "tiles", "count"), (*got[:3], got[4]), (*want[:3], want[4])):
+        assert torch.equal(a, b), (name, a.tolist(), b.tolist())
+    n = int(want[4][0])
+    assert torch.equal(got[3][:n], want[3][:n]), (got[3][:n].tolist(), want[3][:n].tolist())
+    assert torch.equal(want[3][:n], torch.nonzero(want[1] >= 2).flatten().to(want[3].dtype))
 
 
 @pytest.mark.cuda
@@ -201,8 +248,7 @@ def test_one_launch_grouping_equals_the_torch_composition_cuda():
         got = shared_prefix_groups(table, seq_lens, qsl, page, max_members)
         with reference_mode():
             want = shared_prefix_groups(table, seq_lens, qsl, page, max_members)
-        for a, b in zip(got[:3], want[:3], strict=True):
-            assert torch.equal(a, b)
+        _assert_same_groups(got, want)
 
 
 def test_max_group_members_follows_the_forward_tile():

@@ -38,7 +38,7 @@ def test_groups_sized_by_the_query_tile_into_persistent_buffers():
     builder = _builder("cpu", heads=32, kv_heads=8)  # 4 query heads a kv head: 16 members at most
     assert builder._shared_buffers is None  # CPU: the torch backend reads no groups
     builder._max_members, builder._page = attention.max_group_members(128, 4), 16
-    builder._shared_buffers = tuple(torch.zeros(768, dtype=torch.int32) for _ in range(3))
+    builder._shared_buffers = tuple(torch.zeros(768, dtype=torch.int32) for _ in range(5))
     prompt = list(range(100, 110))  # 10 whole blocks: 160 keys, 2 tiles
     tables = [prompt + [200 + i] for i in range(20)] + [[300, 301]]
     for _step in range(2):
@@ -47,6 +47,7 @@ def test_groups_sized_by_the_query_tile_into_persistent_buffers():
         assert shared.tiles.data_ptr() == builder._shared_buffers[2].data_ptr()
         assert sorted(shared.members.tolist(), reverse=True)[:3] == [16, 4, 0]  # 20 members cut at 16
         assert shared.tiles.tolist() == [2] * 20 + [0] and shared.max_members == 16
+        assert shared.count.tolist() == [2] and shared.count.data_ptr() == builder._shared_buffers[4].data_ptr()
     assert builder.build(0, _metadata([prompt], [170], [1])).shared is None  # one request: no group
 
 
@@ -61,7 +62,7 @@ def test_eager_prefill_steps_skip_the_grouping(graphs):
                                                                max_cudagraph_capture_size=graphs)  # fmt: skip
     builder = _builder("cpu", compilation=compilation)
     builder._max_members, builder._page = attention.max_group_members(128, 2), 16
-    builder._shared_buffers = tuple(torch.zeros(64, dtype=torch.int32) for _ in range(3))
+    builder._shared_buffers = tuple(torch.zeros(64, dtype=torch.int32) for _ in range(5))
     tables = [list(range(100, 110)) + [200 + i] for i in range(4)]
     decodes = _metadata(tables, [170] * 4, [1] * 4)
     assert builder.build(0, decodes).shared.tiles.tolist() == [2] * 4  # decode-only: grouped, eager or not
