@@ -139,7 +139,7 @@ def _norm_weights(d, dtype, device="cpu"):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("head_dim,partial", [(32, 1.0), (40, 0.5), (24, 1.0)])
+@pytest.mark.parametrize("head_dim,partial", [(32, 1.0), (40, 0.5), (24, 1.0), (16, 0.5), (64, 1.0)])
 def test_qk_norm_is_rms_norm_then_rope(tk, tnorm, dtype, head_dim, partial):
     """One launch gives the bits of the norm kernel then the rotation, and the torch path's values."""
     cache = rope_cache(head_dim, 64, 10000.0, partial_rotary_factor=partial)
