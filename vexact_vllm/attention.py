@@ -23,7 +23,9 @@ persistent buffers), and the kernel attends each group's common key tiles once f
 before each member's own tiles: the same bits, the prompt read once per group instead of per sample.
 Off by default: on an H100 a grpo step's attention takes 13% less time with it (the 1.7B grpo rollout,
 engine alone, 0.944 of stock against 0.913), but a workload of distinct prompts, where no group
-forms, measured slower with it on, not yet explained (docs/BENCHMARKS.md, session 21).
+forms, measured slower with it on (docs/BENCHMARKS.md, session 21); session 22's profile put that at
++3% of a decode step (empty prefix programs, the grouping kernel's latency), both cut since, not yet
+measured on a GPU.
 
 Cache layout (one tensor per layer, allocated by vLLM from `get_kv_cache_spec`): the logical view
 [num_blocks, num_kv_heads, block_size, 2 * head_size], keys in the first half of the last axis and

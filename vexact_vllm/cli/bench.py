@@ -58,6 +58,7 @@ CONFIGS = {
     "vexact": {"model_impl": "vexact", "env": {}},
     # Asked for by name only (--configs): vexact with one speed-only choice changed, for A/B runs.
     "vexact-schedule": {"model_impl": "vexact", "env": {"VEXACT_ATTENTION_SCHEDULE": "1"}},
+    "vexact-stages3": {"model_impl": "vexact", "env": {"VEXACT_PAGED_STAGES": "3"}},  # no thin-step depth
     "vexact-stages5": {"model_impl": "vexact", "env": {"VEXACT_PAGED_STAGES": "5"}},
     "vexact-stages7": {"model_impl": "vexact", "env": {"VEXACT_PAGED_STAGES": "7"}},
     "vexact-heads-fast": {"model_impl": "vexact", "env": {"VEXACT_PAGED_HEADS_FAST": "1"}},
