@@ -95,7 +95,10 @@ _PAGED_STAGES_ENV = _env_paged_stages()
 # program: speed only. Session 20's microbench (H100, decode at 16 x 32k keys: 128 programs) put them
 # at 0.81 of FA3 with 3 stages, 0.97 with 5 and 1.00 with 7; at 32 x 6k (256 programs) 0.99 / 1.00 /
 # 0.99. The grid follows the step's shapes, so a CUDA graph captured per batch size keeps its depth.
+# Hopper only (measured there; 7 stages need 148 KB of shared memory a program, more than an sm_89
+# GPU has).
 _THIN_STAGES: dict[int, tuple[tuple[int, int], ...]] = {128: ((1, 7), (2, 5))}
+_THIN_CAPABILITIES = ((9, 0),)
 
 
 @functools.cache
@@ -103,10 +106,18 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache
+def _thin_sms(device_index: int) -> int | None:
+    """The SM count where the thin-step depths apply (_THIN_CAPABILITIES), else None."""
+    capability = torch.cuda.get_device_capability(device_index)
+    return _sm_count(device_index) if capability in _THIN_CAPABILITIES else None
+
+
 def paged_stages(head_dim: int, programs: int, sms: int | None, shared: bool, default: int) -> int:
     """num_stages of a paged launch of `programs` programs on a GPU of `sms` SMs (None: unknown, as in
-    the interpreter): _PAGED_STAGES, else VEXACT_PAGED_STAGES, else the thin-step depth
-    (_THIN_STAGES), else the shared-prompt launches' (_SHARED_STAGES), else the forward's `default`.
+    the interpreter, or a GPU the thin-step depths were not measured on): _PAGED_STAGES, else
+    VEXACT_PAGED_STAGES, else the thin-step depth (_THIN_STAGES), else the shared-prompt launches'
+    (_SHARED_STAGES), else the forward's `default`.
     Which depth runs changes no bit (tests: test_paged_pipelining_depth_changes_no_bit_cuda)."""
     if head_dim in _PAGED_STAGES:
         return _PAGED_STAGES[head_dim]
@@ -722,7 +733,8 @@ def paged_attention(
         return out
     n_tiles = n_tokens // (block_m // group) + n_seqs
     sms = _sm_count(q.device.index) if q.is_cuda else None
-    num_stages = paged_stages(head_dim, n_tiles * n_kv, sms, shared is not None, num_stages)
+    thin_sms = _thin_sms(q.device.index) if q.is_cuda else None
+    num_stages = paged_stages(head_dim, n_tiles * n_kv, thin_sms, shared is not None, num_stages)
     block_table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
     seq_lens = seq_lens.to(torch.int32)
     start_loc = query_start_loc.to(torch.int32)

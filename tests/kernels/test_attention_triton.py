@@ -248,6 +248,14 @@ def test_paged_stages_follow_the_step(monkeypatch, compiled):
     assert stages(128, 8, 132, True, 3) == 2
 
 
+def test_thin_step_depths_only_on_the_gpus_they_were_measured_on(monkeypatch, compiled):
+    """7 stages need 148 KB of shared memory a program: Hopper's, not an sm_89 GPU's."""
+    monkeypatch.setattr(compiled, "_sm_count", lambda index: 128)
+    for capability, want in (((9, 0), 128), ((8, 9), None), ((8, 0), None), ((10, 0), None)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
+        assert compiled._thin_sms.__wrapped__(0) == want, capability
+
+
 def test_paged_heads_fast_from_the_environment(monkeypatch, compiled):
     for good, want in (("0", False), ("1", True)):
         monkeypatch.setenv("VEXACT_PAGED_HEADS_FAST", good)
