@@ -95,8 +95,8 @@ _PAGED_STAGES_ENV = _env_paged_stages()
 # program: speed only. Session 20's microbench (H100, decode at 16 x 32k keys: 128 programs) put them
 # at 0.81 of FA3 with 3 stages, 0.97 with 5 and 1.00 with 7; at 32 x 6k (256 programs) 0.99 / 1.00 /
 # 0.99. The grid follows the step's shapes, so a CUDA graph captured per batch size keeps its depth.
-# Hopper only (measured there; 7 stages need 148 KB of shared memory a program, more than an sm_89
-# GPU has).
+# Hopper only, like _SHARED_STAGES (measured there; 7 stages need 148 KB of shared memory a program
+# and 5 stages 113 KB, more than an sm_89 GPU has).
 _THIN_STAGES: dict[int, tuple[tuple[int, int], ...]] = {128: ((1, 7), (2, 5))}
 _THIN_CAPABILITIES = ((9, 0),)
 
@@ -108,22 +108,24 @@ def _sm_count(device_index: int) -> int:
 
 @functools.cache
 def _thin_sms(device_index: int) -> int | None:
-    """The SM count where the thin-step depths apply (_THIN_CAPABILITIES), else None."""
+    """The SM count where paged_stages' measured depths apply (_THIN_CAPABILITIES), else None."""
     capability = torch.cuda.get_device_capability(device_index)
     return _sm_count(device_index) if capability in _THIN_CAPABILITIES else None
 
 
 def paged_stages(head_dim: int, programs: int, sms: int | None, shared: bool, default: int) -> int:
     """num_stages of a paged launch of `programs` programs on a GPU of `sms` SMs (None: unknown, as in
-    the interpreter, or a GPU the thin-step depths were not measured on): _PAGED_STAGES, else
-    VEXACT_PAGED_STAGES, else the thin-step depth (_THIN_STAGES), else the shared-prompt launches'
-    (_SHARED_STAGES), else the forward's `default`.
+    the interpreter, or a GPU these depths were not measured on: then the forward's): _PAGED_STAGES,
+    else VEXACT_PAGED_STAGES, else the thin-step depth (_THIN_STAGES), else the shared-prompt
+    launches' (_SHARED_STAGES), else the forward's `default`.
     Which depth runs changes no bit (tests: test_paged_pipelining_depth_changes_no_bit_cuda)."""
     if head_dim in _PAGED_STAGES:
         return _PAGED_STAGES[head_dim]
     if _PAGED_STAGES_ENV:
         return _PAGED_STAGES_ENV
-    for per_sm, stages in _THIN_STAGES.get(head_dim, ()) if sms else ():
+    if not sms:  # the depths below were measured on Hopper only (see _THIN_CAPABILITIES)
+        return default
+    for per_sm, stages in _THIN_STAGES.get(head_dim, ()):
         if programs <= per_sm * sms:
             return stages
     if shared:
