@@ -115,15 +115,15 @@ def _attend_group(
              mask=valid[:, None])  # fmt: skip
 
 
+_PROGRAMS_PER_SM = 2  # the prefix launch's 5-stage pipeline fits two programs an SM
+
+
 def prefix_programs(n_seqs: int, n_kv: int, sms: int | None) -> int:
     """Programs on the prefix launch's group axis: enough for two a SM over the kv heads (its 5-stage
     pipeline fits two an SM), never more than the step's possible groups (n_seqs // 2); with the SM
     count unknown (the interpreter) one a possible group. Which program takes a group changes no bit."""
     most = max(1, n_seqs // 2)
     return most if sms is None else max(1, min(most, -(-_PROGRAMS_PER_SM * sms // n_kv)))
-
-
-_PROGRAMS_PER_SM = 2
 
 
 def shared_prefix_forward(q, k_cache, v_cache, block_table, query_start_loc, scale, shared, cfg, sms=None):

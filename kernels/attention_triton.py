@@ -734,7 +734,6 @@ def paged_attention(
     if n_tokens == 0 or n_seqs == 0:
         return out
     n_tiles = n_tokens // (block_m // group) + n_seqs
-    sms = _sm_count(q.device.index) if q.is_cuda else None
     thin_sms = _thin_sms(q.device.index) if q.is_cuda else None
     num_stages = paged_stages(head_dim, n_tiles * n_kv, thin_sms, shared is not None, num_stages)
     block_table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
@@ -751,7 +750,8 @@ def paged_attention(
             )
         cfg = (block_m, num_warps, num_stages, group, _precision(q.dtype), _interpreted())
         ws_acc, ws_ml = attention_prefix_triton.shared_prefix_forward(
-            q, k_cache, v_cache, block_table, start_loc, scale * _LOG2E, shared, cfg, sms
+            q, k_cache, v_cache, block_table, start_loc, scale * _LOG2E, shared, cfg,
+            _sm_count(q.device.index) if q.is_cuda else None,
         )
         resume = dict(SHARED=True, resume_ptr=shared.tiles, ws_acc_ptr=ws_acc, ws_ml_ptr=ws_ml,
                       stride_wt=ws_acc.stride(0), stride_mt=ws_ml.stride(0))  # fmt: skip
