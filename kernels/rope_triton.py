@@ -12,12 +12,10 @@ same bits; the CUDA tests compare). The backward is the rotation by -theta (the 
 negated: dx1 = g1 * c + g2 * s, dx2 = g2 * c - g1 * s), then RMSNorm's own backward
 (rms_norm_triton._backward) with the rstd the forward saved.
 
-Program (token t, head h of the Hq + Hkv heads): the head's row is normalised, rounded to the
-input dtype, split into its halves on chip and rotated (a whole power-of-two row: Qwen3's 128); for
-other rows (partial rotation, odd head dims) it is stored to the output, the program's threads meet
-at a barrier, and the rotation reads the halves back and overwrites them (each element is read, then
-written, by one program only). Either way the rotation reads the same rounded values. Stock vLLM
-fuses the same ops (q/k norm with RoPE); four launches per layer become one.
+Program (token t, head h of the Hq + Hkv heads): the head's row is normalised and stored to the
+output, the program's threads meet at a barrier, then the rotation reads the normalised halves back
+and overwrites them (each element is read, then written, by one program only). Stock vLLM fuses the
+same ops (q/k norm with RoPE); four launches per layer become one.
 
 Invariant: the only reduction is the norm's sum of squares over one head row of D elements, whose
 tree depends on D alone; the rest is elementwise per (token, head, dim). A token's bits never
@@ -85,7 +83,18 @@ def _rope_kernel(
         y_base = KO + t * stride_kot + (h - n_q_heads) * stride_koh
         w_ptr = KW
         rstd_ptr = K_RSTD + t * n_kv_heads + (h - n_q_heads)
-    # cos/sin of t's position first: their loads do not wait for the norm
+    if NORM:  # rms_norm_triton._rms_norm_fwd_kernel's one-chunk row, to the output
+        cols = tl.arange(0, BLOCK_D)
+        mask = cols < HEAD_DIM
+        x = tl.load(x_base + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.math.div_rn(tl.reduce(x * x, 0, _sum_combine), HEAD_DIM * 1.0) + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_base + cols, (x * rstd * w).to(QO.dtype.element_ty), mask=mask)
+        tl.store(rstd_ptr, rstd)
+        tl.debug_barrier()  # the normalised row is in memory for every thread of the program
+        src = y_base
+    else:
+        src = x_base
     pos = tl.load(POS + t).to(tl.int64)
     in_range = (pos >= 0) & (pos < max_positions)
     tl.device_assert(in_range, "rope: position out of the cache's range")
@@ -96,28 +105,8 @@ def _rope_kernel(
     s = tl.load(CACHE + pos * stride_c + HALF + d, mask=half_ok, other=0.0)
     if INVERSE:
         s = -s
-    # The normalised row stays in registers where the rotation covers the whole power-of-two row
-    # (its halves split on chip); otherwise it goes through the output and a barrier.
-    IN_REGISTERS: tl.constexpr = NORM and 2 * HALF == HEAD_DIM and BLOCK_D == HEAD_DIM
-    if NORM:  # rms_norm_triton._rms_norm_fwd_kernel's one-chunk row
-        cols = tl.arange(0, BLOCK_D)
-        mask = cols < HEAD_DIM
-        x = tl.load(x_base + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.math.div_rn(tl.reduce(x * x, 0, _sum_combine), HEAD_DIM * 1.0) + eps)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        normed = (x * rstd * w).to(QO.dtype.element_ty)  # rounded as the stored row would be
-        tl.store(rstd_ptr, rstd)
-        if not IN_REGISTERS:
-            tl.store(y_base + cols, normed, mask=mask)
-            tl.debug_barrier()  # the normalised row is in memory for every thread of the program
-    if IN_REGISTERS:
-        x1, x2 = tl.split(tl.trans(tl.reshape(normed, [2, BLOCK_HALF])))  # [:HALF], [HALF:]
-        x1 = x1.to(tl.float32)
-        x2 = x2.to(tl.float32)
-    else:
-        src = y_base if NORM else x_base
-        x1 = tl.load(src + d, mask=half_ok, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF + d, mask=half_ok, other=0.0).to(tl.float32)
+    x1 = tl.load(src + d, mask=half_ok, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + d, mask=half_ok, other=0.0).to(tl.float32)
     y1 = x1 * c - x2 * s
     y2 = x2 * c + x1 * s
     tl.store(y_base + d, y1.to(QO.dtype.element_ty), mask=half_ok)
