@@ -172,20 +172,35 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
     return out
 
 
+def tile_count(n_tokens: int, n_seqs: int, tokens: int) -> int:
+    """Programs along a launch's tile axis: start(B) of `_tile_start`'s layout, from the shapes alone."""
+    return min(n_tokens // tokens + n_seqs, n_tokens)
+
+
+@triton.jit
+def _tile_start(start, b, TOKENS: tl.constexpr):
+    """The first program of sequence b, whose tokens start at packed row `start`: the smaller of two
+    layouts that each give every sequence at least ceil(q_len / TOKENS) programs, start // TOKENS + b
+    (a step of +1 a sequence plus its whole tiles) and start (one program a token), so their minimum
+    does too. A step of one-token decodes gets exactly one program a sequence."""
+    return tl.minimum(start // TOKENS + b, start)
+
+
 @triton.jit
 def _seq_of_tile(start_loc_ptr, n_seqs, tile, TOKENS: tl.constexpr, CHUNK: tl.constexpr = 128):
     """The sequence owning program `tile`.
 
-    Sequence b owns programs start(b) .. start(b + 1) - 1 with start(b) = start_loc[b] // TOKENS + b,
-    at least ceil(q_len_b / TOKENS) of them (extra ones exit), and start(B) = T // TOKENS + B bounds the
-    grid by shapes alone. start rises strictly from start(0) = 0, so the owner is the number of b with
-    start(b) <= tile, minus one: counted over CHUNK sequences per (independent) vector load.
+    Sequence b owns programs start(b) .. start(b + 1) - 1 with start(b) = _tile_start(start_loc[b], b),
+    at least ceil(q_len_b / TOKENS) of them (extra ones exit), and start(B) = tile_count(T, B) bounds the
+    grid by shapes alone. start never falls and start(0) = 0, so the owner is the number of b with
+    start(b) <= tile, minus one (a sequence sharing its start with the next owns no program): counted
+    over CHUNK sequences per (independent) vector load.
     """
     offs = tl.arange(0, CHUNK)
     count = tl.full([CHUNK], 0, dtype=tl.int32)
     for c in range(0, n_seqs, CHUNK):
         b = c + offs
-        start = tl.load(start_loc_ptr + b, mask=b < n_seqs, other=0) // TOKENS + b
+        start = _tile_start(tl.load(start_loc_ptr + b, mask=b < n_seqs, other=0), b, TOKENS)
         count += ((b < n_seqs) & (start <= tile)).to(tl.int32)
     return tl.reduce(count, 0, _sum_combine) - 1
 
@@ -401,7 +416,7 @@ def _varlen_fwd_kernel(
     b = _seq_of_tile(cu_ptr, n_seqs, tile, TOKENS)
     seq_start = tl.load(cu_ptr + b)
     seq_end = tl.load(cu_ptr + b + 1)
-    first = seq_start + (tile - seq_start // TOKENS - b) * TOKENS
+    first = seq_start + (tile - _tile_start(seq_start, b, TOKENS)) * TOKENS
     if first >= seq_end:
         return
     token, head, valid, q_pos = _query_rows(first, seq_end, first - seq_start, kv_head, GROUP, BLOCK_M)
@@ -495,12 +510,13 @@ def _paged_fwd_kernel(
     if ORDERED:  # tile of the rank-th sequence in `order` -> the same tile in the batch's own layout
         rank = _seq_of_tile(order_start_ptr, n_seqs, tile, TOKENS)
         b = tl.load(order_ptr + rank)
-        tile += tl.load(start_loc_ptr + b) // TOKENS + b - (tl.load(order_start_ptr + rank) // TOKENS + rank)
+        local = tile - _tile_start(tl.load(order_start_ptr + rank), rank, TOKENS)  # b's own tile index
     else:
         b = _seq_of_tile(start_loc_ptr, n_seqs, tile, TOKENS)
+        local = tile - _tile_start(tl.load(start_loc_ptr + b), b, TOKENS)
     q_start = tl.load(start_loc_ptr + b)
     q_end = tl.load(start_loc_ptr + b + 1)
-    first = q_start + (tile - q_start // TOKENS - b) * TOKENS
+    first = q_start + local * TOKENS
     if first >= q_end:
         return
     seq_len = tl.load(seq_lens_ptr + b)
@@ -670,7 +686,7 @@ def _varlen_forward(q, k, v, cu_seqlens, scale, store_lse):
     if n_tokens == 0:
         return out, lse
     cu = cu_seqlens.to(torch.int32)
-    grid = (n_tokens // (block_m // group) + n_seqs, n_kv)
+    grid = (tile_count(n_tokens, n_seqs, block_m // group), n_kv)
     _varlen_fwd_kernel[grid](
         q, k, v, out, lse, cu, n_seqs, scale * _LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -719,7 +735,7 @@ def paged_attention(
 ):
     """Triton implementation of `attention.paged_attention` (inputs already checked there).
 
-    No host synchronisation: the grid is (T // TOKENS + B, Hkv) from the shapes alone, and sequence
+    No host synchronisation: the grid is (tile_count(T, B), Hkv) from the shapes alone, and sequence
     b's q_len = query_start_loc[b + 1] - query_start_loc[b] must be <= seq_lens[b] (not checked here).
     `schedule`: (order, order_start) int32, `attention.longest_last_schedule`'s, or None.
     `shared`: `attention_prefix.shared_prefix_groups`'s groups, or None: their shared key tiles go
@@ -733,7 +749,7 @@ def paged_attention(
     n_seqs = seq_lens.shape[0]
     if n_tokens == 0 or n_seqs == 0:
         return out
-    n_tiles = n_tokens // (block_m // group) + n_seqs
+    n_tiles = tile_count(n_tokens, n_seqs, block_m // group)
     thin_sms = _thin_sms(q.device.index) if q.is_cuda else None
     num_stages = paged_stages(head_dim, n_tiles * n_kv, thin_sms, shared is not None, num_stages)
     block_table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.language.standard import _sum_combine
 
-from .attention_triton import _dot, _query_rows, _seq_of_tile
+from .attention_triton import _dot, _query_rows, _seq_of_tile, _tile_start, tile_count
 
 _LOG2E = math.log2(math.e)
 
@@ -102,7 +102,7 @@ def _dkdv_kernel(
     b = _seq_of_tile(cu_ptr, n_seqs, tile, BLOCK_N)
     seq_start = tl.load(cu_ptr + b)
     seq_end = tl.load(cu_ptr + b + 1)
-    first = seq_start + (tile - seq_start // BLOCK_N - b) * BLOCK_N
+    first = seq_start + (tile - _tile_start(seq_start, b, BLOCK_N)) * BLOCK_N
     if first >= seq_end:
         return
     offs_n = tl.arange(0, BLOCK_N)
@@ -192,7 +192,7 @@ def _dq_kernel(
     b = _seq_of_tile(cu_ptr, n_seqs, tile, TOKENS)
     seq_start = tl.load(cu_ptr + b)
     seq_end = tl.load(cu_ptr + b + 1)
-    first = seq_start + (tile - seq_start // TOKENS - b) * TOKENS
+    first = seq_start + (tile - _tile_start(seq_start, b, TOKENS)) * TOKENS
     if first >= seq_end:
         return
     offs_n = tl.arange(0, BLOCK_N)
@@ -279,7 +279,7 @@ def _launch_dkdv(grad_out, q, k, v, lse, delta, cu_seqlens, scale, dk, dv):
     block_m, block_n, num_warps, num_stages = _BWD_CONFIGS[q.shape[2]][0]
     _, block_m, meta = _launch_meta(q, k, block_m, _dkdv_kernel)
     n_seqs = cu_seqlens.shape[0] - 1
-    _dkdv_kernel[(q.shape[0] // block_n + n_seqs, k.shape[1])](
+    _dkdv_kernel[(tile_count(q.shape[0], n_seqs, block_n), k.shape[1])](
         q, k, v, grad_out, lse, delta, dk, dv, cu_seqlens, n_seqs, scale * _LOG2E, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         grad_out.stride(0), grad_out.stride(1), lse.stride(0), dk.stride(0), dk.stride(1),
@@ -291,7 +291,7 @@ def _launch_dq(grad_out, q, k, v, lse, delta, cu_seqlens, scale, dq):
     block_m, block_n, num_warps, num_stages = _BWD_CONFIGS[q.shape[2]][1]
     group, block_m, meta = _launch_meta(q, k, block_m, _dq_kernel)
     n_seqs = cu_seqlens.shape[0] - 1
-    _dq_kernel[(q.shape[0] // (block_m // group) + n_seqs, k.shape[1])](
+    _dq_kernel[(tile_count(q.shape[0], n_seqs, block_m // group), k.shape[1])](
         q, k, v, grad_out, lse, delta, dq, cu_seqlens, n_seqs, scale * _LOG2E, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         grad_out.stride(0), grad_out.stride(1), lse.stride(0), dq.stride(0), dq.stride(1),

@@ -523,3 +523,27 @@ def test_paged_out_buffer_interpreted(interp):
     assert got.data_ptr() == buffer.data_ptr()
     assert torch.equal(buffer[:9].view(9, 4, 16), want[0]) and torch.equal(buffer[9:14].view(5, 4, 16), want[1])
     assert bool((buffer[14:] == 7.0).all())
+
+
+def test_tile_count_is_one_program_a_decode(compiled):
+    """The tile axis: one program a sequence for one-token decodes (the thin steps' grid: 16 decodes x 8
+    kv heads stay 128 programs at any GQA group), and T // TOKENS + B where sequences have many tokens."""
+    for n_seqs in (1, 16, 33, 256):
+        assert compiled.tile_count(n_seqs, n_seqs, 16) == n_seqs
+    assert compiled.tile_count(100, 3, 32) == 100 // 32 + 3
+    assert compiled.tile_count(40, 20, 32) == 40 // 32 + 20
+
+
+def test_empty_sequences_amid_a_batch_interpreted(interp):
+    """Sequences with no tokens between others (training's packed batches), and decode steps of more
+    sequences than a tile holds tokens (GQA 2: 32), where one program a sequence is the whole grid: each
+    sequence gets its own bits, in the packed (training) and the paged (decode) layout."""
+    q, k, v, cu = _packed((5, 0, 40, 0, 0, 1, 33) + (3,) * 36, 4, 2, 16, torch.bfloat16)
+    scale = 0.25
+    train = interp.varlen_attention(q, k, v, cu, scale)
+    for b in range(len(cu) - 1):
+        lo, hi = cu[b].item(), cu[b + 1].item()
+        if hi > lo:
+            alone = interp.varlen_attention(q[lo:hi], k[lo:hi], v[lo:hi], torch.tensor([0, hi - lo]), scale)
+            assert torch.equal(alone, train[lo:hi]), b
+    assert torch.equal(_run_chunked(interp, q, k, v, cu, 16, 1, scale), train)
