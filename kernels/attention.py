@@ -22,6 +22,8 @@ prefill). The softmax max m is a true max over the same set, hence the same bits
 Gradients of `varlen_attention` flow through the torch ops (correct, deterministic).
 """
 
+import importlib
+
 import torch
 
 from ._checks import (
@@ -32,7 +34,7 @@ from ._checks import (
     check_same_device,
 )
 from ._reduction import row_sum
-from .dispatch import backend_for
+from .dispatch import attention_backend_for, backend_for
 
 # Keys per tile. Fixed (never tuned per shape) because it sets the order of the additions.
 KEY_TILE = 64
@@ -172,21 +174,27 @@ def _paged_attention_torch(
     return out
 
 
-def _triton_impl(name: str):
-    """attention_triton.<name>, imported on first call: importing this module never imports triton."""
+def _lazy_impl(module: str, name: str):
+    """<module>.<name>, imported on first call: importing this module never imports triton or FA4."""
 
     def run(*args, **kwargs):
-        from . import attention_triton
+        return getattr(importlib.import_module(f".{module}", __package__), name)(*args, **kwargs)
 
-        return getattr(attention_triton, name)(*args, **kwargs)
-
-    run.__name__ = f"_{name}_triton"
+    run.__name__ = f"_{name}_{module}"
     return run
 
 
-_VARLEN_IMPLS = {"torch": _varlen_attention_torch, "triton": _triton_impl("varlen_attention")}
-_WRITE_IMPLS = {"torch": _write_kv_cache_torch, "triton": _triton_impl("write_kv_cache")}
-_PAGED_IMPLS = {"torch": _paged_attention_torch, "triton": _triton_impl("paged_attention")}
+_VARLEN_IMPLS = {
+    "torch": _varlen_attention_torch,
+    "triton": _lazy_impl("attention_triton", "varlen_attention"),
+    "fa4": _lazy_impl("attention_fa4", "varlen_attention"),
+}
+_WRITE_IMPLS = {"torch": _write_kv_cache_torch, "triton": _lazy_impl("attention_triton", "write_kv_cache")}
+_PAGED_IMPLS = {
+    "torch": _paged_attention_torch,
+    "triton": _lazy_impl("attention_triton", "paged_attention"),
+    "fa4": _lazy_impl("attention_fa4", "paged_attention"),
+}
 
 
 def _check_qkv(
@@ -242,7 +250,7 @@ def varlen_attention(
         raise ValueError(f"cu_seqlens must rise from 0 to T = {q.shape[0]}, got {bounds}")
     _check_scale(scale)
     check_same_device(q=q, k=k, v=v, cu_seqlens=cu_seqlens)
-    return _VARLEN_IMPLS[backend_for(q)](q, k, v, cu_seqlens, float(scale))
+    return _VARLEN_IMPLS[attention_backend_for(q)](q, k, v, cu_seqlens, float(scale))
 
 
 def write_kv_cache(
@@ -377,7 +385,7 @@ def paged_attention(
             )
         check_last_dim_contiguous("out", out)
     with torch.no_grad():
-        return _PAGED_IMPLS[backend_for(q)](
+        return _PAGED_IMPLS[attention_backend_for(q)](
             q, k_cache, v_cache, block_table, seq_lens, query_start_loc, float(scale), out=out, schedule=schedule,
             shared=shared,
         )  # fmt: skip

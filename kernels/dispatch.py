@@ -11,6 +11,7 @@ previous state in `finally`.
 """
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import torch
@@ -57,3 +58,23 @@ def backend_for(tensor: torch.Tensor) -> str:
     if _reference_mode or tensor.device.type != "cuda":
         return "torch"
     return _CUDA_BACKEND
+
+
+# VEXACT_ATTENTION: the attention kernels of CUDA tensors, on both sides ("triton", or "fa4":
+# FlashAttention-4 on Hopper, kernels/attention_fa4.py). The trainer and the rollout must agree.
+ATTENTION_BACKENDS = ("triton", "fa4")
+
+
+def attention_backend_for(tensor: torch.Tensor) -> str:
+    """ "torch", "triton" or "fa4" for an attention call whose main input is `tensor`: `backend_for`'s
+    choice, with VEXACT_ATTENTION picking among the CUDA attention kernels (read at each call)."""
+    backend = backend_for(tensor)
+    if backend == "torch":
+        return backend
+    chosen = os.environ.get("VEXACT_ATTENTION", "") or "triton"
+    if chosen not in ATTENTION_BACKENDS:
+        raise ValueError(
+            f"VEXACT_ATTENTION must be one of {', '.join(ATTENTION_BACKENDS)} (the attention kernels, the same "
+            f"on the trainer and the rollout), got {chosen!r}"
+        )
+    return chosen

@@ -64,10 +64,16 @@ SCHEDULE_MIN_REQS = 64
 
 
 def shared_prefix_enabled() -> bool:
-    """VEXACT_SHARED_PREFIX=1 turns the shared-prompt grouping on (A/B benchmarks; no bit changes)."""
+    """VEXACT_SHARED_PREFIX=1 turns the shared-prompt grouping on (A/B benchmarks; no bit changes).
+    The groups are the Triton kernel's: VEXACT_ATTENTION=fa4 refuses them."""
     text = os.environ.get("VEXACT_SHARED_PREFIX", "0")
     if text not in ("0", "1"):
         raise ValueError(f"VEXACT_SHARED_PREFIX must be 0 or 1 (shared-prompt decode groups), got {text!r}")
+    if text == "1" and os.environ.get("VEXACT_ATTENTION", "") == "fa4":
+        raise ValueError(
+            "VEXACT_SHARED_PREFIX=1 groups the Triton attention's decodes; VEXACT_ATTENTION=fa4 runs FlashAttention-4, "
+            "which takes no groups: unset one of them"
+        )
     return text == "1"
 
 

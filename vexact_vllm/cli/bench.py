@@ -63,6 +63,8 @@ CONFIGS = {
     "vexact-stages7": {"model_impl": "vexact", "env": {"VEXACT_PAGED_STAGES": "7"}},
     "vexact-heads-fast": {"model_impl": "vexact", "env": {"VEXACT_PAGED_HEADS_FAST": "1"}},
     "vexact-shared-prefix": {"model_impl": "vexact", "env": {"VEXACT_SHARED_PREFIX": "1"}},
+    # Another attention (other bits: the trainer must run it too), on SM90 with flash-attn-4 installed.
+    "vexact-fa4": {"model_impl": "vexact", "env": {"VEXACT_ATTENTION": "fa4"}},
 }
 DEFAULT_CONFIGS = ("stock", "stock-batch-invariant", "vexact")
 

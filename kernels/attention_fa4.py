@@ -1,0 +1,102 @@
+"""FlashAttention-4 (flash-attn-4, CuTe DSL) as the one attention of both sides on Hopper (SM90).
+
+Chosen with VEXACT_ATTENTION=fa4 (`dispatch.attention_backend_for`), in the trainer and the rollout
+alike: it replaces the Triton kernels for `varlen_attention` (training, forward and deterministic
+backward) and `paged_attention` (prefill, chunked prefill, decode), so every query reduces its keys
+in FA4's order on either side. docs/FA4_SM90.md reads its SM90 source: one 128 x 128 tile
+configuration whatever the shapes, key blocks anchored at key 0 taken in descending order from the
+row's own block, a per-row online softmax. `benchmarks/fa4_bits.py` compares bits per row (H100,
+4.0.0b36: 0 rows differ between the training call, paged prefill at pages of 16 and 128, chunked
+prefill from unaligned starts and decode).
+
+Every call passes causal=True, num_splits=1 (no split of the keys), pack_gqa=True and the one softmax
+scale. The bits belong to this exact FA4 build (its DSL compiles the kernels): `FA4_VERSION` is
+pinned and checked, and only SM90 is allowed (other architectures run other kernels).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+
+import torch
+
+FA4_VERSION = "4.0.0b36"
+_CAPABILITIES = ((9, 0),)
+_DTYPES = (torch.bfloat16, torch.float16)
+_HEAD_DIMS = (64, 96, 128)
+
+
+@functools.cache
+def _installed_version() -> str | None:
+    try:
+        return importlib.metadata.version("flash-attn-4")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_usable(q: torch.Tensor) -> None:
+    """ValueError, saying what to do, where VEXACT_ATTENTION=fa4 cannot keep the contract for q."""
+    hint = "or unset VEXACT_ATTENTION (the Triton attention) on both the trainer and the rollout"
+    version = _installed_version()
+    if version != FA4_VERSION:
+        found = "is not installed" if version is None else f"is {version}"
+        raise ValueError(
+            f"VEXACT_ATTENTION=fa4 needs flash-attn-4=={FA4_VERSION} (with nvidia-cutlass-dsl); it {found}. "
+            f"Install that version, {hint}"
+        )
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) not in _CAPABILITIES:
+        where = q.device if q.device.type != "cuda" else f"sm_{''.join(map(str, torch.cuda.get_device_capability(q.device)))}"
+        raise ValueError(f"VEXACT_ATTENTION=fa4 runs on Hopper GPUs (sm_90) only, not on {where}; {hint}")
+    if q.dtype not in _DTYPES or q.shape[-1] not in _HEAD_DIMS:
+        raise ValueError(
+            f"VEXACT_ATTENTION=fa4 takes bf16/fp16 with head_dim in {_HEAD_DIMS}, got {q.dtype} and "
+            f"head_dim {q.shape[-1]}; {hint}"
+        )
+
+
+def _call(q, k, v, scale, **kwargs):
+    from flash_attn.cute import flash_attn_varlen_func
+
+    out = flash_attn_varlen_func(
+        q, k, v, softmax_scale=scale, causal=True, num_splits=1, pack_gqa=True, **kwargs
+    )
+    return out[0] if isinstance(out, tuple) else out
+
+
+def varlen_attention(q, k, v, cu_seqlens, scale):
+    """`attention.varlen_attention` on FA4 (inputs already checked there); differentiable, with FA4's
+    deterministic backward."""
+    check_usable(q)
+    cu = cu_seqlens.to(torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    if q.shape[0] == 0 or longest == 0:
+        return torch.zeros_like(q)
+    return _call(
+        q, k, v, scale, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
+        deterministic=True,
+    )  # fmt: skip
+
+
+def paged_attention(
+    q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out=None, schedule=None, shared=None
+):
+    """`attention.paged_attention` on FA4 (inputs already checked there). No host synchronisation:
+    the longest query count is bounded by T, the key count by the block table's width, so a CUDA
+    graph captured for T tokens serves every batch of T tokens. `schedule` and `shared` only lay out
+    the Triton kernel's programs; FA4 has its own and takes neither."""
+    check_usable(q)
+    if shared is not None:
+        raise ValueError(
+            "VEXACT_ATTENTION=fa4 does not take shared-prompt groups: unset VEXACT_SHARED_PREFIX with it"
+        )
+    n_tokens = q.shape[0]
+    result = torch.zeros_like(q) if out is None else out
+    if n_tokens == 0 or seq_lens.shape[0] == 0:
+        return result
+    attended = _call(
+        q, k_cache, v_cache, scale,
+        cu_seqlens_q=query_start_loc.to(torch.int32), max_seqlen_q=n_tokens,
+        seqused_k=seq_lens.to(torch.int32), page_table=block_table[: seq_lens.shape[0]].to(torch.int32),
+    )  # fmt: skip
+    return result.copy_(attended)
