@@ -2,7 +2,12 @@
 of CUDA-graph replays of one layer's decode attention at each depth, the depth the kernel picks itself
 (`attention_triton.paged_stages`), and whether every depth gives the same bits (it must: speed only).
 
-    python3 benchmarks/sweep_paged_depth.py [--stages 3,4,5,6,7]
+    python3 benchmarks/sweep_paged_depth.py [--stages 3,4,5,6,7] [--mixed] [--fa4]
+
+--mixed adds steps of 16 sequences whose lengths spread evenly over 2,200-5,200 keys (the 8B `long:16`
+profile's decode) beside uniform steps at their mean and their longest: a step of one program a
+sequence lasts as long as its longest sequence. --fa4 adds FlashAttention-4's time on each step
+(VEXACT_ATTENTION=fa4, graph-captured), needing flash-attn-4 on an SM90 GPU.
 
 Shapes: Qwen3-1.7B (16 query heads, 8 kv heads) and Qwen3-8B (32, 8), head dim 128, pages of 16 on a
 shuffled block table, every sequence at the same context.
@@ -11,6 +16,7 @@ shuffled block table, every sequence at the same context.
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 from bench_kernels import _paged_inputs, bench_graph
@@ -22,11 +28,26 @@ SHAPES = {"1.7B": (16, 8), "8B": (32, 8)}
 STEPS = ((16, 2048), (16, 4096), (16, 8192), (16, 32768), (32, 4096), (64, 4096))
 
 
-def _row(hq, hkv, batch, context, depths):
+MIXED = (2200, 5200)
+VLLM_LAYOUT = "--vllm-layout" in os.sys.argv
+
+
+def _row(hq, hkv, batch, context, depths, lengths=None, fa4=False):
     q, kc, vc, bt, sl, qsl = _paged_inputs(batch, context, hq, hkv, D)
+    if VLLM_LAYOUT:  # vexact's vLLM cache: [blocks, Hkv, page, 2D], K and V as strided views
+        kv = torch.cat([kc.transpose(1, 2), vc.transpose(1, 2)], -1)
+        kc, vc = kv.transpose(1, 2)[..., :D], kv.transpose(1, 2)[..., D:]
+    if lengths is not None:
+        sl = torch.linspace(*lengths, batch, device="cuda").round().int()
     run = lambda: paged_attention(q, kc, vc, bt, sl, qsl, D**-0.5)  # noqa: E731
     own = run()
     times, same = {"own": bench_graph(run)}, True
+    if fa4:
+        os.environ["VEXACT_ATTENTION"] = "fa4"
+        try:
+            times["fa4"] = bench_graph(run)
+        finally:
+            os.environ.pop("VEXACT_ATTENTION")
     for stages in depths:
         attention_triton._PAGED_STAGES[D] = stages
         try:
@@ -40,15 +61,22 @@ def _row(hq, hkv, batch, context, depths):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stages", default="3,4,5,6,7", help="depths to time, comma-separated")
-    depths = [int(s) for s in parser.parse_args().stages.split(",")]
+    parser.add_argument("--mixed", action="store_true", help="only the mixed-length steps and their references")
+    parser.add_argument("--fa4", action="store_true", help="also time FlashAttention-4 (SM90, flash-attn-4)")
+    parser.add_argument("--vllm-layout", action="store_true", help="K/V as views of one [blocks, Hkv, page, 2D] cache")
+    args = parser.parse_args()
+    depths = [int(s) for s in args.stages.split(",")]
+    mean = sum(MIXED) // 2
+    steps = [(16, MIXED[1], MIXED), (16, mean, None), (16, MIXED[1], None)] if args.mixed else [(*s, None) for s in STEPS]
     print(f"{torch.cuda.get_device_name()}: microseconds a layer, CUDA-graph replays (median)")
-    print(f"{'shape':6s} {'step':12s} {'own':>7s}" + "".join(f" {f'{s} st':>7s}" for s in depths) + "  bits")
+    print(f"{'shape':6s} {'step':18s} {'own':>7s}" + "".join(f" {f'{s} st':>7s}" for s in depths)
+          + (f" {'FA4':>7s}" if args.fa4 else "") + "  bits")  # fmt: skip
     for name, (hq, hkv) in SHAPES.items():
-        for batch, context in STEPS:
-            times, same = _row(hq, hkv, batch, context, depths)
-            cells = "".join(f" {times[s] * 1000:7.1f}" for s in depths)
-            print(f"{name:6s} {f'{batch} x {context}':12s} {times['own'] * 1000:7.1f}{cells}  {'same' if same else 'DIFFER'}",
-                  flush=True)  # fmt: skip
+        for batch, context, lengths in steps:
+            times, same = _row(hq, hkv, batch, context, depths, lengths, args.fa4)
+            cells = "".join(f" {times[s] * 1000:7.1f}" for s in depths) + (f" {times['fa4'] * 1000:7.1f}" if args.fa4 else "")
+            step = f"{batch} x {lengths[0]}-{lengths[1]}" if lengths else f"{batch} x {context}"
+            print(f"{name:6s} {step:18s} {times['own'] * 1000:7.1f}{cells}  {'same' if same else 'DIFFER'}", flush=True)
 
 
 if __name__ == "__main__":
