@@ -65,12 +65,9 @@ def backend_for(tensor: torch.Tensor) -> str:
 ATTENTION_BACKENDS = ("triton", "fa4")
 
 
-def attention_backend_for(tensor: torch.Tensor) -> str:
-    """ "torch", "triton" or "fa4" for an attention call whose main input is `tensor`: `backend_for`'s
-    choice, with VEXACT_ATTENTION picking among the CUDA attention kernels (read at each call)."""
-    backend = backend_for(tensor)
-    if backend == "torch":
-        return backend
+def cuda_attention_backend() -> str:
+    """VEXACT_ATTENTION's choice among the CUDA attention kernels ("triton" when unset); ValueError
+    for anything else."""
     chosen = os.environ.get("VEXACT_ATTENTION", "") or "triton"
     if chosen not in ATTENTION_BACKENDS:
         raise ValueError(
@@ -78,3 +75,10 @@ def attention_backend_for(tensor: torch.Tensor) -> str:
             f"on the trainer and the rollout), got {chosen!r}"
         )
     return chosen
+
+
+def attention_backend_for(tensor: torch.Tensor) -> str:
+    """ "torch", "triton" or "fa4" for an attention call whose main input is `tensor`: `backend_for`'s
+    choice, with VEXACT_ATTENTION picking among the CUDA attention kernels (read at each call)."""
+    backend = backend_for(tensor)
+    return backend if backend == "torch" else cuda_attention_backend()

@@ -65,3 +65,10 @@ def test_check_prefix_cache_and_eager(tiny_model, tmp_path):
     assert pc["problem"] is None and pc["mismatches"] == eager["mismatches"] == 0
     if "--plot" in argv:
         assert (tmp_path / "diff.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_check_refuses_an_unknown_attention_before_generating(tmp_path, monkeypatch):
+    """VEXACT_ATTENTION is read by both sides: a bad value stops the check before any engine starts."""
+    monkeypatch.setenv("VEXACT_ATTENTION", "flash3")
+    with pytest.raises(SystemExit, match="VEXACT_ATTENTION must be one of triton, fa4"):
+        main(["check", "--model", str(tmp_path)])
