@@ -149,9 +149,10 @@ def _write_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping):
 
 
 def _paged_attention_torch(
-    q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out=None, schedule=None, shared=None
-):
-    del schedule, shared  # one sequence after another: the order and grouping of the work change no value
+    q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out=None, schedule=None, shared=None,
+    max_query_len=None,
+):  # fmt: skip
+    del schedule, shared, max_query_len  # one sequence after another: the layout of the work changes no value
     block_size = k_cache.shape[1]
     lens = [int(n) for n in seq_lens.tolist()]
     starts = [int(s) for s in query_start_loc.tolist()]
@@ -319,6 +320,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     schedule: tuple[torch.Tensor, torch.Tensor] | None = None,
     shared=None,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new queries over a paged KV cache (inference; no gradient).
 
@@ -335,6 +337,8 @@ def paged_attention(
     `attention_prefix.shared_prefix_groups` of this step's block_table, seq_lens and query_start_loc
     (decode sequences reading the same cache blocks, attended once per group on CUDA), or None: the
     same bits either way; built for other inputs, it gives wrong values (not checked: that would sync).
+    `max_query_len`: a host bound on the longest sequence's query count (None: T), which sizes FA4's
+    grid (VEXACT_ATTENTION=fa4) and no value; a launch a CUDA graph replays must leave it None.
     """
     _check_qkv(q, k_cache, v_cache, ("k_cache", "v_cache"), "[num_blocks, block_size, Hkv, D]")
     check_last_dim_contiguous("k_cache", k_cache)
@@ -384,8 +388,12 @@ def paged_attention(
                 f"{tuple(out.shape)} {out.dtype} on {out.device}"
             )
         check_last_dim_contiguous("out", out)
+    if max_query_len is not None and (not isinstance(max_query_len, int) or max_query_len < 1):
+        raise ValueError(
+            f"max_query_len must be a positive int (a bound on the longest query count) or None, got {max_query_len!r}"
+        )
     with torch.no_grad():
         return _PAGED_IMPLS[attention_backend_for(q)](
             q, k_cache, v_cache, block_table, seq_lens, query_start_loc, float(scale), out=out, schedule=schedule,
-            shared=shared,
+            shared=shared, max_query_len=max_query_len,
         )  # fmt: skip

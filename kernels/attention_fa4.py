@@ -79,12 +79,15 @@ def varlen_attention(q, k, v, cu_seqlens, scale):
 
 
 def paged_attention(
-    q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out=None, schedule=None, shared=None
-):
+    q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out=None, schedule=None, shared=None,
+    max_query_len=None,
+):  # fmt: skip
     """`attention.paged_attention` on FA4 (inputs already checked there). No host synchronisation:
-    the longest query count is bounded by T, the key count by the block table's width, so a CUDA
-    graph captured for T tokens serves every batch of T tokens. `schedule` and `shared` only lay out
-    the Triton kernel's programs; FA4 has its own and takes neither."""
+    the longest query count is bounded by `max_query_len` where the caller knows it for this launch
+    alone (an eager step), else by T; the key count by the block table's width. So a CUDA graph
+    captured for T tokens serves every batch of T tokens. FA4's grid follows the bound (its empty
+    query blocks exit), no value does. `schedule` and `shared` only lay out the Triton kernel's
+    programs; FA4 has its own and takes neither."""
     check_usable(q)
     if shared is not None:
         raise ValueError(
@@ -96,7 +99,7 @@ def paged_attention(
         return result
     attended = _call(
         q, k_cache, v_cache, scale,
-        cu_seqlens_q=query_start_loc.to(torch.int32), max_seqlen_q=n_tokens,
+        cu_seqlens_q=query_start_loc.to(torch.int32), max_seqlen_q=min(max_query_len or n_tokens, n_tokens),
         seqused_k=seq_lens.to(torch.int32), page_table=block_table[: seq_lens.shape[0]].to(torch.int32),
     )  # fmt: skip
     return result.copy_(attended)

@@ -731,8 +731,9 @@ def varlen_attention(q, k, v, cu_seqlens, scale):
 
 
 def paged_attention(
-    q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out=None, schedule=None, shared=None
-):
+    q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out=None, schedule=None, shared=None,
+    max_query_len=None,
+):  # fmt: skip
     """Triton implementation of `attention.paged_attention` (inputs already checked there).
 
     No host synchronisation: the grid is (tile_count(T, B), Hkv) from the shapes alone, and sequence
@@ -740,6 +741,7 @@ def paged_attention(
     `schedule`: (order, order_start) int32, `attention.longest_last_schedule`'s, or None.
     `shared`: `attention_prefix.shared_prefix_groups`'s groups, or None: their shared key tiles go
     through `attention_prefix_triton` first, and their programs here resume after them.
+    `max_query_len` is not read: the grid follows the shapes alone.
     """
     n_tokens, n_heads, head_dim = q.shape
     n_kv = k_cache.shape[2]

@@ -134,6 +134,7 @@ class VexactAttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64, -1 for padding
     schedule: tuple[torch.Tensor, torch.Tensor] | None = None  # the kernel's tile layout (no value changes)
     shared: SharedPrefix | None = None  # decode groups reading the same prompt blocks (no value changes)
+    max_query_len: int | None = None  # eager steps only (no graph replays them): sizes FA4's grid
 
 
 class VexactAttentionMetadataBuilder(AttentionMetadataBuilder[VexactAttentionMetadata]):
@@ -182,7 +183,8 @@ class VexactAttentionMetadataBuilder(AttentionMetadataBuilder[VexactAttentionMet
             schedule = longest_last_schedule(seq_lens, query_start_loc, out=buffers)
         shared = None  # decided by the request count alone, like the schedule (eager prefills aside)
         buffers = self._shared_buffers
-        if buffers is not None and 2 <= m.num_reqs <= buffers[0].shape[0] and not self._eager_prefill(m):
+        eager = self._eager_prefill(m)
+        if buffers is not None and 2 <= m.num_reqs <= buffers[0].shape[0] and not eager:
             shared = shared_prefix_groups(
                 m.block_table_tensor, seq_lens, query_start_loc, self._page, self._max_members, out=buffers
             )
@@ -194,6 +196,7 @@ class VexactAttentionMetadataBuilder(AttentionMetadataBuilder[VexactAttentionMet
             slot_mapping=m.slot_mapping[: m.num_actual_tokens],
             schedule=schedule,
             shared=shared,
+            max_query_len=m.max_query_len if eager else None,
         )
 
     def _eager_prefill(self, m) -> bool:
@@ -285,6 +288,7 @@ class VexactAttentionImpl(AttentionImpl):
             out=output[:n].view(n, self.num_heads, self.head_size),  # written in place: no copy
             schedule=attn_metadata.schedule,
             shared=attn_metadata.shared,
+            max_query_len=attn_metadata.max_query_len,
         )
         output[n:].fill_(0)
         return output

@@ -77,6 +77,17 @@ def test_fa4_refuses_shared_prompt_groups(monkeypatch):
         fa4.paged_attention(torch.zeros(1, 2, 64), None, None, None, torch.zeros(1), None, 1.0, shared=object())
 
 
+def test_max_query_len_must_be_a_positive_int():
+    q = torch.zeros(2, 2, 16)
+    cache = torch.zeros(1, 16, 2, 16)
+    args = (q, cache, cache, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([2], dtype=torch.int32),
+            torch.tensor([0, 2], dtype=torch.int32), 0.25)  # fmt: skip
+    for bad in (0, -3, 2.0):
+        with pytest.raises(ValueError, match="max_query_len must be a positive int"):
+            paged_attention(*args, max_query_len=bad)
+    assert torch.equal(paged_attention(*args, max_query_len=2), paged_attention(*args))  # speed only
+
+
 # ----------------------------------------------------------------------------- CUDA (SM90 + FA4)
 
 
@@ -110,14 +121,16 @@ def _cache(k, v, cu, page, gen):
     return kc, vc, table.cuda()
 
 
-def _step(q, kc, vc, table, cu, chunks, scale):
-    """One engine step: sequence b's queries [start, end) = chunks[b], keys 0..end-1 already cached."""
+def _step(q, kc, vc, table, cu, chunks, scale, bound=False):
+    """One engine step: sequence b's queries [start, end) = chunks[b], keys 0..end-1 already cached;
+    `bound`: pass the longest query count (an eager step's max_query_len) instead of leaving it T."""
     seqs = [b for b, (s, e) in chunks.items() if e > s]
     rows = torch.cat([torch.arange(int(cu[b]) + s, int(cu[b]) + e) for b, (s, e) in ((b, chunks[b]) for b in seqs)])
     qsl = torch.tensor([0, *torch.tensor([chunks[b][1] - chunks[b][0] for b in seqs]).cumsum(0).tolist()],
                        dtype=torch.int32, device="cuda")  # fmt: skip
     seq_lens = torch.tensor([chunks[b][1] for b in seqs], dtype=torch.int32, device="cuda")
-    out = paged_attention(q[rows.cuda()], kc, vc, table[seqs], seq_lens, qsl, scale)
+    longest = max(chunks[b][1] - chunks[b][0] for b in seqs) if bound else None
+    out = paged_attention(q[rows.cuda()], kc, vc, table[seqs], seq_lens, qsl, scale, max_query_len=longest)
     return rows, out
 
 
@@ -136,14 +149,14 @@ def test_fa4_paged_equals_training(monkeypatch, hq, hkv, page):
     kc, vc, table = _cache(k, v, cu, page, gen)
     rows, out = _step(q, kc, vc, table, cu, {b: (0, n) for b, n in enumerate(lens)}, scale)
     assert torch.equal(out, train[rows.cuda()])
-    for _ in range(3):  # mixed steps: a chunk or a decode of each sequence at a random position
+    for step in range(4):  # mixed steps: a chunk or a decode of each sequence at a random position
         chunks = {}
         for b, n in enumerate(lens):
             start = int(torch.randint(0, n, (1,), generator=gen))
             size = 1 if torch.rand((), generator=gen) < 0.5 else int(torch.randint(1, 300, (1,), generator=gen))
             chunks[b] = (start, min(start + size, n))
-        rows, out = _step(q, kc, vc, table, cu, chunks, scale)
-        assert torch.equal(out, train[rows.cuda()])
+        rows, out = _step(q, kc, vc, table, cu, chunks, scale, bound=step % 2 == 1)
+        assert torch.equal(out, train[rows.cuda()]), step
 
 
 @needs_fa4

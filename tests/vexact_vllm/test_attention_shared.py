@@ -73,6 +73,10 @@ def test_eager_prefill_steps_skip_the_grouping(graphs):
         assert small is None
     else:  # 6 tokens fit an 8-token graph: built, its three decodes grouped
         assert small.tiles.tolist() == [2, 2, 2, 0]
+    # The longest query count reaches the kernels (FA4's grid) only where no graph replays the step.
+    assert builder.build(0, _metadata(tables, [170] * 4, [1, 1, 1, 9])).max_query_len == 9
+    assert builder.build(0, _metadata(tables, [170] * 4, [1, 1, 1, 3])).max_query_len == (3 if graphs is None else None)
+    assert builder.build(0, decodes).max_query_len is None
 
 
 def test_shared_prefix_is_opt_in_for_ab_runs(monkeypatch):
