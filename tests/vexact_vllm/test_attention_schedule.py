@@ -23,7 +23,7 @@ def _metadata(seq_lens: list[int], q_lens: list[int]):
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     n = len(seq_lens)
     return SimpleNamespace(
-        causal=True, num_reqs=n, num_actual_tokens=int(starts[-1]), query_start_loc=starts,
+        causal=True, num_reqs=n, num_actual_tokens=int(starts[-1]), max_query_len=max(q_lens), query_start_loc=starts,
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_table_tensor=torch.zeros(n, 4, dtype=torch.int32),
         slot_mapping=torch.zeros(int(starts[-1]), dtype=torch.int64),
     )  # fmt: skip
