@@ -24,7 +24,10 @@ import torch
 FA4_VERSION = "4.0.0b36"
 _CAPABILITIES = ((9, 0),)
 _DTYPES = (torch.bfloat16, torch.float16)
-_HEAD_DIMS = (64, 96, 128)
+# Tested bitwise on the H100 at 128 only (FA4's SM90 tile there: 128 x 128). Head dims 64 and 96 run
+# 192 x 128 tiles whose rows are not yet tested; add them after tests/kernels/test_attention_fa4.py
+# covers them.
+_HEAD_DIMS = (128,)
 
 
 @functools.cache

@@ -58,8 +58,10 @@ def test_fa4_refuses_what_it_cannot_keep(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     with pytest.raises(ValueError, match="bf16/fp16 with head_dim in"):
         fa4.check_usable(types.SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.float32, shape=q.shape))
-    with pytest.raises(ValueError, match="head_dim 80"):
-        fa4.check_usable(types.SimpleNamespace(device=torch.device("cuda", 0), dtype=q.dtype, shape=(4, 2, 80)))
+    for head_dim in (64, 80, 96, 256):  # 128 only: the head dim whose rows are tested on a GPU
+        with pytest.raises(ValueError, match=f"head_dim {head_dim}"):
+            fa4.check_usable(types.SimpleNamespace(device=torch.device("cuda", 0), dtype=q.dtype, shape=(4, 2, head_dim)))
+    fa4.check_usable(types.SimpleNamespace(device=torch.device("cuda", 0), dtype=q.dtype, shape=(4, 2, 128)))
 
 
 def test_fa4_refuses_shared_prompt_groups(monkeypatch):
