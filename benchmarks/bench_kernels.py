@@ -40,6 +40,30 @@ def bench_graph(fn) -> float:
         return float(do_bench_cudagraph(fn, rep=50, return_mode="median"))
 
 
+def bench_one_capture(fn, replays: int = 200) -> float:
+    """Milliseconds a replay of a CUDA graph holding ONE call of fn (captured once by
+    torch.cuda.graph, as vLLM captures a step), median of `replays` timed replays. For kernels whose
+    capture under do_bench_cudagraph (several calls in one graph) is in question: FA4's faulted there."""
+    from vexact_vllm.kernels._capture import gc_paused
+
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with gc_paused(), torch.cuda.graph(graph):
+        fn()
+    for _ in range(10):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return float(sorted(times)[len(times) // 2])
+
+
 def record(section, case, ours_ms, stock_ms, target=None, **extra):
     speed = stock_ms / ours_ms if ours_ms and stock_ms else float("nan")
     row = {"section": section, "case": case, "vexact_ms": ours_ms, "stock_ms": stock_ms, "speed": speed,

@@ -109,16 +109,18 @@ def bits(trials: int) -> list[tuple[str, int, int]]:
     return [(case, n, bad) for case, (n, bad) in found.items()]
 
 
-def _ms(fn, graph=False):
-    from triton.testing import do_bench, do_bench_cudagraph
+def _ms(fn):
+    from triton.testing import do_bench
 
     fn()
-    if graph:
-        try:
-            return float(do_bench_cudagraph(fn, rep=50, return_mode="median"))
-        except Exception:  # FA4's host code may not capture: eager timing instead
-            pass
     return float(do_bench(fn, warmup=10, rep=50, return_mode="median"))
+
+
+def _one_capture_ms(fn):
+    from bench_kernels import bench_one_capture
+
+    with torch.no_grad():
+        return bench_one_capture(fn)
 
 
 def _prefill_case(n, length, gen):
@@ -159,8 +161,8 @@ def _decode_case(batch, context):
     qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
     paged = dict(cu_seqlens_q=qsl, max_seqlen_q=1, seqused_k=used, page_table=table, max_seqlen_k=context)
     with torch.no_grad():
-        fa = _ms(lambda: _fa4(q, kc, vc, **paged))  # eager: FA4 4.0.0b36 faulted in graph capture here
-        ours = _ms(lambda: paged_attention(q, kc, vc, table, used, qsl, SCALE), graph=True)
+        fa = _one_capture_ms(lambda: _fa4(q, kc, vc, **paged))  # do_bench_cudagraph faulted here (session 23)
+        ours = _one_capture_ms(lambda: paged_attention(q, kc, vc, table, used, qsl, SCALE))
     return f"decode {batch} x {context} (page 16)", fa, ours
 
 
