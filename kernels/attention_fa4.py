@@ -3,8 +3,8 @@
 Chosen with VEXACT_ATTENTION=fa4 (`dispatch.attention_backend_for`), in the trainer and the rollout
 alike: it replaces the Triton kernels for `varlen_attention` (training, forward and deterministic
 backward) and `paged_attention` (prefill, chunked prefill, decode), so every query reduces its keys
-in FA4's order on either side. docs/FA4_SM90.md reads its SM90 source: one 128 x 128 tile
-configuration whatever the shapes, key blocks anchored at key 0 taken in descending order from the
+in FA4's order on either side. docs/FA4_SM90.md reads its SM90 source: at head dim 128 one 128 x 128
+tile configuration whatever the shapes, key blocks anchored at key 0 taken in descending order from the
 row's own block, a per-row online softmax. `benchmarks/fa4_bits.py` compares bits per row (H100,
 4.0.0b36: 0 rows differ between the training call, paged prefill at pages of 16 and 128, chunked
 prefill from unaligned starts and decode).
@@ -23,7 +23,7 @@ import torch
 
 FA4_VERSION = "4.0.0b36"
 _CAPABILITIES = ((9, 0),)
-_DTYPES = (torch.bfloat16, torch.float16)
+_DTYPES = (torch.bfloat16,)  # the dtype the CUDA tests compare; fp16 after they cover it
 # Tested bitwise on the H100 at 128 only (FA4's SM90 tile there: 128 x 128). Head dims 64 and 96 run
 # 192 x 128 tiles whose rows are not yet tested; add them after tests/kernels/test_attention_fa4.py
 # covers them.
@@ -53,7 +53,7 @@ def check_usable(q: torch.Tensor) -> None:
         raise ValueError(f"VEXACT_ATTENTION=fa4 runs on Hopper GPUs (sm_90) only, not on {where}; {hint}")
     if q.dtype not in _DTYPES or q.shape[-1] not in _HEAD_DIMS:
         raise ValueError(
-            f"VEXACT_ATTENTION=fa4 takes bf16/fp16 with head_dim in {_HEAD_DIMS}, got {q.dtype} and "
+            f"VEXACT_ATTENTION=fa4 takes bf16 with head_dim in {_HEAD_DIMS}, got {q.dtype} and "
             f"head_dim {q.shape[-1]}; {hint}"
         )
 

@@ -56,8 +56,9 @@ def test_fa4_refuses_what_it_cannot_keep(monkeypatch):
     with pytest.raises(ValueError, match="not on sm_100"):
         fa4.check_usable(types.SimpleNamespace(device=torch.device("cuda", 0), dtype=q.dtype, shape=q.shape))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    with pytest.raises(ValueError, match="bf16/fp16 with head_dim in"):
-        fa4.check_usable(types.SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.float32, shape=q.shape))
+    for dtype in (torch.float32, torch.float16):
+        with pytest.raises(ValueError, match=r"takes bf16 with head_dim in \(128,\), got torch\.float"):
+            fa4.check_usable(types.SimpleNamespace(device=torch.device("cuda", 0), dtype=dtype, shape=q.shape))
     for head_dim in (64, 80, 96, 256):  # 128 only: the head dim whose rows are tested on a GPU
         with pytest.raises(ValueError, match=f"head_dim {head_dim}"):
             fa4.check_usable(types.SimpleNamespace(device=torch.device("cuda", 0), dtype=q.dtype, shape=(4, 2, head_dim)))
