@@ -38,6 +38,11 @@ def _installed_version() -> str | None:
         return None
 
 
+@functools.cache
+def _capability(device_index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
 def check_usable(q: torch.Tensor) -> None:
     """ValueError, saying what to do, where VEXACT_ATTENTION=fa4 cannot keep the contract for q."""
     hint = "or unset VEXACT_ATTENTION (the Triton attention) on both the trainer and the rollout"
@@ -48,8 +53,9 @@ def check_usable(q: torch.Tensor) -> None:
             f"VEXACT_ATTENTION=fa4 needs flash-attn-4=={FA4_VERSION} (with nvidia-cutlass-dsl); it {found}. "
             f"Install that version, {hint}"
         )
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) not in _CAPABILITIES:
-        where = q.device if q.device.type != "cuda" else f"sm_{''.join(map(str, torch.cuda.get_device_capability(q.device)))}"
+    capability = _capability(q.device.index) if q.device.type == "cuda" else None  # once a device: every layer calls
+    if capability not in _CAPABILITIES:
+        where = q.device if capability is None else f"sm_{''.join(map(str, capability))}"
         raise ValueError(f"VEXACT_ATTENTION=fa4 runs on Hopper GPUs (sm_90) only, not on {where}; {hint}")
     if q.dtype not in _DTYPES or q.shape[-1] not in _HEAD_DIMS:
         raise ValueError(

@@ -24,8 +24,9 @@ before each member's own tiles: the same bits, the prompt read once per group in
 Off by default: on an H100 a grpo step's attention takes 13% less time with it (the 1.7B grpo rollout,
 engine alone, 0.944 of stock against 0.913), but a workload of distinct prompts, where no group
 forms, measured slower with it on (docs/BENCHMARKS.md, session 21); session 22's profile put that at
-+3% of a decode step (empty prefix programs, the grouping kernel's latency), both cut since, not yet
-measured on a GPU.
++3% of a decode step (empty prefix programs, the grouping kernel's latency), both cut since. Session
+23 (H100, 2 repeats side by side): `default` 0.985 of stock with the groups against 1.022 without,
+`grpo:32` 0.921 against 0.877.
 
 Cache layout (one tensor per layer, allocated by vLLM from `get_kv_cache_spec`): the logical view
 [num_blocks, num_kv_heads, block_size, 2 * head_size], keys in the first half of the last axis and
@@ -57,6 +58,7 @@ from vexact_vllm.kernels import (
     shared_prefix_groups,
     write_kv_cache,
 )
+from vexact_vllm.kernels.dispatch import cuda_attention_backend
 
 # Requests from which a step's attention tiles are laid out longest last: below it the programs fit
 # in about one wave of the GPU (Hkv programs a request) and ordering costs more host time than it saves.
@@ -69,7 +71,7 @@ def shared_prefix_enabled() -> bool:
     text = os.environ.get("VEXACT_SHARED_PREFIX", "0")
     if text not in ("0", "1"):
         raise ValueError(f"VEXACT_SHARED_PREFIX must be 0 or 1 (shared-prompt decode groups), got {text!r}")
-    if text == "1" and os.environ.get("VEXACT_ATTENTION", "") == "fa4":
+    if text == "1" and cuda_attention_backend() == "fa4":
         raise ValueError(
             "VEXACT_SHARED_PREFIX=1 groups the Triton attention's decodes; VEXACT_ATTENTION=fa4 runs FlashAttention-4, "
             "which takes no groups: unset one of them"

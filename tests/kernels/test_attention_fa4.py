@@ -52,10 +52,10 @@ def test_fa4_refuses_what_it_cannot_keep(monkeypatch):
     monkeypatch.setattr(fa4, "_installed_version", lambda: fa4.FA4_VERSION)
     with pytest.raises(ValueError, match=r"Hopper GPUs \(sm_90\) only, not on cpu"):
         fa4.check_usable(q)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    monkeypatch.setattr(fa4, "_capability", lambda index: (10, 0))
     with pytest.raises(ValueError, match="not on sm_100"):
         fa4.check_usable(types.SimpleNamespace(device=torch.device("cuda", 0), dtype=q.dtype, shape=q.shape))
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(fa4, "_capability", lambda index: (9, 0))
     for dtype in (torch.float32, torch.float16):
         with pytest.raises(ValueError, match=r"takes bf16 with head_dim in \(128,\), got torch\.float"):
             fa4.check_usable(types.SimpleNamespace(device=torch.device("cuda", 0), dtype=dtype, shape=q.shape))
