@@ -109,18 +109,18 @@ def gemm(quick):
                        vexact_tflops=tflops)
 
 
-def _paged_inputs(batch, context, hq, hkv, d, block_size=16):
+def _paged_inputs(batch, context, hq, hkv, d, block_size=16, device="cuda", dtype=torch.bfloat16):
     """One decode step over `context` keys a sequence on a shuffled block table. The table holds every
     page a sequence's keys touch (a partly filled last page included): a shorter row let the kernel
     read past the table at contexts off a page boundary (the 16 x 3,700 step faulted, session 24)."""
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq
-    k_cache = torch.randn(num_blocks, block_size, hkv, d, device="cuda", dtype=torch.bfloat16)
+    k_cache = torch.randn(num_blocks, block_size, hkv, d, device=device, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
-    block_table = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(batch, blocks_per_seq)
-    seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
-    q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
-    qsl = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    block_table = torch.randperm(num_blocks, device=device, dtype=torch.int32).view(batch, blocks_per_seq)
+    seq_lens = torch.full((batch,), context, device=device, dtype=torch.int32)
+    q = torch.randn(batch, hq, d, device=device, dtype=dtype)
+    qsl = torch.arange(batch + 1, device=device, dtype=torch.int32)
     return q, k_cache, v_cache, block_table, seq_lens, qsl
 
 
