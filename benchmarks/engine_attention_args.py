@@ -26,7 +26,6 @@ import random
 import time
 
 import torch
-
 from bench_kernels import _paged_inputs, bench_graph
 
 
