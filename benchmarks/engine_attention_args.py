@@ -12,6 +12,7 @@ our kernel (CUDA-graph replays, median) on:
   contiguous q   the same with q and out copied to contiguous tensors
   packed table   the same with the block table cut to the pages the longest sequence uses
   fresh cache    new random caches of the same lengths on a shuffled table (the microbench's inputs)
+  after a GEMM   the engine's call right after a 200 MB-weight GEMM in the same graph (minus the GEMM)
   FA3            vLLM's FlashAttention-3 on the engine's cache views (as stock would run this step)
 
 and prints the arguments' shapes, strides, alignments, the lengths and the depth the launch gets.
@@ -39,6 +40,18 @@ def _host_ms(fn, calls=3):
     for _ in range(calls):
         fn()
     return (time.perf_counter() - start) * 1000 / calls
+
+
+def _after_gemm(q, attend):
+    """The engine's context: attention right after a GEMM that streams 200 MB of weight (an 8B
+    gate_up on this step's rows, vexact's kernel), timed as (GEMM + attention) - GEMM in one graph."""
+    from vexact_vllm.kernels import linear
+
+    x = torch.randn(q.shape[0], 4096, device=q.device, dtype=q.dtype)
+    w = torch.randn(24576, 4096, device=q.device, dtype=q.dtype)
+    gemm = bench_graph(lambda: linear(x, w))
+    both = bench_graph(lambda: (linear(x, w), attend()))
+    print(f"{'after a GEMM':14s} {(both - gemm) * 1000:8.1f}  (GEMM alone {gemm * 1000:.1f} us)")
 
 
 def _measure(args, q, k_cache, v_cache, block_table, seq_lens, qsl, scale, out):
@@ -84,6 +97,7 @@ def _measure(args, q, k_cache, v_cache, block_table, seq_lens, qsl, scale, out):
         print(f"{name:14s} {timer(fn) * 1000:8.1f}  {same}", flush=True)
     if not q.is_cuda:
         return
+    _after_gemm(q, rows["engine"])
     try:
         from vllm.vllm_flash_attn import flash_attn_varlen_func
 
