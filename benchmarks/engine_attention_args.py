@@ -12,6 +12,9 @@ our kernel (CUDA-graph replays, median) on:
   contiguous q   the same with q and out copied to contiguous tensors
   packed table   the same with the block table cut to the pages the longest sequence uses
   fresh cache    new random caches of the same lengths on a shuffled table (the microbench's inputs)
+  spread table   the engine's cache, each row's pages drawn at random from the whole cache (as far
+                 apart as the engine's cache allows: address range and TLB reach, against the
+                 compact fresh cache)
   after a GEMM   the engine's call right after a 200 MB-weight GEMM in the same graph (minus the GEMM)
   FA3            vLLM's FlashAttention-3 on the engine's cache views (as stock would run this step)
 
@@ -83,17 +86,19 @@ def _measure(args, q, k_cache, v_cache, block_table, seq_lens, qsl, scale, out):
     batch, hq, hkv = q.shape[0], q.shape[1], n_kv
     fq, fk, fv, fbt, _, fqsl = _paged_inputs(batch, max(lens), hq, hkv, head_dim, device=q.device, dtype=q.dtype)
     fresh_lens = seq_lens.clone()
+    spread = torch.randperm(k_cache.shape[0], device=q.device)[: batch * pages].view(batch, pages).to(torch.int32)
     rows = {
         "engine": lambda: paged_attention(q, k_cache, v_cache, block_table, seq_lens, qsl, scale, out=out),
         "contiguous q": lambda: paged_attention(qc, k_cache, v_cache, block_table, seq_lens, qsl, scale, out=outc),
         "packed table": lambda: paged_attention(q, k_cache, v_cache, packed, seq_lens, qsl, scale, out=outc),
         "fresh cache": lambda: paged_attention(fq, fk, fv, fbt, fresh_lens, fqsl, scale),
+        "spread table": lambda: paged_attention(q, k_cache, v_cache, spread, seq_lens, qsl, scale, out=outc),
     }
     timer = bench_graph if q.is_cuda else _host_ms
     print(f"{'inputs':14s} {'us':>8s}  bits")
     for name, fn in rows.items():
         got = fn()
-        same = "-" if name == "fresh cache" else ("same" if torch.equal(got, want) else "DIFFER")
+        same = "-" if name in ("fresh cache", "spread table") else ("same" if torch.equal(got, want) else "DIFFER")
         print(f"{name:14s} {timer(fn) * 1000:8.1f}  {same}", flush=True)
     if not q.is_cuda:
         return
@@ -144,12 +149,13 @@ def main():
     config = AutoConfig.from_pretrained(model)
     layers, vocab = [config.num_hidden_layers], min(config.vocab_size, 30000)
     llm = LLM(model, model_impl="vexact", load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
-              max_model_len=args.max_model_len, seed=7)  # fmt: skip
+              max_model_len=args.max_model_len, seed=7,
+              gpu_memory_utilization=0.8)  # fmt: skip
     lo, hi = (int(x) for x in args.prompt.split("-"))
     rng = random.Random(7)
     prompts = [{"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(rng.randint(lo, hi))]}
                for _ in range(args.requests)]  # fmt: skip
-    params = SamplingParams(max_tokens=args.steps + 4, ignore_eos=True, temperature=1.0, seed=7, detokenize=False)
+    params = SamplingParams(max_tokens=args.steps + 64, ignore_eos=True, temperature=1.0, seed=7, detokenize=False)
     llm.generate(prompts, params, use_tqdm=False)
     if not state["done"]:
         raise SystemExit(f"no decode step of {args.requests} requests reached step {args.steps}: nothing measured")
