@@ -17,7 +17,7 @@ decode) with the same BLOCK_M x BLOCK_N x HEAD_DIM dot shapes, num_warps and num
 head_dim, `_FWD_CONFIGS`), so the MMA shape never depends on the batch. The entry kernels differ only
 in where the K/V rows come from (packed rows vs block_table-resolved cache slots) and in which
 (token, head) pairs fill the BLOCK_M rows; rows of a dot are independent, so neither changes a row's
-bits. No split-KV: tiles 0..p // 64 are reduced in order by one program. A tile that lies entirely
+bits. No split-KV unless asked for (below): tiles 0..p // 64 are reduced in order by one program. A tile that lies entirely
 past a row's position (a neighbouring row in the same tile reaches further) is a bitwise no-op for
 that row: its scores are all -inf, so m' = m, alpha = exp2(0) = 1, e = 0 (and the K/V rows past the
 sequence are loaded as 0, so 0 * v = 0: no NaN from unused cache slots). Hence out(p, h) depends only
@@ -29,6 +29,22 @@ the launches disable FP contraction, so no compiler choice can differ between th
 Rows of a program's tile: row r holds token first + r // G, query head kv_head * G + r % G (the G
 query heads of one kv head share every K/V load). Decode (one query per sequence) fills G rows of a
 tile; the dot shape stays the same.
+
+Key splits (opt-in, VEXACT_KEY_SPLIT = C keys, a multiple of 64, the same on both sides;
+`dispatch.key_split`): a query at position p reduces its keys in chunks [jC, (j + 1)C), j = 0 ..
+p // C, each chunk by the loop above from a fresh state (m = -inf, l = 0, acc = 0), then folds the
+chunk states in order j = 1, 2, ... into chunk 0's (`_fold`):
+    M = max(m, m_j),  a = exp2(m - M),  b = exp2(m_j - M)
+    l = fma(l, a, l_j * b),  acc = acc * a + acc_j * b,  m = M
+and normalises as above. A row before key C keeps the unsplit bits (chunk 0 is the loop above). Every
+entry point gives the same bits: training and paged steps fold the chunks in one program
+(`_attend_rows`), a thin paged step (`split_decode`) runs each chunk as its own program, stores its
+state in fp32 and `_fold_kernel` folds them with the same `_fold`, row by row. Within a chunk the
+exponentials use 0 where the running max is still -inf (`_attend_tile(SAFE=True)`: a row may meet
+a chunk's first tile wholly masked in training tiles), which leaves a finite max's arithmetic as it
+is. A split lets a step of few long rows use every SM, as FlashAttention's split-KV does, with its
+boundaries anchored to key positions instead of chosen by the load. The shared-prompt groups and
+FA4 refuse it.
 
 The varlen path is differentiable (`_VarlenAttention`, backward in `attention_triton_bwd`:
 deterministic, no atomics). The paged path is CUDA-graph safe: its grid depends on T and B only and
@@ -46,6 +62,7 @@ from triton.language.standard import _elementwise_max, _sum_combine
 
 from ._autograd import backward_without_autocast
 from .attention import KEY_TILE
+from .dispatch import key_split
 
 _LOG2E = math.log2(math.e)
 
@@ -244,12 +261,16 @@ def _attend_tile(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    SAFE: tl.constexpr = False,  # key splits: a row may meet a chunk's first tile wholly masked
 ):
     """One step of the online softmax: key tile t (positions t * BLOCK_N ...) into (m_i, l_i, acc).
 
     MASKED = False skips the causal `where` and the load masks; it is used only where they would
     change nothing (every key of the tile is <= every row's position < seq_len), so an element's
-    arithmetic, and its bits, are the same in both variants.
+    arithmetic, and its bits, are the same in both variants. SAFE (key splits) exponentiates
+    against 0 where the running max is still -inf (a row that has met no key of its chunk yet), so
+    the state stays (-inf, 0, 0) instead of NaN; where the max is finite it is the max itself, the
+    same arithmetic as without SAFE.
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -283,8 +304,11 @@ def _attend_tile(
         s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
     # 3. Online softmax update (a tile past a row's position leaves that row's m, l, acc as is).
     m_new = tl.maximum(m_i, tl.reduce(s, 1, _elementwise_max) * qk_scale)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(tl.fma(s, qk_scale, -m_new[:, None]))
+    m_use = m_new
+    if SAFE:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(tl.fma(s, qk_scale, -m_use[:, None]))
     l_i = tl.fma(l_i, alpha, tl.reduce(p, 1, _sum_combine))
     acc = acc * alpha[:, None]
     acc = _dot(p.to(v.dtype), v, acc, PRECISION, DOT_FP32)
@@ -314,6 +338,7 @@ def _attend_rows(
     BLOCK_N: tl.constexpr,  # = KEY_TILE: sets which keys are summed together, anchored at 0
     PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32), default otherwise
     DOT_FP32: tl.constexpr,  # interpreter only (see `_dot`)
+    SPLIT_TILES: tl.constexpr = 0,  # key tiles per split (0: none; module docstring, "Key splits")
 ):
     """The per-tile attention shared by every entry point (module docstring: math and invariant).
 
@@ -326,13 +351,72 @@ def _attend_rows(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0, dtype=tl.float32)
     acc = tl.full([BLOCK_M, HEAD_DIM], 0, dtype=tl.float32)
-    m_i, l_i, acc = _attend_from(
-        0, m_i, l_i, acc, q, q_pos, min_pos, max_pos, seq_len, k_base, v_base, kv_row0, stride_k_row,
-        stride_v_row, block_table_row, stride_k_block, stride_v_block, qk_scale,
-        PAGED, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
-    )  # fmt: skip
+    if SPLIT_TILES == 0:
+        m_i, l_i, acc = _attend_from(
+            0, m_i, l_i, acc, q, q_pos, min_pos, max_pos, seq_len, k_base, v_base, kv_row0, stride_k_row,
+            stride_v_row, block_table_row, stride_k_block, stride_v_block, qk_scale,
+            PAGED, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
+        )  # fmt: skip
+    else:  # chunk 0, then each later chunk from a fresh state, folded in (module docstring)
+        last = max_pos // BLOCK_N + 1  # tiles 0 .. last - 1
+        m_i, l_i, acc = _attend_span(
+            0, tl.minimum(SPLIT_TILES, last), m_i, l_i, acc, q, q_pos, min_pos, seq_len, k_base, v_base,
+            kv_row0, stride_k_row, stride_v_row, block_table_row, stride_k_block, stride_v_block, qk_scale,
+            PAGED, PAGE, HEAD_DIM, BLOCK_N, PRECISION, DOT_FP32,
+        )  # fmt: skip
+        for j in range(1, (last + SPLIT_TILES - 1) // SPLIT_TILES):
+            m_j = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_j = tl.full([BLOCK_M], 0, dtype=tl.float32)
+            acc_j = tl.full([BLOCK_M, HEAD_DIM], 0, dtype=tl.float32)
+            m_j, l_j, acc_j = _attend_span(
+                j * SPLIT_TILES, tl.minimum((j + 1) * SPLIT_TILES, last), m_j, l_j, acc_j, q, q_pos, min_pos,
+                seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row, block_table_row, stride_k_block,
+                stride_v_block, qk_scale, PAGED, PAGE, HEAD_DIM, BLOCK_N, PRECISION, DOT_FP32,
+            )  # fmt: skip
+            m_i, l_i, acc = _fold(m_i, l_i, acc, m_j, l_j, acc_j, q_pos >= j * SPLIT_TILES * BLOCK_N)
     # 4. Normalise.
     return acc / l_i[:, None], m_i + tl.log2(l_i)
+
+
+@triton.jit
+def _attend_span(
+    t_lo, t_hi, m_i, l_i, acc, q, q_pos, min_pos, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
+    block_table_row, stride_k_block, stride_v_block, qk_scale, PAGED: tl.constexpr, PAGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """Key tiles t_lo .. t_hi - 1 into (m_i, l_i, acc), in order, SAFE (a key split's chunk): those
+    wholly at or below min_pos without masks, the rest with them, as `_attend_from` does."""
+    n_full = (min_pos + 1) // BLOCK_N
+    for t in range(t_lo, tl.minimum(t_hi, n_full)):
+        m_i, l_i, acc = _attend_tile(
+            t, q, q_pos, m_i, l_i, acc, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
+            block_table_row, stride_k_block, stride_v_block, qk_scale,
+            False, PAGED, PAGE, HEAD_DIM, BLOCK_N, PRECISION, DOT_FP32, True,
+        )  # fmt: skip
+    for t in range(tl.maximum(t_lo, n_full), t_hi):
+        m_i, l_i, acc = _attend_tile(
+            t, q, q_pos, m_i, l_i, acc, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
+            block_table_row, stride_k_block, stride_v_block, qk_scale,
+            True, PAGED, PAGE, HEAD_DIM, BLOCK_N, PRECISION, DOT_FP32, True,
+        )  # fmt: skip
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _fold(m_i, l_i, acc, m_j, l_j, acc_j, reach):
+    """The running state (m_i, l_i, acc) with a later chunk's (m_j, l_j, acc_j) folded in, on the rows
+    where `reach` (the row's position is in or past the chunk); the other rows keep their state
+    untouched. `_fold_kernel` folds a decode's partials with this same routine."""
+    m_new = tl.maximum(m_i, m_j)
+    a = tl.exp2(m_i - m_new)
+    b = tl.exp2(m_j - m_new)
+    l_new = tl.fma(l_i, a, l_j * b)
+    acc_new = acc * a[:, None] + acc_j * b[:, None]
+    return (
+        tl.where(reach, m_new, m_i),
+        tl.where(reach, l_new, l_i),
+        tl.where(reach[:, None], acc_new, acc),
+    )
 
 
 @triton.jit
@@ -408,6 +492,7 @@ def _varlen_fwd_kernel(
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
     STORE_LSE: tl.constexpr,  # training keeps the log-sum-exp for the backward
+    SPLIT_TILES: tl.constexpr = 0,  # key tiles per split (0: none)
 ):
     """Training entry: packed sequences (cu_seqlens); program (tile, kv head) -> BLOCK_M rows."""
     TOKENS: tl.constexpr = BLOCK_M // GROUP
@@ -449,6 +534,7 @@ def _varlen_fwd_kernel(
         BLOCK_N,
         PRECISION,
         DOT_FP32,
+        SPLIT_TILES,
     )
     o_ptrs = o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
@@ -495,6 +581,13 @@ def _paged_fwd_kernel(
     ws_ml_ptr=None,  # SHARED: fp32 [B, Hq, 2], their running max and sum
     stride_wt=0,  # SHARED: ws_acc's sequence stride (Hq * HEAD_DIM)
     stride_mt=0,  # SHARED: ws_ml's sequence stride (Hq * 2)
+    SPLIT_TILES: tl.constexpr = 0,  # key tiles per split (0: none)
+    PARTIAL: tl.constexpr = False,  # split decode: program (tile, kv head, chunk) -> that chunk's state
+    part_acc_ptr=None,  # PARTIAL: fp32 [T, Hq, chunks, HEAD_DIM], each chunk's unnormalised accumulator
+    part_ml_ptr=None,  # PARTIAL: fp32 [T, Hq, chunks, 2], its max and sum
+    part_n_ptr=None,  # PARTIAL: int32 [T], chunks of each token's row (zeroed by the caller)
+    stride_pt=0,  # PARTIAL: entries a token (Hq * chunks): entry (t, h, j) = t * stride_pt + h * chunks + j
+    CHUNKS: tl.constexpr = 1,  # PARTIAL: the chunk axis of the workspaces
 ):
     """Inference entry: the new queries of each sequence (its last q_len positions) over the paged
     cache; program (tile, kv head) -> BLOCK_M rows, as in training. The programs take the tiles last
@@ -529,6 +622,14 @@ def _paged_fwd_kernel(
         mask=valid[:, None],
         other=0.0,
     )
+    if PARTIAL:
+        _partial_rows(
+            q, q_pos, pos0, max_pos, seq_len, token, head, valid, k_ptr + kv_head * stride_kh,
+            v_ptr + kv_head * stride_vh, stride_ks, stride_vs, block_table_ptr + b.to(tl.int64) * stride_bt,
+            stride_kb, stride_vb, qk_scale, part_acc_ptr, part_ml_ptr, part_n_ptr, stride_pt,
+            SPLIT_TILES, CHUNKS, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
+        )  # fmt: skip
+        return
     if SHARED:
         out = _resume_rows(
             q, q_pos, pos0, max_pos, seq_len, head, valid, b, resume_ptr, ws_acc_ptr, ws_ml_ptr,
@@ -540,7 +641,7 @@ def _paged_fwd_kernel(
         out = _attend_paged(
             q, q_pos, pos0, max_pos, seq_len, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh,
             stride_ks, stride_vs, block_table_ptr + b.to(tl.int64) * stride_bt, stride_kb, stride_vb, qk_scale,
-            PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
+            PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32, SPLIT_TILES,
         )  # fmt: skip
     o_ptrs = o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
@@ -550,7 +651,7 @@ def _paged_fwd_kernel(
 def _attend_paged(
     q, q_pos, pos0, max_pos, seq_len, k_base, v_base, stride_ks, stride_vs, block_table_row, stride_kb,
     stride_vb, qk_scale, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT_TILES: tl.constexpr = 0,
 ):  # fmt: skip
     """A paged tile's rows from key tile 0: `_attend_rows` normalised."""
     out, _ = _attend_rows(
@@ -575,8 +676,70 @@ def _attend_paged(
         BLOCK_N,
         PRECISION,
         DOT_FP32,
+        SPLIT_TILES,
     )
     return out
+
+
+@triton.jit
+def _partial_rows(
+    q, q_pos, pos0, max_pos, seq_len, token, head, valid, k_base, v_base, stride_ks, stride_vs, block_table_row,
+    stride_kb, stride_vb, qk_scale, part_acc_ptr, part_ml_ptr, part_n_ptr, stride_pt, SPLIT_TILES: tl.constexpr,
+    CHUNKS: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """Split decode: this program's chunk (program_id 2) of its rows' keys, from a fresh state, as
+    `_attend_rows` computes each chunk, stored unnormalised for `_fold_kernel` (rows whose position
+    the chunk does not reach store nothing). Chunk 0's programs also store each row's chunk count."""
+    j = tl.program_id(2)
+    last = max_pos // BLOCK_N + 1
+    if j * SPLIT_TILES >= last:
+        return
+    m_j = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_j = tl.full([BLOCK_M], 0, dtype=tl.float32)
+    acc_j = tl.full([BLOCK_M, HEAD_DIM], 0, dtype=tl.float32)
+    m_j, l_j, acc_j = _attend_span(
+        j * SPLIT_TILES, tl.minimum((j + 1) * SPLIT_TILES, last), m_j, l_j, acc_j, q, q_pos, pos0, seq_len,
+        k_base, v_base, 0, stride_ks, stride_vs, block_table_row, stride_kb, stride_vb, qk_scale,
+        True, PAGE, HEAD_DIM, BLOCK_N, PRECISION, DOT_FP32,
+    )  # fmt: skip
+    stored = valid & (q_pos >= j * SPLIT_TILES * BLOCK_N)
+    part = token.to(tl.int64) * stride_pt + (head * CHUNKS + j).to(tl.int64)  # the (token, head, chunk) entry
+    offs_d = tl.arange(0, HEAD_DIM)
+    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc_j, mask=stored[:, None])
+    tl.store(part_ml_ptr + part * 2, m_j, mask=stored)
+    tl.store(part_ml_ptr + part * 2 + 1, l_j, mask=stored)
+    if j == 0:  # each of the token's G rows stores the same count
+        tl.store(part_n_ptr + token, q_pos // (SPLIT_TILES * BLOCK_N) + 1, mask=valid)
+
+
+@triton.jit
+def _fold_kernel(
+    part_acc_ptr, part_ml_ptr, part_n_ptr, o_ptr, stride_pt, stride_ot, stride_oh,
+    CHUNKS: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """Split decode's second launch: program (token, head) folds the row's chunk states 0, 1, ... in
+    order with `_fold` (the routine `_attend_rows` folds with, on one row) and normalises."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    n = tl.load(part_n_ptr + token)
+    if n == 0:  # a padding token: no sequence's row
+        return
+    offs_d = tl.arange(0, HEAD_DIM)
+    one = tl.arange(0, 1)  # [1]: the row as a one-row tile, the shapes `_fold` takes
+    part = token * stride_pt + (head * CHUNKS).to(tl.int64)  # chunk 0's (token, head, chunk) entry
+    m_i = tl.load(part_ml_ptr + part * 2 + one)
+    l_i = tl.load(part_ml_ptr + part * 2 + 1 + one)
+    acc = tl.load(part_acc_ptr + part * HEAD_DIM + offs_d)[None, :]
+    reach = one == 0
+    for j in range(1, n):
+        m_j = tl.load(part_ml_ptr + (part + j) * 2 + one)
+        l_j = tl.load(part_ml_ptr + (part + j) * 2 + 1 + one)
+        acc_j = tl.load(part_acc_ptr + (part + j) * HEAD_DIM + offs_d)[None, :]
+        m_i, l_i, acc = _fold(m_i, l_i, acc, m_j, l_j, acc_j, reach)
+    out = acc / l_i[:, None]
+    o_ptrs = o_ptr + token * stride_ot + head * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -693,7 +856,7 @@ def _varlen_forward(q, k, v, cu_seqlens, scale, store_lse):
         out.stride(0), out.stride(1), lse.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=KEY_TILE,
         PRECISION=_precision(q.dtype), DOT_FP32=_interpreted(), STORE_LSE=store_lse, enable_fp_fusion=False,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, SPLIT_TILES=key_split() // KEY_TILE,
     )  # fmt: skip
     return out, lse
 
@@ -760,6 +923,20 @@ def paged_attention(
     order, order_start = schedule if schedule is not None else (seq_lens, start_loc)  # unread when None
     grid = (n_kv, n_tiles) if _PAGED_HEADS_FAST else (n_tiles, n_kv)
     resume = dict(SHARED=False)
+    split_tiles = key_split() // KEY_TILE
+    if split_tiles and shared is not None:
+        raise ValueError(
+            "VEXACT_KEY_SPLIT does not take the shared-prompt groups (their prefix state runs across the "
+            "splits): unset VEXACT_SHARED_PREFIX with it"
+        )
+    chunks = -(-block_table.shape[1] * k_cache.shape[1] // (split_tiles * KEY_TILE)) if split_tiles else 1
+    if split_tiles and chunks > 1 and split_decode(n_tokens, n_tiles * n_kv, thin_sms):
+        _split_decode(q, k_cache, v_cache, out, block_table, seq_lens, start_loc, n_seqs, scale, grid, chunks,
+                      dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=KEY_TILE, PAGE=k_cache.shape[1],
+                           PRECISION=_precision(q.dtype), DOT_FP32=_interpreted(), ORDERED=False,
+                           HEADS_FAST=_PAGED_HEADS_FAST, enable_fp_fusion=False, num_warps=num_warps,
+                           num_stages=num_stages, SPLIT_TILES=split_tiles))  # fmt: skip
+        return out
     if shared is not None:
         if shared.max_members * group > block_m:
             raise ValueError(
@@ -781,9 +958,46 @@ def paged_attention(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=KEY_TILE, PAGE=k_cache.shape[1],
         PRECISION=_precision(q.dtype), DOT_FP32=_interpreted(), ORDERED=schedule is not None,
         HEADS_FAST=_PAGED_HEADS_FAST, enable_fp_fusion=False, num_warps=num_warps, num_stages=num_stages,
-        **resume,
+        SPLIT_TILES=split_tiles, **resume,
     )  # fmt: skip
     return out
+
+
+# Split decode (VEXACT_KEY_SPLIT): a step of at most this many query tokens whose programs fill at
+# most this share of the SMs' program slots runs each key chunk as its own program and folds the
+# chunks in a second launch; others fold in one program. Same bits either way (speed only).
+_SPLIT_MAX_TOKENS = 256
+_SPLIT_MAX_PROGRAMS_PER_SM = 1
+
+
+def split_decode(n_tokens: int, programs: int, sms: int | None) -> bool:
+    """Whether a split paged launch runs its chunks as separate programs: few tokens, few programs
+    (a thin decode step, whose long rows would otherwise each keep one SM busy alone). Shapes only,
+    so a CUDA graph's capture and replays agree. In the interpreter (sms None) every eligible step
+    splits, so the tests cover both launches."""
+    if n_tokens > _SPLIT_MAX_TOKENS:
+        return False
+    return sms is None or programs <= _SPLIT_MAX_PROGRAMS_PER_SM * sms
+
+
+def _split_decode(q, k_cache, v_cache, out, block_table, seq_lens, start_loc, n_seqs, scale, grid, chunks, meta):
+    """The chunks of each row as separate programs (fp32 workspaces), then `_fold_kernel`."""
+    n_tokens, n_heads, head_dim = q.shape
+    part_acc = torch.empty((n_tokens, n_heads, chunks, head_dim), dtype=torch.float32, device=q.device)
+    part_ml = torch.empty((n_tokens, n_heads, chunks, 2), dtype=torch.float32, device=q.device)
+    part_n = torch.zeros(n_tokens, dtype=torch.int32, device=q.device)
+    _paged_fwd_kernel[(*grid, chunks)](
+        q, k_cache, v_cache, out, block_table, seq_lens, start_loc, seq_lens, start_loc, n_seqs, scale * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
+        PARTIAL=True, part_acc_ptr=part_acc, part_ml_ptr=part_ml, part_n_ptr=part_n, stride_pt=n_heads * chunks,
+        CHUNKS=chunks, **meta,
+    )  # fmt: skip
+    _fold_kernel[(n_tokens, n_heads)](
+        part_acc, part_ml, part_n, out, n_heads * chunks, out.stride(0), out.stride(1),
+        CHUNKS=chunks, HEAD_DIM=head_dim, enable_fp_fusion=False,
+    )  # fmt: skip
 
 
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):

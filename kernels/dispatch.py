@@ -82,3 +82,28 @@ def attention_backend_for(tensor: torch.Tensor) -> str:
     choice, with VEXACT_ATTENTION picking among the CUDA attention kernels (read at each call)."""
     backend = backend_for(tensor)
     return backend if backend == "torch" else cuda_attention_backend()
+
+
+def key_split() -> int:
+    """VEXACT_KEY_SPLIT: keys per split of the Triton attention's reduction (0 or unset: no split).
+
+    A positive value C (a multiple of 64, the key tile) reduces each query's keys in chunks of C
+    anchored at key 0, folded in order (kernels/attention_triton.py, "Key splits"). It changes the
+    bits of every query past position C on the CUDA Triton path, the trainer's and the rollout's
+    alike, so both must set the same value; the torch (CPU) path and FA4 take no split."""
+    text = os.environ.get("VEXACT_KEY_SPLIT", "") or "0"
+    try:
+        keys = int(text)
+    except ValueError:
+        keys = -1
+    if keys < 0 or keys % 64:
+        raise ValueError(
+            f"VEXACT_KEY_SPLIT must be 0 (no split) or a positive multiple of 64 keys (the attention's key "
+            f"tile), the same on the trainer and the rollout, got {text!r}"
+        )
+    if keys and cuda_attention_backend() == "fa4":
+        raise ValueError(
+            "VEXACT_KEY_SPLIT splits the Triton attention's keys; VEXACT_ATTENTION=fa4 runs FlashAttention-4, "
+            "which takes no split: unset one of them"
+        )
+    return keys

@@ -72,3 +72,10 @@ def test_check_refuses_an_unknown_attention_before_generating(tmp_path, monkeypa
     monkeypatch.setenv("VEXACT_ATTENTION", "flash3")
     with pytest.raises(SystemExit, match="VEXACT_ATTENTION must be one of triton, fa4"):
         main(["check", "--model", str(tmp_path)])
+
+
+def test_check_refuses_a_bad_key_split_before_generating(tmp_path, monkeypatch):
+    """VEXACT_KEY_SPLIT is read by both sides too: a bad value stops the check before any engine starts."""
+    monkeypatch.setenv("VEXACT_KEY_SPLIT", "100")
+    with pytest.raises(SystemExit, match=r"VEXACT_KEY_SPLIT must be 0 \(no split\) or a positive multiple of 64 keys"):
+        main(["check", "--model", str(tmp_path)])

@@ -65,6 +65,9 @@ CONFIGS = {
     "vexact-shared-prefix": {"model_impl": "vexact", "env": {"VEXACT_SHARED_PREFIX": "1"}},
     # Another attention (other bits: the trainer must run it too), on SM90 with flash-attn-4 installed.
     "vexact-fa4": {"model_impl": "vexact", "env": {"VEXACT_ATTENTION": "fa4"}},
+    # Key splits every 1,024 / 2,048 keys (other bits past the first split: the trainer must split too).
+    "vexact-split1024": {"model_impl": "vexact", "env": {"VEXACT_KEY_SPLIT": "1024"}},
+    "vexact-split2048": {"model_impl": "vexact", "env": {"VEXACT_KEY_SPLIT": "2048"}},
 }
 DEFAULT_CONFIGS = ("stock", "stock-batch-invariant", "vexact")
 

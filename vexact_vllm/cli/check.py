@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from vexact_vllm.kernels.dispatch import cuda_attention_backend
+from vexact_vllm.kernels.dispatch import cuda_attention_backend, key_split
 
 from .args import existing_file, micro_batches, positive_int, temperature
 from .report import Row, to_json, to_table, verdict
@@ -159,20 +159,23 @@ def run_check(args) -> int:
         from .plot import require_matplotlib
 
         require_matplotlib()  # before minutes of generation, not after
-    try:  # checked before minutes of generation; both sides read it
+    try:  # checked before minutes of generation; both sides read them
         attention = cuda_attention_backend()
+        split = key_split()
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
     with diagnostics_to_stderr():
         rows, model_path, n_prompts, note = _run(args)
     meta = {"model": model_path, "prompts": n_prompts, "max_tokens": args.max_tokens,
             "temperature": args.temperature, "seed": args.seed, "tensor_parallel_size": args.tensor_parallel_size,
-            "cuda_attention": attention}
+            "cuda_attention": attention, "key_split": split}
     if note:
         meta["bisect"] = note
     report = to_json(rows, meta) if args.json else to_table(rows) + (f"\n{note}" if note else "")
     if not args.json and attention != "triton":
         report += f"\nattention on CUDA: {attention} (VEXACT_ATTENTION), on the trainer and the rollout"
+    if not args.json and split:
+        report += f"\nattention keys split every {split} (VEXACT_KEY_SPLIT), on the trainer and the rollout"
     print(report, flush=True)
     if args.output:
         Path(args.output).write_text(report + "\n")

@@ -1,0 +1,169 @@
+"""Key splits of the Triton attention (VEXACT_KEY_SPLIT, kernels/attention_triton.py "Key splits"):
+training (one program folds the chunks), paged steps that fold in one program and split decode
+(a program per chunk, then `_fold_kernel`) give every query row the same bits; rows before the
+first split keep the unsplit bits; the values stay accurate; bad settings are refused."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.kernels.test_attention_triton import (
+    TOL,
+    _check_invariance,
+    _mixed_steps,
+    _packed,
+    _reference,
+)
+
+pytest.importorskip("triton")
+
+LENS = (1, 63, 64, 65, 130, 200)  # rows in 1 to 4 chunks of 64 keys
+
+
+@pytest.fixture
+def split(interpreted_attention, monkeypatch):
+    """The interpreted module with 64-key splits, split decode only for steps of <= 40 tokens (so the
+    whole-prompt and 64-token steps fold in one program and the shorter ones split)."""
+    monkeypatch.setenv("VEXACT_KEY_SPLIT", "64")
+    monkeypatch.setattr(interpreted_attention, "_SPLIT_MAX_TOKENS", 40)
+    return interpreted_attention
+
+
+def test_split_paged_equals_varlen_interpreted(split):
+    """GQA 4/2, bf16, pages of 16: whole prefill, chunks of 64 and 9, every position decoded."""
+    _check_invariance(split, LENS, 4, 2, 16, 16, torch.bfloat16, chunks=(max(LENS), 64, 9, 1))
+
+
+def test_split_mixed_steps_interpreted(split):
+    """Steps mixing decodes, prefill chunks and fresh prompts, MHA fp32, pages of 32."""
+    q, k, v, cu = _packed(LENS, 2, 2, 16, torch.float32)
+    scale = 1 / math.sqrt(16)
+    train = split.varlen_attention(q, k, v, cu, scale)
+    assert torch.equal(_mixed_steps(split, q, k, v, cu, 32, scale), train)
+
+
+def test_split_keeps_short_rows_and_stays_accurate(interpreted_attention, monkeypatch):
+    """Rows before key 64 have the unsplit bits; later rows go through the fold (some bits differ)
+    and match an fp64 reference to bf16 rounding."""
+    q, k, v, cu = _packed(LENS, 4, 2, 16, torch.bfloat16)
+    scale = 1 / math.sqrt(16)
+    plain = interpreted_attention.varlen_attention(q, k, v, cu, scale)
+    monkeypatch.setenv("VEXACT_KEY_SPLIT", "64")
+    split = interpreted_attention.varlen_attention(q, k, v, cu, scale)
+    pos = torch.cat([torch.arange(n) for n in LENS])
+    assert torch.equal(split[pos < 64], plain[pos < 64])
+    assert not torch.equal(split[pos >= 64], plain[pos >= 64])
+    torch.testing.assert_close(split.double(), _reference(q, k, v, cu, scale), atol=TOL[torch.bfloat16], rtol=0)
+
+
+def test_split_gradients_interpreted(interpreted_attention, monkeypatch):
+    """The backward reads the folded log-sum-exp: gradients match the fp64 reference's."""
+    monkeypatch.setenv("VEXACT_KEY_SPLIT", "64")
+    q, k, v, cu = _packed((70, 150), 2, 1, 16, torch.float32)
+    scale = 1 / math.sqrt(16)
+    g = torch.randn_like(q)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = torch.autograd.grad(interpreted_attention.varlen_attention(*leaves, cu, scale), leaves, g)
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(_reference(*ref_leaves, cu, scale), ref_leaves, g.double())
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.double(), b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("value", ["-64", "100", "abc", "64.0"])
+def test_bad_split_refused(monkeypatch, value):
+    from vexact_vllm.kernels.dispatch import key_split
+
+    monkeypatch.setenv("VEXACT_KEY_SPLIT", value)
+    with pytest.raises(ValueError, match="VEXACT_KEY_SPLIT must be 0"):
+        key_split()
+
+
+def test_split_refused_with_fa4_and_groups(interpreted_attention, monkeypatch):
+    from vexact_vllm.kernels import SharedPrefix
+    from vexact_vllm.kernels.dispatch import key_split
+
+    monkeypatch.setenv("VEXACT_KEY_SPLIT", "1024")
+    assert key_split() == 1024
+    monkeypatch.setenv("VEXACT_ATTENTION", "fa4")
+    with pytest.raises(ValueError, match="VEXACT_ATTENTION=fa4"):
+        key_split()
+    monkeypatch.delenv("VEXACT_ATTENTION")
+    q = torch.randn(2, 4, 16)
+    cache = torch.randn(4, 16, 2, 16)
+    one = torch.zeros(2, dtype=torch.int32)
+    shared = SharedPrefix(one, one, one, one, torch.zeros(1, dtype=torch.int32), 2)
+    with pytest.raises(ValueError, match="shared-prompt groups"):
+        interpreted_attention.paged_attention(
+            q, cache, cache, torch.zeros(2, 1, dtype=torch.int32), torch.tensor([3, 5], dtype=torch.int32),
+            torch.tensor([0, 1, 2], dtype=torch.int32), 0.25, shared=shared,
+        )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- CUDA (the GPU host)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("keys,head_dim,n_heads,n_kv", [(256, 128, 32, 8), (1024, 128, 16, 8), (128, 64, 8, 2)])
+def test_split_paged_equals_varlen_cuda(monkeypatch, keys, head_dim, n_heads, n_kv):
+    """Compiled kernels, random lengths up to 3,000 keys: every entry point (whole prefill, chunks,
+    split decode of every position) gives the training bits; rows before the split keep the unsplit
+    bits."""
+    from tests.kernels.test_attention_triton import CUDA_LENS
+    from vexact_vllm.kernels import attention_triton as compiled
+
+    extra = torch.randint(keys, 3000, (3,), generator=torch.Generator().manual_seed(keys)).tolist()
+    lens = (*CUDA_LENS, *extra)
+    q, k, v, cu = _packed(lens, n_heads, n_kv, head_dim, torch.bfloat16, device="cuda")
+    scale = 1 / math.sqrt(head_dim)
+    plain = compiled.varlen_attention(q, k, v, cu, scale)
+    monkeypatch.setenv("VEXACT_KEY_SPLIT", str(keys))
+    _, _, _, _, _, train = _check_invariance(
+        compiled, lens, n_heads, n_kv, head_dim, 16, torch.bfloat16, chunks=(max(lens), 300, 1), device="cuda"
+    )  # the decode steps (few rows) split; the others fold in one program
+    pos = torch.cat([torch.arange(n) for n in lens]).cuda()
+    assert torch.equal(train[pos < keys], plain[pos < keys])
+    assert torch.equal(_mixed_steps(compiled, q, k, v, cu, 16, scale), train)
+    torch.testing.assert_close(train.double(), _reference(q, k, v, cu, scale), atol=TOL[torch.bfloat16], rtol=0)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_split_decode_in_a_cuda_graph(monkeypatch):
+    """A split decode step captured once and replayed with longer sequences: the training bits."""
+    from tests.kernels.test_attention_triton import _Engine
+    from vexact_vllm.kernels import attention_triton as compiled
+    from vexact_vllm.kernels._capture import gc_paused
+
+    monkeypatch.setenv("VEXACT_KEY_SPLIT", "256")
+    lens = (1500, 40, 700)
+    q, k, v, cu = _packed(lens, 16, 8, 128, torch.bfloat16, device="cuda")
+    train = compiled.varlen_attention(q, k, v, cu, 0.1)
+    engine = _Engine(compiled, k, v, cu, 16)
+    engine.step(q, {b: (0, n - 1) for b, n in enumerate(lens)}, 0.1)  # all but the last token
+    last = [cu[b + 1].item() - 1 for b in range(3)]
+    qs = torch.zeros(3, 16, 128, dtype=q.dtype, device="cuda")
+    seq_lens = torch.ones(3, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(4, dtype=torch.int32, device="cuda")
+
+    def run():
+        return compiled.paged_attention(qs, engine.k_cache, engine.v_cache, engine.block_table, seq_lens, qsl, 0.1)
+
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with gc_paused(), torch.cuda.graph(graph):
+        out = run()
+    pos = torch.tensor([n - 1 for n in lens])
+    slots = (engine._table_cpu[torch.arange(3), pos // 16].long() * 16 + pos % 16).cuda()
+    compiled.write_kv_cache(k[last], v[last], engine.k_cache, engine.v_cache, slots)
+    qs.copy_(q[last])
+    seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+    graph.replay()
+    assert torch.equal(out, train[last])
