@@ -10,6 +10,7 @@ is left in L2 from the previous call. --vllm-layout stores K and V as views of o
 lengths spread evenly over 2,200-5,200 keys (the 8B `long:16` profile's decode), beside uniform steps
 at their mean and at their longest. --fa4 adds FlashAttention-4's time on each step
 (VEXACT_ATTENTION=fa4, one torch.cuda.graph capture replayed); it needs flash-attn-4 on an SM90 GPU.
+With VEXACT_KEY_SPLIT set, our kernel's columns are the split launches (FA4 runs unsplit).
 
 Shapes: Qwen3-1.7B (16 query heads, 8 kv heads) and Qwen3-8B (32, 8), head dim 128, pages of 16 on a
 shuffled block table, every sequence at the same context.
@@ -58,11 +59,14 @@ def _row(hq, hkv, batch, context, depths, lengths=None, fa4=False, layers=1, vll
     own = run()
     times, same = {"own": bench_graph(run) / layers}, True
     if fa4:
+        split = os.environ.pop("VEXACT_KEY_SPLIT", None)  # FA4 takes no split: timed without it
         os.environ["VEXACT_ATTENTION"] = "fa4"
         try:
             times["fa4"] = bench_one_capture(run) / layers  # one capture: see bench_one_capture
         finally:
             os.environ.pop("VEXACT_ATTENTION")
+            if split is not None:
+                os.environ["VEXACT_KEY_SPLIT"] = split
     for stages in depths:
         attention_triton._PAGED_STAGES[D] = stages
         try:

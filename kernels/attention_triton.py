@@ -916,13 +916,6 @@ def paged_attention(
         return out
     n_tiles = tile_count(n_tokens, n_seqs, block_m // group)
     thin_sms = _thin_sms(q.device.index) if q.is_cuda else None
-    num_stages = paged_stages(head_dim, n_tiles * n_kv, thin_sms, shared is not None, num_stages)
-    block_table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
-    seq_lens = seq_lens.to(torch.int32)
-    start_loc = query_start_loc.to(torch.int32)
-    order, order_start = schedule if schedule is not None else (seq_lens, start_loc)  # unread when None
-    grid = (n_kv, n_tiles) if _PAGED_HEADS_FAST else (n_tiles, n_kv)
-    resume = dict(SHARED=False)
     split_tiles = key_split() // KEY_TILE
     if split_tiles and shared is not None:
         raise ValueError(
@@ -930,7 +923,16 @@ def paged_attention(
             "splits): unset VEXACT_SHARED_PREFIX with it"
         )
     chunks = -(-block_table.shape[1] * k_cache.shape[1] // (split_tiles * KEY_TILE)) if split_tiles else 1
-    if split_tiles and chunks > 1 and split_decode(n_tokens, n_tiles * n_kv, thin_sms):
+    split = chunks > 1 and split_decode(n_tokens, n_tiles * n_kv, thin_sms)
+    programs = n_tiles * n_kv * (chunks if split else 1)  # a split launch's grid, most of it exiting at once
+    num_stages = paged_stages(head_dim, programs, thin_sms, shared is not None, num_stages)
+    block_table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
+    seq_lens = seq_lens.to(torch.int32)
+    start_loc = query_start_loc.to(torch.int32)
+    order, order_start = schedule if schedule is not None else (seq_lens, start_loc)  # unread when None
+    grid = (n_kv, n_tiles) if _PAGED_HEADS_FAST else (n_tiles, n_kv)
+    resume = dict(SHARED=False)
+    if split:
         _split_decode(q, k_cache, v_cache, out, block_table, seq_lens, start_loc, n_seqs, scale, grid, chunks,
                       dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=KEY_TILE, PAGE=k_cache.shape[1],
                            PRECISION=_precision(q.dtype), DOT_FP32=_interpreted(), ORDERED=False,

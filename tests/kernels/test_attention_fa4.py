@@ -63,6 +63,10 @@ def test_fa4_refuses_what_it_cannot_keep(monkeypatch):
         with pytest.raises(ValueError, match=f"head_dim {head_dim}"):
             fa4.check_usable(types.SimpleNamespace(device=torch.device("cuda", 0), dtype=q.dtype, shape=(4, 2, head_dim)))
     fa4.check_usable(types.SimpleNamespace(device=torch.device("cuda", 0), dtype=q.dtype, shape=(4, 2, 128)))
+    monkeypatch.setenv("VEXACT_ATTENTION", "fa4")
+    monkeypatch.setenv("VEXACT_KEY_SPLIT", "1024")  # the Triton attention's split: refused, never ignored
+    with pytest.raises(ValueError, match="which takes no split"):
+        fa4.check_usable(types.SimpleNamespace(device=torch.device("cuda", 0), dtype=q.dtype, shape=(4, 2, 128)))
 
 
 def test_fa4_refuses_shared_prompt_groups(monkeypatch):
