@@ -37,6 +37,26 @@ def test_split_paged_equals_varlen_interpreted(split):
     _check_invariance(split, LENS, 4, 2, 16, 16, torch.bfloat16, chunks=(max(LENS), 64, 9, 1))
 
 
+@pytest.mark.parametrize("seed", [11, 12])
+def test_split_random_shapes_interpreted(interpreted_attention, monkeypatch, seed):
+    """Random lengths, heads, GQA, head size, page size, split size and dtype: every paged step
+    (whole prompt, random chunks, decode) gives the training bits."""
+    rng = torch.Generator().manual_seed(seed)
+
+    def pick(*options):
+        return options[int(torch.randint(len(options), (1,), generator=rng))]
+
+    keys, n_kv, group, head_dim = pick(64, 128), pick(1, 2), pick(1, 2, 4), pick(16, 32)
+    monkeypatch.setenv("VEXACT_KEY_SPLIT", str(keys))
+    monkeypatch.setattr(interpreted_attention, "_SPLIT_MAX_TOKENS", int(torch.randint(1, 60, (1,), generator=rng)))
+    lens = torch.randint(1, 230, (int(torch.randint(2, 5, (1,), generator=rng)),), generator=rng).tolist()
+    chunk = int(torch.randint(2, 40, (1,), generator=rng))
+    _check_invariance(
+        interpreted_attention, lens, n_kv * group, n_kv, head_dim, pick(16, 32), pick(torch.bfloat16, torch.float32),
+        chunks=(max(lens), chunk, 1),
+    )  # fmt: skip
+
+
 def test_split_mixed_steps_interpreted(split):
     """Steps mixing decodes, prefill chunks and fresh prompts, MHA fp32, pages of 32."""
     q, k, v, cu = _packed(LENS, 2, 2, 16, torch.float32)
