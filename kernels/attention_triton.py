@@ -715,31 +715,31 @@ def _partial_rows(
 
 @triton.jit
 def _fold_kernel(
-    part_acc_ptr, part_ml_ptr, part_n_ptr, o_ptr, stride_pt, stride_ot, stride_oh,
-    CHUNKS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    part_acc_ptr, part_ml_ptr, part_n_ptr, o_ptr, stride_pt, stride_ot, stride_oh, n_heads,
+    CHUNKS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS: tl.constexpr,
 ):  # fmt: skip
-    """Split decode's second launch: program (token, head) folds the row's chunk states 0, 1, ... in
-    order with `_fold` (the routine `_attend_rows` folds with, on one row) and normalises."""
+    """Split decode's second launch: program (token) folds each of its heads' chunk states 0, 1, ...
+    in order with `_fold` (the routine `_attend_rows` folds with; a head is a row of the [HEADS,
+    HEAD_DIM] tile, HEADS = n_heads rounded up to a power of two) and normalises."""
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
     n = tl.load(part_n_ptr + token)
     if n == 0:  # a padding token: no sequence's row
         return
     offs_d = tl.arange(0, HEAD_DIM)
-    one = tl.arange(0, 1)  # [1]: the row as a one-row tile, the shapes `_fold` takes
-    part = token * stride_pt + (head * CHUNKS).to(tl.int64)  # chunk 0's (token, head, chunk) entry
-    m_i = tl.load(part_ml_ptr + part * 2 + one)
-    l_i = tl.load(part_ml_ptr + part * 2 + 1 + one)
-    acc = tl.load(part_acc_ptr + part * HEAD_DIM + offs_d)[None, :]
-    reach = one == 0
+    heads = tl.arange(0, HEADS)
+    real = heads < n_heads
+    part = token * stride_pt + (heads * CHUNKS).to(tl.int64)  # chunk 0's (token, head, chunk) entries
+    m_i = tl.load(part_ml_ptr + part * 2, mask=real, other=0.0)
+    l_i = tl.load(part_ml_ptr + part * 2 + 1, mask=real, other=1.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=real[:, None], other=0.0)
     for j in range(1, n):
-        m_j = tl.load(part_ml_ptr + (part + j) * 2 + one)
-        l_j = tl.load(part_ml_ptr + (part + j) * 2 + 1 + one)
-        acc_j = tl.load(part_acc_ptr + (part + j) * HEAD_DIM + offs_d)[None, :]
-        m_i, l_i, acc = _fold(m_i, l_i, acc, m_j, l_j, acc_j, reach)
+        m_j = tl.load(part_ml_ptr + (part + j) * 2, mask=real, other=0.0)
+        l_j = tl.load(part_ml_ptr + (part + j) * 2 + 1, mask=real, other=1.0)
+        acc_j = tl.load(part_acc_ptr + (part + j)[:, None] * HEAD_DIM + offs_d[None, :], mask=real[:, None], other=0.0)
+        m_i, l_i, acc = _fold(m_i, l_i, acc, m_j, l_j, acc_j, real)
     out = acc / l_i[:, None]
-    o_ptrs = o_ptr + token * stride_ot + head * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty))
+    o_ptrs = o_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=real[:, None])
 
 
 @triton.jit
@@ -996,9 +996,9 @@ def _split_decode(q, k_cache, v_cache, out, block_table, seq_lens, start_loc, n_
         PARTIAL=True, part_acc_ptr=part_acc, part_ml_ptr=part_ml, part_n_ptr=part_n, stride_pt=n_heads * chunks,
         CHUNKS=chunks, **meta,
     )  # fmt: skip
-    _fold_kernel[(n_tokens, n_heads)](
-        part_acc, part_ml, part_n, out, n_heads * chunks, out.stride(0), out.stride(1),
-        CHUNKS=chunks, HEAD_DIM=head_dim, enable_fp_fusion=False,
+    _fold_kernel[(n_tokens,)](
+        part_acc, part_ml, part_n, out, n_heads * chunks, out.stride(0), out.stride(1), n_heads,
+        CHUNKS=chunks, HEAD_DIM=head_dim, HEADS=triton.next_power_of_2(n_heads), enable_fp_fusion=False,
     )  # fmt: skip
 
 

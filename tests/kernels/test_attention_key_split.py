@@ -46,7 +46,7 @@ def test_split_random_shapes_interpreted(interpreted_attention, monkeypatch, see
     def pick(*options):
         return options[int(torch.randint(len(options), (1,), generator=rng))]
 
-    keys, n_kv, group, head_dim = pick(64, 128), pick(1, 2), pick(1, 2, 4), pick(16, 32)
+    keys, n_kv, group, head_dim = pick(64, 128), pick(1, 2), pick(1, 2, 3, 4), pick(16, 32)
     monkeypatch.setenv("VEXACT_KEY_SPLIT", str(keys))
     monkeypatch.setattr(interpreted_attention, "_SPLIT_MAX_TOKENS", int(torch.randint(1, 60, (1,), generator=rng)))
     lens = torch.randint(1, 230, (int(torch.randint(2, 5, (1,), generator=rng)),), generator=rng).tolist()
