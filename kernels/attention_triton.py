@@ -923,7 +923,7 @@ def paged_attention(
             "splits): unset VEXACT_SHARED_PREFIX with it"
         )
     chunks = -(-block_table.shape[1] * k_cache.shape[1] // (split_tiles * KEY_TILE)) if split_tiles else 1
-    split = chunks > 1 and split_decode(n_tokens, n_tiles * n_kv, thin_sms)
+    split = chunks > 1 and split_decode(n_tokens, n_tiles * n_kv, _sm_count(q.device.index) if q.is_cuda else None)
     programs = n_tiles * n_kv * (chunks if split else 1)  # a split launch's grid, most of it exiting at once
     num_stages = paged_stages(head_dim, programs, thin_sms, shared is not None, num_stages)
     block_table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
@@ -975,8 +975,8 @@ _SPLIT_MAX_PROGRAMS_PER_SM = 1
 def split_decode(n_tokens: int, programs: int, sms: int | None) -> bool:
     """Whether a split paged launch runs its chunks as separate programs: few tokens, few programs
     (a thin decode step, whose long rows would otherwise each keep one SM busy alone). Shapes only,
-    so a CUDA graph's capture and replays agree. In the interpreter (sms None) every eligible step
-    splits, so the tests cover both launches."""
+    so a CUDA graph's capture and replays agree. `sms`: the GPU's SM count, on any GPU; in the
+    interpreter (None) every eligible step splits, so the tests cover both launches."""
     if n_tokens > _SPLIT_MAX_TOKENS:
         return False
     return sms is None or programs <= _SPLIT_MAX_PROGRAMS_PER_SM * sms

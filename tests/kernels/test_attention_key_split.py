@@ -187,3 +187,13 @@ def test_split_decode_in_a_cuda_graph(monkeypatch):
     seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
     graph.replay()
     assert torch.equal(out, train[last])
+
+
+def test_split_decode_follows_the_step_shape(interpreted_attention):
+    """Few tokens and at most one program an SM split; more tokens or programs fold in one program;
+    the interpreter (no SM count) splits every step it may."""
+    rule = interpreted_attention.split_decode
+    assert rule(16, 128, 132) and rule(4, 32, 108)
+    assert not rule(16, 133, 132)  # programs past the SMs
+    assert not rule(interpreted_attention._SPLIT_MAX_TOKENS + 1, 8, 132)  # a prefill-sized step
+    assert rule(1, 10**6, None)
