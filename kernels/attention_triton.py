@@ -348,30 +348,27 @@ def _attend_rows(
     in order: those wholly at or below min_pos without masks, the rest with them. Returns
     (out fp32 [BLOCK_M, HEAD_DIM], lse [BLOCK_M] in log2 units).
     """
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.full([BLOCK_M], 0, dtype=tl.float32)
-    acc = tl.full([BLOCK_M, HEAD_DIM], 0, dtype=tl.float32)
+    last = max_pos // BLOCK_N + 1  # tiles 0 .. last - 1
     if SPLIT_TILES == 0:
-        m_i, l_i, acc = _attend_from(
-            0, m_i, l_i, acc, q, q_pos, min_pos, max_pos, seq_len, k_base, v_base, kv_row0, stride_k_row,
-            stride_v_row, block_table_row, stride_k_block, stride_v_block, qk_scale,
-            PAGED, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
-        )  # fmt: skip
-    else:  # chunk 0, then each later chunk from a fresh state, folded in (module docstring)
-        last = max_pos // BLOCK_N + 1  # tiles 0 .. last - 1
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.full([BLOCK_M], 0, dtype=tl.float32)
+        acc = tl.full([BLOCK_M, HEAD_DIM], 0, dtype=tl.float32)
         m_i, l_i, acc = _attend_span(
-            0, tl.minimum(SPLIT_TILES, last), m_i, l_i, acc, q, q_pos, min_pos, seq_len, k_base, v_base,
-            kv_row0, stride_k_row, stride_v_row, block_table_row, stride_k_block, stride_v_block, qk_scale,
+            0, last, m_i, l_i, acc, q, q_pos, min_pos, seq_len, k_base, v_base, kv_row0, stride_k_row,
+            stride_v_row, block_table_row, stride_k_block, stride_v_block, qk_scale,
             PAGED, PAGE, HEAD_DIM, BLOCK_N, PRECISION, DOT_FP32,
         )  # fmt: skip
+    else:  # chunk 0, then each later chunk from a fresh state, folded in (module docstring)
+        m_i, l_i, acc = _attend_chunk(
+            0, last, q, q_pos, min_pos, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
+            block_table_row, stride_k_block, stride_v_block, qk_scale,
+            SPLIT_TILES, PAGED, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
+        )  # fmt: skip
         for j in range(1, (last + SPLIT_TILES - 1) // SPLIT_TILES):
-            m_j = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-            l_j = tl.full([BLOCK_M], 0, dtype=tl.float32)
-            acc_j = tl.full([BLOCK_M, HEAD_DIM], 0, dtype=tl.float32)
-            m_j, l_j, acc_j = _attend_span(
-                j * SPLIT_TILES, tl.minimum((j + 1) * SPLIT_TILES, last), m_j, l_j, acc_j, q, q_pos, min_pos,
-                seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row, block_table_row, stride_k_block,
-                stride_v_block, qk_scale, PAGED, PAGE, HEAD_DIM, BLOCK_N, PRECISION, DOT_FP32,
+            m_j, l_j, acc_j = _attend_chunk(
+                j, last, q, q_pos, min_pos, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
+                block_table_row, stride_k_block, stride_v_block, qk_scale,
+                SPLIT_TILES, PAGED, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
             )  # fmt: skip
             m_i, l_i, acc = _fold(m_i, l_i, acc, m_j, l_j, acc_j, q_pos >= j * SPLIT_TILES * BLOCK_N)
     # 4. Normalise.
@@ -383,23 +380,46 @@ def _attend_span(
     t_lo, t_hi, m_i, l_i, acc, q, q_pos, min_pos, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
     block_table_row, stride_k_block, stride_v_block, qk_scale, PAGED: tl.constexpr, PAGE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    SAFE: tl.constexpr = False,
 ):  # fmt: skip
-    """Key tiles t_lo .. t_hi - 1 into (m_i, l_i, acc), in order, SAFE (a key split's chunk): those
-    wholly at or below min_pos without masks, the rest with them, as `_attend_from` does."""
+    """Key tiles t_lo .. t_hi - 1 into the online softmax's state (m_i, l_i, acc), in order: those
+    wholly at or below min_pos (the tiles' rows' least position) without masks, the rest with them.
+    Returns the state unnormalised: `_attend_rows` runs it from tile 0, `_resume_rows` from the tiles
+    the shared-prefix kernel did, `_attend_chunk` over one key split's tiles (SAFE)."""
     n_full = (min_pos + 1) // BLOCK_N
     for t in range(t_lo, tl.minimum(t_hi, n_full)):
         m_i, l_i, acc = _attend_tile(
             t, q, q_pos, m_i, l_i, acc, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
             block_table_row, stride_k_block, stride_v_block, qk_scale,
-            False, PAGED, PAGE, HEAD_DIM, BLOCK_N, PRECISION, DOT_FP32, True,
+            False, PAGED, PAGE, HEAD_DIM, BLOCK_N, PRECISION, DOT_FP32, SAFE,
         )  # fmt: skip
     for t in range(tl.maximum(t_lo, n_full), t_hi):
         m_i, l_i, acc = _attend_tile(
             t, q, q_pos, m_i, l_i, acc, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
             block_table_row, stride_k_block, stride_v_block, qk_scale,
-            True, PAGED, PAGE, HEAD_DIM, BLOCK_N, PRECISION, DOT_FP32, True,
+            True, PAGED, PAGE, HEAD_DIM, BLOCK_N, PRECISION, DOT_FP32, SAFE,
         )  # fmt: skip
     return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_chunk(
+    j, last, q, q_pos, min_pos, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row, block_table_row,
+    stride_k_block, stride_v_block, qk_scale, SPLIT_TILES: tl.constexpr, PAGED: tl.constexpr,
+    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """Key split j's state (m, l, acc), unnormalised: its tiles (those below `last`) from a fresh
+    state, SAFE. The one routine for a chunk, in one program (`_attend_rows`) and in split decode
+    (`_partial_rows`)."""
+    m_j = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_j = tl.full([BLOCK_M], 0, dtype=tl.float32)
+    acc_j = tl.full([BLOCK_M, HEAD_DIM], 0, dtype=tl.float32)
+    return _attend_span(
+        j * SPLIT_TILES, tl.minimum((j + 1) * SPLIT_TILES, last), m_j, l_j, acc_j, q, q_pos, min_pos, seq_len,
+        k_base, v_base, kv_row0, stride_k_row, stride_v_row, block_table_row, stride_k_block, stride_v_block,
+        qk_scale, PAGED, PAGE, HEAD_DIM, BLOCK_N, PRECISION, DOT_FP32, True,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -417,53 +437,6 @@ def _fold(m_i, l_i, acc, m_j, l_j, acc_j, reach):
         tl.where(reach, l_new, l_i),
         tl.where(reach[:, None], acc_new, acc),
     )
-
-
-@triton.jit
-def _attend_from(
-    t0,
-    m_i,
-    l_i,
-    acc,
-    q,
-    q_pos,
-    min_pos,
-    max_pos,
-    seq_len,
-    k_base,
-    v_base,
-    kv_row0,
-    stride_k_row,
-    stride_v_row,
-    block_table_row,
-    stride_k_block,
-    stride_v_block,
-    qk_scale,
-    PAGED: tl.constexpr,
-    PAGE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-):
-    """`_attend_rows`'s loops from key tile t0 on, the online softmax's state (m_i, l_i, acc) after
-    tiles 0 .. t0 - 1 given (t0 <= (min_pos + 1) // BLOCK_N: those tiles unmasked for every row);
-    returns the state after the last tile, unnormalised (`_attend_rows` starts it at tile 0)."""
-    n_full = (min_pos + 1) // BLOCK_N
-    for t in range(t0, n_full):
-        m_i, l_i, acc = _attend_tile(
-            t, q, q_pos, m_i, l_i, acc, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
-            block_table_row, stride_k_block, stride_v_block, qk_scale,
-            False, PAGED, PAGE, HEAD_DIM, BLOCK_N, PRECISION, DOT_FP32,
-        )  # fmt: skip
-    for t in range(n_full, max_pos // BLOCK_N + 1):
-        m_i, l_i, acc = _attend_tile(
-            t, q, q_pos, m_i, l_i, acc, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
-            block_table_row, stride_k_block, stride_v_block, qk_scale,
-            True, PAGED, PAGE, HEAD_DIM, BLOCK_N, PRECISION, DOT_FP32,
-        )  # fmt: skip
-    return m_i, l_i, acc
 
 
 @triton.jit(do_not_specialize=["n_seqs"])  # the batch size must not select another kernel
@@ -695,13 +668,9 @@ def _partial_rows(
     last = max_pos // BLOCK_N + 1
     if j * SPLIT_TILES >= last:
         return
-    m_j = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_j = tl.full([BLOCK_M], 0, dtype=tl.float32)
-    acc_j = tl.full([BLOCK_M, HEAD_DIM], 0, dtype=tl.float32)
-    m_j, l_j, acc_j = _attend_span(
-        j * SPLIT_TILES, tl.minimum((j + 1) * SPLIT_TILES, last), m_j, l_j, acc_j, q, q_pos, pos0, seq_len,
-        k_base, v_base, 0, stride_ks, stride_vs, block_table_row, stride_kb, stride_vb, qk_scale,
-        True, PAGE, HEAD_DIM, BLOCK_N, PRECISION, DOT_FP32,
+    m_j, l_j, acc_j = _attend_chunk(
+        j, last, q, q_pos, pos0, seq_len, k_base, v_base, 0, stride_ks, stride_vs, block_table_row, stride_kb,
+        stride_vb, qk_scale, SPLIT_TILES, True, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
     )  # fmt: skip
     stored = valid & (q_pos >= j * SPLIT_TILES * BLOCK_N)
     part = token.to(tl.int64) * stride_pt + (head * CHUNKS + j).to(tl.int64)  # the (token, head, chunk) entry
@@ -761,10 +730,10 @@ def _resume_rows(
     l_i = tl.load(ml + 1, mask=resumed, other=0.0)
     acc_ptrs = ws_acc_ptr + seq * stride_wt + head[:, None] * HEAD_DIM + offs_d[None, :]
     acc = tl.load(acc_ptrs, mask=resumed[:, None], other=0.0)
-    m_i, l_i, acc = _attend_from(
-        t0, m_i, l_i, acc, q, q_pos, pos0, max_pos, seq_len, k_base, v_base, 0, stride_ks, stride_vs,
-        block_table_row, stride_kb, stride_vb, qk_scale,
-        True, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
+    m_i, l_i, acc = _attend_span(
+        t0, max_pos // BLOCK_N + 1, m_i, l_i, acc, q, q_pos, pos0, seq_len, k_base, v_base, 0, stride_ks,
+        stride_vs, block_table_row, stride_kb, stride_vb, qk_scale, True, PAGE, HEAD_DIM, BLOCK_N, PRECISION,
+        DOT_FP32,
     )  # fmt: skip
     return acc / l_i[:, None]
 
@@ -931,14 +900,22 @@ def paged_attention(
     start_loc = query_start_loc.to(torch.int32)
     order, order_start = schedule if schedule is not None else (seq_lens, start_loc)  # unread when None
     grid = (n_kv, n_tiles) if _PAGED_HEADS_FAST else (n_tiles, n_kv)
-    resume = dict(SHARED=False)
-    if split:
-        _split_decode(q, k_cache, v_cache, out, block_table, seq_lens, start_loc, n_seqs, scale, grid, chunks,
-                      dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=KEY_TILE, PAGE=k_cache.shape[1],
-                           PRECISION=_precision(q.dtype), DOT_FP32=_interpreted(), ORDERED=False,
-                           HEADS_FAST=_PAGED_HEADS_FAST, enable_fp_fusion=False, num_warps=num_warps,
-                           num_stages=num_stages, SPLIT_TILES=split_tiles))  # fmt: skip
+    args = (
+        q, k_cache, v_cache, out, block_table, seq_lens, start_loc, order, order_start, n_seqs, scale * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
+    )  # fmt: skip
+    meta = dict(
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=KEY_TILE, PAGE=k_cache.shape[1],
+        PRECISION=_precision(q.dtype), DOT_FP32=_interpreted(), ORDERED=schedule is not None,
+        HEADS_FAST=_PAGED_HEADS_FAST, enable_fp_fusion=False, num_warps=num_warps, num_stages=num_stages,
+        SPLIT_TILES=split_tiles,
+    )  # fmt: skip
+    if split:  # the split launch takes the tiles in the batch's own order
+        _split_decode(q, out, grid, chunks, args, {**meta, "ORDERED": False})
         return out
+    resume = dict(SHARED=False)
     if shared is not None:
         if shared.max_members * group > block_m:
             raise ValueError(
@@ -952,16 +929,7 @@ def paged_attention(
         )
         resume = dict(SHARED=True, resume_ptr=shared.tiles, ws_acc_ptr=ws_acc, ws_ml_ptr=ws_ml,
                       stride_wt=ws_acc.stride(0), stride_mt=ws_ml.stride(0))  # fmt: skip
-    _paged_fwd_kernel[grid](
-        q, k_cache, v_cache, out, block_table, seq_lens, start_loc, order, order_start, n_seqs, scale * _LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=KEY_TILE, PAGE=k_cache.shape[1],
-        PRECISION=_precision(q.dtype), DOT_FP32=_interpreted(), ORDERED=schedule is not None,
-        HEADS_FAST=_PAGED_HEADS_FAST, enable_fp_fusion=False, num_warps=num_warps, num_stages=num_stages,
-        SPLIT_TILES=split_tiles, **resume,
-    )  # fmt: skip
+    _paged_fwd_kernel[grid](*args, **meta, **resume)
     return out
 
 
@@ -982,19 +950,16 @@ def split_decode(n_tokens: int, programs: int, sms: int | None) -> bool:
     return sms is None or programs <= _SPLIT_MAX_PROGRAMS_PER_SM * sms
 
 
-def _split_decode(q, k_cache, v_cache, out, block_table, seq_lens, start_loc, n_seqs, scale, grid, chunks, meta):
-    """The chunks of each row as separate programs (fp32 workspaces), then `_fold_kernel`."""
+def _split_decode(q, out, grid, chunks, args, meta):
+    """The chunks of each row as separate programs (fp32 workspaces), then `_fold_kernel`; `args` and
+    `meta`: `paged_attention`'s launch of `_paged_fwd_kernel`."""
     n_tokens, n_heads, head_dim = q.shape
     part_acc = torch.empty((n_tokens, n_heads, chunks, head_dim), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((n_tokens, n_heads, chunks, 2), dtype=torch.float32, device=q.device)
     part_n = torch.zeros(n_tokens, dtype=torch.int32, device=q.device)
     _paged_fwd_kernel[(*grid, chunks)](
-        q, k_cache, v_cache, out, block_table, seq_lens, start_loc, seq_lens, start_loc, n_seqs, scale * _LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
-        PARTIAL=True, part_acc_ptr=part_acc, part_ml_ptr=part_ml, part_n_ptr=part_n, stride_pt=n_heads * chunks,
-        CHUNKS=chunks, **meta,
+        *args, **meta, PARTIAL=True, part_acc_ptr=part_acc, part_ml_ptr=part_ml, part_n_ptr=part_n,
+        stride_pt=n_heads * chunks, CHUNKS=chunks,
     )  # fmt: skip
     _fold_kernel[(n_tokens,)](
         part_acc, part_ml, part_n, out, n_heads * chunks, out.stride(0), out.stride(1), n_heads,
