@@ -39,7 +39,8 @@ chunk states in order j = 1, 2, ... into chunk 0's (`_fold`):
 and normalises as above. A row before key C keeps the unsplit bits (chunk 0 is the loop above). Every
 entry point gives the same bits: training and paged steps fold the chunks in one program
 (`_attend_rows`), a thin paged step (`split_decode`) runs each chunk as its own program, stores its
-state in fp32 and `_fold_kernel` folds them with the same `_fold`, row by row. Within a chunk the
+state in fp32 and `_fold_kernel` folds them with the same `_fold`, row by row (a row of one chunk is
+normalised and stored by its chunk's program, as the fold would). Within a chunk the
 exponentials use 0 where the running max is still -inf (`_attend_tile(SAFE=True)`: a row may meet
 a chunk's first tile wholly masked in training tiles), which leaves a finite max's arithmetic as it
 is. A split lets a step of few long rows use every SM, as FlashAttention's split-KV does, with its
@@ -558,7 +559,7 @@ def _paged_fwd_kernel(
     PARTIAL: tl.constexpr = False,  # split decode: program (tile, kv head, chunk) -> that chunk's state
     part_acc_ptr=None,  # PARTIAL: fp32 [T, Hq, chunks, HEAD_DIM], each chunk's unnormalised accumulator
     part_ml_ptr=None,  # PARTIAL: fp32 [T, Hq, chunks, 2], its max and sum
-    part_n_ptr=None,  # PARTIAL: int32 [T], chunks of each token's row (zeroed by the caller)
+    part_n_ptr=None,  # PARTIAL: int32 [T], chunks of each token's row (written for every sequence's token)
     stride_pt=0,  # PARTIAL: entries a token (Hq * chunks): entry (t, h, j) = t * stride_pt + h * chunks + j
     CHUNKS: tl.constexpr = 1,  # PARTIAL: the chunk axis of the workspaces
 ):
@@ -599,8 +600,8 @@ def _paged_fwd_kernel(
         _partial_rows(
             q, q_pos, pos0, max_pos, seq_len, token, head, valid, k_ptr + kv_head * stride_kh,
             v_ptr + kv_head * stride_vh, stride_ks, stride_vs, block_table_ptr + b.to(tl.int64) * stride_bt,
-            stride_kb, stride_vb, qk_scale, part_acc_ptr, part_ml_ptr, part_n_ptr, stride_pt,
-            SPLIT_TILES, CHUNKS, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
+            stride_kb, stride_vb, qk_scale, o_ptr, stride_ot, stride_oh, part_acc_ptr, part_ml_ptr, part_n_ptr,
+            stride_pt, SPLIT_TILES, CHUNKS, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
         )  # fmt: skip
         return
     if SHARED:
@@ -657,13 +658,15 @@ def _attend_paged(
 @triton.jit
 def _partial_rows(
     q, q_pos, pos0, max_pos, seq_len, token, head, valid, k_base, v_base, stride_ks, stride_vs, block_table_row,
-    stride_kb, stride_vb, qk_scale, part_acc_ptr, part_ml_ptr, part_n_ptr, stride_pt, SPLIT_TILES: tl.constexpr,
-    CHUNKS: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    stride_kb, stride_vb, qk_scale, o_ptr, stride_ot, stride_oh, part_acc_ptr, part_ml_ptr, part_n_ptr, stride_pt,
+    SPLIT_TILES: tl.constexpr, CHUNKS: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
     """Split decode: this program's chunk (program_id 2) of its rows' keys, from a fresh state, as
     `_attend_rows` computes each chunk, stored unnormalised for `_fold_kernel` (rows whose position
-    the chunk does not reach store nothing). Chunk 0's programs also store each row's chunk count."""
+    the chunk does not reach store nothing). Chunk 0's programs store each row's chunk count, and
+    the output of rows with one chunk (normalised as `_attend_rows` and `_fold_kernel` do), which
+    the fold kernel then skips."""
     j = tl.program_id(2)
     last = max_pos // BLOCK_N + 1
     if j * SPLIT_TILES >= last:
@@ -672,27 +675,35 @@ def _partial_rows(
         j, last, q, q_pos, pos0, seq_len, k_base, v_base, 0, stride_ks, stride_vs, block_table_row, stride_kb,
         stride_vb, qk_scale, SPLIT_TILES, True, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
     )  # fmt: skip
-    stored = valid & (q_pos >= j * SPLIT_TILES * BLOCK_N)
-    part = token.to(tl.int64) * stride_pt + (head * CHUNKS + j).to(tl.int64)  # the (token, head, chunk) entry
     offs_d = tl.arange(0, HEAD_DIM)
+    n = q_pos // (SPLIT_TILES * BLOCK_N) + 1  # the row's chunks
+    if j == 0:  # each of the token's G rows stores the same count
+        tl.store(part_n_ptr + token, n, mask=valid)
+        alone = valid & (n == 1)
+        o_ptrs = o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, (acc_j / l_j[:, None]).to(o_ptr.dtype.element_ty), mask=alone[:, None])
+    stored = valid & (n > 1) & (q_pos >= j * SPLIT_TILES * BLOCK_N)
+    part = token.to(tl.int64) * stride_pt + (head * CHUNKS + j).to(tl.int64)  # the (token, head, chunk) entry
     tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc_j, mask=stored[:, None])
     tl.store(part_ml_ptr + part * 2, m_j, mask=stored)
     tl.store(part_ml_ptr + part * 2 + 1, l_j, mask=stored)
-    if j == 0:  # each of the token's G rows stores the same count
-        tl.store(part_n_ptr + token, q_pos // (SPLIT_TILES * BLOCK_N) + 1, mask=valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_seqs"])  # the batch size must not select another kernel
 def _fold_kernel(
-    part_acc_ptr, part_ml_ptr, part_n_ptr, o_ptr, stride_pt, stride_ot, stride_oh, n_heads,
+    part_acc_ptr, part_ml_ptr, part_n_ptr, o_ptr, start_loc_ptr, n_seqs, stride_pt, stride_ot, stride_oh, n_heads,
     CHUNKS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS: tl.constexpr,
 ):  # fmt: skip
     """Split decode's second launch: program (token) folds each of its heads' chunk states 0, 1, ...
     in order with `_fold` (the routine `_attend_rows` folds with; a head is a row of the [HEADS,
-    HEAD_DIM] tile, HEADS = n_heads rounded up to a power of two) and normalises."""
+    HEAD_DIM] tile, HEADS = n_heads rounded up to a power of two) and normalises. Tokens past the
+    sequences' (padding: their chunk count is unwritten) and rows of one chunk (already stored by
+    `_partial_rows`) exit at once."""
     token = tl.program_id(0).to(tl.int64)
+    if token >= tl.load(start_loc_ptr + n_seqs):
+        return
     n = tl.load(part_n_ptr + token)
-    if n == 0:  # a padding token: no sequence's row
+    if n == 1:
         return
     offs_d = tl.arange(0, HEAD_DIM)
     heads = tl.arange(0, HEADS)
@@ -956,13 +967,14 @@ def _split_decode(q, out, grid, chunks, args, meta):
     n_tokens, n_heads, head_dim = q.shape
     part_acc = torch.empty((n_tokens, n_heads, chunks, head_dim), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((n_tokens, n_heads, chunks, 2), dtype=torch.float32, device=q.device)
-    part_n = torch.zeros(n_tokens, dtype=torch.int32, device=q.device)
+    part_n = torch.empty(n_tokens, dtype=torch.int32, device=q.device)  # written for every sequence's token
     _paged_fwd_kernel[(*grid, chunks)](
         *args, **meta, PARTIAL=True, part_acc_ptr=part_acc, part_ml_ptr=part_ml, part_n_ptr=part_n,
         stride_pt=n_heads * chunks, CHUNKS=chunks,
     )  # fmt: skip
+    start_loc, n_seqs = args[6], args[9]
     _fold_kernel[(n_tokens,)](
-        part_acc, part_ml, part_n, out, n_heads * chunks, out.stride(0), out.stride(1), n_heads,
+        part_acc, part_ml, part_n, out, start_loc, n_seqs, n_heads * chunks, out.stride(0), out.stride(1), n_heads,
         CHUNKS=chunks, HEAD_DIM=head_dim, HEADS=triton.next_power_of_2(n_heads), enable_fp_fusion=False,
     )  # fmt: skip
 

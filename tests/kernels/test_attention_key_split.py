@@ -65,6 +65,40 @@ def test_split_mixed_steps_interpreted(split):
     assert torch.equal(_mixed_steps(split, q, k, v, cu, 32, scale), train)
 
 
+def test_split_decode_with_padding_and_junk_workspaces(split, monkeypatch):
+    """A decode step padded as vLLM's full CUDA graphs pad it (tokens past the sequences', sequences
+    of no query), with every torch.empty buffer full of junk (NaN, chunk count 5): the workspaces'
+    unwritten entries are never read, padding rows are never written, and the real tokens get the
+    training bits."""
+    from tests.kernels.test_attention_triton import _Engine
+
+    lens = (40, 150, 70)  # one, three and two chunks of 64 keys
+    q, k, v, cu = _packed(lens, 4, 2, 16, torch.bfloat16)
+    train = split.varlen_attention(q, k, v, cu, 0.25)
+    engine = _Engine(split, k, v, cu, 16)
+    engine.step(q, {b: (0, n - 1) for b, n in enumerate(lens)}, 0.25)  # all but the last token
+    last = [cu[b + 1].item() - 1 for b in range(3)]
+    pos = torch.tensor([n - 1 for n in lens])
+    slots = engine._table_cpu[torch.arange(3), pos // 16].long() * 16 + pos % 16
+    split.write_kv_cache(k[last], v[last], engine.k_cache, engine.v_cache, slots)
+    qs = torch.cat([q[last], torch.randn(2, 4, 16).to(q.dtype)])  # 2 padding tokens
+    table = torch.cat([engine.block_table, torch.zeros(2, engine.block_table.shape[1], dtype=torch.int32)])
+    seq_lens = torch.tensor([*lens, 0, 0], dtype=torch.int32)
+    qsl = torch.tensor([0, 1, 2, 3, 3, 3], dtype=torch.int32)
+    empty = torch.empty
+
+    def junk(*shape, dtype=None, **kwargs):
+        out = empty(*shape, dtype=dtype, **kwargs)
+        return out.fill_(5 if dtype in (torch.int32, torch.int64) else float("nan"))
+
+    out = torch.full_like(qs, 7.0)
+    monkeypatch.setattr(torch, "empty", junk)
+    split.paged_attention(qs, engine.k_cache, engine.v_cache, table, seq_lens, qsl, 0.25, out=out)
+    monkeypatch.setattr(torch, "empty", empty)
+    assert torch.equal(out[:3], train[last])
+    assert (out[3:] == 7).all()  # padding tokens' rows are never written
+
+
 def test_split_keeps_short_rows_and_stays_accurate(interpreted_attention, monkeypatch):
     """Rows before key 64 have the unsplit bits; later rows go through the fold (some bits differ)
     and match an fp64 reference to bf16 rounding."""
@@ -140,17 +174,17 @@ def test_split_paged_equals_varlen_cuda(monkeypatch, keys, head_dim, n_heads, n_
 
     extra = torch.randint(keys, 3000, (3,), generator=torch.Generator().manual_seed(keys)).tolist()
     lens = (*CUDA_LENS, *extra)
-    q, k, v, cu = _packed(lens, n_heads, n_kv, head_dim, torch.bfloat16, device="cuda")
-    scale = 1 / math.sqrt(head_dim)
-    plain = compiled.varlen_attention(q, k, v, cu, scale)
     monkeypatch.setenv("VEXACT_KEY_SPLIT", str(keys))
-    _, _, _, _, _, train = _check_invariance(
+    q, k, v, cu, scale, train = _check_invariance(
         compiled, lens, n_heads, n_kv, head_dim, 16, torch.bfloat16, chunks=(max(lens), 300, 1), device="cuda"
     )  # the decode steps (few rows) split; the others fold in one program
-    pos = torch.cat([torch.arange(n) for n in lens]).cuda()
-    assert torch.equal(train[pos < keys], plain[pos < keys])
     assert torch.equal(_mixed_steps(compiled, q, k, v, cu, 16, scale), train)
     torch.testing.assert_close(train.double(), _reference(q, k, v, cu, scale), atol=TOL[torch.bfloat16], rtol=0)
+    monkeypatch.delenv("VEXACT_KEY_SPLIT")
+    plain = compiled.varlen_attention(q, k, v, cu, scale)  # the same inputs, unsplit
+    pos = torch.cat([torch.arange(n) for n in lens]).cuda()
+    assert torch.equal(train[pos < keys], plain[pos < keys])
+    assert not torch.equal(train[pos >= keys], plain[pos >= keys])
 
 
 @pytest.mark.cuda
