@@ -65,15 +65,17 @@ def test_split_mixed_steps_interpreted(split):
     assert torch.equal(_mixed_steps(split, q, k, v, cu, 32, scale), train)
 
 
-def test_split_decode_with_padding_and_junk_workspaces(split, monkeypatch):
+@pytest.mark.parametrize("fold_heads", [1, 4, 64])
+def test_split_decode_with_padding_and_junk_workspaces(split, monkeypatch, fold_heads):
     """A decode step padded as vLLM's full CUDA graphs pad it (tokens past the sequences', sequences
     of no query), with every torch.empty buffer full of junk (NaN, chunk count 5): the workspaces'
     unwritten entries are never read, padding rows are never written, and the real tokens get the
-    training bits."""
+    training bits, whatever the fold kernel's head block (6 heads: padded blocks of 4 and 64)."""
+    monkeypatch.setattr(split, "_FOLD_HEADS", fold_heads)
     from tests.kernels.test_attention_triton import _Engine
 
     lens = (40, 150, 70)  # one, three and two chunks of 64 keys
-    q, k, v, cu = _packed(lens, 4, 2, 16, torch.bfloat16)
+    q, k, v, cu = _packed(lens, 6, 2, 16, torch.bfloat16)
     train = split.varlen_attention(q, k, v, cu, 0.25)
     engine = _Engine(split, k, v, cu, 16)
     engine.step(q, {b: (0, n - 1) for b, n in enumerate(lens)}, 0.25)  # all but the last token
@@ -81,7 +83,7 @@ def test_split_decode_with_padding_and_junk_workspaces(split, monkeypatch):
     pos = torch.tensor([n - 1 for n in lens])
     slots = engine._table_cpu[torch.arange(3), pos // 16].long() * 16 + pos % 16
     split.write_kv_cache(k[last], v[last], engine.k_cache, engine.v_cache, slots)
-    qs = torch.cat([q[last], torch.randn(2, 4, 16).to(q.dtype)])  # 2 padding tokens
+    qs = torch.cat([q[last], torch.randn(2, 6, 16).to(q.dtype)])  # 2 padding tokens
     table = torch.cat([engine.block_table, torch.zeros(2, engine.block_table.shape[1], dtype=torch.int32)])
     seq_lens = torch.tensor([*lens, 0, 0], dtype=torch.int32)
     qsl = torch.tensor([0, 1, 2, 3, 3, 3], dtype=torch.int32)
