@@ -38,9 +38,12 @@ chunk states in order j = 1, 2, ... into chunk 0's (`_fold`):
     l = fma(l, a, l_j * b),  acc = acc * a + acc_j * b,  m = M
 and normalises as above. A row before key C keeps the unsplit bits (chunk 0 is the loop above). Every
 entry point gives the same bits: training and paged steps fold the chunks in one program
-(`_attend_rows`), a thin paged step (`split_decode`) runs each chunk as its own program, stores its
-state in fp32 and `_fold_kernel` folds them with the same `_fold`, row by row (a row of one chunk is
-normalised and stored by its chunk's program, as the fold would). Within a chunk the
+(`_attend_rows`), a thin paged step (`split_decode`) shares a row's chunks out among programs
+(chunk 0's program folds a prefix of them, as `_attend_rows` does, and each later chunk gets a
+program of its own: `_split_prefix` sizes the prefix from the step's lengths, which moves work
+between programs and never changes the fold order), stores their states in fp32 and `_fold_kernel`
+folds them in order with the same `_fold`, row by row (a row the prefix covers is normalised and
+stored by chunk 0's program, as the fold would). Within a chunk the
 exponentials use 0 where the running max is still -inf (`_attend_tile(SAFE=True)`: a row may meet
 a chunk's first tile wholly masked in training tiles), which leaves a finite max's arithmetic as it
 is. A split lets a step of few long rows use every SM, as FlashAttention's split-KV does, with its
@@ -117,6 +120,10 @@ _PAGED_STAGES_ENV = _env_paged_stages()
 # and 5 stages 113 KB, more than an sm_89 GPU has).
 _THIN_STAGES: dict[int, tuple[tuple[int, int], ...]] = {128: ((1, 7), (2, 5))}
 _THIN_CAPABILITIES = ((9, 0),)
+# head_dim -> num_stages of split decode's chunk launch (VEXACT_KEY_SPLIT; Hopper only, as above).
+# Session 25 (`sweep_paged_depth.py --mixed` at C = 2,048): 5 stages against 3 / 7, 8B uneven step
+# H100 97.3 / 96.7 / 106.9 us, H200 73.8 / 77.1 / 87.1; 16 x 5,200 keys H100 132.3 / 137.3 / 137.5.
+_SPLIT_STAGES: dict[int, int] = {128: 5}
 
 
 @functools.cache
@@ -131,11 +138,13 @@ def _thin_sms(device_index: int) -> int | None:
     return _sm_count(device_index) if capability in _THIN_CAPABILITIES else None
 
 
-def paged_stages(head_dim: int, programs: int, sms: int | None, shared: bool, default: int) -> int:
+def paged_stages(
+    head_dim: int, programs: int, sms: int | None, shared: bool, default: int, split: bool = False
+) -> int:
     """num_stages of a paged launch of `programs` programs on a GPU of `sms` SMs (None: unknown, as in
     the interpreter, or a GPU these depths were not measured on: then the forward's): _PAGED_STAGES,
-    else VEXACT_PAGED_STAGES, else the thin-step depth (_THIN_STAGES), else the shared-prompt
-    launches' (_SHARED_STAGES), else the forward's `default`.
+    else VEXACT_PAGED_STAGES, else split decode's (`split`, _SPLIT_STAGES), else the thin-step depth
+    (_THIN_STAGES), else the shared-prompt launches' (_SHARED_STAGES), else the forward's `default`.
     Which depth runs changes no bit (tests: test_paged_pipelining_depth_changes_no_bit_cuda)."""
     if head_dim in _PAGED_STAGES:
         return _PAGED_STAGES[head_dim]
@@ -143,6 +152,8 @@ def paged_stages(head_dim: int, programs: int, sms: int | None, shared: bool, de
         return _PAGED_STAGES_ENV
     if not sms:  # the depths below were measured on Hopper only (see _THIN_CAPABILITIES)
         return default
+    if split:
+        return _SPLIT_STAGES.get(head_dim, default)
     for per_sm, stages in _THIN_STAGES.get(head_dim, ()):
         if programs <= per_sm * sms:
             return stages
@@ -360,18 +371,11 @@ def _attend_rows(
             PAGED, PAGE, HEAD_DIM, BLOCK_N, PRECISION, DOT_FP32,
         )  # fmt: skip
     else:  # chunk 0, then each later chunk from a fresh state, folded in (module docstring)
-        m_i, l_i, acc = _attend_chunk(
-            0, last, q, q_pos, min_pos, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
-            block_table_row, stride_k_block, stride_v_block, qk_scale,
+        m_i, l_i, acc = _attend_chunks(
+            0, (last + SPLIT_TILES - 1) // SPLIT_TILES, last, q, q_pos, min_pos, seq_len, k_base, v_base, kv_row0,
+            stride_k_row, stride_v_row, block_table_row, stride_k_block, stride_v_block, qk_scale,
             SPLIT_TILES, PAGED, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
         )  # fmt: skip
-        for j in range(1, (last + SPLIT_TILES - 1) // SPLIT_TILES):
-            m_j, l_j, acc_j = _attend_chunk(
-                j, last, q, q_pos, min_pos, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
-                block_table_row, stride_k_block, stride_v_block, qk_scale,
-                SPLIT_TILES, PAGED, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
-            )  # fmt: skip
-            m_i, l_i, acc = _fold(m_i, l_i, acc, m_j, l_j, acc_j, q_pos >= j * SPLIT_TILES * BLOCK_N)
     # 4. Normalise.
     return acc / l_i[:, None], m_i + tl.log2(l_i)
 
@@ -421,6 +425,32 @@ def _attend_chunk(
         k_base, v_base, kv_row0, stride_k_row, stride_v_row, block_table_row, stride_k_block, stride_v_block,
         qk_scale, PAGED, PAGE, HEAD_DIM, BLOCK_N, PRECISION, DOT_FP32, True,
     )  # fmt: skip
+
+
+@triton.jit
+def _attend_chunks(
+    j_lo, j_hi, last, q, q_pos, min_pos, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
+    block_table_row, stride_k_block, stride_v_block, qk_scale, SPLIT_TILES: tl.constexpr, PAGED: tl.constexpr,
+    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """Key splits j_lo .. j_hi - 1 folded in order into one state (m, l, acc), unnormalised: chunk
+    j_lo from a fresh state, then each later chunk from a fresh state folded into the rows it
+    reaches. All of a row's chunks in `_attend_rows`; in split decode (`_partial_rows`) a prefix of
+    them (chunk 0's program) or one."""
+    m_i, l_i, acc = _attend_chunk(
+        j_lo, last, q, q_pos, min_pos, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
+        block_table_row, stride_k_block, stride_v_block, qk_scale,
+        SPLIT_TILES, PAGED, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
+    )  # fmt: skip
+    for j in range(j_lo + 1, j_hi):
+        m_j, l_j, acc_j = _attend_chunk(
+            j, last, q, q_pos, min_pos, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
+            block_table_row, stride_k_block, stride_v_block, qk_scale,
+            SPLIT_TILES, PAGED, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
+        )  # fmt: skip
+        m_i, l_i, acc = _fold(m_i, l_i, acc, m_j, l_j, acc_j, q_pos >= j * SPLIT_TILES * BLOCK_N)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -560,6 +590,8 @@ def _paged_fwd_kernel(
     part_acc_ptr=None,  # PARTIAL: fp32 [T, Hq, chunks, HEAD_DIM], each chunk's unnormalised accumulator
     part_ml_ptr=None,  # PARTIAL: fp32 [T, Hq, chunks, 2], its max and sum
     part_n_ptr=None,  # PARTIAL: int32 [T], chunks of each token's row (written for every sequence's token)
+    part_p_ptr=None,  # PARTIAL: int32 [T], of them the chunks its chunk-0 program took (`_split_prefix`)
+    split_share=0.0,  # PARTIAL: a program's share of the step's keys when balanced (`_split_share`)
     stride_pt=0,  # PARTIAL: entries a token (Hq * chunks): entry (t, h, j) = t * stride_pt + h * chunks + j
     CHUNKS: tl.constexpr = 1,  # PARTIAL: the chunk axis of the workspaces
 ):
@@ -601,7 +633,8 @@ def _paged_fwd_kernel(
             q, q_pos, pos0, max_pos, seq_len, token, head, valid, k_ptr + kv_head * stride_kh,
             v_ptr + kv_head * stride_vh, stride_ks, stride_vs, block_table_ptr + b.to(tl.int64) * stride_bt,
             stride_kb, stride_vb, qk_scale, o_ptr, stride_ot, stride_oh, part_acc_ptr, part_ml_ptr, part_n_ptr,
-            stride_pt, SPLIT_TILES, CHUNKS, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
+            part_p_ptr, stride_pt, seq_lens_ptr, n_seqs, split_share, SPLIT_TILES, CHUNKS, PAGE, HEAD_DIM,
+            BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
         )  # fmt: skip
         return
     if SHARED:
@@ -656,33 +689,56 @@ def _attend_paged(
 
 
 @triton.jit
+def _split_prefix(seq_len, seq_lens_ptr, n_seqs, share, CHUNK_KEYS: tl.constexpr, CHUNK: tl.constexpr = 128):
+    """How many of a sequence's first key chunks its chunk-0 program takes in split decode (the rest
+    run one a program): all of them where the sequence is no longer than the step's keys per SM
+    (`share` x the sum of seq_lens), else as many whole chunks as fit in that, at least one. Which
+    program computes a chunk changes no bit (the fold order stays 0, 1, ...): speed only."""
+    offs = tl.arange(0, CHUNK)
+    total = tl.full([CHUNK], 0, dtype=tl.float32)
+    for c in range(0, n_seqs, CHUNK):
+        b = c + offs
+        total += tl.load(seq_lens_ptr + b, mask=b < n_seqs, other=0).to(tl.float32)
+    budget = tl.reduce(total, 0, _sum_combine) * share
+    chunks = (seq_len + CHUNK_KEYS - 1) // CHUNK_KEYS
+    return tl.where(seq_len <= budget, chunks, tl.maximum((budget / CHUNK_KEYS).to(tl.int32), 1))
+
+
+@triton.jit
 def _partial_rows(
     q, q_pos, pos0, max_pos, seq_len, token, head, valid, k_base, v_base, stride_ks, stride_vs, block_table_row,
-    stride_kb, stride_vb, qk_scale, o_ptr, stride_ot, stride_oh, part_acc_ptr, part_ml_ptr, part_n_ptr, stride_pt,
-    SPLIT_TILES: tl.constexpr, CHUNKS: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    stride_kb, stride_vb, qk_scale, o_ptr, stride_ot, stride_oh, part_acc_ptr, part_ml_ptr, part_n_ptr, part_p_ptr,
+    stride_pt, seq_lens_ptr, n_seqs, split_share, SPLIT_TILES: tl.constexpr, CHUNKS: tl.constexpr,
+    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
-    """Split decode: this program's chunk (program_id 2) of its rows' keys, from a fresh state, as
-    `_attend_rows` computes each chunk, stored unnormalised for `_fold_kernel` (rows whose position
-    the chunk does not reach store nothing). Chunk 0's programs store each row's chunk count, and
-    the output of rows with one chunk (normalised as `_attend_rows` and `_fold_kernel` do), which
-    the fold kernel then skips."""
+    """Split decode: program_id 2 = j. Chunk 0's program computes the sequence's first `prefix`
+    chunks (`_split_prefix`) folded in order, as `_attend_rows` does; a program j >= prefix computes
+    chunk j alone from a fresh state; programs 0 < j < prefix exit. States are stored unnormalised
+    for `_fold_kernel` (the prefix's as entry 0), for the rows the chunk reaches. Chunk 0's program
+    also stores each row's chunk count and the prefix, and the output of rows the prefix covers
+    (normalised as `_attend_rows` and `_fold_kernel` do), which the fold kernel then skips."""
     j = tl.program_id(2)
     last = max_pos // BLOCK_N + 1
     if j * SPLIT_TILES >= last:
         return
-    m_j, l_j, acc_j = _attend_chunk(
-        j, last, q, q_pos, pos0, seq_len, k_base, v_base, 0, stride_ks, stride_vs, block_table_row, stride_kb,
-        stride_vb, qk_scale, SPLIT_TILES, True, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
+    prefix = _split_prefix(seq_len, seq_lens_ptr, n_seqs, split_share, SPLIT_TILES * BLOCK_N)
+    if j > 0 and j < prefix:
+        return
+    j_hi = tl.where(j == 0, tl.minimum(prefix, (last + SPLIT_TILES - 1) // SPLIT_TILES), j + 1)
+    m_j, l_j, acc_j = _attend_chunks(
+        j, j_hi, last, q, q_pos, pos0, seq_len, k_base, v_base, 0, stride_ks, stride_vs, block_table_row,
+        stride_kb, stride_vb, qk_scale, SPLIT_TILES, True, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
     )  # fmt: skip
     offs_d = tl.arange(0, HEAD_DIM)
     n = q_pos // (SPLIT_TILES * BLOCK_N) + 1  # the row's chunks
-    if j == 0:  # each of the token's G rows stores the same count
+    if j == 0:  # each of the token's G rows stores the same count and prefix
         tl.store(part_n_ptr + token, n, mask=valid)
-        alone = valid & (n == 1)
+        tl.store(part_p_ptr + token, n * 0 + prefix, mask=valid)
+        done = valid & (n <= prefix)
         o_ptrs = o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, (acc_j / l_j[:, None]).to(o_ptr.dtype.element_ty), mask=alone[:, None])
-    stored = valid & (n > 1) & (q_pos >= j * SPLIT_TILES * BLOCK_N)
+        tl.store(o_ptrs, (acc_j / l_j[:, None]).to(o_ptr.dtype.element_ty), mask=done[:, None])
+    stored = valid & (n > prefix) & (q_pos >= j * SPLIT_TILES * BLOCK_N)
     part = token.to(tl.int64) * stride_pt + (head * CHUNKS + j).to(tl.int64)  # the (token, head, chunk) entry
     tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc_j, mask=stored[:, None])
     tl.store(part_ml_ptr + part * 2, m_j, mask=stored)
@@ -691,19 +747,21 @@ def _partial_rows(
 
 @triton.jit(do_not_specialize=["n_seqs"])  # the batch size must not select another kernel
 def _fold_kernel(
-    part_acc_ptr, part_ml_ptr, part_n_ptr, o_ptr, start_loc_ptr, n_seqs, stride_pt, stride_ot, stride_oh, n_heads,
-    CHUNKS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS: tl.constexpr,
+    part_acc_ptr, part_ml_ptr, part_n_ptr, part_p_ptr, o_ptr, start_loc_ptr, n_seqs, stride_pt, stride_ot,
+    stride_oh, n_heads, CHUNKS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS: tl.constexpr,
 ):  # fmt: skip
-    """Split decode's second launch: program (token, head block) folds each of its HEADS heads' chunk
-    states 0, 1, ... in order with `_fold` (the routine `_attend_rows` folds with; a head is a row of
-    the [HEADS, HEAD_DIM] tile: element-wise, so the block size changes no bit) and normalises.
-    Tokens past the sequences' (padding: their chunk count is unwritten) and rows of one chunk
-    (already stored by `_partial_rows`) exit at once."""
+    """Split decode's second launch: program (token, head block) folds into each of its HEADS heads'
+    entry 0 (chunks 0 .. prefix - 1, folded by chunk 0's program) the chunk states prefix, prefix + 1,
+    ... in order with `_fold` (the routine `_attend_rows` folds with; a head is a row of the [HEADS,
+    HEAD_DIM] tile: element-wise, so the block size changes no bit) and normalises. Tokens past the
+    sequences' (padding: their counts are unwritten) and rows the prefix covers (already stored by
+    `_partial_rows`) exit at once."""
     token = tl.program_id(0).to(tl.int64)
     if token >= tl.load(start_loc_ptr + n_seqs):
         return
     n = tl.load(part_n_ptr + token)
-    if n == 1:
+    prefix = tl.load(part_p_ptr + token)
+    if n <= prefix:
         return
     offs_d = tl.arange(0, HEAD_DIM)
     heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
@@ -712,7 +770,7 @@ def _fold_kernel(
     m_i = tl.load(part_ml_ptr + part * 2, mask=real, other=0.0)
     l_i = tl.load(part_ml_ptr + part * 2 + 1, mask=real, other=1.0)
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=real[:, None], other=0.0)
-    for j in range(1, n):
+    for j in range(prefix, n):
         m_j = tl.load(part_ml_ptr + (part + j) * 2, mask=real, other=0.0)
         l_j = tl.load(part_ml_ptr + (part + j) * 2 + 1, mask=real, other=1.0)
         acc_j = tl.load(part_acc_ptr + (part + j)[:, None] * HEAD_DIM + offs_d[None, :], mask=real[:, None], other=0.0)
@@ -903,9 +961,9 @@ def paged_attention(
             "splits): unset VEXACT_SHARED_PREFIX with it"
         )
     chunks = -(-block_table.shape[1] * k_cache.shape[1] // (split_tiles * KEY_TILE)) if split_tiles else 1
-    split = chunks > 1 and split_decode(n_tokens, n_tiles * n_kv, _sm_count(q.device.index) if q.is_cuda else None)
-    programs = n_tiles * n_kv * (chunks if split else 1)  # a split launch's grid, most of it exiting at once
-    num_stages = paged_stages(head_dim, programs, thin_sms, shared is not None, num_stages)
+    sms = _sm_count(q.device.index) if q.is_cuda else None
+    split = chunks > 1 and split_decode(n_tokens, n_tiles * n_kv, sms)
+    num_stages = paged_stages(head_dim, n_tiles * n_kv, thin_sms, shared is not None, num_stages, split)
     block_table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
     seq_lens = seq_lens.to(torch.int32)
     start_loc = query_start_loc.to(torch.int32)
@@ -924,7 +982,7 @@ def paged_attention(
         SPLIT_TILES=split_tiles,
     )  # fmt: skip
     if split:  # the split launch takes the tiles in the batch's own order
-        _split_decode(q, out, grid, chunks, args, {**meta, "ORDERED": False})
+        _split_decode(q, out, grid, chunks, args, {**meta, "ORDERED": False}, sms)
         return out
     resume = dict(SHARED=False)
     if shared is not None:
@@ -949,6 +1007,10 @@ def paged_attention(
 # chunks in a second launch; others fold in one program. Same bits either way (speed only).
 _SPLIT_MAX_TOKENS = 256
 _SPLIT_MAX_PROGRAMS_PER_SM = 1
+# Split decode's balance (speed only, `_split_prefix`): a sequence of at most _SPLIT_SLACK x the
+# step's keys per SM stays in one program; the interpreter counts _INTERPRETER_SMS SMs.
+_SPLIT_SLACK = 1.15
+_INTERPRETER_SMS = 8
 # Heads a fold program takes (speed only): a decode step has few tokens, so one program a token left
 # most SMs idle (session 25, H200: 16 programs, 7.7 us of an 84 us step).
 _FOLD_HEADS = 4
@@ -964,22 +1026,30 @@ def split_decode(n_tokens: int, programs: int, sms: int | None) -> bool:
     return sms is None or programs <= _SPLIT_MAX_PROGRAMS_PER_SM * sms
 
 
-def _split_decode(q, out, grid, chunks, args, meta):
+def _split_share(n_kv: int, sms: int | None) -> float:
+    """A split decode program's share of the step's keys when balanced: the step's (sequence, kv head)
+    programs spread over the SMs (`_split_prefix`), with slack (speed only)."""
+    return n_kv * _SPLIT_SLACK / (sms or _INTERPRETER_SMS)
+
+
+def _split_decode(q, out, grid, chunks, args, meta, sms):
     """The chunks of each row as separate programs (fp32 workspaces), then `_fold_kernel`; `args` and
-    `meta`: `paged_attention`'s launch of `_paged_fwd_kernel`."""
+    `meta`: `paged_attention`'s launch of `_paged_fwd_kernel`; `sms`: the GPU's SM count (None in the
+    interpreter)."""
     n_tokens, n_heads, head_dim = q.shape
     part_acc = torch.empty((n_tokens, n_heads, chunks, head_dim), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((n_tokens, n_heads, chunks, 2), dtype=torch.float32, device=q.device)
-    part_n = torch.empty(n_tokens, dtype=torch.int32, device=q.device)  # written for every sequence's token
+    counts = torch.empty((2, n_tokens), dtype=torch.int32, device=q.device)  # written for every sequence's token
     _paged_fwd_kernel[(*grid, chunks)](
-        *args, **meta, PARTIAL=True, part_acc_ptr=part_acc, part_ml_ptr=part_ml, part_n_ptr=part_n,
-        stride_pt=n_heads * chunks, CHUNKS=chunks,
+        *args, **meta, PARTIAL=True, part_acc_ptr=part_acc, part_ml_ptr=part_ml, part_n_ptr=counts[0],
+        part_p_ptr=counts[1], split_share=_split_share(args[2].shape[2], sms), stride_pt=n_heads * chunks,
+        CHUNKS=chunks,
     )  # fmt: skip
     start_loc, n_seqs = args[6], args[9]
     heads = min(_FOLD_HEADS, triton.next_power_of_2(n_heads))
     _fold_kernel[(n_tokens, triton.cdiv(n_heads, heads))](
-        part_acc, part_ml, part_n, out, start_loc, n_seqs, n_heads * chunks, out.stride(0), out.stride(1), n_heads,
-        CHUNKS=chunks, HEAD_DIM=head_dim, HEADS=heads, enable_fp_fusion=False,
+        part_acc, part_ml, counts[0], counts[1], out, start_loc, n_seqs, n_heads * chunks, out.stride(0),
+        out.stride(1), n_heads, CHUNKS=chunks, HEAD_DIM=head_dim, HEADS=heads, enable_fp_fusion=False,
     )  # fmt: skip
 
 

@@ -32,8 +32,11 @@ def split(interpreted_attention, monkeypatch):
     return interpreted_attention
 
 
-def test_split_paged_equals_varlen_interpreted(split):
-    """GQA 4/2, bf16, pages of 16: whole prefill, chunks of 64 and 9, every position decoded."""
+@pytest.mark.parametrize("slack", [0.0, 0.5, 1e6])
+def test_split_paged_equals_varlen_interpreted(split, monkeypatch, slack):
+    """GQA 4/2, bf16, pages of 16: whole prefill, chunks of 64 and 9, every position decoded; split
+    decode's chunk-0 programs taking one chunk (slack 0), a prefix of one or two, or every chunk."""
+    monkeypatch.setattr(split, "_SPLIT_SLACK", slack)
     _check_invariance(split, LENS, 4, 2, 16, 16, torch.bfloat16, chunks=(max(LENS), 64, 9, 1))
 
 
@@ -65,13 +68,16 @@ def test_split_mixed_steps_interpreted(split):
     assert torch.equal(_mixed_steps(split, q, k, v, cu, 32, scale), train)
 
 
-@pytest.mark.parametrize("fold_heads", [1, 4, 64])
-def test_split_decode_with_padding_and_junk_workspaces(split, monkeypatch, fold_heads):
+@pytest.mark.parametrize("fold_heads,slack", [(1, 2.0), (4, 0.0), (64, 2.0), (4, 1e6)])
+def test_split_decode_with_padding_and_junk_workspaces(split, monkeypatch, fold_heads, slack):
     """A decode step padded as vLLM's full CUDA graphs pad it (tokens past the sequences', sequences
     of no query), with every torch.empty buffer full of junk (NaN, chunk count 5): the workspaces'
     unwritten entries are never read, padding rows are never written, and the real tokens get the
-    training bits, whatever the fold kernel's head block (6 heads: padded blocks of 4 and 64)."""
+    training bits, whatever the fold kernel's head block (6 heads: padded blocks of 4 and 64) and
+    however the chunks are shared out (slack 2: the 150-key row's chunk-0 program takes 2 of its 3
+    chunks, the others all of theirs; 0: one chunk a program; 1e6: every chunk in one program)."""
     monkeypatch.setattr(split, "_FOLD_HEADS", fold_heads)
+    monkeypatch.setattr(split, "_SPLIT_SLACK", slack)
     from tests.kernels.test_attention_triton import _Engine
 
     lens = (40, 150, 70)  # one, three and two chunks of 64 keys
