@@ -32,6 +32,8 @@ STEPS = ((16, 2048), (16, 4096), (16, 8192), (16, 32768), (32, 4096), (64, 4096)
 
 
 MIXED = (2200, 5200)
+# A rollout's tail: few rows left, long and uneven (where one program a row leaves most SMs idle).
+TAILS = ((4, 8192, None), (8, 9000, (1000, 9000)))
 
 
 def _caches(batch, context, hq, hkv, layers, vllm_layout):
@@ -80,14 +82,16 @@ def _row(hq, hkv, batch, context, depths, lengths=None, fa4=False, layers=1, vll
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stages", default="3,4,5,6,7", help="depths to time, comma-separated")
-    parser.add_argument("--mixed", action="store_true", help="only the mixed-length steps and their references")
+    parser.add_argument("--mixed", action="store_true", help="only the mixed-length steps, their references and "
+                        "rollout tails (few long rows)")  # fmt: skip
     parser.add_argument("--fa4", action="store_true", help="also time FlashAttention-4 (SM90, flash-attn-4)")
     parser.add_argument("--vllm-layout", action="store_true", help="K/V as views of one [blocks, Hkv, page, 2D] cache")
     parser.add_argument("--layers", type=int, default=1, help="distinct caches attended in turn a replay (cold L2)")
     args = parser.parse_args()
     depths = [int(s) for s in args.stages.split(",")]
     mean = sum(MIXED) // 2
-    steps = [(16, MIXED[1], MIXED), (16, mean, None), (16, MIXED[1], None)] if args.mixed else [(*s, None) for s in STEPS]
+    mixed = [(16, MIXED[1], MIXED), (16, mean, None), (16, MIXED[1], None), *TAILS]
+    steps = mixed if args.mixed else [(*s, None) for s in STEPS]
     print(f"{torch.cuda.get_device_name()}: microseconds a layer, CUDA-graph replays (median)")
     print(f"{'shape':6s} {'step':18s} {'own':>7s}" + "".join(f" {f'{s} st':>7s}" for s in depths)
           + (f" {'FA4':>7s}" if args.fa4 else "") + "  bits")  # fmt: skip
