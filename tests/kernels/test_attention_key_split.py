@@ -197,10 +197,16 @@ def test_split_paged_equals_varlen_cuda(monkeypatch, keys, head_dim, n_heads, n_
 
 @pytest.mark.cuda
 @needs_cuda
-def test_split_decode_in_a_cuda_graph(monkeypatch):
-    """A split decode step captured once and replayed with longer sequences: the training bits."""
+@pytest.mark.parametrize("slack", [1.15, 8.0])
+def test_split_decode_in_a_cuda_graph(monkeypatch, slack):
+    """A split decode step captured once and replayed with longer sequences: the training bits. The
+    chunks are shared out at replay from the lengths then (slack 1.15: the 1,500- and 700-key rows
+    one chunk a program, the 40-key row whole; 8: the 1,500-key row's chunk-0 program takes 4 of
+    its 6 chunks, the 700-key row whole)."""
     from tests.kernels.test_attention_triton import _Engine
     from vexact_vllm.kernels import attention_triton as compiled
+
+    monkeypatch.setattr(compiled, "_SPLIT_SLACK", slack)
     from vexact_vllm.kernels._capture import gc_paused
 
     monkeypatch.setenv("VEXACT_KEY_SPLIT", "256")
