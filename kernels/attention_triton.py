@@ -982,7 +982,8 @@ def paged_attention(
         SPLIT_TILES=split_tiles,
     )  # fmt: skip
     if split:  # the split launch takes the tiles in the batch's own order
-        _split_decode(q, out, grid, chunks, args, {**meta, "ORDERED": False}, sms)
+        share = _split_share(n_kv, sms)
+        _split_decode(q, out, grid, chunks, args, {**meta, "ORDERED": False}, share, start_loc, n_seqs)
         return out
     resume = dict(SHARED=False)
     if shared is not None:
@@ -1032,20 +1033,17 @@ def _split_share(n_kv: int, sms: int | None) -> float:
     return n_kv * _SPLIT_SLACK / (sms or _INTERPRETER_SMS)
 
 
-def _split_decode(q, out, grid, chunks, args, meta, sms):
-    """The chunks of each row as separate programs (fp32 workspaces), then `_fold_kernel`; `args` and
-    `meta`: `paged_attention`'s launch of `_paged_fwd_kernel`; `sms`: the GPU's SM count (None in the
-    interpreter)."""
+def _split_decode(q, out, grid, chunks, args, meta, share, start_loc, n_seqs):
+    """The chunks of each row shared out among programs (fp32 workspaces), then `_fold_kernel`; `args`
+    and `meta`: `paged_attention`'s launch of `_paged_fwd_kernel`; `share`: `_split_share`'s."""
     n_tokens, n_heads, head_dim = q.shape
     part_acc = torch.empty((n_tokens, n_heads, chunks, head_dim), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((n_tokens, n_heads, chunks, 2), dtype=torch.float32, device=q.device)
     counts = torch.empty((2, n_tokens), dtype=torch.int32, device=q.device)  # written for every sequence's token
     _paged_fwd_kernel[(*grid, chunks)](
         *args, **meta, PARTIAL=True, part_acc_ptr=part_acc, part_ml_ptr=part_ml, part_n_ptr=counts[0],
-        part_p_ptr=counts[1], split_share=_split_share(args[2].shape[2], sms), stride_pt=n_heads * chunks,
-        CHUNKS=chunks,
+        part_p_ptr=counts[1], split_share=share, stride_pt=n_heads * chunks, CHUNKS=chunks,
     )  # fmt: skip
-    start_loc, n_seqs = args[6], args[9]
     heads = min(_FOLD_HEADS, triton.next_power_of_2(n_heads))
     _fold_kernel[(n_tokens, triton.cdiv(n_heads, heads))](
         part_acc, part_ml, counts[0], counts[1], out, start_loc, n_seqs, n_heads * chunks, out.stride(0),

@@ -13,6 +13,7 @@ import torch
 from tests.kernels.test_attention_triton import (
     TOL,
     _check_invariance,
+    _Engine,
     _mixed_steps,
     _packed,
     _reference,
@@ -30,6 +31,23 @@ def split(interpreted_attention, monkeypatch):
     monkeypatch.setenv("VEXACT_KEY_SPLIT", "64")
     monkeypatch.setattr(interpreted_attention, "_SPLIT_MAX_TOKENS", 40)
     return interpreted_attention
+
+
+def _before_last_tokens(ops, lens, n_heads, n_kv, head_dim, scale, device="cpu"):
+    """Sequences of `lens` in a paged engine holding every token but the last: (q, k, v, the training
+    bits, the engine, the last tokens' packed rows); `_write_last` then writes the last K/V."""
+    q, k, v, cu = _packed(lens, n_heads, n_kv, head_dim, torch.bfloat16, device)
+    train = ops.varlen_attention(q, k, v, cu, scale)
+    engine = _Engine(ops, k, v, cu, 16)
+    engine.step(q, {b: (0, n - 1) for b, n in enumerate(lens)}, scale)
+    return q, k, v, train, engine, [cu[b + 1].item() - 1 for b in range(len(lens))]
+
+
+def _write_last(ops, engine, k, v, lens, last):
+    """The last tokens' K/V into their cache slots (pages of 16), as a decode step's KV write does."""
+    pos = torch.tensor([n - 1 for n in lens])
+    slots = engine._table_cpu[torch.arange(len(lens)), pos // 16].long() * 16 + pos % 16
+    ops.write_kv_cache(k[last], v[last], engine.k_cache, engine.v_cache, slots.to(k.device))
 
 
 @pytest.mark.parametrize("slack", [0.0, 0.5, 1e6])
@@ -78,17 +96,9 @@ def test_split_decode_with_padding_and_junk_workspaces(split, monkeypatch, fold_
     chunks, the others all of theirs; 0: one chunk a program; 1e6: every chunk in one program)."""
     monkeypatch.setattr(split, "_FOLD_HEADS", fold_heads)
     monkeypatch.setattr(split, "_SPLIT_SLACK", slack)
-    from tests.kernels.test_attention_triton import _Engine
-
     lens = (40, 150, 70)  # one, three and two chunks of 64 keys
-    q, k, v, cu = _packed(lens, 6, 2, 16, torch.bfloat16)
-    train = split.varlen_attention(q, k, v, cu, 0.25)
-    engine = _Engine(split, k, v, cu, 16)
-    engine.step(q, {b: (0, n - 1) for b, n in enumerate(lens)}, 0.25)  # all but the last token
-    last = [cu[b + 1].item() - 1 for b in range(3)]
-    pos = torch.tensor([n - 1 for n in lens])
-    slots = engine._table_cpu[torch.arange(3), pos // 16].long() * 16 + pos % 16
-    split.write_kv_cache(k[last], v[last], engine.k_cache, engine.v_cache, slots)
+    q, k, v, train, engine, last = _before_last_tokens(split, lens, 6, 2, 16, 0.25)
+    _write_last(split, engine, k, v, lens, last)
     qs = torch.cat([q[last], torch.randn(2, 6, 16).to(q.dtype)])  # 2 padding tokens
     table = torch.cat([engine.block_table, torch.zeros(2, engine.block_table.shape[1], dtype=torch.int32)])
     seq_lens = torch.tensor([*lens, 0, 0], dtype=torch.int32)
@@ -203,19 +213,13 @@ def test_split_decode_in_a_cuda_graph(monkeypatch, slack):
     chunks are shared out at replay from the lengths then (slack 1.15: the 1,500- and 700-key rows
     one chunk a program, the 40-key row whole; 8: the 1,500-key row's chunk-0 program takes 4 of
     its 6 chunks, the 700-key row whole)."""
-    from tests.kernels.test_attention_triton import _Engine
     from vexact_vllm.kernels import attention_triton as compiled
-
-    monkeypatch.setattr(compiled, "_SPLIT_SLACK", slack)
     from vexact_vllm.kernels._capture import gc_paused
 
+    monkeypatch.setattr(compiled, "_SPLIT_SLACK", slack)
     monkeypatch.setenv("VEXACT_KEY_SPLIT", "256")
     lens = (1500, 40, 700)
-    q, k, v, cu = _packed(lens, 16, 8, 128, torch.bfloat16, device="cuda")
-    train = compiled.varlen_attention(q, k, v, cu, 0.1)
-    engine = _Engine(compiled, k, v, cu, 16)
-    engine.step(q, {b: (0, n - 1) for b, n in enumerate(lens)}, 0.1)  # all but the last token
-    last = [cu[b + 1].item() - 1 for b in range(3)]
+    q, k, v, train, engine, last = _before_last_tokens(compiled, lens, 16, 8, 128, 0.1, device="cuda")
     qs = torch.zeros(3, 16, 128, dtype=q.dtype, device="cuda")
     seq_lens = torch.ones(3, dtype=torch.int32, device="cuda")
     qsl = torch.arange(4, dtype=torch.int32, device="cuda")
@@ -228,9 +232,7 @@ def test_split_decode_in_a_cuda_graph(monkeypatch, slack):
     graph = torch.cuda.CUDAGraph()
     with gc_paused(), torch.cuda.graph(graph):
         out = run()
-    pos = torch.tensor([n - 1 for n in lens])
-    slots = (engine._table_cpu[torch.arange(3), pos // 16].long() * 16 + pos % 16).cuda()
-    compiled.write_kv_cache(k[last], v[last], engine.k_cache, engine.v_cache, slots)
+    _write_last(compiled, engine, k, v, lens, last)
     qs.copy_(q[last])
     seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
     graph.replay()
