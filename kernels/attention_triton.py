@@ -436,8 +436,8 @@ def _attend_chunks(
 ):  # fmt: skip
     """Key splits j_lo .. j_hi - 1 folded in order into one state (m, l, acc), unnormalised: chunk
     j_lo from a fresh state, then each later chunk from a fresh state folded into the rows it
-    reaches. All of a row's chunks in `_attend_rows`; in split decode (`_partial_rows`) a prefix of
-    them (chunk 0's program) or one."""
+    reaches: all of a row's chunks in `_attend_rows` (split decode's `_partial_rows` folds its prefix
+    through its workspace instead: the same `_fold`, one chunk at a time)."""
     m_i, l_i, acc = _attend_chunk(
         j_lo, last, q, q_pos, min_pos, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
         block_table_row, stride_k_block, stride_v_block, qk_scale,
@@ -689,10 +689,10 @@ def _attend_paged(
 
 
 @triton.jit
-def _split_prefix(seq_len, seq_lens_ptr, n_seqs, share, CHUNK_KEYS: tl.constexpr, CHUNK: tl.constexpr = 128):
-    """How many of a sequence's first key chunks its chunk-0 program takes in split decode (the rest
-    run one a program): all of them where the sequence is no longer than the step's keys per SM
-    (`share` x the sum of seq_lens), else as many whole chunks as fit in that, at least one. Which
+def _split_prefix(seq_lens_ptr, n_seqs, share, CHUNK_KEYS: tl.constexpr, CHUNK: tl.constexpr = 128):
+    """How many of each sequence's first key chunks its chunk-0 program takes in split decode (the
+    rest run one a program): the step's keys a program slot (`share` x the sum of seq_lens) in whole
+    chunks, rounded up, at least one. A sequence of no more chunks stays in one program. Which
     program computes a chunk changes no bit (the fold order stays 0, 1, ...): speed only."""
     offs = tl.arange(0, CHUNK)
     total = tl.full([CHUNK], 0, dtype=tl.float32)
@@ -700,8 +700,7 @@ def _split_prefix(seq_len, seq_lens_ptr, n_seqs, share, CHUNK_KEYS: tl.constexpr
         b = c + offs
         total += tl.load(seq_lens_ptr + b, mask=b < n_seqs, other=0).to(tl.float32)
     budget = tl.reduce(total, 0, _sum_combine) * share
-    chunks = (seq_len + CHUNK_KEYS - 1) // CHUNK_KEYS
-    return tl.where(seq_len <= budget, chunks, tl.maximum((budget / CHUNK_KEYS).to(tl.int32), 1))
+    return tl.maximum(tl.minimum(tl.ceil(budget / CHUNK_KEYS), 1 << 30).to(tl.int32), 1)
 
 
 @triton.jit
@@ -712,37 +711,75 @@ def _partial_rows(
     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
-    """Split decode: program_id 2 = j. Chunk 0's program computes the sequence's first `prefix`
-    chunks (`_split_prefix`) folded in order, as `_attend_rows` does; a program j >= prefix computes
-    chunk j alone from a fresh state; programs 0 < j < prefix exit. States are stored unnormalised
-    for `_fold_kernel` (the prefix's as entry 0), for the rows the chunk reaches. Chunk 0's program
-    also stores each row's chunk count and the prefix, and the output of rows the prefix covers
-    (normalised as `_attend_rows` and `_fold_kernel` do), which the fold kernel then skips."""
+    """Split decode: program_id 2 = j. A program j >= prefix (`_split_prefix`) computes chunk j from a
+    fresh state, as `_attend_rows` computes each chunk; programs 0 < j < prefix exit; chunk 0's
+    program computes chunks 0 .. prefix - 1 and folds them in order with `_fold`, as `_attend_rows`
+    does, keeping the running state in its workspace entry 0 (fp32, exact) between chunks rather than
+    in registers, so the chunk loop runs with one accumulator live (two spilled: session 26). States
+    are stored unnormalised for `_fold_kernel` (the prefix's as entry 0), for the rows the chunk
+    reaches. Chunk 0's program also stores each row's chunk count and the prefix, and the output of
+    rows the prefix covers (normalised as `_attend_rows` and `_fold_kernel` do), which the fold kernel
+    then skips."""
     j = tl.program_id(2)
     last = max_pos // BLOCK_N + 1
-    if j * SPLIT_TILES >= last:
+    n_all = (last + SPLIT_TILES - 1) // SPLIT_TILES  # chunks the tile's rows reach
+    if j >= n_all:
         return
-    prefix = _split_prefix(seq_len, seq_lens_ptr, n_seqs, split_share, SPLIT_TILES * BLOCK_N)
+    prefix = _split_prefix(seq_lens_ptr, n_seqs, split_share, SPLIT_TILES * BLOCK_N)
     if j > 0 and j < prefix:
         return
-    j_hi = tl.where(j == 0, tl.minimum(prefix, (last + SPLIT_TILES - 1) // SPLIT_TILES), j + 1)
-    m_j, l_j, acc_j = _attend_chunks(
-        j, j_hi, last, q, q_pos, pos0, seq_len, k_base, v_base, 0, stride_ks, stride_vs, block_table_row,
-        stride_kb, stride_vb, qk_scale, SPLIT_TILES, True, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
+    m_j, l_j, acc_j = _attend_chunk(
+        j, last, q, q_pos, pos0, seq_len, k_base, v_base, 0, stride_ks, stride_vs, block_table_row, stride_kb,
+        stride_vb, qk_scale, SPLIT_TILES, True, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
     )  # fmt: skip
     offs_d = tl.arange(0, HEAD_DIM)
     n = q_pos // (SPLIT_TILES * BLOCK_N) + 1  # the row's chunks
-    if j == 0:  # each of the token's G rows stores the same count and prefix
+    part = token.to(tl.int64) * stride_pt + (head * CHUNKS + j).to(tl.int64)  # the (token, head, chunk) entry
+    acc_ptrs = part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :]
+    if j == 0:
+        j_hi = tl.minimum(prefix, n_all)
+        if j_hi > 1:  # chunks 1 .. j_hi - 1 folded into entry 0, the state held there between chunks
+            _store_state(acc_ptrs, part_ml_ptr + part * 2, m_j, l_j, acc_j, valid)
+            for c in range(1, j_hi):
+                m_c, l_c, acc_c = _attend_chunk(
+                    c, last, q, q_pos, pos0, seq_len, k_base, v_base, 0, stride_ks, stride_vs, block_table_row,
+                    stride_kb, stride_vb, qk_scale, SPLIT_TILES, True, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N,
+                    PRECISION, DOT_FP32,
+                )  # fmt: skip
+                m_i, l_i, acc = _load_state(acc_ptrs, part_ml_ptr + part * 2, valid)
+                m_i, l_i, acc = _fold(m_i, l_i, acc, m_c, l_c, acc_c, q_pos >= c * SPLIT_TILES * BLOCK_N)
+                _store_state(acc_ptrs, part_ml_ptr + part * 2, m_i, l_i, acc, valid)
+            m_j, l_j, acc_j = _load_state(acc_ptrs, part_ml_ptr + part * 2, valid)
+        # each of the token's G rows stores the same count and prefix
         tl.store(part_n_ptr + token, n, mask=valid)
         tl.store(part_p_ptr + token, n * 0 + prefix, mask=valid)
         done = valid & (n <= prefix)
         o_ptrs = o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, (acc_j / l_j[:, None]).to(o_ptr.dtype.element_ty), mask=done[:, None])
     stored = valid & (n > prefix) & (q_pos >= j * SPLIT_TILES * BLOCK_N)
-    part = token.to(tl.int64) * stride_pt + (head * CHUNKS + j).to(tl.int64)  # the (token, head, chunk) entry
-    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc_j, mask=stored[:, None])
-    tl.store(part_ml_ptr + part * 2, m_j, mask=stored)
-    tl.store(part_ml_ptr + part * 2 + 1, l_j, mask=stored)
+    _store_state(acc_ptrs, part_ml_ptr + part * 2, m_j, l_j, acc_j, stored)
+
+
+@triton.jit
+def _store_state(acc_ptrs, ml_ptrs, m, s, acc, mask):
+    """An online-softmax state (max m, sum s, accumulator; fp32) into a split workspace entry, for the
+    rows of `mask`."""
+    tl.store(acc_ptrs, acc, mask=mask[:, None])
+    tl.store(ml_ptrs, m, mask=mask)
+    tl.store(ml_ptrs + 1, s, mask=mask)
+
+
+@triton.jit
+def _load_state(acc_ptrs, ml_ptrs, mask):
+    """`_store_state`'s entry read back by the same program: barriers around the loads, since a
+    loaded element may sit in another thread than the one that stored it (another layout), and
+    that thread's next store must not overtake this load."""
+    tl.debug_barrier()
+    m = tl.load(ml_ptrs, mask=mask, other=0.0)
+    s = tl.load(ml_ptrs + 1, mask=mask, other=1.0)
+    acc = tl.load(acc_ptrs, mask=mask[:, None], other=0.0)
+    tl.debug_barrier()
+    return m, s, acc
 
 
 @triton.jit(do_not_specialize=["n_seqs"])  # the batch size must not select another kernel
@@ -1008,9 +1045,11 @@ def paged_attention(
 # chunks in a second launch; others fold in one program. Same bits either way (speed only).
 _SPLIT_MAX_TOKENS = 256
 _SPLIT_MAX_PROGRAMS_PER_SM = 1
-# Split decode's balance (speed only, `_split_prefix`): a sequence of at most _SPLIT_SLACK x the
-# step's keys per SM stays in one program; the interpreter counts _INTERPRETER_SMS SMs.
-_SPLIT_SLACK = 1.15
+# Split decode's balance (speed only, `_split_prefix`): a chunk-0 program takes the step's keys a
+# program slot, _SPLIT_SLOTS_PER_SM slots an SM (Hopper at 5 stages: two 116 KB programs an SM, and a
+# lone program is latency-bound, so two an SM stream about twice as fast: session 25's Nsight
+# Compute); the interpreter counts _INTERPRETER_SMS SMs.
+_SPLIT_SLOTS_PER_SM = 2.0
 _INTERPRETER_SMS = 8
 # Heads a fold program takes (speed only): a decode step has few tokens, so one program a token left
 # most SMs idle (session 25, H200: 16 programs, 7.7 us of an 84 us step).
@@ -1028,9 +1067,9 @@ def split_decode(n_tokens: int, programs: int, sms: int | None) -> bool:
 
 
 def _split_share(n_kv: int, sms: int | None) -> float:
-    """A split decode program's share of the step's keys when balanced: the step's (sequence, kv head)
-    programs spread over the SMs (`_split_prefix`), with slack (speed only)."""
-    return n_kv * _SPLIT_SLACK / (sms or _INTERPRETER_SMS)
+    """A split decode program slot's share of the step's keys: the step's (sequence, kv head) rows
+    spread over every slot of every SM (`_split_prefix`; speed only)."""
+    return n_kv / (_SPLIT_SLOTS_PER_SM * (sms or _INTERPRETER_SMS))
 
 
 def _split_decode(q, out, grid, chunks, args, meta, share, start_loc, n_seqs):
