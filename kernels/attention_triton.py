@@ -715,11 +715,11 @@ def _partial_rows(
     fresh state, as `_attend_rows` computes each chunk; programs 0 < j < prefix exit; chunk 0's
     program computes chunks 0 .. prefix - 1 and folds them in order with `_fold`, as `_attend_rows`
     does, keeping the running state in its workspace entry 0 (fp32, exact) between chunks rather than
-    in registers, so the chunk loop runs with one accumulator live (two spilled: session 26). States
-    are stored unnormalised for `_fold_kernel` (the prefix's as entry 0), for the rows the chunk
-    reaches. Chunk 0's program also stores each row's chunk count and the prefix, and the output of
-    rows the prefix covers (normalised as `_attend_rows` and `_fold_kernel` do), which the fold kernel
-    then skips."""
+    in registers, so one accumulator is live over a chunk (two spilled: session 26). States are
+    stored unnormalised for `_fold_kernel` (the prefix's as entry 0), for the rows the chunk reaches.
+    Chunk 0's program also stores each row's chunk count and the prefix, and the output of rows the
+    prefix covers (read back and normalised as `_attend_rows` and `_fold_kernel` do), which the fold
+    kernel then skips."""
     j = tl.program_id(2)
     last = max_pos // BLOCK_N + 1
     n_all = (last + SPLIT_TILES - 1) // SPLIT_TILES  # chunks the tile's rows reach
@@ -728,56 +728,49 @@ def _partial_rows(
     prefix = _split_prefix(seq_lens_ptr, n_seqs, split_share, SPLIT_TILES * BLOCK_N)
     if j > 0 and j < prefix:
         return
-    m_j, l_j, acc_j = _attend_chunk(
-        j, last, q, q_pos, pos0, seq_len, k_base, v_base, 0, stride_ks, stride_vs, block_table_row, stride_kb,
-        stride_vb, qk_scale, SPLIT_TILES, True, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
-    )  # fmt: skip
-    offs_d = tl.arange(0, HEAD_DIM)
-    n = q_pos // (SPLIT_TILES * BLOCK_N) + 1  # the row's chunks
+    chunk_keys = SPLIT_TILES * BLOCK_N
     part = token.to(tl.int64) * stride_pt + (head * CHUNKS + j).to(tl.int64)  # the (token, head, chunk) entry
-    acc_ptrs = part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :]
-    if j == 0:
-        j_hi = tl.minimum(prefix, n_all)
-        if j_hi > 1:  # chunks 1 .. j_hi - 1 folded into entry 0, the state held there between chunks
-            _store_state(acc_ptrs, part_ml_ptr + part * 2, m_j, l_j, acc_j, valid)
-            for c in range(1, j_hi):
-                m_c, l_c, acc_c = _attend_chunk(
-                    c, last, q, q_pos, pos0, seq_len, k_base, v_base, 0, stride_ks, stride_vs, block_table_row,
-                    stride_kb, stride_vb, qk_scale, SPLIT_TILES, True, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N,
-                    PRECISION, DOT_FP32,
-                )  # fmt: skip
-                m_i, l_i, acc = _load_state(acc_ptrs, part_ml_ptr + part * 2, valid)
-                m_i, l_i, acc = _fold(m_i, l_i, acc, m_c, l_c, acc_c, q_pos >= c * SPLIT_TILES * BLOCK_N)
-                _store_state(acc_ptrs, part_ml_ptr + part * 2, m_i, l_i, acc, valid)
-            m_j, l_j, acc_j = _load_state(acc_ptrs, part_ml_ptr + part * 2, valid)
-        # each of the token's G rows stores the same count and prefix
+    reached = valid & (q_pos >= j * chunk_keys)
+    for c in range(j, tl.where(j == 0, tl.minimum(prefix, n_all), j + 1)):  # one accumulator in registers
+        m_c, l_c, acc_c = _attend_chunk(
+            c, last, q, q_pos, pos0, seq_len, k_base, v_base, 0, stride_ks, stride_vs, block_table_row, stride_kb,
+            stride_vb, qk_scale, SPLIT_TILES, True, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
+        )  # fmt: skip
+        if c > j:  # chunk 0's program: the prefix so far, from entry 0, with chunk c folded in
+            m_i, l_i, acc = _load_state(part_acc_ptr, part_ml_ptr, part, valid, HEAD_DIM)
+            m_c, l_c, acc_c = _fold(m_i, l_i, acc, m_c, l_c, acc_c, q_pos >= c * chunk_keys)
+        _store_state(part_acc_ptr, part_ml_ptr, part, m_c, l_c, acc_c, reached, HEAD_DIM)
+    if j == 0:  # each of the token's G rows stores the same count and prefix
+        n = q_pos // chunk_keys + 1  # the row's chunks
         tl.store(part_n_ptr + token, n, mask=valid)
         tl.store(part_p_ptr + token, n * 0 + prefix, mask=valid)
         done = valid & (n <= prefix)
+        m_i, l_i, acc = _load_state(part_acc_ptr, part_ml_ptr, part, done, HEAD_DIM)
+        offs_d = tl.arange(0, HEAD_DIM)
         o_ptrs = o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, (acc_j / l_j[:, None]).to(o_ptr.dtype.element_ty), mask=done[:, None])
-    stored = valid & (n > prefix) & (q_pos >= j * SPLIT_TILES * BLOCK_N)
-    _store_state(acc_ptrs, part_ml_ptr + part * 2, m_j, l_j, acc_j, stored)
+        tl.store(o_ptrs, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=done[:, None])
 
 
 @triton.jit
-def _store_state(acc_ptrs, ml_ptrs, m, s, acc, mask):
-    """An online-softmax state (max m, sum s, accumulator; fp32) into a split workspace entry, for the
-    rows of `mask`."""
-    tl.store(acc_ptrs, acc, mask=mask[:, None])
-    tl.store(ml_ptrs, m, mask=mask)
-    tl.store(ml_ptrs + 1, s, mask=mask)
+def _store_state(acc_ptr, ml_ptr, part, m, s, acc, mask, HEAD_DIM: tl.constexpr):
+    """An online-softmax state (max m, sum s, accumulator; fp32) into split workspace entries `part`,
+    for the rows of `mask`."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    tl.store(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask[:, None])
+    tl.store(ml_ptr + part * 2, m, mask=mask)
+    tl.store(ml_ptr + part * 2 + 1, s, mask=mask)
 
 
 @triton.jit
-def _load_state(acc_ptrs, ml_ptrs, mask):
-    """`_store_state`'s entry read back by the same program: barriers around the loads, since a
-    loaded element may sit in another thread than the one that stored it (another layout), and
-    that thread's next store must not overtake this load."""
+def _load_state(acc_ptr, ml_ptr, part, mask, HEAD_DIM: tl.constexpr):
+    """`_store_state`'s entries read back by the program that stored them: barriers around the
+    loads, since a loaded element may sit in another thread than the one that stored it (another
+    layout), and that thread's next store must not overtake this load."""
+    offs_d = tl.arange(0, HEAD_DIM)
     tl.debug_barrier()
-    m = tl.load(ml_ptrs, mask=mask, other=0.0)
-    s = tl.load(ml_ptrs + 1, mask=mask, other=1.0)
-    acc = tl.load(acc_ptrs, mask=mask[:, None], other=0.0)
+    m = tl.load(ml_ptr + part * 2, mask=mask, other=0.0)
+    s = tl.load(ml_ptr + part * 2 + 1, mask=mask, other=1.0)
+    acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=mask[:, None], other=0.0)
     tl.debug_barrier()
     return m, s, acc
 
