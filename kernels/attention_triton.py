@@ -38,12 +38,9 @@ chunk states in order j = 1, 2, ... into chunk 0's (`_fold`):
     l = fma(l, a, l_j * b),  acc = acc * a + acc_j * b,  m = M
 and normalises as above. A row before key C keeps the unsplit bits (chunk 0 is the loop above). Every
 entry point gives the same bits: training and paged steps fold the chunks in one program
-(`_attend_rows`), a thin paged step (`split_decode`) shares a row's chunks out among programs
-(chunk 0's program folds a prefix of them, as `_attend_rows` does, and each later chunk gets a
-program of its own: `_split_prefix` sizes the prefix from the step's lengths, which moves work
-between programs and never changes the fold order), stores their states in fp32 and `_fold_kernel`
-folds them in order with the same `_fold`, row by row (a row the prefix covers is normalised and
-stored by chunk 0's program, as the fold would). Within a chunk the
+(`_attend_rows`), a thin paged step (`split_decode`) runs each chunk as its own program, stores its
+state in fp32 and `_fold_kernel` folds them with the same `_fold`, row by row (a row of one chunk is
+normalised and stored by its chunk's program, as the fold would). Within a chunk the
 exponentials use 0 where the running max is still -inf (`_attend_tile(SAFE=True)`: a row may meet
 a chunk's first tile wholly masked in training tiles), which leaves a finite max's arithmetic as it
 is. A split lets a step of few long rows use every SM, as FlashAttention's split-KV does, with its
@@ -371,11 +368,18 @@ def _attend_rows(
             PAGED, PAGE, HEAD_DIM, BLOCK_N, PRECISION, DOT_FP32,
         )  # fmt: skip
     else:  # chunk 0, then each later chunk from a fresh state, folded in (module docstring)
-        m_i, l_i, acc = _attend_chunks(
-            0, (last + SPLIT_TILES - 1) // SPLIT_TILES, last, q, q_pos, min_pos, seq_len, k_base, v_base, kv_row0,
-            stride_k_row, stride_v_row, block_table_row, stride_k_block, stride_v_block, qk_scale,
+        m_i, l_i, acc = _attend_chunk(
+            0, last, q, q_pos, min_pos, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
+            block_table_row, stride_k_block, stride_v_block, qk_scale,
             SPLIT_TILES, PAGED, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
         )  # fmt: skip
+        for j in range(1, (last + SPLIT_TILES - 1) // SPLIT_TILES):
+            m_j, l_j, acc_j = _attend_chunk(
+                j, last, q, q_pos, min_pos, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
+                block_table_row, stride_k_block, stride_v_block, qk_scale,
+                SPLIT_TILES, PAGED, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
+            )  # fmt: skip
+            m_i, l_i, acc = _fold(m_i, l_i, acc, m_j, l_j, acc_j, q_pos >= j * SPLIT_TILES * BLOCK_N)
     # 4. Normalise.
     return acc / l_i[:, None], m_i + tl.log2(l_i)
 
@@ -425,32 +429,6 @@ def _attend_chunk(
         k_base, v_base, kv_row0, stride_k_row, stride_v_row, block_table_row, stride_k_block, stride_v_block,
         qk_scale, PAGED, PAGE, HEAD_DIM, BLOCK_N, PRECISION, DOT_FP32, True,
     )  # fmt: skip
-
-
-@triton.jit
-def _attend_chunks(
-    j_lo, j_hi, last, q, q_pos, min_pos, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
-    block_table_row, stride_k_block, stride_v_block, qk_scale, SPLIT_TILES: tl.constexpr, PAGED: tl.constexpr,
-    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-):  # fmt: skip
-    """Key splits j_lo .. j_hi - 1 folded in order into one state (m, l, acc), unnormalised: chunk
-    j_lo from a fresh state, then each later chunk from a fresh state folded into the rows it
-    reaches: all of a row's chunks in `_attend_rows` (split decode's `_partial_rows` folds its prefix
-    through its workspace instead: the same `_fold`, one chunk at a time)."""
-    m_i, l_i, acc = _attend_chunk(
-        j_lo, last, q, q_pos, min_pos, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
-        block_table_row, stride_k_block, stride_v_block, qk_scale,
-        SPLIT_TILES, PAGED, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
-    )  # fmt: skip
-    for j in range(j_lo + 1, j_hi):
-        m_j, l_j, acc_j = _attend_chunk(
-            j, last, q, q_pos, min_pos, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
-            block_table_row, stride_k_block, stride_v_block, qk_scale,
-            SPLIT_TILES, PAGED, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
-        )  # fmt: skip
-        m_i, l_i, acc = _fold(m_i, l_i, acc, m_j, l_j, acc_j, q_pos >= j * SPLIT_TILES * BLOCK_N)
-    return m_i, l_i, acc
 
 
 @triton.jit
@@ -590,8 +568,6 @@ def _paged_fwd_kernel(
     part_acc_ptr=None,  # PARTIAL: fp32 [T, Hq, chunks, HEAD_DIM], each chunk's unnormalised accumulator
     part_ml_ptr=None,  # PARTIAL: fp32 [T, Hq, chunks, 2], its max and sum
     part_n_ptr=None,  # PARTIAL: int32 [T], chunks of each token's row (written for every sequence's token)
-    part_p_ptr=None,  # PARTIAL: int32 [T], of them the chunks its chunk-0 program took (`_split_prefix`)
-    split_share=0.0,  # PARTIAL: a program's share of the step's keys when balanced (`_split_share`)
     stride_pt=0,  # PARTIAL: entries a token (Hq * chunks): entry (t, h, j) = t * stride_pt + h * chunks + j
     CHUNKS: tl.constexpr = 1,  # PARTIAL: the chunk axis of the workspaces
 ):
@@ -633,8 +609,7 @@ def _paged_fwd_kernel(
             q, q_pos, pos0, max_pos, seq_len, token, head, valid, k_ptr + kv_head * stride_kh,
             v_ptr + kv_head * stride_vh, stride_ks, stride_vs, block_table_ptr + b.to(tl.int64) * stride_bt,
             stride_kb, stride_vb, qk_scale, o_ptr, stride_ot, stride_oh, part_acc_ptr, part_ml_ptr, part_n_ptr,
-            part_p_ptr, stride_pt, seq_lens_ptr, n_seqs, split_share, SPLIT_TILES, CHUNKS, PAGE, HEAD_DIM,
-            BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
+            stride_pt, SPLIT_TILES, CHUNKS, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
         )  # fmt: skip
         return
     if SHARED:
@@ -689,109 +664,54 @@ def _attend_paged(
 
 
 @triton.jit
-def _split_prefix(seq_lens_ptr, n_seqs, share, CHUNK_KEYS: tl.constexpr, CHUNK: tl.constexpr = 128):
-    """How many of each sequence's first key chunks its chunk-0 program takes in split decode (the
-    rest run one a program): the step's keys a program slot (`share` x the sum of seq_lens) in whole
-    chunks, rounded up, at least one. A sequence of no more chunks stays in one program. Which
-    program computes a chunk changes no bit (the fold order stays 0, 1, ...): speed only."""
-    offs = tl.arange(0, CHUNK)
-    total = tl.full([CHUNK], 0, dtype=tl.float32)
-    for c in range(0, n_seqs, CHUNK):
-        b = c + offs
-        total += tl.load(seq_lens_ptr + b, mask=b < n_seqs, other=0).to(tl.float32)
-    budget = tl.reduce(total, 0, _sum_combine) * share
-    return tl.maximum(tl.minimum(tl.ceil(budget / CHUNK_KEYS), 1 << 30).to(tl.int32), 1)
-
-
-@triton.jit
 def _partial_rows(
     q, q_pos, pos0, max_pos, seq_len, token, head, valid, k_base, v_base, stride_ks, stride_vs, block_table_row,
-    stride_kb, stride_vb, qk_scale, o_ptr, stride_ot, stride_oh, part_acc_ptr, part_ml_ptr, part_n_ptr, part_p_ptr,
-    stride_pt, seq_lens_ptr, n_seqs, split_share, SPLIT_TILES: tl.constexpr, CHUNKS: tl.constexpr,
-    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    stride_kb, stride_vb, qk_scale, o_ptr, stride_ot, stride_oh, part_acc_ptr, part_ml_ptr, part_n_ptr, stride_pt,
+    SPLIT_TILES: tl.constexpr, CHUNKS: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
-    """Split decode: program_id 2 = j. A program j >= prefix (`_split_prefix`) computes chunk j from a
-    fresh state, as `_attend_rows` computes each chunk; programs 0 < j < prefix exit; chunk 0's
-    program computes chunks 0 .. prefix - 1 and folds them in order with `_fold`, as `_attend_rows`
-    does, keeping the running state in its workspace entry 0 (fp32, exact) between chunks rather than
-    in registers, so one accumulator is live over a chunk (two spilled: session 26). States are
-    stored unnormalised for `_fold_kernel` (the prefix's as entry 0), for the rows the chunk reaches.
-    Chunk 0's program also stores each row's chunk count and the prefix, and the output of rows the
-    prefix covers (read back and normalised as `_attend_rows` and `_fold_kernel` do), which the fold
-    kernel then skips."""
+    """Split decode: this program's chunk (program_id 2) of its rows' keys, from a fresh state, as
+    `_attend_rows` computes each chunk, stored unnormalised for `_fold_kernel` (rows whose position
+    the chunk does not reach store nothing). Chunk 0's programs store each row's chunk count, and
+    the output of rows with one chunk (normalised as `_attend_rows` and `_fold_kernel` do), which
+    the fold kernel then skips."""
     j = tl.program_id(2)
     last = max_pos // BLOCK_N + 1
-    n_all = (last + SPLIT_TILES - 1) // SPLIT_TILES  # chunks the tile's rows reach
-    if j >= n_all:
+    if j * SPLIT_TILES >= last:
         return
-    prefix = _split_prefix(seq_lens_ptr, n_seqs, split_share, SPLIT_TILES * BLOCK_N)
-    if j > 0 and j < prefix:
-        return
-    chunk_keys = SPLIT_TILES * BLOCK_N
-    part = token.to(tl.int64) * stride_pt + (head * CHUNKS + j).to(tl.int64)  # the (token, head, chunk) entry
-    reached = valid & (q_pos >= j * chunk_keys)
-    for c in range(j, tl.where(j == 0, tl.minimum(prefix, n_all), j + 1)):  # one accumulator in registers
-        m_c, l_c, acc_c = _attend_chunk(
-            c, last, q, q_pos, pos0, seq_len, k_base, v_base, 0, stride_ks, stride_vs, block_table_row, stride_kb,
-            stride_vb, qk_scale, SPLIT_TILES, True, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
-        )  # fmt: skip
-        if c > j:  # chunk 0's program: the prefix so far, from entry 0, with chunk c folded in
-            m_i, l_i, acc = _load_state(part_acc_ptr, part_ml_ptr, part, valid, HEAD_DIM)
-            m_c, l_c, acc_c = _fold(m_i, l_i, acc, m_c, l_c, acc_c, q_pos >= c * chunk_keys)
-        _store_state(part_acc_ptr, part_ml_ptr, part, m_c, l_c, acc_c, reached, HEAD_DIM)
-    if j == 0:  # each of the token's G rows stores the same count and prefix
-        n = q_pos // chunk_keys + 1  # the row's chunks
+    m_j, l_j, acc_j = _attend_chunk(
+        j, last, q, q_pos, pos0, seq_len, k_base, v_base, 0, stride_ks, stride_vs, block_table_row, stride_kb,
+        stride_vb, qk_scale, SPLIT_TILES, True, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
+    )  # fmt: skip
+    offs_d = tl.arange(0, HEAD_DIM)
+    n = q_pos // (SPLIT_TILES * BLOCK_N) + 1  # the row's chunks
+    if j == 0:  # each of the token's G rows stores the same count
         tl.store(part_n_ptr + token, n, mask=valid)
-        tl.store(part_p_ptr + token, n * 0 + prefix, mask=valid)
-        done = valid & (n <= prefix)
-        m_i, l_i, acc = _load_state(part_acc_ptr, part_ml_ptr, part, done, HEAD_DIM)
-        offs_d = tl.arange(0, HEAD_DIM)
+        alone = valid & (n == 1)
         o_ptrs = o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=done[:, None])
-
-
-@triton.jit
-def _store_state(acc_ptr, ml_ptr, part, m, s, acc, mask, HEAD_DIM: tl.constexpr):
-    """An online-softmax state (max m, sum s, accumulator; fp32) into split workspace entries `part`,
-    for the rows of `mask`."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    tl.store(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask[:, None])
-    tl.store(ml_ptr + part * 2, m, mask=mask)
-    tl.store(ml_ptr + part * 2 + 1, s, mask=mask)
-
-
-@triton.jit
-def _load_state(acc_ptr, ml_ptr, part, mask, HEAD_DIM: tl.constexpr):
-    """`_store_state`'s entries read back by the program that stored them: barriers around the
-    loads, since a loaded element may sit in another thread than the one that stored it (another
-    layout), and that thread's next store must not overtake this load."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    tl.debug_barrier()
-    m = tl.load(ml_ptr + part * 2, mask=mask, other=0.0)
-    s = tl.load(ml_ptr + part * 2 + 1, mask=mask, other=1.0)
-    acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=mask[:, None], other=0.0)
-    tl.debug_barrier()
-    return m, s, acc
+        tl.store(o_ptrs, (acc_j / l_j[:, None]).to(o_ptr.dtype.element_ty), mask=alone[:, None])
+    stored = valid & (n > 1) & (q_pos >= j * SPLIT_TILES * BLOCK_N)
+    part = token.to(tl.int64) * stride_pt + (head * CHUNKS + j).to(tl.int64)  # the (token, head, chunk) entry
+    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc_j, mask=stored[:, None])
+    tl.store(part_ml_ptr + part * 2, m_j, mask=stored)
+    tl.store(part_ml_ptr + part * 2 + 1, l_j, mask=stored)
 
 
 @triton.jit(do_not_specialize=["n_seqs"])  # the batch size must not select another kernel
 def _fold_kernel(
-    part_acc_ptr, part_ml_ptr, part_n_ptr, part_p_ptr, o_ptr, start_loc_ptr, n_seqs, stride_pt, stride_ot,
-    stride_oh, n_heads, CHUNKS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS: tl.constexpr,
+    part_acc_ptr, part_ml_ptr, part_n_ptr, o_ptr, start_loc_ptr, n_seqs, stride_pt, stride_ot, stride_oh, n_heads,
+    CHUNKS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS: tl.constexpr,
 ):  # fmt: skip
-    """Split decode's second launch: program (token, head block) folds into each of its HEADS heads'
-    entry 0 (chunks 0 .. prefix - 1, folded by chunk 0's program) the chunk states prefix, prefix + 1,
-    ... in order with `_fold` (the routine `_attend_rows` folds with; a head is a row of the [HEADS,
-    HEAD_DIM] tile: element-wise, so the block size changes no bit) and normalises. Tokens past the
-    sequences' (padding: their counts are unwritten) and rows the prefix covers (already stored by
-    `_partial_rows`) exit at once."""
+    """Split decode's second launch: program (token, head block) folds each of its HEADS heads' chunk
+    states 0, 1, ... in order with `_fold` (the routine `_attend_rows` folds with; a head is a row of
+    the [HEADS, HEAD_DIM] tile: element-wise, so the block size changes no bit) and normalises.
+    Tokens past the sequences' (padding: their chunk count is unwritten) and rows of one chunk
+    (already stored by `_partial_rows`) exit at once."""
     token = tl.program_id(0).to(tl.int64)
     if token >= tl.load(start_loc_ptr + n_seqs):
         return
     n = tl.load(part_n_ptr + token)
-    prefix = tl.load(part_p_ptr + token)
-    if n <= prefix:
+    if n == 1:
         return
     offs_d = tl.arange(0, HEAD_DIM)
     heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
@@ -800,7 +720,7 @@ def _fold_kernel(
     m_i = tl.load(part_ml_ptr + part * 2, mask=real, other=0.0)
     l_i = tl.load(part_ml_ptr + part * 2 + 1, mask=real, other=1.0)
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=real[:, None], other=0.0)
-    for j in range(prefix, n):
+    for j in range(1, n):
         m_j = tl.load(part_ml_ptr + (part + j) * 2, mask=real, other=0.0)
         l_j = tl.load(part_ml_ptr + (part + j) * 2 + 1, mask=real, other=1.0)
         acc_j = tl.load(part_acc_ptr + (part + j)[:, None] * HEAD_DIM + offs_d[None, :], mask=real[:, None], other=0.0)
@@ -991,8 +911,7 @@ def paged_attention(
             "splits): unset VEXACT_SHARED_PREFIX with it"
         )
     chunks = -(-block_table.shape[1] * k_cache.shape[1] // (split_tiles * KEY_TILE)) if split_tiles else 1
-    sms = _sm_count(q.device.index) if q.is_cuda else None
-    split = chunks > 1 and split_decode(n_tokens, n_tiles * n_kv, sms)
+    split = chunks > 1 and split_decode(n_tokens, n_tiles * n_kv, _sm_count(q.device.index) if q.is_cuda else None)
     num_stages = paged_stages(head_dim, n_tiles * n_kv, thin_sms, shared is not None, num_stages, split)
     block_table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
     seq_lens = seq_lens.to(torch.int32)
@@ -1012,8 +931,7 @@ def paged_attention(
         SPLIT_TILES=split_tiles,
     )  # fmt: skip
     if split:  # the split launch takes the tiles in the batch's own order
-        share = _split_share(n_kv, sms)
-        _split_decode(q, out, grid, chunks, args, {**meta, "ORDERED": False}, share, start_loc, n_seqs)
+        _split_decode(q, out, grid, chunks, args, {**meta, "ORDERED": False}, start_loc, n_seqs)
         return out
     resume = dict(SHARED=False)
     if shared is not None:
@@ -1038,12 +956,6 @@ def paged_attention(
 # chunks in a second launch; others fold in one program. Same bits either way (speed only).
 _SPLIT_MAX_TOKENS = 256
 _SPLIT_MAX_PROGRAMS_PER_SM = 1
-# Split decode's balance (speed only, `_split_prefix`): a chunk-0 program takes the step's keys a
-# program slot, _SPLIT_SLOTS_PER_SM slots an SM (Hopper at 5 stages: two 116 KB programs an SM, and a
-# lone program is latency-bound, so two an SM stream about twice as fast: session 25's Nsight
-# Compute); the interpreter counts _INTERPRETER_SMS SMs.
-_SPLIT_SLOTS_PER_SM = 2.0
-_INTERPRETER_SMS = 8
 # Heads a fold program takes (speed only): a decode step has few tokens, so one program a token left
 # most SMs idle (session 25, H200: 16 programs, 7.7 us of an 84 us step).
 _FOLD_HEADS = 4
@@ -1059,27 +971,23 @@ def split_decode(n_tokens: int, programs: int, sms: int | None) -> bool:
     return sms is None or programs <= _SPLIT_MAX_PROGRAMS_PER_SM * sms
 
 
-def _split_share(n_kv: int, sms: int | None) -> float:
-    """A split decode program slot's share of the step's keys: the step's (sequence, kv head) rows
-    spread over every slot of every SM (`_split_prefix`; speed only)."""
-    return n_kv / (_SPLIT_SLOTS_PER_SM * (sms or _INTERPRETER_SMS))
-
-
-def _split_decode(q, out, grid, chunks, args, meta, share, start_loc, n_seqs):
-    """The chunks of each row shared out among programs (fp32 workspaces), then `_fold_kernel`; `args`
-    and `meta`: `paged_attention`'s launch of `_paged_fwd_kernel`; `share`: `_split_share`'s."""
+def _split_decode(q, out, grid, chunks, args, meta, start_loc, n_seqs):
+    """The chunks of each row as separate programs (fp32 workspaces), then `_fold_kernel`; `args` and
+    `meta`: `paged_attention`'s launch of `_paged_fwd_kernel`. One chunk a program: session 26 tried
+    chunk 0's program taking a prefix of the chunks (folded in registers, or through its workspace
+    entry): both compiled to 255 registers and ran the 16-sequence steps 7-40% slower (docs/BENCHMARKS.md)."""
     n_tokens, n_heads, head_dim = q.shape
     part_acc = torch.empty((n_tokens, n_heads, chunks, head_dim), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((n_tokens, n_heads, chunks, 2), dtype=torch.float32, device=q.device)
-    counts = torch.empty((2, n_tokens), dtype=torch.int32, device=q.device)  # written for every sequence's token
+    part_n = torch.empty(n_tokens, dtype=torch.int32, device=q.device)  # written for every sequence's token
     _paged_fwd_kernel[(*grid, chunks)](
-        *args, **meta, PARTIAL=True, part_acc_ptr=part_acc, part_ml_ptr=part_ml, part_n_ptr=counts[0],
-        part_p_ptr=counts[1], split_share=share, stride_pt=n_heads * chunks, CHUNKS=chunks,
+        *args, **meta, PARTIAL=True, part_acc_ptr=part_acc, part_ml_ptr=part_ml, part_n_ptr=part_n,
+        stride_pt=n_heads * chunks, CHUNKS=chunks,
     )  # fmt: skip
     heads = min(_FOLD_HEADS, triton.next_power_of_2(n_heads))
     _fold_kernel[(n_tokens, triton.cdiv(n_heads, heads))](
-        part_acc, part_ml, counts[0], counts[1], out, start_loc, n_seqs, n_heads * chunks, out.stride(0),
-        out.stride(1), n_heads, CHUNKS=chunks, HEAD_DIM=head_dim, HEADS=heads, enable_fp_fusion=False,
+        part_acc, part_ml, part_n, out, start_loc, n_seqs, n_heads * chunks, out.stride(0), out.stride(1), n_heads,
+        CHUNKS=chunks, HEAD_DIM=head_dim, HEADS=heads, enable_fp_fusion=False,
     )  # fmt: skip
 
 

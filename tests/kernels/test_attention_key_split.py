@@ -50,12 +50,8 @@ def _write_last(ops, engine, k, v, lens, last):
     ops.write_kv_cache(k[last], v[last], engine.k_cache, engine.v_cache, slots.to(k.device))
 
 
-@pytest.mark.parametrize("slots", [1e9, 2.0, 1e-6])
-def test_split_paged_equals_varlen_interpreted(split, monkeypatch, slots):
-    """GQA 4/2, bf16, pages of 16: whole prefill, chunks of 64 and 9, every position decoded; split
-    decode's chunk-0 programs taking one chunk (1e9 program slots an SM), a prefix of one to three
-    as the lengths grow (2), or every chunk (1e-6)."""
-    monkeypatch.setattr(split, "_SPLIT_SLOTS_PER_SM", slots)
+def test_split_paged_equals_varlen_interpreted(split):
+    """GQA 4/2, bf16, pages of 16: whole prefill, chunks of 64 and 9, every position decoded."""
     _check_invariance(split, LENS, 4, 2, 16, 16, torch.bfloat16, chunks=(max(LENS), 64, 9, 1))
 
 
@@ -87,17 +83,13 @@ def test_split_mixed_steps_interpreted(split):
     assert torch.equal(_mixed_steps(split, q, k, v, cu, 32, scale), train)
 
 
-@pytest.mark.parametrize("fold_heads,slots", [(1, 1.0), (4, 1e9), (64, 1.0), (4, 1e-6)])
-def test_split_decode_with_padding_and_junk_workspaces(split, monkeypatch, fold_heads, slots):
+@pytest.mark.parametrize("fold_heads", [1, 4, 64])
+def test_split_decode_with_padding_and_junk_workspaces(split, monkeypatch, fold_heads):
     """A decode step padded as vLLM's full CUDA graphs pad it (tokens past the sequences', sequences
     of no query), with every torch.empty buffer full of junk (NaN, chunk count 5): the workspaces'
     unwritten entries are never read, padding rows are never written, and the real tokens get the
-    training bits, whatever the fold kernel's head block (6 heads: padded blocks of 4 and 64) and
-    however the chunks are shared out (1 program slot an SM: the 150-key row's chunk-0 program takes
-    2 of its 3 chunks, folding the second through its junk-filled workspace entry, the others all of
-    theirs; 1e9: one chunk a program; 1e-6: every chunk in one program)."""
+    training bits, whatever the fold kernel's head block (6 heads: padded blocks of 4 and 64)."""
     monkeypatch.setattr(split, "_FOLD_HEADS", fold_heads)
-    monkeypatch.setattr(split, "_SPLIT_SLOTS_PER_SM", slots)
     lens = (40, 150, 70)  # one, three and two chunks of 64 keys
     q, k, v, train, engine, last = _before_last_tokens(split, lens, 6, 2, 16, 0.25)
     _write_last(split, engine, k, v, lens, last)
@@ -117,10 +109,8 @@ def test_split_decode_with_padding_and_junk_workspaces(split, monkeypatch, fold_
     monkeypatch.setattr(torch, "empty", empty)
     assert torch.equal(out[:3], train[last])
     assert (out[3:] == 7).all()  # padding tokens' rows are never written
-    counts = next(t for t in made if t.dtype == torch.int32)  # [chunk count, prefix] a token
-    assert counts[0, :3].tolist() == [1, 3, 2]
-    prefix = max(1, math.ceil(sum(lens) * 2 / (slots * split._INTERPRETER_SMS) / 64))  # keys a slot, in chunks
-    assert counts[1, :3].tolist() == [prefix] * 3 and prefix == {1.0: 2, 1e9: 1}.get(slots, prefix)
+    counts = next(t for t in made if t.dtype == torch.int32)  # each token's chunk count
+    assert counts[:3].tolist() == [1, 3, 2] and (counts[3:] == 5).all()
 
 
 def test_split_keeps_short_rows_and_stays_accurate(interpreted_attention, monkeypatch):
@@ -213,16 +203,12 @@ def test_split_paged_equals_varlen_cuda(monkeypatch, keys, head_dim, n_heads, n_
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("slots", [2.0, 0.15])
-def test_split_decode_in_a_cuda_graph(monkeypatch, slots):
-    """A split decode step captured once and replayed with longer sequences: the training bits. The
-    chunks are shared out at replay from the lengths then (on 132 SMs, 2 program slots an SM: the
-    1,500- and 700-key rows one chunk a program, the 40-key row whole; 0.15: the 1,500-key row's
-    chunk-0 program takes 4 of its 6 chunks, the 700-key row whole)."""
+def test_split_decode_in_a_cuda_graph(monkeypatch):
+    """A split decode step captured once and replayed with longer sequences: the training bits (the
+    1,500- and 700-key rows through the fold kernel, the 40-key row stored by its one program)."""
     from vexact_vllm.kernels import attention_triton as compiled
     from vexact_vllm.kernels._capture import gc_paused
 
-    monkeypatch.setattr(compiled, "_SPLIT_SLOTS_PER_SM", slots)
     monkeypatch.setenv("VEXACT_KEY_SPLIT", "256")
     lens = (1500, 40, 700)
     q, k, v, train, engine, last = _before_last_tokens(compiled, lens, 16, 8, 128, 0.1, device="cuda")
