@@ -125,7 +125,7 @@ def _attend_sequence(q, k, v, q_start_pos: int, scale: float) -> torch.Tensor:
     return torch.cat(outs)
 
 
-def _varlen_attention_torch(q, k, v, cu_seqlens, scale):
+def _varlen_attention_torch(q, k, v, cu_seqlens, scale, longest=None):  # longest: unused here
     bounds = [int(b) for b in cu_seqlens.tolist()]
     outs = []
     for b in range(len(bounds) - 1):
@@ -251,7 +251,8 @@ def varlen_attention(
         raise ValueError(f"cu_seqlens must rise from 0 to T = {q.shape[0]}, got {bounds}")
     _check_scale(scale)
     check_same_device(q=q, k=k, v=v, cu_seqlens=cu_seqlens)
-    return _VARLEN_IMPLS[attention_backend_for(q)](q, k, v, cu_seqlens, float(scale))
+    longest = max((b - a for a, b in zip(bounds, bounds[1:], strict=False)), default=0)  # no sync: bounds are here
+    return _VARLEN_IMPLS[attention_backend_for(q)](q, k, v, cu_seqlens, float(scale), longest=longest)
 
 
 def write_kv_cache(

@@ -76,12 +76,13 @@ def _call(q, k, v, scale, **kwargs):
     return out[0] if isinstance(out, tuple) else out
 
 
-def varlen_attention(q, k, v, cu_seqlens, scale):
+def varlen_attention(q, k, v, cu_seqlens, scale, longest=None):
     """`attention.varlen_attention` on FA4 (inputs already checked there); differentiable, with FA4's
-    deterministic backward."""
+    deterministic backward. `longest`: the longest sequence, if the caller has it (else read here)."""
     check_usable(q)
     cu = cu_seqlens.to(torch.int32)
-    longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    if longest is None:
+        longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
     if q.shape[0] == 0 or longest == 0:
         return torch.zeros_like(q)
     return _call(

@@ -825,8 +825,9 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _varlen_forward(q, k, v, cu_seqlens, scale, store_lse):
-    """out [T, Hq, D] (q.dtype) and, if store_lse, lse [T, Hq] fp32 in log2 units."""
+def _varlen_forward(q, k, v, cu_seqlens, scale, store_lse, split_tiles):
+    """out [T, Hq, D] (q.dtype) and, if store_lse, lse [T, Hq] fp32 in log2 units; `split_tiles`:
+    `_split_tiles`'."""
     n_tokens, n_heads, head_dim = q.shape
     n_kv = k.shape[1]
     group = n_heads // n_kv
@@ -844,7 +845,7 @@ def _varlen_forward(q, k, v, cu_seqlens, scale, store_lse):
         out.stride(0), out.stride(1), lse.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=KEY_TILE,
         PRECISION=_precision(q.dtype), DOT_FP32=_interpreted(), STORE_LSE=store_lse, enable_fp_fusion=False,
-        num_warps=num_warps, num_stages=num_stages, SPLIT_TILES=key_split() // KEY_TILE,
+        num_warps=num_warps, num_stages=num_stages, SPLIT_TILES=split_tiles,
     )  # fmt: skip
     return out, lse
 
@@ -859,8 +860,8 @@ class _VarlenAttention(torch.autograd.Function):
     """varlen attention with the FlashAttention-2 style recomputing backward (deterministic)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, scale):
-        out, lse = _varlen_forward(q, k, v, cu_seqlens, scale, store_lse=True)
+    def forward(ctx, q, k, v, cu_seqlens, scale, split_tiles):
+        out, lse = _varlen_forward(q, k, v, cu_seqlens, scale, True, split_tiles)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens.to(torch.int32))
         ctx.scale = scale
         return out
@@ -870,15 +871,27 @@ class _VarlenAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
         dq, dk, dv = varlen_attention_backward(grad_out, q, k, v, out, lse, cu_seqlens, ctx.scale)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
-def varlen_attention(q, k, v, cu_seqlens, scale):
-    """Triton implementation of `attention.varlen_attention` (inputs already checked there)."""
+def varlen_attention(q, k, v, cu_seqlens, scale, longest=None):
+    """Triton implementation of `attention.varlen_attention` (inputs already checked there);
+    `longest`: the longest sequence, if the caller has it (`_split_tiles`)."""
     forward_config(q.shape[2], q.shape[1] // k.shape[1])
+    split_tiles = _split_tiles(q.shape[0] if longest is None else longest)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return _VarlenAttention.apply(q, k, v, cu_seqlens, scale)
-    return _varlen_forward(q, k, v, cu_seqlens, scale, store_lse=False)[0]
+        return _VarlenAttention.apply(q, k, v, cu_seqlens, scale, split_tiles)
+    return _varlen_forward(q, k, v, cu_seqlens, scale, False, split_tiles)[0]
+
+
+def _split_tiles(reach: int) -> int:
+    """SPLIT_TILES of a launch whose rows reach at most `reach` keys: VEXACT_KEY_SPLIT's, or 0 where
+    no row reaches key C. A row before key C has the same bits either way (module docstring), and the
+    kernel without the fold runs with one accumulator instead of two (session 26, H100: the fold's
+    kernel took 1.15 ms for 8 x 1,024 tokens' forward+backward against 0.93 without it, and cost
+    6-12% of rollout throughput where no row was that long)."""
+    keys = key_split()
+    return keys // KEY_TILE if keys and reach > keys else 0
 
 
 def paged_attention(
@@ -904,12 +917,12 @@ def paged_attention(
         return out
     n_tiles = tile_count(n_tokens, n_seqs, block_m // group)
     thin_sms = _thin_sms(q.device.index) if q.is_cuda else None
-    split_tiles = key_split() // KEY_TILE
-    if split_tiles and shared is not None:
+    if key_split() and shared is not None:
         raise ValueError(
             "VEXACT_KEY_SPLIT does not take the shared-prompt groups (their prefix state runs across the "
             "splits): unset VEXACT_SHARED_PREFIX with it"
         )
+    split_tiles = _split_tiles(block_table.shape[1] * k_cache.shape[1])  # the most keys a row can reach
     chunks = -(-block_table.shape[1] * k_cache.shape[1] // (split_tiles * KEY_TILE)) if split_tiles else 1
     split = chunks > 1 and split_decode(n_tokens, n_tiles * n_kv, _sm_count(q.device.index) if q.is_cuda else None)
     num_stages = paged_stages(head_dim, n_tiles * n_kv, thin_sms, shared is not None, num_stages, split)

@@ -239,3 +239,26 @@ def test_split_decode_follows_the_step_shape(interpreted_attention):
     assert not rule(16, 133, 132)  # programs past the SMs
     assert not rule(interpreted_attention._SPLIT_MAX_TOKENS + 1, 8, 132)  # a prefill-sized step
     assert rule(1, 10**6, None)
+
+
+def test_no_fold_where_no_row_reaches_the_split(interpreted_attention, monkeypatch):
+    """A launch whose rows cannot reach key C compiles without the fold (SPLIT_TILES 0: the same bits
+    for rows before C, one accumulator instead of two); one that can keeps it. The dispatcher hands
+    the Triton kernel the longest sequence it read from cu_seqlens."""
+    monkeypatch.setenv("VEXACT_KEY_SPLIT", "128")
+    rule = interpreted_attention._split_tiles
+    assert rule(128) == 0 and rule(129) == 2 and rule(10**6) == 2
+    monkeypatch.setenv("VEXACT_KEY_SPLIT", "0")
+    assert rule(10**6) == 0
+    from vexact_vllm.kernels import attention
+
+    seen = {}
+
+    def spy(q, k, v, cu_seqlens, scale, longest=None):
+        seen["longest"] = longest
+        return q
+
+    monkeypatch.setitem(attention._VARLEN_IMPLS, "torch", spy)
+    q = torch.randn(9, 2, 16)
+    attention.varlen_attention(q, q, q, torch.tensor([0, 3, 8, 9], dtype=torch.int32), 0.25)
+    assert seen["longest"] == 5
