@@ -163,17 +163,15 @@ def paged_stages(
 # (tiles, Hkv), a wave of programs spans many sequences of one kv head; True, (Hkv, tiles), a wave
 # spans every kv head of fewer sequences. VEXACT_PAGED_HEADS_FAST=1 sets it for A/B benchmarks;
 # benchmarks/bench_kernels.py's rollout section times both.
-def _env_paged_heads_fast() -> bool:
-    text = os.environ.get("VEXACT_PAGED_HEADS_FAST", "0")
+def _env_flag(name: str, what: str) -> bool:
+    """A speed-only switch of the environment: 0 (default) or 1, anything else refused."""
+    text = os.environ.get(name, "0")
     if text not in ("0", "1"):
-        raise ValueError(
-            f"VEXACT_PAGED_HEADS_FAST must be 0 or 1 (the paged attention kernel's grid order, speed only), "
-            f"got {text!r}"
-        )
+        raise ValueError(f"{name} must be 0 or 1 ({what}, speed only), got {text!r}")
     return text == "1"
 
 
-_PAGED_HEADS_FAST = _env_paged_heads_fast()
+_PAGED_HEADS_FAST = _env_flag("VEXACT_PAGED_HEADS_FAST", "the paged attention kernel's grid order")
 
 
 # Interpreter note: reductions are spelled `tl.reduce(x, 1, _sum_combine)` / `_elementwise_max` and
@@ -969,6 +967,11 @@ def paged_attention(
 # chunks in a second launch; others fold in one program. Same bits either way (speed only).
 _SPLIT_MAX_TOKENS = 256
 _SPLIT_MAX_PROGRAMS_PER_SM = 1
+# VEXACT_SPLIT_DECODE_WIDE=1 (A/B runs): every step of at most _SPLIT_MAX_TOKENS tokens splits, however
+# many programs it has. Such a step otherwise folds in one program, whose kernel holds two
+# accumulators (255 registers on the H100 against split decode's 219, session 26): grpo's 256-row
+# decode steps are the case.
+_SPLIT_DECODE_WIDE = _env_flag("VEXACT_SPLIT_DECODE_WIDE", "split decode for wide steps too")
 # Heads a fold program takes (speed only): a decode step has few tokens, so one program a token left
 # most SMs idle (session 25, H200: 16 programs, 7.7 us of an 84 us step).
 _FOLD_HEADS = 4
@@ -981,7 +984,7 @@ def split_decode(n_tokens: int, programs: int, sms: int | None) -> bool:
     interpreter (None) every eligible step splits, so the tests cover both launches."""
     if n_tokens > _SPLIT_MAX_TOKENS:
         return False
-    return sms is None or programs <= _SPLIT_MAX_PROGRAMS_PER_SM * sms
+    return sms is None or _SPLIT_DECODE_WIDE or programs <= _SPLIT_MAX_PROGRAMS_PER_SM * sms
 
 
 def _split_decode(q, out, grid, chunks, args, meta, start_loc, n_seqs):

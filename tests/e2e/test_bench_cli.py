@@ -121,7 +121,8 @@ def test_several_workloads_run_one_after_another(monkeypatch, tmp_path, capsys):
 
 
 def test_ab_variants_are_asked_for_by_name_only(monkeypatch):
-    """The vexact-* variants run only when named; each is vexact with one speed-only setting."""
+    """The vexact-* variants run only when named; each is vexact with one setting (the split's wide
+    partner: the split plus one speed-only switch)."""
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -131,6 +132,8 @@ def test_ab_variants_are_asked_for_by_name_only(monkeypatch):
     assert {cfg["env"].get("VEXACT_PAGED_STAGES") for cfg in variants.values()} >= {"5", "7"}
     assert variants["vexact-heads-fast"]["env"] == {"VEXACT_PAGED_HEADS_FAST": "1"}
     assert variants["vexact-shared-prefix"]["env"] == {"VEXACT_SHARED_PREFIX": "1"}
+    wide = variants.pop("vexact-split2048-wide")  # the split's A/B partner: the split plus one switch
+    assert wide["env"] == {**variants["vexact-split2048"]["env"], "VEXACT_SPLIT_DECODE_WIDE": "1"}
     assert all(cfg["model_impl"] == "vexact" and len(cfg["env"]) == 1 for cfg in variants.values())
 
 

@@ -256,16 +256,17 @@ def test_thin_step_depths_only_on_the_gpus_they_were_measured_on(monkeypatch, co
         assert compiled._thin_sms.__wrapped__(0) == want, capability
 
 
-def test_paged_heads_fast_from_the_environment(monkeypatch, compiled):
+@pytest.mark.parametrize("name", ["VEXACT_PAGED_HEADS_FAST", "VEXACT_SPLIT_DECODE_WIDE"])
+def test_speed_switches_from_the_environment(monkeypatch, compiled, name):
     for good, want in (("0", False), ("1", True)):
-        monkeypatch.setenv("VEXACT_PAGED_HEADS_FAST", good)
-        assert compiled._env_paged_heads_fast() is want
-    monkeypatch.delenv("VEXACT_PAGED_HEADS_FAST")
-    assert compiled._env_paged_heads_fast() is False
+        monkeypatch.setenv(name, good)
+        assert compiled._env_flag(name, "what") is want
+    monkeypatch.delenv(name)
+    assert compiled._env_flag(name, "what") is False
     for bad in ("yes", "2", ""):
-        monkeypatch.setenv("VEXACT_PAGED_HEADS_FAST", bad)
-        with pytest.raises(ValueError, match="VEXACT_PAGED_HEADS_FAST must be 0 or 1"):
-            compiled._env_paged_heads_fast()
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=f"{name} must be 0 or 1"):
+            compiled._env_flag(name, "what")
 
 
 def test_longest_last_schedule():
