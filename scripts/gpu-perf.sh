@@ -20,6 +20,10 @@
 #   rollout     bench_kernels.py's rollout section: decode steps shaped like grpo (32 prompts x 8
 #               sharing prompt blocks) and long, each speed-only paged launch choice vs FA3      ~120 s
 #   bwd         sweep_attention_bwd.py: the backward's launch configurations                    ~120 s
+#   split       key splits (C = 2,048) at kernel level: the CUDA split tests, the mixed-step and
+#               tail sweep unsplit and split, train-attn unsplit and split                      ~250 s
+#   bench-split the 1.7B A/B of the split: stock, vexact-split2048, vexact-split2048-wide (split
+#               decode for grpo's wide steps too), default, decode-small, grpo:32, one run       ~480 s
 set -uo pipefail
 : "${OUT:?set OUT to the folder the logs go to}"
 cd "$(dirname "$0")/.."
@@ -91,7 +95,19 @@ for phase in "$@"; do
     bwd)
       run bwd 200 python3 benchmarks/sweep_attention_bwd.py --out "$OUT"
       grep -v "^\s*$" "$OUT/bwd.log" | tail -18 ;;
+    split)
+      run split 200 python3 -m pytest -q -m cuda tests/kernels/test_attention_key_split.py
+      tail -1 "$OUT/split.log"
+      for C in 0 2048; do
+        VEXACT_KEY_SPLIT=$C run split 150 python3 benchmarks/sweep_paged_depth.py --mixed --stages 5,7 --vllm-layout --layers 8
+        VEXACT_KEY_SPLIT=$C run split 100 python3 benchmarks/bench_kernels.py --only train-attn --out "$OUT"
+      done
+      grep -E "^(1.7B|8B) |fwd\+bwd vs SDPA  " "$OUT/split.log" ;;
+    bench-split)
+      run bench-split 570 ${B17/stock,vexact/stock,vexact-split2048,vexact-split2048-wide} \
+        --workload default,decode-small,grpo:32 --repeats 1 --duration 0
+      grep -E "output tok/s" "$OUT/bench-split.log" ;;
     *)
-      echo "unknown phase $phase (tests check check-long check-many bench bench-8b bench-ab kernels rollout bwd)"; exit 2 ;;
+      echo "unknown phase $phase (tests check check-long check-many bench bench-8b bench-ab kernels rollout bwd split bench-split)"; exit 2 ;;
   esac
 done
