@@ -886,8 +886,9 @@ def _split_tiles(reach: int) -> int:
     """SPLIT_TILES of a launch whose rows reach at most `reach` keys: VEXACT_KEY_SPLIT's, or 0 where
     no row reaches key C. A row before key C has the same bits either way (module docstring), and the
     kernel without the fold runs with one accumulator instead of two (session 26, H100: the fold's
-    kernel took 1.15 ms for 8 x 1,024 tokens' forward+backward against 0.93 without it, and cost
-    6-12% of rollout throughput where no row was that long)."""
+    kernel took 1.15 ms for 8 x 1,024 tokens' forward+backward against 0.93 without it; rollouts
+    where no row was that long lost 6-12% with the split on, put down to the same cause and not
+    re-timed since)."""
     keys = key_split()
     return keys // KEY_TILE if keys and reach > keys else 0
 
@@ -920,8 +921,9 @@ def paged_attention(
             "VEXACT_KEY_SPLIT does not take the shared-prompt groups (their prefix state runs across the "
             "splits): unset VEXACT_SHARED_PREFIX with it"
         )
-    split_tiles = _split_tiles(block_table.shape[1] * k_cache.shape[1])  # the most keys a row can reach
-    chunks = -(-block_table.shape[1] * k_cache.shape[1] // (split_tiles * KEY_TILE)) if split_tiles else 1
+    reach = block_table.shape[1] * k_cache.shape[1]  # the most keys a row can reach
+    split_tiles = _split_tiles(reach)
+    chunks = -(-reach // (split_tiles * KEY_TILE)) if split_tiles else 1
     split = chunks > 1 and split_decode(n_tokens, n_tiles * n_kv, _sm_count(q.device.index) if q.is_cuda else None)
     num_stages = paged_stages(head_dim, n_tiles * n_kv, thin_sms, shared is not None, num_stages, split)
     block_table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
