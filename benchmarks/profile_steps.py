@@ -9,7 +9,8 @@ vLLM wrote (`*.pt.trace.json`, gzipped or not). Every GPU kernel, memcpy and mem
 put in one category by its name (`CATEGORIES`, first match wins; stock's kernels and ours both) and
 summed; the table gives microseconds a step (sum / --steps) per configuration, the difference of
 each configuration to the first one named by --base (stock by default) and, with --top, the largest
-kernels of each category, so that "other" never hides anything. "busy span" is the first kernel's
+kernels of each category (name and grid: one GEMM kernel serves every weight shape), so that
+"other" never hides anything. "busy span" is the first kernel's
 start to the last one's end, divided by the steps: the step's GPU time including its idle gaps.
 """
 
@@ -69,7 +70,8 @@ def summarise(events: list[dict], steps: int) -> dict:
     for e in events:
         cat = category(e["name"])
         per_cat[cat] += e["dur"]
-        k = kernels[cat][e["name"]]
+        grid = e.get("args", {}).get("grid")  # one GEMM kernel serves every weight shape: split by grid
+        k = kernels[cat][e["name"] + (f" grid={grid}" if grid else "")]
         k[0] += e["dur"]
         k[1] += 1
     span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) if events else 0.0
@@ -82,8 +84,8 @@ def summarise(events: list[dict], steps: int) -> dict:
     }
 
 
-def _short(name: str, width: int = 70) -> str:
-    name = re.sub(r"<.*", "<..>", name)
+def _short(name: str, width: int = 90) -> str:
+    name = re.sub(r"<.*>", "<..>", name)
     return name if len(name) <= width else name[: width - 2] + ".."
 
 

@@ -13,8 +13,8 @@ What is captured, for each bucket b of BUCKETS up to the engine's max_num_reqs:
               ranks) or "log_probs" (tokens and the log-probs, written over the logits in place:
               the runner is done with them once it samples)
 Every buffer is static (allocated once, outside the graphs); a step copies its inputs in (the hidden
-rows; each row's temperature, seed and position gathered by index_select(out=)), replays, and reads
-the outputs: the sampler returns clones of the tokens, their log-probs and ranks (vLLM copies them
+rows; each row's temperature, seed and position gathered in one launch, kernels/gather_triton.py),
+replays, and reads the outputs: the sampler returns clones of the tokens, their log-probs and ranks (vLLM copies them
 to the host on another stream, which may still run when the next step replays) and the log-probs
 as a view (read on this stream, by `compute_topk_scores`, before the next replay can write them).
 
@@ -36,6 +36,7 @@ from vllm.logger import init_logger
 
 from vexact_vllm.kernels import Sampled, linear, sample_tokens
 from vexact_vllm.kernels._capture import gc_paused
+from vexact_vllm.kernels.gather_triton import gather_rows
 from vexact_vllm.kernels.sample import DRAWS, OUTPUTS
 
 from .sampler import GREEDY_EPS
@@ -188,12 +189,16 @@ class SamplerGraphs:
         if b is None or (draw, output) not in VARIANTS:
             raise ValueError(f"no sampler graph for {n} rows, {draw!r}, {output!r} (buckets {self.buckets})")
         tau = self.tau[:n]
-        _gather_into(tau, temperature, req_index)
-        if zero_tiny_temperatures:
-            tau.masked_fill_(tau < GREEDY_EPS, 0.0)
+        triples = [(tau, temperature, req_index)]
         if draw != "greedy":
-            _gather_into(self.seeds[:n], seeds, req_index)
-            _gather_into(self.positions[:n], positions, logits_index)
+            triples += [(self.seeds[:n], seeds, req_index), (self.positions[:n], positions, logits_index)]
+        if tau.is_cuda:  # one launch (index_select's small-index kernel is serial: gather_triton.py)
+            gather_rows(triples, zero_below=GREEDY_EPS if zero_tiny_temperatures else None)
+        else:
+            for out, src, index in triples:
+                _gather_into(out, src, index)
+            if zero_tiny_temperatures:
+                tau.masked_fill_(tau < GREEDY_EPS, 0.0)
         self.graphs[b, draw, output].replay()
         with_lp = output == "token_log_probs"
         return Sampled(
