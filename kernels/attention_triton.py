@@ -163,9 +163,9 @@ def paged_stages(
 # (tiles, Hkv), a wave of programs spans many sequences of one kv head; True, (Hkv, tiles), a wave
 # spans every kv head of fewer sequences. VEXACT_PAGED_HEADS_FAST=1 sets it for A/B benchmarks;
 # benchmarks/bench_kernels.py's rollout section times both.
-def _env_flag(name: str, what: str) -> bool:
-    """A speed-only switch of the environment: 0 (default) or 1, anything else refused."""
-    text = os.environ.get(name, "0")
+def _env_flag(name: str, what: str, default: bool = False) -> bool:
+    """A speed-only switch of the environment: 0 or 1 (unset: `default`), anything else refused."""
+    text = os.environ.get(name, "1" if default else "0")
     if text not in ("0", "1"):
         raise ValueError(f"{name} must be 0 or 1 ({what}, speed only), got {text!r}")
     return text == "1"
@@ -969,11 +969,12 @@ def paged_attention(
 # chunks in a second launch; others fold in one program. Same bits either way (speed only).
 _SPLIT_MAX_TOKENS = 256
 _SPLIT_MAX_PROGRAMS_PER_SM = 1
-# VEXACT_SPLIT_DECODE_WIDE=1 (A/B runs): every step of at most _SPLIT_MAX_TOKENS tokens splits, however
-# many programs it has. Such a step otherwise folds in one program, whose kernel holds two
-# accumulators (255 registers on the H100 against split decode's 219, session 26): grpo's 256-row
-# decode steps are the case.
-_SPLIT_DECODE_WIDE = _env_flag("VEXACT_SPLIT_DECODE_WIDE", "split decode for wide steps too")
+# Wide steps split too (the default since session 27; VEXACT_SPLIT_DECODE_WIDE=0 for A/B runs keeps
+# the program limit): every step of at most _SPLIT_MAX_TOKENS tokens splits, however many programs it
+# has. Such a step would otherwise fold in one program, whose kernel holds two accumulators (255
+# registers on the H100 against split decode's 219, session 26). grpo's 256-row decode steps are the
+# case: grpo:32 ran at 0.914 of stock against 0.870 with the limit, in the same call (session 27).
+_SPLIT_DECODE_WIDE = _env_flag("VEXACT_SPLIT_DECODE_WIDE", "split decode for wide steps too", default=True)
 # Heads a fold program takes (speed only): a decode step has few tokens, so one program a token left
 # most SMs idle (session 25, H200: 16 programs, 7.7 us of an 84 us step).
 _FOLD_HEADS = 4

@@ -22,8 +22,9 @@
 #   bwd         sweep_attention_bwd.py: the backward's launch configurations                    ~120 s
 #   split       key splits (C = 2,048) at kernel level: the CUDA split tests, the mixed-step and
 #               tail sweep unsplit and split, train-attn unsplit and split                      ~250 s
-#   bench-split the 1.7B A/B of the split: stock, vexact-split2048, vexact-split2048-wide (split
-#               decode for grpo's wide steps too), default, decode-small, grpo:32, one run       ~480 s
+#   bench-split the 1.7B A/B of the split: stock, vexact-split2048, vexact-split2048-narrow (split
+#               decode only where a step's programs leave SMs idle), default, decode-small,
+#               grpo:32, one run                                                                 ~480 s
 set -uo pipefail
 : "${OUT:?set OUT to the folder the logs go to}"
 cd "$(dirname "$0")/.."
@@ -104,7 +105,7 @@ for phase in "$@"; do
       done
       grep -E "^(1.7B|8B) |fwd\+bwd vs SDPA  " "$OUT/split.log" ;;
     bench-split)
-      run bench-split 570 ${B17/stock,vexact/stock,vexact-split2048,vexact-split2048-wide} \
+      run bench-split 570 ${B17/stock,vexact/stock,vexact-split2048,vexact-split2048-narrow} \
         --workload default,decode-small,grpo:32 --repeats 1 --duration 0
       grep -E "output tok/s" "$OUT/bench-split.log" ;;
     *)

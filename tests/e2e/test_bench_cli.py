@@ -132,8 +132,8 @@ def test_ab_variants_are_asked_for_by_name_only(monkeypatch):
     assert {cfg["env"].get("VEXACT_PAGED_STAGES") for cfg in variants.values()} >= {"5", "7"}
     assert variants["vexact-heads-fast"]["env"] == {"VEXACT_PAGED_HEADS_FAST": "1"}
     assert variants["vexact-shared-prefix"]["env"] == {"VEXACT_SHARED_PREFIX": "1"}
-    wide = variants.pop("vexact-split2048-wide")  # the split's A/B partner: the split plus one switch
-    assert wide["env"] == {**variants["vexact-split2048"]["env"], "VEXACT_SPLIT_DECODE_WIDE": "1"}
+    narrow = variants.pop("vexact-split2048-narrow")  # the split's A/B partner: the split plus one switch
+    assert narrow["env"] == {**variants["vexact-split2048"]["env"], "VEXACT_SPLIT_DECODE_WIDE": "0"}
     assert all(cfg["model_impl"] == "vexact" and len(cfg["env"]) == 1 for cfg in variants.values())
 
 

@@ -232,15 +232,16 @@ def test_split_decode_in_a_cuda_graph(monkeypatch):
 
 
 def test_split_decode_follows_the_step_shape(interpreted_attention, monkeypatch):
-    """Few tokens and at most one program an SM split; more tokens or programs fold in one program;
-    the interpreter (no SM count) splits every step it may; VEXACT_SPLIT_DECODE_WIDE drops the
-    program limit, never the token limit."""
+    """With VEXACT_SPLIT_DECODE_WIDE=0, few tokens and at most one program an SM split; more tokens
+    or programs fold in one program; the interpreter (no SM count) splits every step it may. Wide
+    (the default) drops the program limit, never the token limit."""
     rule = interpreted_attention.split_decode
+    monkeypatch.setattr(interpreted_attention, "_SPLIT_DECODE_WIDE", False)  # VEXACT_SPLIT_DECODE_WIDE=0
     assert rule(16, 128, 132) and rule(4, 32, 108)
     assert not rule(16, 133, 132)  # programs past the SMs
     assert not rule(interpreted_attention._SPLIT_MAX_TOKENS + 1, 8, 132)  # a prefill-sized step
     assert rule(1, 10**6, None)
-    monkeypatch.setattr(interpreted_attention, "_SPLIT_DECODE_WIDE", True)  # VEXACT_SPLIT_DECODE_WIDE=1
+    monkeypatch.setattr(interpreted_attention, "_SPLIT_DECODE_WIDE", True)  # the default
     assert rule(256, 2048, 132) and not rule(257, 8, 132)
 
 

@@ -10,6 +10,8 @@ is always `torch.equal`; tolerances are only for accuracy against fp32/fp64 refe
 import importlib
 import math
 
+import os
+
 import pytest
 import torch
 
@@ -257,16 +259,29 @@ def test_thin_step_depths_only_on_the_gpus_they_were_measured_on(monkeypatch, co
 
 
 @pytest.mark.parametrize("name", ["VEXACT_PAGED_HEADS_FAST", "VEXACT_SPLIT_DECODE_WIDE"])
-def test_speed_switches_from_the_environment(monkeypatch, compiled, name):
+@pytest.mark.parametrize("default", [False, True])
+def test_speed_switches_from_the_environment(monkeypatch, compiled, name, default):
     for good, want in (("0", False), ("1", True)):
         monkeypatch.setenv(name, good)
-        assert compiled._env_flag(name, "what") is want
-    monkeypatch.delenv(name)
-    assert compiled._env_flag(name, "what") is False
+        assert compiled._env_flag(name, "what", default) is want
+    monkeypatch.delenv(name, raising=False)
+    assert compiled._env_flag(name, "what", default) is default
     for bad in ("yes", "2", ""):
         monkeypatch.setenv(name, bad)
         with pytest.raises(ValueError, match=f"{name} must be 0 or 1"):
-            compiled._env_flag(name, "what")
+            compiled._env_flag(name, "what", default)
+
+
+def test_wide_split_decode_is_the_default(monkeypatch):
+    """Unset, VEXACT_SPLIT_DECODE_WIDE is on (session 27's A/B) and the grid-order switch off: a fresh
+    interpreter imports the module with neither set."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("VEXACT_SPLIT_DECODE_WIDE", "VEXACT_PAGED_HEADS_FAST")}
+    code = "import vexact_vllm.kernels.attention_triton as a; print(a._SPLIT_DECODE_WIDE, a._PAGED_HEADS_FAST)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "False"]
 
 
 def test_longest_last_schedule():

@@ -69,7 +69,7 @@ CONFIGS = {
     "vexact-split1024": {"model_impl": "vexact", "env": {"VEXACT_KEY_SPLIT": "1024"}},
     "vexact-split2048": {"model_impl": "vexact", "env": {"VEXACT_KEY_SPLIT": "2048"}},
     # The same, with every decode step of up to 256 tokens split (grpo's wide steps too): speed only.
-    "vexact-split2048-wide": {"model_impl": "vexact", "env": {"VEXACT_KEY_SPLIT": "2048", "VEXACT_SPLIT_DECODE_WIDE": "1"}},
+    "vexact-split2048-narrow": {"model_impl": "vexact", "env": {"VEXACT_KEY_SPLIT": "2048", "VEXACT_SPLIT_DECODE_WIDE": "0"}},
 }
 DEFAULT_CONFIGS = ("stock", "stock-batch-invariant", "vexact")
 
