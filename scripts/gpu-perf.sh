@@ -7,9 +7,11 @@
 # Phases (each one log DIR/PHASE.log, its summary lines printed; the device tool returns at most 8
 # files, so one phase one file). Limits are what each took on an H100 plus a margin, so that a call
 # of several phases stays inside the tool's 600 s:
-#   tests       CUDA tests of the attention, sampling and GEMM kernels and the sampler graphs   ~150 s
+#   tests       CUDA tests of the attention, sampling, gather and GEMM kernels and the sampler
+#               graphs (those need vLLM: run this phase after the third transfer)                ~150 s
 #   check       vexact-vllm check on the Qwen3-1.7B shape, every composition                    ~230 s
 #   check-long  the same with four 2,700-3,300-token prompts                                    ~250 s
+#   check-split check-long with the key split on (VEXACT_KEY_SPLIT=2048), the wide steps split too  ~250 s
 #   check-many  the tiny Qwen3 with 80 prompts: batches of 64 requests or more (with
 #               VEXACT_ATTENTION_SCHEDULE=1 set, the longest-last tile layout)                   ~180 s
 #   bench       default, decode-small and grpo (32 prompts x 8) side by side, one engine pair    ~450 s
@@ -22,6 +24,9 @@
 #   bwd         sweep_attention_bwd.py: the backward's launch configurations                    ~120 s
 #   split       key splits (C = 2,048) at kernel level: the CUDA split tests, the mixed-step and
 #               tail sweep unsplit and split, train-attn unsplit and split                      ~250 s
+#   profile-8b  where the 8B default and decode-small (600 output tokens) steps go, stock and
+#               vexact each alone, by category (benchmarks/profile_steps.py)                     ~360 s
+#   profile-8b-grpo  the same for grpo:16 (700 output tokens)                                    ~210 s
 #   bench-split the 1.7B A/B of the split: stock, vexact-split2048, vexact-split2048-narrow (split
 #               decode only where a step's programs leave SMs idle), default, decode-small,
 #               grpo:32, one run                                                                 ~480 s
@@ -64,7 +69,8 @@ for phase in "$@"; do
     tests)
       run tests 300 python3 -m pytest -q -m cuda tests/kernels/test_attention_triton.py tests/kernels/test_sample.py \
         tests/kernels/test_gumbel_triton.py tests/kernels/test_logprob_triton.py tests/kernels/test_gemm_triton.py \
-        tests/vexact_vllm/test_sampler_graphs.py tests/vexact_vllm/test_attention_schedule.py
+        tests/kernels/test_gather_triton.py tests/vexact_vllm/test_sampler_graphs.py \
+        tests/vexact_vllm/test_attention_schedule.py
       tail -3 "$OUT/tests.log" ;;
     check)
       run check 400 vexact-vllm check --model qwen3-1.7b-shape --num-prompts 6 --max-tokens 16 --quiet
@@ -74,6 +80,23 @@ for phase in "$@"; do
       run check-long 400 vexact-vllm check --model qwen3-1.7b-shape --prompts /tmp/vexact-long-prompts.txt \
         --num-prompts 4 --max-tokens 48 --max-model-len 4096 --quiet
       summary "$OUT/check-long.log" ;;
+    check-split)
+      long_prompts /tmp/vexact-long-prompts.txt
+      VEXACT_KEY_SPLIT=2048 run check-split 400 vexact-vllm check --model qwen3-1.7b-shape \
+        --prompts /tmp/vexact-long-prompts.txt --num-prompts 4 --max-tokens 48 --max-model-len 4096 --quiet
+      summary "$OUT/check-split.log" ;;
+    profile-8b|profile-8b-grpo)
+      P8="vexact-vllm bench --model qwen3-8b-shape --configs vexact,stock --repeats 1 --duration 0 --warmup-passes 0"
+      if [ "$phase" = profile-8b ]; then
+        cases="default:60:--workload=default decode-small:300:--workload=decode-small,--output-len=600"
+      else
+        cases="grpo:450:--workload=grpo:16,--output-len=700"
+      fi
+      for c in $cases; do
+        name=${c%%:*}; rest=${c#*:}; skip=${rest%%:*}; flags=${rest#*:}
+        run "$phase" 300 $P8 ${flags//,/ } --profile "/tmp/prof-$name" --profile-steps "$skip:20"
+        python3 benchmarks/profile_steps.py "/tmp/prof-$name" --steps 20 --top 4 | tee -a "$OUT/$phase.log"
+      done ;;
     check-many)
       run check-many 400 vexact-vllm check --model tiny-qwen3 --num-prompts 80 --max-tokens 24 --quiet
       summary "$OUT/check-many.log" ;;
@@ -109,6 +132,6 @@ for phase in "$@"; do
         --workload default,decode-small,grpo:32 --repeats 1 --duration 0
       grep -E "output tok/s" "$OUT/bench-split.log" ;;
     *)
-      echo "unknown phase $phase (tests check check-long check-many bench bench-8b bench-ab kernels rollout bwd split bench-split)"; exit 2 ;;
+      echo "unknown phase $phase (tests check check-long check-split check-many bench bench-8b bench-ab kernels rollout bwd split bench-split profile-8b profile-8b-grpo)"; exit 2 ;;
   esac
 done
