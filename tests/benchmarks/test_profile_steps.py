@@ -4,22 +4,16 @@ per-step sums, the difference to the base configuration, gzipped and plain trace
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import random
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "profile_steps.py"
-
 
 @pytest.fixture(scope="module")
-def prof():
-    spec = importlib.util.spec_from_file_location("profile_steps", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def prof(load_script):
+    return load_script("profile_steps")
 
 
 STOCK = {  # kernel name -> its category, names as stock vLLM's and ours appear in traces
