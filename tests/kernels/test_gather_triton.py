@@ -6,13 +6,11 @@ import torch
 
 pytest.importorskip("triton")  # imported here, in compiled mode, before any interpreted import
 
-MODULE = "vexact_vllm.kernels.gather_triton"
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
 
 @pytest.fixture(scope="module")
 def interpreted(import_interpreted):
-    return import_interpreted(MODULE)
+    """gather_triton compiled for the interpreter (CPU tensors)."""
+    return import_interpreted("vexact_vllm.kernels.gather_triton")
 
 
 def _case(gen, n, device, index_dtype):
@@ -58,7 +56,7 @@ def test_interpreted_gathers_equal_index_select(interpreted):
     _check(interpreted.gather_rows, "cpu", seed=int(torch.randint(0, 2**31, ())))
 
 
-@requires_cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.cuda
 def test_cuda_gathers_equal_index_select():
     from vexact_vllm.kernels.gather_triton import gather_rows
