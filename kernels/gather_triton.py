@@ -27,7 +27,7 @@ def _gather_one(out, src, index, src_stride, index_stride, offs, mask, threshold
     tl.store(out + offs, v.to(out.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # one compile whatever the batch size (no stall mid-run)
 def _gather_kernel(o0, s0, i0, ss0, is0, o1, s1, i1, ss1, is1, o2, s2, i2, ss2, is2, n, threshold,
                    COUNT: tl.constexpr, ZERO_BELOW: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
