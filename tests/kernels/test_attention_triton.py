@@ -9,7 +9,6 @@ is always `torch.equal`; tolerances are only for accuracy against fp32/fp64 refe
 
 import importlib
 import math
-
 import os
 
 import pytest
