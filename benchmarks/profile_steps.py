@@ -89,7 +89,7 @@ def _short(name: str, width: int = 90) -> str:
     return name if len(name) <= width else name[: width - 2] + ".."
 
 
-def table(results: dict[str, dict], base: str | None, top: int) -> str:
+def table(results: dict[str, dict], base: str, top: int) -> str:
     configs = list(results)
     cats = [c for c, _ in CATEGORIES] + ["other"]
     cats = [c for c in cats if any(c in r["us"] for r in results.values())]
@@ -109,10 +109,10 @@ def table(results: dict[str, dict], base: str | None, top: int) -> str:
     if top:
         for c in configs:
             lines.append(f"\n{c}: largest kernels of each category (us a step, calls a step)")
+            steps = results[c]["steps"]
             for cat in cats:
                 ranked = sorted(results[c]["kernels"][cat].items(), key=lambda kv: -kv[1][0])[:top]
                 for name, (total, calls) in ranked:
-                    steps = results[c]["steps"]
                     lines.append(f"  {cat:<13} {total / steps:>9.1f} {calls / steps:>6.1f}  {_short(name)}")
     return "\n".join(lines)
 

@@ -887,8 +887,8 @@ def _split_tiles(reach: int) -> int:
     no row reaches key C. A row before key C has the same bits either way (module docstring), and the
     kernel without the fold runs with one accumulator instead of two (session 26, H100: the fold's
     kernel took 1.15 ms for 8 x 1,024 tokens' forward+backward against 0.93 without it; rollouts
-    where no row was that long lost 6-12% with the split on, put down to the same cause and not
-    re-timed since)."""
+    where no row was that long lost 6-12% with the split on; since this rule, session 27 measured
+    them within the runs' spread of the unsplit kernel)."""
     keys = key_split()
     return keys // KEY_TILE if keys and reach > keys else 0
 

@@ -63,6 +63,13 @@ with open(sys.argv[1], "w") as f:
 PY
 }
 
+check_long() {  # check_long NAME: the 1.7B check on four 2,700-3,300-token prompts, into $OUT/NAME.log
+  long_prompts /tmp/vexact-long-prompts.txt
+  run "$1" 400 vexact-vllm check --model qwen3-1.7b-shape --prompts /tmp/vexact-long-prompts.txt \
+    --num-prompts 4 --max-tokens 48 --max-model-len 4096 --quiet
+  summary "$OUT/$1.log"
+}
+
 B17="vexact-vllm bench --model qwen3-1.7b-shape --interleave --configs stock,vexact"
 for phase in "$@"; do
   case $phase in
@@ -76,15 +83,9 @@ for phase in "$@"; do
       run check 400 vexact-vllm check --model qwen3-1.7b-shape --num-prompts 6 --max-tokens 16 --quiet
       summary "$OUT/check.log" ;;
     check-long)
-      long_prompts /tmp/vexact-long-prompts.txt
-      run check-long 400 vexact-vllm check --model qwen3-1.7b-shape --prompts /tmp/vexact-long-prompts.txt \
-        --num-prompts 4 --max-tokens 48 --max-model-len 4096 --quiet
-      summary "$OUT/check-long.log" ;;
+      check_long check-long ;;
     check-split)
-      long_prompts /tmp/vexact-long-prompts.txt
-      VEXACT_KEY_SPLIT=2048 run check-split 400 vexact-vllm check --model qwen3-1.7b-shape \
-        --prompts /tmp/vexact-long-prompts.txt --num-prompts 4 --max-tokens 48 --max-model-len 4096 --quiet
-      summary "$OUT/check-split.log" ;;
+      VEXACT_KEY_SPLIT=2048 check_long check-split ;;
     profile-8b|profile-8b-grpo)
       P8="vexact-vllm bench --model qwen3-8b-shape --configs vexact,stock --repeats 1 --duration 0 --warmup-passes 0"
       if [ "$phase" = profile-8b ]; then

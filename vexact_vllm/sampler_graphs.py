@@ -14,9 +14,9 @@ What is captured, for each bucket b of BUCKETS up to the engine's max_num_reqs:
               the runner is done with them once it samples)
 Every buffer is static (allocated once, outside the graphs); a step copies its inputs in (the hidden
 rows; each row's temperature, seed and position gathered in one launch, kernels/gather_triton.py),
-replays, and reads the outputs: the sampler returns clones of the tokens, their log-probs and ranks (vLLM copies them
-to the host on another stream, which may still run when the next step replays) and the log-probs
-as a view (read on this stream, by `compute_topk_scores`, before the next replay can write them).
+replays, and reads the outputs: the sampler returns clones of the tokens, their log-probs and ranks
+(vLLM copies them to the host on another stream, which may still run when the next step replays)
+and the log-probs as a view (read on this stream, by `compute_topk_scores`, before the next replay can write them).
 
 Bits: a replay runs the eager path's kernels on the eager path's inputs (the same `linear` and
 `sample_tokens`, writing through `out=`), so it gives the eager path's logits, tokens and

@@ -68,7 +68,8 @@ CONFIGS = {
     # Key splits every 1,024 / 2,048 keys (other bits past the first split: the trainer must split too).
     "vexact-split1024": {"model_impl": "vexact", "env": {"VEXACT_KEY_SPLIT": "1024"}},
     "vexact-split2048": {"model_impl": "vexact", "env": {"VEXACT_KEY_SPLIT": "2048"}},
-    # The same, with every decode step of up to 256 tokens split (grpo's wide steps too): speed only.
+    # The same, with split decode only where a step's programs leave SMs idle (the rule before
+    # session 27; the default now splits grpo's wide steps too): speed only.
     "vexact-split2048-narrow": {"model_impl": "vexact", "env": {"VEXACT_KEY_SPLIT": "2048", "VEXACT_SPLIT_DECODE_WIDE": "0"}},
 }
 DEFAULT_CONFIGS = ("stock", "stock-batch-invariant", "vexact")
