@@ -5,7 +5,7 @@
 Sections: GEMM vs torch.mm (cuBLAS) at Qwen3-1.7B and Qwen3-8B weight shapes; paged decode attention
 vs vLLM's FlashAttention-3 (`vllm.vllm_flash_attn`, when vLLM is importable); varlen prefill vs FA3
 varlen; training attention forward+backward vs torch SDPA (flash backend); fused linear log-prob vs
-`torch.log_softmax(h @ W.T)`; a Qwen3-1.7B decoder layer's training forward+backward vs the same
+`torch.log_softmax(h @ W.T)`; Qwen3's q/k norm + RoPE vs vLLM's rms_norm and rotary_embedding ops; a Qwen3-1.7B decoder layer's training forward+backward vs the same
 layer in stock transformers. "speed" is stock time / vexact time (1.0 = as fast as stock). Medians
 of CUDA-event timings after warm-up (triton.testing.do_bench). Full numbers go to DIR/kernels.json.
 """
@@ -314,6 +314,40 @@ def _training_attention_case(nseq, length):
 
 
 @section
+def rope(quick):
+    """Qwen3's q/k RMSNorm + RoPE of one layer: our one fused launch against vLLM's custom ops
+    (rms_norm on q, on k, then rotary_embedding in place: stock's layer), CUDA-graph replays."""
+    for model, hq, hkv in (("1.7B", 16, 8), ("8B", 32, 8)):
+        for t in (16, 256) if quick else (16, 128, 256, 512, 8192):
+            _rope_case(model, t, hq, hkv)
+
+
+def _rope_case(model, t, hq, hkv, d=128):
+    from vllm import _custom_ops as ops
+
+    from vexact_vllm.kernels import rope_cache
+    from vexact_vllm.kernels.rope_triton import apply_rope_triton
+
+    cache = rope_cache(d, 40960, 1000000.0).cuda()
+    cos_sin = cache.to(torch.bfloat16)  # vLLM keeps its cos|sin cache in the model dtype
+    wq = torch.ones(d, device="cuda", dtype=torch.bfloat16)
+    wk = torch.ones(d, device="cuda", dtype=torch.bfloat16)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
+    q = qkv[:, : hq * d].view(t, hq, d)  # views of the fused projection, as in the layer
+    k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    positions = torch.randint(0, 40960, (t,), device="cuda")
+    q_n, k_n = torch.empty_like(q), torch.empty_like(k)
+
+    def stock():
+        ops.rms_norm(q_n, q, wq, 1e-6)
+        ops.rms_norm(k_n, k, wk, 1e-6)
+        ops.rotary_embedding(positions, q_n.view(t, -1), k_n.view(t, -1), d, cos_sin, True)
+
+    ours = bench_graph(lambda: apply_rope_triton(q, k, positions, cache, (wq, wk, 1e-6)))
+    record("rope", f"{model} qk-norm+rope T={t} Hq={hq} Hkv={hkv}", ours, bench_graph(stock), 1.0)
+
+
+@section
 def linear_logprob(quick):
     from vexact_vllm.kernels import linear_token_log_probs
 
@@ -387,7 +421,7 @@ def main():
         sys.exit("needs a CUDA GPU")
     torch.manual_seed(0)
     sections = {"gemm": gemm, "decode": decode_attention, "rollout": decode_rollout, "prefill": prefill_attention,
-                "train-attn": training_attention, "logprob": linear_logprob, "layer": decoder_layer}
+                "train-attn": training_attention, "rope": rope, "logprob": linear_logprob, "layer": decoder_layer}
     chosen = [s for s in args.only.split(",") if s] or list(sections)
     for name in chosen:
         sections[name](args.quick)

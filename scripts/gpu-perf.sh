@@ -7,7 +7,7 @@
 # Phases (each one log DIR/PHASE.log, its summary lines printed; the device tool returns at most 8
 # files, so one phase one file). Limits are what each took on an H100 plus a margin, so that a call
 # of several phases stays inside the tool's 600 s:
-#   tests       CUDA tests of the attention, sampling, gather and GEMM kernels and the sampler
+#   tests       CUDA tests of the attention, sampling, gather, RoPE, norm and GEMM kernels and the sampler
 #               graphs (those need vLLM: run this phase after the third transfer)                ~150 s
 #   check       vexact-vllm check on the Qwen3-1.7B shape, every composition                    ~230 s
 #   check-long  the same with four 2,700-3,300-token prompts                                    ~250 s
@@ -18,7 +18,8 @@
 #   bench-8b    default and grpo (32 x 8) on the Qwen3-8B shape, one engine pair                ~500 s
 #   bench-ab    vexact against itself with the longest-last tile layout and with 5 pipeline
 #               stages in the paged kernel (speed-only choices), default and grpo, 3 engines     ~450 s
-#   kernels     bench_kernels.py: decode and prefill attention vs FA3, training attention       ~150 s
+#   kernels     bench_kernels.py: q/k norm + RoPE vs vLLM's ops, decode and prefill attention vs FA3,
+#               training attention                                                              ~170 s
 #   rollout     bench_kernels.py's rollout section: decode steps shaped like grpo (32 prompts x 8
 #               sharing prompt blocks) and long, each speed-only paged launch choice vs FA3      ~120 s
 #   bwd         sweep_attention_bwd.py: the backward's launch configurations                    ~120 s
@@ -76,7 +77,8 @@ for phase in "$@"; do
     tests)
       run tests 300 python3 -m pytest -q -m cuda tests/kernels/test_attention_triton.py tests/kernels/test_sample.py \
         tests/kernels/test_gumbel_triton.py tests/kernels/test_logprob_triton.py tests/kernels/test_gemm_triton.py \
-        tests/kernels/test_gather_triton.py tests/vexact_vllm/test_sampler_graphs.py \
+        tests/kernels/test_gather_triton.py tests/kernels/test_rope_triton.py tests/kernels/test_rms_norm_triton.py \
+        tests/vexact_vllm/test_sampler_graphs.py \
         tests/vexact_vllm/test_attention_schedule.py
       tail -3 "$OUT/tests.log" ;;
     check)
@@ -112,7 +114,7 @@ for phase in "$@"; do
         --repeats 2 --duration 8
       summary "$OUT/bench-ab.log" ;;
     kernels)
-      run kernels 300 python3 benchmarks/bench_kernels.py --only decode,prefill,train-attn --paged-stages 5,7 --out "$OUT"
+      run kernels 300 python3 benchmarks/bench_kernels.py --only rope,decode,prefill,train-attn --paged-stages 5,7 --out "$OUT"
       sed -n '/^section    case/,$p' "$OUT/kernels.log" ;;
     rollout)
       run rollout 240 python3 benchmarks/bench_kernels.py --only rollout --out "$OUT"
