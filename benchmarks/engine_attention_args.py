@@ -15,7 +15,8 @@ our kernel (CUDA-graph replays, median) on:
   spread table   the engine's cache, each row's pages drawn at random from the whole cache (as far
                  apart as the engine's cache allows: address range and TLB reach, against the
                  compact fresh cache)
-  split N        the engine's call with VEXACT_KEY_SPLIT=N (other bits past key N: timing only)
+  split N        the engine's call with VEXACT_KEY_SPLIT=N (other bits past key N: timing only;
+                 the rows above take the environment's setting, 2,048 when unset)
   after a GEMM   the engine's call right after a 200 MB-weight GEMM in the same graph (minus the GEMM)
   FA3            vLLM's FlashAttention-3 on the engine's cache views (as stock would run this step)
 
@@ -101,12 +102,15 @@ def _measure(args, q, k_cache, v_cache, block_table, seq_lens, qsl, scale, out):
         got = fn()
         same = "-" if name in ("fresh cache", "spread table") else ("same" if torch.equal(got, want) else "DIFFER")
         print(f"{name:14s} {timer(fn) * 1000:8.1f}  {same}", flush=True)
-    for keys in (1024, 2048):  # the key splits (other bits: timing only)
+    before = os.environ.get("VEXACT_KEY_SPLIT")
+    for keys in (0, 1024, 2048):  # no split and the key splits (other bits: timing only)
         os.environ["VEXACT_KEY_SPLIT"] = str(keys)
         try:
             print(f"{f'split {keys}':14s} {timer(rows['engine']) * 1000:8.1f}  -", flush=True)
         finally:
             os.environ.pop("VEXACT_KEY_SPLIT")
+            if before is not None:
+                os.environ["VEXACT_KEY_SPLIT"] = before
     if not q.is_cuda:
         return
     _after_gemm(q, rows["engine"])

@@ -39,6 +39,7 @@ def _wrap(groups_fn):
 def main() -> int:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VEXACT_SHARED_PREFIX"] = "1"
+    os.environ["VEXACT_KEY_SPLIT"] = "0"  # the groups take no key split (on by default)
     from vexact_vllm import attention
     from vexact_vllm.cli import bench
 

@@ -10,7 +10,8 @@ is left in L2 from the previous call. --vllm-layout stores K and V as views of o
 lengths spread evenly over 2,200-5,200 keys (the 8B `long:16` profile's decode), beside uniform steps
 at their mean and at their longest. --fa4 adds FlashAttention-4's time on each step
 (VEXACT_ATTENTION=fa4, one torch.cuda.graph capture replayed); it needs flash-attn-4 on an SM90 GPU.
-With VEXACT_KEY_SPLIT set, our kernel's columns are the split launches (FA4 runs unsplit).
+Our kernel's columns are the split launches unless VEXACT_KEY_SPLIT=0 (2,048 keys when unset; FA4
+runs unsplit).
 
 Shapes: Qwen3-1.7B (16 query heads, 8 kv heads) and Qwen3-8B (32, 8), head dim 128, pages of 16 on a
 shuffled block table, every sequence at the same context.

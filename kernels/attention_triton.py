@@ -30,8 +30,8 @@ Rows of a program's tile: row r holds token first + r // G, query head kv_head *
 query heads of one kv head share every K/V load). Decode (one query per sequence) fills G rows of a
 tile; the dot shape stays the same.
 
-Key splits (opt-in, VEXACT_KEY_SPLIT = C keys, a multiple of 64, the same on both sides;
-`dispatch.key_split`): a query at position p reduces its keys in chunks [jC, (j + 1)C), j = 0 ..
+Key splits (VEXACT_KEY_SPLIT = C keys, a multiple of 64, the same on both sides; 2,048 when unset,
+0 for none; `dispatch.key_split`): a query at position p reduces its keys in chunks [jC, (j + 1)C), j = 0 ..
 p // C, each chunk by the loop above from a fresh state (m = -inf, l = 0, acc = 0), then folds the
 chunk states in order j = 1, 2, ... into chunk 0's (`_fold`):
     M = max(m, m_j),  a = exp2(m - M),  b = exp2(m_j - M)

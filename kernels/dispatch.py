@@ -84,14 +84,23 @@ def attention_backend_for(tensor: torch.Tensor) -> str:
     return backend if backend == "torch" else cuda_attention_backend()
 
 
+# Keys per split of the Triton attention when VEXACT_KEY_SPLIT is unset (session 28 made it the
+# default: docs/BENCHMARKS.md, "Session 28").
+DEFAULT_KEY_SPLIT = 2048
+
+
 def key_split() -> int:
-    """VEXACT_KEY_SPLIT: keys per split of the Triton attention's reduction (0 or unset: no split).
+    """VEXACT_KEY_SPLIT: keys per split of the Triton attention's reduction; 0 turns the split off;
+    unset, DEFAULT_KEY_SPLIT (0 under VEXACT_ATTENTION=fa4, which takes no split).
 
     A positive value C (a multiple of 64, the key tile) reduces each query's keys in chunks of C
     anchored at key 0, folded in order (kernels/attention_triton.py, "Key splits"). It changes the
     bits of every query past position C on the CUDA Triton path, the trainer's and the rollout's
-    alike, so both must set the same value; the torch (CPU) path and FA4 take no split."""
-    text = os.environ.get("VEXACT_KEY_SPLIT", "") or "0"
+    alike, so both must read the same value: the same setting, or both unset; the torch (CPU) path
+    and FA4 take no split."""
+    text = os.environ.get("VEXACT_KEY_SPLIT", "")
+    if not text:
+        return 0 if cuda_attention_backend() == "fa4" else DEFAULT_KEY_SPLIT
     try:
         keys = int(text)
     except ValueError:
@@ -104,6 +113,6 @@ def key_split() -> int:
     if keys and cuda_attention_backend() == "fa4":
         raise ValueError(
             "VEXACT_KEY_SPLIT splits the Triton attention's keys; VEXACT_ATTENTION=fa4 runs FlashAttention-4, "
-            "which takes no split: unset one of them"
+            "which takes no split: unset VEXACT_KEY_SPLIT or set it to 0"
         )
     return keys

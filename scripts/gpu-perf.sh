@@ -9,9 +9,11 @@
 # of several phases stays inside the tool's 600 s:
 #   tests       CUDA tests of the attention, sampling, gather, RoPE, norm and GEMM kernels and the sampler
 #               graphs (those need vLLM: run this phase after the third transfer)                ~150 s
-#   check       vexact-vllm check on the Qwen3-1.7B shape, every composition                    ~230 s
+#   check       vexact-vllm check on the Qwen3-1.7B shape, every composition (the default key
+#               split, 2,048, as in every phase that does not set VEXACT_KEY_SPLIT)               ~230 s
 #   check-long  the same with four 2,700-3,300-token prompts                                    ~250 s
-#   check-split check-long with the key split on (VEXACT_KEY_SPLIT=2048), the wide steps split too  ~250 s
+#   check-split check-long with VEXACT_KEY_SPLIT=2048 set (the default since session 28)         ~250 s
+#   check-nosplit check-long with VEXACT_KEY_SPLIT=0                                           ~250 s
 #   check-many  the tiny Qwen3 with 80 prompts: batches of 64 requests or more (with
 #               VEXACT_ATTENTION_SCHEDULE=1 set, the longest-last tile layout)                   ~180 s
 #   bench       default, decode-small and grpo (32 prompts x 8) side by side, one engine pair    ~450 s
@@ -28,9 +30,8 @@
 #   profile-8b  where the 8B default and decode-small (600 output tokens) steps go, stock and
 #               vexact each alone, by category (benchmarks/profile_steps.py)                     ~360 s
 #   profile-8b-grpo  the same for grpo:16 (700 output tokens)                                    ~210 s
-#   bench-split the 1.7B A/B of the split: stock, vexact-split2048, vexact-split2048-narrow (split
-#               decode only where a step's programs leave SMs idle), default, decode-small,
-#               grpo:32, one run                                                                 ~480 s
+#   bench-split the 1.7B A/B of the split: stock, vexact (split 2,048, the default) and
+#               vexact-nosplit; default, decode-small, grpo:32, one run                         ~470 s
 set -uo pipefail
 : "${OUT:?set OUT to the folder the logs go to}"
 cd "$(dirname "$0")/.."
@@ -88,6 +89,8 @@ for phase in "$@"; do
       check_long check-long ;;
     check-split)
       VEXACT_KEY_SPLIT=2048 check_long check-split ;;
+    check-nosplit)
+      VEXACT_KEY_SPLIT=0 check_long check-nosplit ;;
     profile-8b|profile-8b-grpo)
       P8="vexact-vllm bench --model qwen3-8b-shape --configs vexact,stock --repeats 1 --duration 0 --warmup-passes 0"
       if [ "$phase" = profile-8b ]; then
@@ -131,10 +134,10 @@ for phase in "$@"; do
       done
       grep -E "^(1.7B|8B) |fwd\+bwd vs SDPA  " "$OUT/split.log" ;;
     bench-split)
-      run bench-split 570 ${B17/stock,vexact/stock,vexact-split2048,vexact-split2048-narrow} \
+      run bench-split 570 ${B17/stock,vexact/stock,vexact,vexact-nosplit} \
         --workload default,decode-small,grpo:32 --repeats 1 --duration 0
       grep -E "output tok/s" "$OUT/bench-split.log" ;;
     *)
-      echo "unknown phase $phase (tests check check-long check-split check-many bench bench-8b bench-ab kernels rollout bwd split bench-split profile-8b profile-8b-grpo)"; exit 2 ;;
+      echo "unknown phase $phase (tests check check-long check-split check-nosplit check-many bench bench-8b bench-ab kernels rollout bwd split bench-split profile-8b profile-8b-grpo)"; exit 2 ;;
   esac
 done

@@ -58,7 +58,7 @@ from vexact_vllm.kernels import (
     shared_prefix_groups,
     write_kv_cache,
 )
-from vexact_vllm.kernels.dispatch import cuda_attention_backend
+from vexact_vllm.kernels.dispatch import cuda_attention_backend, key_split
 
 # Requests from which a step's attention tiles are laid out longest last: below it the programs fit
 # in about one wave of the GPU (Hkv programs a request) and ordering costs more host time than it saves.
@@ -67,7 +67,8 @@ SCHEDULE_MIN_REQS = 64
 
 def shared_prefix_enabled() -> bool:
     """VEXACT_SHARED_PREFIX=1 turns the shared-prompt grouping on (A/B benchmarks; no bit changes).
-    The groups are the Triton kernel's: VEXACT_ATTENTION=fa4 refuses them."""
+    The groups are the Triton kernel's without key splits: VEXACT_ATTENTION=fa4 and a key split
+    (the default; VEXACT_KEY_SPLIT=0 turns it off) refuse them."""
     text = os.environ.get("VEXACT_SHARED_PREFIX", "0")
     if text not in ("0", "1"):
         raise ValueError(f"VEXACT_SHARED_PREFIX must be 0 or 1 (shared-prompt decode groups), got {text!r}")
@@ -75,6 +76,11 @@ def shared_prefix_enabled() -> bool:
         raise ValueError(
             "VEXACT_SHARED_PREFIX=1 groups the Triton attention's decodes; VEXACT_ATTENTION=fa4 runs FlashAttention-4, "
             "which takes no groups: unset one of them"
+        )
+    if text == "1" and key_split():
+        raise ValueError(
+            f"VEXACT_SHARED_PREFIX=1 takes no key split, and the Triton attention splits keys every {key_split()} "
+            "(VEXACT_KEY_SPLIT, on by default): set VEXACT_KEY_SPLIT=0 on the trainer and the rollout alike"
         )
     return text == "1"
 

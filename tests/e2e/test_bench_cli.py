@@ -122,7 +122,7 @@ def test_several_workloads_run_one_after_another(monkeypatch, tmp_path, capsys):
 
 def test_ab_variants_are_asked_for_by_name_only(monkeypatch):
     """The vexact-* variants run only when named; each is vexact with one setting (the split's wide
-    partner: the split plus one speed-only switch)."""
+    partner: the split plus one speed-only switch; the shared-prompt groups: the split off too)."""
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -131,7 +131,9 @@ def test_ab_variants_are_asked_for_by_name_only(monkeypatch):
     assert variants["vexact-schedule"]["env"] == {"VEXACT_ATTENTION_SCHEDULE": "1"}
     assert {cfg["env"].get("VEXACT_PAGED_STAGES") for cfg in variants.values()} >= {"5", "7"}
     assert variants["vexact-heads-fast"]["env"] == {"VEXACT_PAGED_HEADS_FAST": "1"}
-    assert variants["vexact-shared-prefix"]["env"] == {"VEXACT_SHARED_PREFIX": "1"}
+    shared = variants.pop("vexact-shared-prefix")  # the groups take no key split: it turns the default off
+    assert shared["env"] == {"VEXACT_SHARED_PREFIX": "1", "VEXACT_KEY_SPLIT": "0"}
+    assert variants["vexact-nosplit"]["env"] == {"VEXACT_KEY_SPLIT": "0"}
     narrow = variants.pop("vexact-split2048-narrow")  # the split's A/B partner: the split plus one switch
     assert narrow["env"] == {**variants["vexact-split2048"]["env"], "VEXACT_SPLIT_DECODE_WIDE": "0"}
     assert all(cfg["model_impl"] == "vexact" and len(cfg["env"]) == 1 for cfg in variants.values())

@@ -78,6 +78,7 @@ def test_fa4_refuses_shared_prompt_groups(monkeypatch):
     with pytest.raises(ValueError, match="takes no groups: unset one of them"):
         shared_prefix_enabled()
     monkeypatch.setenv("VEXACT_ATTENTION", "triton")
+    monkeypatch.setenv("VEXACT_KEY_SPLIT", "0")  # the groups take no key split (on by default)
     assert shared_prefix_enabled()
     monkeypatch.setattr(fa4, "check_usable", lambda q: None)
     with pytest.raises(ValueError, match="does not take shared-prompt groups"):

@@ -141,6 +141,24 @@ def test_split_gradients_interpreted(interpreted_attention, monkeypatch):
         torch.testing.assert_close(a.double(), b, atol=1e-4, rtol=1e-4)
 
 
+def test_split_is_on_by_default_except_under_fa4(monkeypatch):
+    """Unset, the split is DEFAULT_KEY_SPLIT keys (both sides read the same default); 0 turns it off;
+    FA4, which takes no split, runs without it when unset."""
+    from vexact_vllm.kernels.dispatch import DEFAULT_KEY_SPLIT, key_split
+
+    monkeypatch.delenv("VEXACT_KEY_SPLIT", raising=False)
+    monkeypatch.delenv("VEXACT_ATTENTION", raising=False)
+    assert key_split() == DEFAULT_KEY_SPLIT == 2048
+    monkeypatch.setenv("VEXACT_KEY_SPLIT", "")
+    assert key_split() == DEFAULT_KEY_SPLIT
+    monkeypatch.setenv("VEXACT_KEY_SPLIT", "0")
+    assert key_split() == 0
+    monkeypatch.setenv("VEXACT_ATTENTION", "fa4")
+    assert key_split() == 0
+    monkeypatch.delenv("VEXACT_KEY_SPLIT")
+    assert key_split() == 0
+
+
 @pytest.mark.parametrize("value", ["-64", "100", "abc", "64.0"])
 def test_bad_split_refused(monkeypatch, value):
     from vexact_vllm.kernels.dispatch import key_split
@@ -160,6 +178,7 @@ def test_split_refused_with_fa4_and_groups(interpreted_attention, monkeypatch):
     with pytest.raises(ValueError, match="VEXACT_ATTENTION=fa4"):
         key_split()
     monkeypatch.delenv("VEXACT_ATTENTION")
+    monkeypatch.delenv("VEXACT_KEY_SPLIT")  # the default split refuses the groups too
     q = torch.randn(2, 4, 16)
     cache = torch.randn(4, 16, 2, 16)
     one = torch.zeros(2, dtype=torch.int32)
@@ -194,7 +213,7 @@ def test_split_paged_equals_varlen_cuda(monkeypatch, keys, head_dim, n_heads, n_
     )  # the decode steps (few rows) split; the others fold in one program
     assert torch.equal(_mixed_steps(compiled, q, k, v, cu, 16, scale), train)
     torch.testing.assert_close(train.double(), _reference(q, k, v, cu, scale), atol=TOL[torch.bfloat16], rtol=0)
-    monkeypatch.delenv("VEXACT_KEY_SPLIT")
+    monkeypatch.setenv("VEXACT_KEY_SPLIT", "0")
     plain = compiled.varlen_attention(q, k, v, cu, scale)  # the same inputs, unsplit
     pos = torch.cat([torch.arange(n) for n in lens]).cuda()
     assert torch.equal(train[pos < keys], plain[pos < keys])

@@ -81,6 +81,10 @@ def test_eager_prefill_steps_skip_the_grouping(graphs):
 
 def test_shared_prefix_is_opt_in_for_ab_runs(monkeypatch):
     monkeypatch.setenv("VEXACT_SHARED_PREFIX", "1")
+    monkeypatch.delenv("VEXACT_KEY_SPLIT", raising=False)  # the default key split: the groups refuse it
+    with pytest.raises(ValueError, match="takes no key split.*set VEXACT_KEY_SPLIT=0 on the trainer and the rollout"):
+        attention.shared_prefix_enabled()
+    monkeypatch.setenv("VEXACT_KEY_SPLIT", "0")
     assert attention.shared_prefix_enabled()
     monkeypatch.setenv("VEXACT_SHARED_PREFIX", "on")
     with pytest.raises(ValueError, match="VEXACT_SHARED_PREFIX must be 0 or 1"):
@@ -93,6 +97,7 @@ def test_shared_prefix_is_opt_in_for_ab_runs(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_builder_groups_shared_prompts(monkeypatch):
     monkeypatch.setenv("VEXACT_SHARED_PREFIX", "1")
+    monkeypatch.setenv("VEXACT_KEY_SPLIT", "0")
     builder = _builder("cuda")
     assert builder._max_members == 32 and builder._page == 16
     tables = [[5, 6, 7, 8, 9, 40 + i] for i in range(8)]

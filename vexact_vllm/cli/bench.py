@@ -62,10 +62,12 @@ CONFIGS = {
     "vexact-stages5": {"model_impl": "vexact", "env": {"VEXACT_PAGED_STAGES": "5"}},
     "vexact-stages7": {"model_impl": "vexact", "env": {"VEXACT_PAGED_STAGES": "7"}},
     "vexact-heads-fast": {"model_impl": "vexact", "env": {"VEXACT_PAGED_HEADS_FAST": "1"}},
-    "vexact-shared-prefix": {"model_impl": "vexact", "env": {"VEXACT_SHARED_PREFIX": "1"}},
+    "vexact-shared-prefix": {"model_impl": "vexact", "env": {"VEXACT_SHARED_PREFIX": "1", "VEXACT_KEY_SPLIT": "0"}},
     # Another attention (other bits: the trainer must run it too), on SM90 with flash-attn-4 installed.
     "vexact-fa4": {"model_impl": "vexact", "env": {"VEXACT_ATTENTION": "fa4"}},
-    # Key splits every 1,024 / 2,048 keys (other bits past the first split: the trainer must split too).
+    # Key splits: none, every 1,024 / 2,048 keys (2,048 is the default since session 28; other bits
+    # past the first split: the trainer must read the same setting).
+    "vexact-nosplit": {"model_impl": "vexact", "env": {"VEXACT_KEY_SPLIT": "0"}},
     "vexact-split1024": {"model_impl": "vexact", "env": {"VEXACT_KEY_SPLIT": "1024"}},
     "vexact-split2048": {"model_impl": "vexact", "env": {"VEXACT_KEY_SPLIT": "2048"}},
     # The same, with split decode only where a step's programs leave SMs idle (the rule before

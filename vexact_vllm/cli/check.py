@@ -175,7 +175,7 @@ def run_check(args) -> int:
     if not args.json and attention != "triton":
         report += f"\nattention on CUDA: {attention} (VEXACT_ATTENTION), on the trainer and the rollout"
     if not args.json and split:
-        report += f"\nattention keys split every {split} (VEXACT_KEY_SPLIT), on the trainer and the rollout"
+        report += f"\nCUDA attention keys split every {split} (VEXACT_KEY_SPLIT), on the trainer and the rollout"
     print(report, flush=True)
     if args.output:
         Path(args.output).write_text(report + "\n")
