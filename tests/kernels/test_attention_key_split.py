@@ -24,6 +24,21 @@ pytest.importorskip("triton")
 LENS = (1, 63, 64, 65, 130, 200)  # rows in 1 to 4 chunks of 64 keys
 
 
+def _decodes_near_splits(keys, length, rng, extra=6):
+    """Step sizes for `_run_chunked`: positions within 3 of a split boundary (the first three
+    included) and `extra` random ones decoded alone, prefill chunks up to the next one between them.
+    Decoding every position costs the interpreter about 0.5 s a step; these are where a row's chunk
+    count changes, where a chunk holds 1-3 keys or ends a tile short."""
+    at = {p for j in range(0, length + keys, keys) for p in range(j - 3, j + 3) if 0 <= p < length}
+    at |= set(torch.randint(0, length, (extra,), generator=rng).tolist())
+    ordered = sorted(at)
+
+    def size(position):
+        return 1 if position in at else next((p for p in ordered if p > position), length) - position
+
+    return size
+
+
 @pytest.fixture
 def split(interpreted_attention, monkeypatch):
     """The interpreted module with 64-key splits, split decode only for steps of <= 40 tokens (so the
@@ -51,8 +66,9 @@ def _write_last(ops, engine, k, v, lens, last):
 
 
 def test_split_paged_equals_varlen_interpreted(split):
-    """GQA 4/2, bf16, pages of 16: whole prefill, chunks of 64 and 9, every position decoded."""
-    _check_invariance(split, LENS, 4, 2, 16, 16, torch.bfloat16, chunks=(max(LENS), 64, 9, 1))
+    """GQA 4/2, bf16, pages of 16: whole prefill, chunks of 64 and 9, decodes around every split."""
+    decodes = _decodes_near_splits(64, max(LENS), torch.Generator().manual_seed(3))
+    _check_invariance(split, LENS, 4, 2, 16, 16, torch.bfloat16, chunks=(max(LENS), 64, 9, decodes))
 
 
 @pytest.mark.parametrize("seed", [11, 12])
@@ -71,7 +87,7 @@ def test_split_random_shapes_interpreted(interpreted_attention, monkeypatch, see
     chunk = int(torch.randint(2, 40, (1,), generator=rng))
     _check_invariance(
         interpreted_attention, lens, n_kv * group, n_kv, head_dim, pick(16, 32), pick(torch.bfloat16, torch.float32),
-        chunks=(max(lens), chunk, 1),
+        chunks=(max(lens), chunk, _decodes_near_splits(keys, max(lens), rng)),
     )  # fmt: skip
 
 
@@ -118,6 +134,7 @@ def test_split_keeps_short_rows_and_stays_accurate(interpreted_attention, monkey
     and match an fp64 reference to bf16 rounding."""
     q, k, v, cu = _packed(LENS, 4, 2, 16, torch.bfloat16)
     scale = 1 / math.sqrt(16)
+    monkeypatch.setenv("VEXACT_KEY_SPLIT", "0")
     plain = interpreted_attention.varlen_attention(q, k, v, cu, scale)
     monkeypatch.setenv("VEXACT_KEY_SPLIT", "64")
     split = interpreted_attention.varlen_attention(q, k, v, cu, scale)

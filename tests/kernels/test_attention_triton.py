@@ -135,12 +135,14 @@ class _Engine:
 
 def _run_chunked(ops, q, k, v, cu, block_size, chunk, scale):
     """Chunked prefill of every sequence in `chunk`-token steps, all sequences batched in each step
-    (chunk 1: every position decoded)."""
+    (chunk 1: every position decoded); `chunk` may be a function of the position a step starts at
+    (the sequences advance in lockstep, so a step of size 1 is a decode step for all of them)."""
+    size = chunk if callable(chunk) else lambda position: chunk
     engine = _Engine(ops, k, v, cu, block_size)
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
     done = [0] * len(engine.lens)
     while any(d < n for d, n in zip(done, engine.lens)):
-        chunks = {b: (done[b], min(done[b] + chunk, n)) for b, n in enumerate(engine.lens) if done[b] < n}
+        chunks = {b: (done[b], min(done[b] + size(done[b]), n)) for b, n in enumerate(engine.lens) if done[b] < n}
         for b, o in engine.step(q, chunks, scale).items():
             out[engine.cu[b] + chunks[b][0] : engine.cu[b] + chunks[b][1]] = o
             done[b] = chunks[b][1]
