@@ -315,11 +315,30 @@ def _training_attention_case(nseq, length):
 
 @section
 def rope(quick):
-    """Qwen3's q/k RMSNorm + RoPE of one layer: our one fused launch against vLLM's custom ops
-    (rms_norm on q, on k, then rotary_embedding in place: stock's layer), CUDA-graph replays."""
+    """Qwen3's q/k RMSNorm + RoPE of one layer: our one fused launch against stock two ways: vLLM's
+    custom ops (rms_norm on q, on k, then rotary_embedding in place: its eager layer) and the same
+    math in torch compiled by Inductor (what stock's compiled engine runs: fused kernels, session 27's
+    profile), CUDA-graph replays."""
     for model, hq, hkv in (("1.7B", 16, 8), ("8B", 32, 8)):
         for t in (16, 256) if quick else (16, 128, 256, 512, 8192):
             _rope_case(model, t, hq, hkv)
+
+
+def _rope_native(q, k, positions, cos_sin, wq, wk, eps=1e-6):
+    """Stock's q/k norm and NeoX rotation in torch (vLLM's RMSNorm and RotaryEmbedding forward_native)."""
+
+    def norm(x, w):
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+    cos, sin = cos_sin[positions].chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+
+    def rotate(x):
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    return rotate(norm(q, wq)), rotate(norm(k, wk))
 
 
 def _rope_case(model, t, hq, hkv, d=128):
@@ -338,13 +357,16 @@ def _rope_case(model, t, hq, hkv, d=128):
     positions = torch.randint(0, 40960, (t,), device="cuda")
     q_n, k_n = torch.empty_like(q), torch.empty_like(k)
 
-    def stock():
+    def custom_ops():
         ops.rms_norm(q_n, q, wq, 1e-6)
         ops.rms_norm(k_n, k, wk, 1e-6)
         ops.rotary_embedding(positions, q_n.view(t, -1), k_n.view(t, -1), d, cos_sin, True)
 
+    compiled = torch.compile(_rope_native, fullgraph=True, dynamic=False)
     ours = bench_graph(lambda: apply_rope_triton(q, k, positions, cache, (wq, wk, 1e-6)))
-    record("rope", f"{model} qk-norm+rope T={t} Hq={hq} Hkv={hkv}", ours, bench_graph(stock), 1.0)
+    case = f"{model} qk-norm+rope T={t}"  # Hq, Hkv: the model's
+    record("rope", f"{case} vs ops", ours, bench_graph(custom_ops), 1.0)
+    record("rope", f"{case} vs Inductor", ours, bench_graph(lambda: compiled(q, k, positions, cos_sin, wq, wk)), 1.0)
 
 
 @section
