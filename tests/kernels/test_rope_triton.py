@@ -134,6 +134,29 @@ def _qkv_views(t, hq, hkv, d, dtype, device="cpu"):
     return qkv[:, : hq * d].view(t, hq, d), qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
 
 
+def _heads_per_program_gives_the_same_bits(mod, monkeypatch, t, hq, hkv, d, cache, device="cpu"):
+    """Every HEADS_PER_PROGRAM (speed only) gives the bits of one head a program, forward and the
+    backward's rotation, with and without the norm; q/k head counts not multiples of it."""
+    q, k = _qkv_views(t, hq, hkv, d, torch.bfloat16, device)
+    positions = torch.randint(0, cache.shape[0], (t,), device=device)
+    norm = _norm_weights(d, torch.bfloat16, device) + (1e-6,)
+    results = {}
+    for heads in (1, 2, 3, 4, 8):
+        monkeypatch.setattr(mod, "HEADS_PER_PROGRAM", heads)
+        results[heads] = [
+            *mod._launch(q, k, positions, cache, norm), *mod._launch(q, k, positions, cache, inverse=True)[:2]
+        ]
+    for heads, got in results.items():
+        for a, b in zip(got, results[1], strict=True):
+            assert torch.equal(a, b), heads
+
+
+def test_heads_per_program_is_speed_only(tk, monkeypatch):
+    hkv = int(torch.randint(1, 4, ()))
+    cache = rope_cache(32, 64, 10000.0)
+    _heads_per_program_gives_the_same_bits(tk, monkeypatch, 5, hkv * int(torch.randint(1, 4, ())), hkv, 32, cache)
+
+
 def _norm_weights(d, dtype, device="cpu"):
     return (1 + 0.3 * torch.randn(d, device=device)).to(dtype), (1 + 0.3 * torch.randn(d, device=device)).to(dtype)
 
@@ -282,6 +305,14 @@ def test_cuda_qk_norm_equals_norm_then_rope(head_dim):
             rows = slice(start, start + m)
             q_m, k_m = mod.apply_rope_triton(q[rows], k[rows], positions[rows], cache, (wq, wk, 1e-6))
             assert torch.equal(q_m, q_out[rows]) and torch.equal(k_m, k_out[rows])
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_heads_per_program_is_speed_only(monkeypatch):
+    cache = rope_cache(128, 40960, 1000000.0).cuda()
+    for hq, hkv in ((32, 8), (16, 8), (28, 4), (5, 1)):
+        _heads_per_program_gives_the_same_bits(importlib.import_module(MODULE), monkeypatch, 300, hq, hkv, 128, cache, "cuda")
 
 
 @pytest.mark.cuda
