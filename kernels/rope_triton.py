@@ -131,9 +131,19 @@ def _rope_head(
         tl.store(y_base + p, tail, mask=p_ok)
 
 
-# Heads a program: speed only (every head runs the same one-row code, see `_rope_head`). One head a
-# program ran 8.4 us a layer at the 8B shape's 256-token decode step in the engine (session 27).
+# Heads a program: speed only (every head runs the same one-row code, see `_rope_head`). H100,
+# session 28, q/k norm + RoPE of the 8B shape (40 heads), us for 1 / 2 / 4 / 8 heads a program:
+# T = 16: 2.08 / 2.29 / 2.95 / 4.62; T = 256: 7.60 / 5.17 / 4.37 / 5.13; T = 8,192: 199 / 101 / 81 / 83.
+# So HEADS_PER_PROGRAM, halved while the launch would have fewer than _FEW_PROGRAMS programs.
 HEADS_PER_PROGRAM = 4
+_FEW_PROGRAMS = 1024
+
+
+def _heads_for(n_tokens: int, n_heads: int) -> int:
+    heads = HEADS_PER_PROGRAM
+    while heads > 1 and n_tokens * triton.cdiv(n_heads, heads) < _FEW_PROGRAMS:
+        heads //= 2
+    return heads
 
 
 def _launch(q, k, positions, cache, norm=None, inverse=False):
@@ -152,7 +162,7 @@ def _launch(q, k, positions, cache, norm=None, inverse=False):
         return q_out, k_out, rstd_q, rstd_k
     q_w, k_w, eps = norm if norm is not None else (q, k, 0.0)  # dummies without a norm
     block_d = _block_for(head_dim)
-    heads = min(HEADS_PER_PROGRAM, triton.next_power_of_2(n_q + n_kv))
+    heads = _heads_for(n_tokens, n_q + n_kv)
     _rope_kernel[(n_tokens, triton.cdiv(n_q + n_kv, heads))](
         q, k, q_out, k_out, q_w, k_w,
         rstd_q if norm is not None else q_out, rstd_k if norm is not None else k_out,

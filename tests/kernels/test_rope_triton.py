@@ -141,6 +141,7 @@ def _heads_per_program_gives_the_same_bits(mod, monkeypatch, t, hq, hkv, d, cach
     positions = torch.randint(0, cache.shape[0], (t,), device=device)
     norm = _norm_weights(d, torch.bfloat16, device) + (1e-6,)
     results = {}
+    monkeypatch.setattr(mod, "_FEW_PROGRAMS", 0)  # every launch takes HEADS_PER_PROGRAM as is
     for heads in (1, 2, 3, 4, 8):
         monkeypatch.setattr(mod, "HEADS_PER_PROGRAM", heads)
         results[heads] = [
@@ -149,6 +150,13 @@ def _heads_per_program_gives_the_same_bits(mod, monkeypatch, t, hq, hkv, d, cach
     for heads, got in results.items():
         for a, b in zip(got, results[1], strict=True):
             assert torch.equal(a, b), heads
+
+
+def test_heads_a_program_follow_the_launch_size(tk):
+    """Four heads a program, halved while the launch would have fewer than 1,024 programs (the 8B
+    shape's 40 heads: one at 16 tokens, four from 128)."""
+    assert [tk._heads_for(t, 40) for t in (1, 16, 32, 64, 128, 8192)] == [1, 1, 1, 2, 4, 4]
+    assert tk._heads_for(256, 1) == 1 and tk._heads_for(10**6, 3) == 4
 
 
 def test_heads_per_program_is_speed_only(tk, monkeypatch):
