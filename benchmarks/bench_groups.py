@@ -12,6 +12,8 @@ samples sharing their prompt blocks; then decode at thin batches with the thin-s
 
 from __future__ import annotations
 
+import os
+
 import torch
 from bench_kernels import _paged_inputs, _shared_prefix_inputs, bench_graph
 
@@ -64,4 +66,5 @@ def main():
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("VEXACT_KEY_SPLIT", "0")  # the groups take no key split (on by default)
     main()

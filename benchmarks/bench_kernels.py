@@ -209,8 +209,15 @@ def decode_rollout(quick):
     Each of PAGED_VARIANTS against FlashAttention-3 on the same blocks, bits checked equal."""
     cases = [("grpo 32x8 shared", 32, 8, (256, 1024), 600, True), ("grpo 32x8 private", 32, 8, (256, 1024), 600, False),
              ("long 32x1", 32, 1, (1024, 4096), 2000, False)]  # fmt: skip
-    for label, groups, samples, prompt, generated, shared in cases[:1] if quick else cases:
-        _decode_rollout_case(label, groups, samples, prompt, generated, shared)
+    unset = "VEXACT_KEY_SPLIT" not in os.environ
+    if unset:  # the shared-prompt groups take no key split: the unsplit kernel unless one is set
+        os.environ["VEXACT_KEY_SPLIT"] = "0"
+    try:
+        for label, groups, samples, prompt, generated, shared in cases[:1] if quick else cases:
+            _decode_rollout_case(label, groups, samples, prompt, generated, shared)
+    finally:
+        if unset:
+            os.environ.pop("VEXACT_KEY_SPLIT")
 
 
 def _decode_rollout_case(label, groups, samples, prompt, generated, shared):

@@ -916,13 +916,13 @@ def paged_attention(
         return out
     n_tiles = tile_count(n_tokens, n_seqs, block_m // group)
     thin_sms = _thin_sms(q.device.index) if q.is_cuda else None
-    if key_split() and shared is not None:
-        raise ValueError(
-            "VEXACT_KEY_SPLIT does not take the shared-prompt groups (their prefix state runs across the "
-            "splits): unset VEXACT_SHARED_PREFIX with it"
-        )
     reach = block_table.shape[1] * k_cache.shape[1]  # the most keys a row can reach
     split_tiles = _split_tiles(reach)
+    if split_tiles and shared is not None:
+        raise ValueError(
+            "VEXACT_KEY_SPLIT does not take the shared-prompt groups (their prefix state runs across the "
+            "splits; the split is on by default): set VEXACT_KEY_SPLIT=0 with VEXACT_SHARED_PREFIX=1"
+        )
     chunks = -(-reach // (split_tiles * KEY_TILE)) if split_tiles else 1
     split = chunks > 1 and split_decode(n_tokens, n_tiles * n_kv, _sm_count(q.device.index) if q.is_cuda else None)
     num_stages = paged_stages(head_dim, n_tiles * n_kv, thin_sms, shared is not None, num_stages, split)

@@ -195,16 +195,16 @@ def test_split_refused_with_fa4_and_groups(interpreted_attention, monkeypatch):
     with pytest.raises(ValueError, match="VEXACT_ATTENTION=fa4"):
         key_split()
     monkeypatch.delenv("VEXACT_ATTENTION")
-    monkeypatch.delenv("VEXACT_KEY_SPLIT")  # the default split refuses the groups too
+    monkeypatch.delenv("VEXACT_KEY_SPLIT")  # the default split refuses the groups too, where rows reach it
     q = torch.randn(2, 4, 16)
     cache = torch.randn(4, 16, 2, 16)
     one = torch.zeros(2, dtype=torch.int32)
     shared = SharedPrefix(one, one, one, one, torch.zeros(1, dtype=torch.int32), 2)
-    with pytest.raises(ValueError, match="shared-prompt groups"):
+    with pytest.raises(ValueError, match="shared-prompt groups.*set VEXACT_KEY_SPLIT=0"):
         interpreted_attention.paged_attention(
-            q, cache, cache, torch.zeros(2, 1, dtype=torch.int32), torch.tensor([3, 5], dtype=torch.int32),
+            q, cache, cache, torch.zeros(2, 129, dtype=torch.int32), torch.tensor([3, 5], dtype=torch.int32),
             torch.tensor([0, 1, 2], dtype=torch.int32), 0.25, shared=shared,
-        )  # fmt: skip
+        )  # fmt: skip  (129 pages of 16: rows may reach key 2,064, past the split)
 
 
 # ----------------------------------------------------------------------------- CUDA (the GPU host)
