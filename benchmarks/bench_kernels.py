@@ -13,6 +13,7 @@ of CUDA-event timings after warm-up (triton.testing.do_bench). Full numbers go t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -21,6 +22,25 @@ import traceback
 import torch
 
 ROWS: list[dict] = []
+
+
+@contextlib.contextmanager
+def environment(**changes: str | None):
+    """os.environ with `changes` inside the block (None: the variable removed), as it was after."""
+
+    def put(values):
+        for name, value in values.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+    saved = {name: os.environ.get(name) for name in changes}
+    put(changes)
+    try:
+        yield
+    finally:
+        put(saved)
 
 
 def bench(fn, warmup=25, rep=100) -> float:
@@ -209,15 +229,10 @@ def decode_rollout(quick):
     Each of PAGED_VARIANTS against FlashAttention-3 on the same blocks, bits checked equal."""
     cases = [("grpo 32x8 shared", 32, 8, (256, 1024), 600, True), ("grpo 32x8 private", 32, 8, (256, 1024), 600, False),
              ("long 32x1", 32, 1, (1024, 4096), 2000, False)]  # fmt: skip
-    unset = "VEXACT_KEY_SPLIT" not in os.environ
-    if unset:  # the shared-prompt groups take no key split: the unsplit kernel unless one is set
-        os.environ["VEXACT_KEY_SPLIT"] = "0"
-    try:
+    # The shared-prompt groups take no key split: the unsplit kernel unless one is set.
+    with environment(VEXACT_KEY_SPLIT=os.environ.get("VEXACT_KEY_SPLIT") or "0"):
         for label, groups, samples, prompt, generated, shared in cases[:1] if quick else cases:
             _decode_rollout_case(label, groups, samples, prompt, generated, shared)
-    finally:
-        if unset:
-            os.environ.pop("VEXACT_KEY_SPLIT")
 
 
 def _decode_rollout_case(label, groups, samples, prompt, generated, shared):

@@ -32,7 +32,7 @@ import random
 import time
 
 import torch
-from bench_kernels import _paged_inputs, bench_graph
+from bench_kernels import _paged_inputs, bench_graph, environment
 
 
 def _describe(name, t):
@@ -102,15 +102,9 @@ def _measure(args, q, k_cache, v_cache, block_table, seq_lens, qsl, scale, out):
         got = fn()
         same = "-" if name in ("fresh cache", "spread table") else ("same" if torch.equal(got, want) else "DIFFER")
         print(f"{name:14s} {timer(fn) * 1000:8.1f}  {same}", flush=True)
-    before = os.environ.get("VEXACT_KEY_SPLIT")
     for keys in (0, 1024, 2048):  # no split and the key splits (other bits: timing only)
-        os.environ["VEXACT_KEY_SPLIT"] = str(keys)
-        try:
+        with environment(VEXACT_KEY_SPLIT=str(keys)):
             print(f"{f'split {keys}':14s} {timer(rows['engine']) * 1000:8.1f}  -", flush=True)
-        finally:
-            os.environ.pop("VEXACT_KEY_SPLIT")
-            if before is not None:
-                os.environ["VEXACT_KEY_SPLIT"] = before
     if not q.is_cuda:
         return
     _after_gemm(q, rows["engine"])

@@ -20,10 +20,9 @@ shuffled block table, every sequence at the same context.
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
-from bench_kernels import _paged_inputs, bench_graph, bench_one_capture
+from bench_kernels import _paged_inputs, bench_graph, bench_one_capture, environment
 
 from vexact_vllm.kernels import attention_triton, paged_attention
 
@@ -62,14 +61,8 @@ def _row(hq, hkv, batch, context, depths, lengths=None, fa4=False, layers=1, vll
     own = run()
     times, same = {"own": bench_graph(run) / layers}, True
     if fa4:
-        split = os.environ.pop("VEXACT_KEY_SPLIT", None)  # FA4 takes no split: timed without it
-        os.environ["VEXACT_ATTENTION"] = "fa4"
-        try:
+        with environment(VEXACT_KEY_SPLIT=None, VEXACT_ATTENTION="fa4"):  # FA4 takes no split: timed without it
             times["fa4"] = bench_one_capture(run) / layers  # one capture: see bench_one_capture
-        finally:
-            os.environ.pop("VEXACT_ATTENTION")
-            if split is not None:
-                os.environ["VEXACT_KEY_SPLIT"] = split
     for stages in depths:
         attention_triton._PAGED_STAGES[D] = stages
         try:

@@ -77,9 +77,10 @@ def shared_prefix_enabled() -> bool:
             "VEXACT_SHARED_PREFIX=1 groups the Triton attention's decodes; VEXACT_ATTENTION=fa4 runs FlashAttention-4, "
             "which takes no groups: unset one of them"
         )
-    if text == "1" and key_split():
+    split = key_split() if text == "1" else 0
+    if split:
         raise ValueError(
-            f"VEXACT_SHARED_PREFIX=1 takes no key split, and the Triton attention splits keys every {key_split()} "
+            f"VEXACT_SHARED_PREFIX=1 takes no key split, and the Triton attention splits keys every {split} "
             "(VEXACT_KEY_SPLIT, on by default): set VEXACT_KEY_SPLIT=0 on the trainer and the rollout alike"
         )
     return text == "1"
