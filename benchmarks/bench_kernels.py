@@ -363,20 +363,27 @@ def _rope_native(q, k, positions, cos_sin, wq, wk, eps=1e-6):
     return rotate(norm(q, wq)), rotate(norm(k, wk))
 
 
+def _rope_inputs(t, hq, hkv, d=128):
+    """(q, k, positions, the fp32 cos|sin cache, the norm weight) of one layer's q/k norm + RoPE:
+    q and k views of one fused projection, as in the layer; the Qwen3-8B cache (40,960 positions)."""
+    from vexact_vllm.kernels import rope_cache
+
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    positions = torch.randint(0, 40960, (t,), device="cuda")
+    cache = rope_cache(d, 40960, 1000000.0).cuda()
+    return q, k, positions, cache, torch.ones(d, device="cuda", dtype=torch.bfloat16)
+
+
 def _rope_case(model, t, hq, hkv, d=128):
     from vllm import _custom_ops as ops
 
-    from vexact_vllm.kernels import rope_cache
     from vexact_vllm.kernels.rope_triton import apply_rope_triton
 
-    cache = rope_cache(d, 40960, 1000000.0).cuda()
+    q, k, positions, cache, w = _rope_inputs(t, hq, hkv, d)
+    wq = wk = w
     cos_sin = cache.to(torch.bfloat16)  # vLLM keeps its cos|sin cache in the model dtype
-    wq = torch.ones(d, device="cuda", dtype=torch.bfloat16)
-    wk = torch.ones(d, device="cuda", dtype=torch.bfloat16)
-    qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
-    q = qkv[:, : hq * d].view(t, hq, d)  # views of the fused projection, as in the layer
-    k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
-    positions = torch.randint(0, 40960, (t,), device="cuda")
     q_n, k_n = torch.empty_like(q), torch.empty_like(k)
 
     def custom_ops():

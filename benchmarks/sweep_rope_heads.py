@@ -9,9 +9,9 @@ replays, one line per shape.
 from __future__ import annotations
 
 import torch
-from bench_kernels import _rope_native, bench_graph
+from bench_kernels import _rope_inputs, _rope_native, bench_graph
 
-from vexact_vllm.kernels import rope_cache, rope_triton
+from vexact_vllm.kernels import rope_triton
 
 SHAPES = (("8B", 32, 8, 256), ("8B", 32, 8, 16), ("8B", 32, 8, 8192), ("1.7B", 16, 8, 256))  # model, Hq, Hkv, T
 
@@ -28,13 +28,8 @@ def main():
         rope_triton.HEADS_PER_PROGRAM, rope_triton._FEW_PROGRAMS = saved
 
 
-def _row(compiled, model, hq, hkv, t, d=128):
-    cache = rope_cache(d, 40960, 1000000.0).cuda()
-    w = torch.ones(d, device="cuda", dtype=torch.bfloat16)
-    qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
-    q = qkv[:, : hq * d].view(t, hq, d)  # views of the fused projection, as in the layer
-    k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
-    positions = torch.randint(0, 40960, (t,), device="cuda")
+def _row(compiled, model, hq, hkv, t):
+    q, k, positions, cache, w = _rope_inputs(t, hq, hkv)
 
     def ours():
         return rope_triton.apply_rope_triton(q, k, positions, cache, (w, w, 1e-6))
