@@ -13,7 +13,8 @@ from bench_kernels import _rope_inputs, _rope_native, bench_graph
 
 from vexact_vllm.kernels import rope_triton
 
-SHAPES = (("8B", 32, 8, 256), ("8B", 32, 8, 16), ("8B", 32, 8, 8192), ("1.7B", 16, 8, 256))  # model, Hq, Hkv, T
+SHAPES = (("8B", 32, 8, 16), ("8B", 32, 8, 64), ("8B", 32, 8, 128), ("8B", 32, 8, 256), ("8B", 32, 8, 8192),
+          ("1.7B", 16, 8, 64), ("1.7B", 16, 8, 256))  # model, Hq, Hkv, T
 
 
 def main():
