@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -16,7 +17,7 @@ import pytest
 # closing `vexact-vllm check` keep vLLM's default layout; `vexact-vllm bench` still starts a process
 # per run, its engine inside it. GPU runs keep the default: an in-process engine's CUDA memory would
 # outlive its test.
-if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidiactl"):
+if not (os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi")):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 ATTENTION_TRITON_MODULES = (
