@@ -29,7 +29,8 @@ Invariant (DESIGN rule 2): the bits of output row m depend only on x[m] and W.
 fp32 inputs use true fp32 products ("ieee", no TF32), like torch's default matmul.
 
 Launch configurations live in one table, `_TUNED`, keyed by (dtype, N, K): tiles by M bucket;
-shapes it lacks get `_default_config` (one tile for every M). Changing
+shapes it lacks get `_default_config` (one tile for every M). `_TUNED_ON` replaces some buckets'
+tiles on a named card (the H200), never a shape's BLOCK_K, k_split or bounds. Changing
 an entry's BLOCK_K changes the bits for that weight shape on both sides (rollout and trainer) alike,
 so the contract holds, but recorded log-probs will differ.
 """
@@ -293,6 +294,25 @@ _TUNED: dict[tuple[torch.dtype, int, int], tuple[tuple[int | None, GemmConfig], 
 }
 
 
+# Tiles re-picked on other cards: {device-name fragment: {(dtype, N, K): {bucket bound: tile}}}. Speed
+# only: on a device whose name contains the fragment, a tile here replaces `_TUNED`'s tile of that
+# bucket; it keeps the shape's BLOCK_K and k_split and the buckets' bounds (`check_tiles_on`), so every
+# card reduces every element in the same order and the trainer's bits do not depend on the card.
+_TUNED_ON: dict[str, dict[tuple[torch.dtype, int, int], dict[int | None, GemmConfig]]] = {
+    # `sweep_gemm.py --shapes qwen3-8b --narrow --cold --ms 1,16,64,128` on an H200 (2026-11-28): the
+    # H100's decode tiles keep too few weight bytes in flight for its 4.8 TB/s; cold M = 1 16 64 | 128
+    "H200": {
+        (_BF16, 6144, 4096): {  # qkv .96 .94 .95 | .75 (the H100's tiles here: .72 .75 .83 | .68)
+            64: C(64, 64, 64, 8, 4, 8, 1),
+            128: C(64, 64, 64, 8, 4, 6, 2),
+        },
+        (_BF16, 4096, 4096): {128: C(64, 64, 64, 8, 4, 8, 1)},  # o | .85 (| .72)
+        (_BF16, 24576, 4096): {64: C(64, 64, 64, 8, 4, 4, 3)},  # gate_up .97 .97 .96 (.93 .94 .96)
+        (_BF16, 4096, 12288): {128: C(64, 64, 64, 8, 4, 8, 1)},  # down | .80 (| .73)
+    },
+}
+
+
 def check_tuned(table: dict) -> None:
     """Refuse a table whose buckets could change a shape's reduction with M (see the docstring)."""
     for key, buckets in table.items():
@@ -309,7 +329,24 @@ def check_tuned(table: dict) -> None:
             raise AssertionError(f"_TUNED{key}: split_programs needs k_split = 2")
 
 
+def check_tiles_on(table: dict, tuned: dict) -> None:
+    """Refuse a device tile that is not a speed-only replacement of a `tuned` bucket's tile."""
+    for device, tiles in table.items():
+        for key, by_bound in tiles.items():
+            if key not in tuned:
+                raise AssertionError(f"_TUNED_ON[{device!r}]{key}: not a _TUNED shape")
+            base = dict(tuned[key])
+            for bound, cfg in by_bound.items():
+                if bound not in base:
+                    raise AssertionError(f"_TUNED_ON[{device!r}]{key}: {bound} is not one of the shape's bounds")
+                if (cfg.block_k, cfg.k_split) != (base[bound].block_k, base[bound].k_split):
+                    raise AssertionError(f"_TUNED_ON[{device!r}]{key}: block_k and k_split must be _TUNED's")
+                if cfg.split_programs and bound is None:
+                    raise AssertionError(f"_TUNED_ON[{device!r}]{key}: split_programs only in bounded buckets")
+
+
 check_tuned(_TUNED)
+check_tiles_on(_TUNED_ON, _TUNED)
 
 
 def _default_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
@@ -325,13 +362,29 @@ def _default_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
     return GemmConfig(64, 128, 64, 8, 4, 4)
 
 
-def gemm_config(n: int, k: int, dtype: torch.dtype, m: int = 1) -> GemmConfig:
-    """The launch configuration for x [M, K] times a weight [N, K] of `dtype`. Its BLOCK_K (the
-    reduction) is a function of (N, K, dtype) alone; only the tile follows M (see above)."""
+def gemm_config(n: int, k: int, dtype: torch.dtype, m: int = 1, device: torch.device | None = None) -> GemmConfig:
+    """The launch configuration for x [M, K] times a weight [N, K] of `dtype` on `device`. Its BLOCK_K
+    and k_split (the reduction) are a function of (N, K, dtype) alone; only the tile follows M and the
+    card (see above and `_TUNED_ON`)."""
     buckets = _TUNED.get((dtype, n, k))
     if buckets is None:
         return _default_config(n, k, dtype)
-    return next(cfg for bound, cfg in buckets if bound is None or m <= bound)
+    bound, cfg = next((bound, cfg) for bound, cfg in buckets if bound is None or m <= bound)
+    if device is None:
+        return cfg
+    return _tiles_on(device).get((dtype, n, k), {}).get(bound, cfg)
+
+
+def tiles_for_device_name(name: str) -> dict:
+    """The `_TUNED_ON` tiles of the card called `name` (empty: `_TUNED`'s tiles)."""
+    return next((tiles for fragment, tiles in _TUNED_ON.items() if fragment in name), {})
+
+
+@functools.cache
+def _tiles_on(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {}
+    return tiles_for_device_name(torch.cuda.get_device_name(device))
 
 
 def warmup_sizes(n: int, k: int, dtype: torch.dtype) -> list[int]:
@@ -413,7 +466,7 @@ def launch_linear(x2, weight, bias, out_dtype, config_n=None, out=None) -> torch
     y = torch.empty(m, n, dtype=out_dtype, device=x2.device) if out is None else out  # [M, N]
     if m == 0 or n == 0:
         return y
-    cfg = gemm_config(n if config_n is None else config_n, k, x2.dtype, m)
+    cfg = gemm_config(n if config_n is None else config_n, k, x2.dtype, m, x2.device)
     while (
         out_dtype == torch.float32 and cfg.num_stages > 2 and _smem_bytes(cfg, x2.element_size(), 4) > _SMEM
     ):

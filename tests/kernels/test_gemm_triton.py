@@ -222,7 +222,7 @@ def test_split_programs_rows_invariant_interpreted(interp_runs, monkeypatch):
     whatever M and the rows around it."""
     gt = interp_runs
     cfgs = [gt.GemmConfig(16, 16, 16, 2, 4, 2, 1, False, False, 2, programs) for programs in (True, False)]
-    monkeypatch.setattr(gt, "gemm_config", lambda n, k, dtype, m=1: cfgs[0] if m <= 20 else cfgs[1])
+    monkeypatch.setattr(gt, "gemm_config", lambda n, k, dtype, m=1, device=None: cfgs[0] if m <= 20 else cfgs[1])
     x, w, b = _inputs(45, 40, 96, torch.bfloat16)
     full = gt.linear_triton(x, w, b, torch.bfloat16)
     for start, size in ((0, 1), (3, 17), (20, 20), (0, 21), (30, 15)):
@@ -255,6 +255,35 @@ def test_tuned_table_refuses_a_reduction_that_follows_m(interp):
     ):
         with pytest.raises(AssertionError):
             gt.check_tuned({(_BF16, 64, 128): bad})
+
+
+def test_device_tiles_replace_tiles_only(interp, monkeypatch):
+    """A card's own tiles (`_TUNED_ON`) replace a bucket's tile and nothing else: the same BLOCK_K and
+    k_split, the same bounds; the card is told by its name, other cards keep `_TUNED`'s tiles."""
+    gt, C = interp, interp.GemmConfig
+    tuned = {(_BF16, 64, 128): ((16, C(16, 16, 32, 8, 4, 2)), (None, C(64, 64, 32, 8, 4, 2)))}
+    gt.check_tiles_on({"X1": {(_BF16, 64, 128): {16: C(16, 32, 32, 8, 4, 6, 2)}}}, tuned)
+    for bad in (
+        {(_BF16, 64, 128): {16: C(16, 32, 16, 8, 4, 6)}},  # another BLOCK_K
+        {(_BF16, 64, 128): {None: C(64, 64, 32, 8, 4, 2, 1, False, False, 2)}},  # another k_split
+        {(_BF16, 64, 128): {32: C(16, 32, 32, 8, 4, 6)}},  # a bound the shape does not have
+        {(_BF16, 64, 256): {16: C(16, 32, 32, 8, 4, 6)}},  # a shape _TUNED does not have
+    ):
+        with pytest.raises(AssertionError):
+            gt.check_tiles_on({"X1": bad}, tuned)
+    assert gt.tiles_for_device_name("NVIDIA H200") is gt._TUNED_ON["H200"]
+    assert gt.tiles_for_device_name("NVIDIA H100 80GB HBM3") == {}
+    cpu = torch.device("cpu")
+    assert gt._tiles_on(cpu) == {}
+    for (dtype, n, k), by_bound in gt._TUNED_ON["H200"].items():
+        monkeypatch.setattr(gt, "_tiles_on", lambda device: gt._TUNED_ON["H200"])
+        for bound, _ in gt._TUNED[(dtype, n, k)]:
+            m = 100_000 if bound is None else bound  # the bucket's largest M
+            base = gt.gemm_config(n, k, dtype, m)
+            mine = gt.gemm_config(n, k, dtype, m, cpu)
+            assert mine == by_bound.get(bound, base), (n, k, bound)
+            assert (mine.block_k, mine.k_split) == (base.block_k, base.k_split)
+        monkeypatch.undo()
 
 
 def test_reduction_depends_on_weight_shape_only(interp):
@@ -308,7 +337,8 @@ def test_rows_invariant_across_tile_buckets_cuda(monkeypatch, n, k, bias, out_dt
         assert torch.equal(
             gt.linear_triton(x[start : start + size], w, b, out_dtype), full[start : start + size]
         )
-    for _, cfg in buckets:
+    on_cards = [cfg for tiles in gt._TUNED_ON.values() for cfg in tiles.get((torch.bfloat16, n, k), {}).values()]
+    for cfg in [cfg for _, cfg in buckets] + on_cards:  # every card's tiles, whichever card this is
         monkeypatch.setattr(gt, "gemm_config", lambda *_, cfg=cfg: cfg)
         assert torch.equal(gt.linear_triton(x, w, b, out_dtype), full), cfg
 
