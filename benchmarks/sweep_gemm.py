@@ -9,7 +9,7 @@ shape, all sharing one BLOCK_K (kernels/gemm_triton.py): pick them from the per-
     python3 benchmarks/sweep_gemm.py [--shapes qwen3-1.7b,qwen3-8b] [--ms 64,256,512,2048,8192] [--json FILE]
     python3 benchmarks/sweep_gemm.py --small --ms 64,128,256,512   # the small-M (decode) tiles only
     python3 benchmarks/sweep_gemm.py --narrow --tma --ms 1,16,32,64,128   # 16/32-wide decode tiles
-    python3 benchmarks/sweep_gemm.py --split [--only prefill]   # K in two parts (k_split = 2) on the narrow weights
+    python3 benchmarks/sweep_gemm.py --split   # K in two parts (k_split = 2) on the narrow weights
     python3 benchmarks/sweep_gemm.py --narrow --tma --cold --ms 1,16,64,128   # weights read from HBM
 
 `--cold` times every call on one of several copies of the weight, more bytes in all than the L2
@@ -129,7 +129,6 @@ SPLIT_SMALL_CANDIDATES = [
         (64, 32, bk, 8, 4, 3, 1), (64, 32, bk, 8, 4, 4, 1), (64, 32, bk, 8, 4, 6, 1),
         (64, 64, bk, 8, 4, 3, 1), (64, 64, bk, 8, 4, 4, 1), (128, 64, bk, 8, 4, 3, 1),
         (64, 16, bk, 8, 4, 8, 1), (64, 32, bk, 8, 4, 8, 1), (64, 64, bk, 8, 4, 6, 1),
-        (128, 64, bk, 8, 4, 4, 1), (128, 128, bk, 8, 8, 3, 1), (64, 128, bk, 8, 4, 4, 1),
     )
 ]  # fmt: skip
 SPLIT_LARGE_CANDIDATES = [
@@ -234,9 +233,6 @@ def main() -> None:
         help="K in two parts (k_split = 2) on SPLIT_SHAPES: decode and prefill tiles",
     )
     parser.add_argument(
-        "--only", choices=("decode", "prefill"), help="--split: only the decode or only the prefill candidates"
-    )
-    parser.add_argument(
         "--cold", action="store_true", help=f"cycle through weight copies ({COLD_BYTES >> 20} MB in all): HBM reads"
     )
     args = parser.parse_args()
@@ -252,11 +248,8 @@ def main() -> None:
     if args.split:
         shapes = [s for s in shapes if s in SPLIT_SHAPES]
         small_ms, large_ms = (ms, ms) if args.ms else (SPLIT_SMALL_MS, SPLIT_LARGE_MS)
-        rows = []
-        if args.only != "prefill":
-            rows += sweep(shapes, small_ms, SPLIT_SMALL_CANDIDATES, small_only=True, tag="decode", cold=args.cold)
-        if args.only != "decode":
-            rows += sweep(shapes, large_ms, SPLIT_LARGE_CANDIDATES, small_only=True, tag="prefill", cold=args.cold)
+        rows = sweep(shapes, small_ms, SPLIT_SMALL_CANDIDATES, small_only=True, tag="decode", cold=args.cold)
+        rows += sweep(shapes, large_ms, SPLIT_LARGE_CANDIDATES, small_only=True, tag="prefill", cold=args.cold)
     else:
         if args.narrow or args.small:  # one-part candidates: shapes tuned with K in two parts take --split
             shapes = [(n, k) for n, k in shapes if gemm_config(n, k, torch.bfloat16).k_split == 1]

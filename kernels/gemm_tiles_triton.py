@@ -80,34 +80,3 @@ def _dot_k_range_tma(
             w = w.to(tl.float32)
         acc = tl.dot(x, w.T, acc, input_precision="ieee")
     return acc
-
-
-@triton.jit
-def _dot_two_parts_tma(
-    x_desc,
-    w_desc,
-    row0,
-    col0,
-    k_tiles,  # K steps per part
-    DOT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """p_0 + p_1, each part `_dot_k_range_tma` of its k_tiles steps, in ONE loop over both parts: after
-    part 0's last step its sum is set aside and the accumulator restarts from zero. The same bits as
-    two calls added (p_0 is never -0.0: a chain from +0.0 cannot end at -0.0), but one loop keeps the
-    persistent tile loop a perfect nest that Triton flattens and pipelines across tiles and parts."""
-    first = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-    for ki in range(0, 2 * k_tiles):
-        x = x_desc.load([row0, ki * BLOCK_K])  # [BLOCK_M, BLOCK_K]
-        w = w_desc.load([col0, ki * BLOCK_K])  # [BLOCK_N, BLOCK_K]
-        if DOT_FP32:
-            x = x.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(x, w.T, acc, input_precision="ieee")
-        if ki == k_tiles - 1:
-            first = acc
-            acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-    return first + acc

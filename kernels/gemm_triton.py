@@ -44,7 +44,7 @@ import triton.language as tl
 
 from ._checks import SUPPORTED_DTYPES, check_dim, check_dtype, check_last_dim_contiguous, check_same_device
 from .gemm_split_triton import linear_split_programs
-from .gemm_tiles_triton import _dot_k_range, _dot_k_range_tma, _dot_two_parts_tma, _tile_coords  # noqa: F401 (moe_triton)
+from .gemm_tiles_triton import _dot_k_range, _dot_k_range_tma, _tile_coords  # noqa: F401 (moe_triton)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -157,8 +157,12 @@ def _linear_kernel_tma(
             acc = _dot_k_range_tma(
                 x_desc, w_desc, row0, col0, 0, k_tiles, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K
             )
-        else:  # K_SPLIT == 2 only where K / 2 is a multiple of BLOCK_K: p_0 + p_1 in one K loop
-            acc = _dot_two_parts_tma(x_desc, w_desc, row0, col0, k_tiles, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+        else:  # K_SPLIT > 1 only where K / K_SPLIT is a multiple of BLOCK_K; a total from zero (above)
+            acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+            for part in range(K_SPLIT):
+                acc += _dot_k_range_tma(
+                    x_desc, w_desc, row0, col0, part * k_tiles, k_tiles, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K
+                )
         tile_id_out += NUM_PROGRAMS
         pid_m, pid_n = _tile_coords(tile_id_out, num_pid_m, num_pid_n, GROUP_M)
         if HAS_BIAS:
@@ -474,8 +478,7 @@ def launch_linear(x2, weight, bias, out_dtype, config_n=None, out=None) -> torch
         return y
     num_programs = _num_sms(x2.device) * cfg.programs_per_sm
     num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    even_parts = cfg.k_split == 1 or (k // cfg.k_split) % cfg.block_k == 0  # the TMA kernel's parts
-    if cfg.tma and even_parts and all(_tma_ok(t) for t in (x2, weight, y)):
+    if cfg.tma and all(_tma_ok(t) for t in (x2, weight, y)):
         _launch_tma(x2, weight, bias, y, cfg, min(num_tiles, num_programs), num_programs)
         return y
     _linear_kernel[(min(num_tiles, num_programs),)](
