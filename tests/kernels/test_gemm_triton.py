@@ -421,6 +421,35 @@ def test_rows_invariant_cuda(n, k, bias, out_dtype):
     assert torch.equal(linear_triton(x_wide[:, 64:], w, b, out_dtype), full)
 
 
+@pytest.mark.parametrize("n,k,bias,out_dtype", [(4096, 4096, False, _BF16), (2048, 6144, True, torch.float32),
+                                                 (1000, 1280, True, _BF16)])  # fmt: skip
+@pytest.mark.cuda
+@needs_cuda
+def test_block_k_does_not_change_bits_cuda(monkeypatch, n, k, bias, out_dtype):
+    """On the GPU a bf16 `tl.dot` over BLOCK_K columns is BLOCK_K / 16 tensor-core MMAs of k = 16
+    chained on the fp32 accumulator in K order, so BLOCK_K only groups the chain: every BLOCK_K from
+    16 to 256, pointer or TMA loads, any tile, gives BLOCK_K = 64's bits (found on an H200,
+    2026-11-28: 352 of 352 configurations that fit). `_TUNED` still fixes one BLOCK_K per shape (the
+    interpreter's dot is one numpy sum per BLOCK_K and does differ); this test is the evidence a
+    decode tile needs before it takes another BLOCK_K than its shape's."""
+    import vexact_vllm.kernels.gemm_triton as gt
+
+    x, w, b = _inputs(700, n, k, _BF16, device="cuda", bias=bias)
+    ref_cfg = gt.GemmConfig(64, 64, 64, 8, 4, 3)
+    monkeypatch.setattr(gt, "gemm_config", lambda *_, c=ref_cfg: c)
+    ms = (1, 16, 128, 700)
+    ref = {m: gt.linear_triton(x[:m], w, b, out_dtype) for m in ms}
+    for block_k in (16, 32, 128, 256):
+        for block_m, block_n, warps in ((64, 32, 4), (64, 64, 4), (128, 128, 8)):
+            for tma in (False, True):
+                cfg = gt.GemmConfig(block_m, block_n, block_k, 8, warps, 3 if block_k <= 128 else 2, 1, tma)
+                if gt._smem_bytes(dataclasses.replace(cfg, num_stages=2), 2, out_dtype.itemsize) > gt._SMEM:
+                    continue  # 128x128x256: no room for two stages (linear_triton drops stages to 2 at most)
+                monkeypatch.setattr(gt, "gemm_config", lambda *_, c=cfg: c)
+                for m in ms:
+                    assert torch.equal(gt.linear_triton(x[:m], w, b, out_dtype), ref[m]), (cfg, m)
+
+
 @pytest.mark.cuda
 @needs_cuda
 def test_sm_count_does_not_change_bits_cuda(monkeypatch):
