@@ -9,8 +9,9 @@ shape, all sharing one BLOCK_K (kernels/gemm_triton.py): pick them from the per-
     python3 benchmarks/sweep_gemm.py [--shapes qwen3-1.7b,qwen3-8b] [--ms 64,256,512,2048,8192] [--json FILE]
     python3 benchmarks/sweep_gemm.py --small --ms 64,128,256,512   # the small-M (decode) tiles only
     python3 benchmarks/sweep_gemm.py --narrow --tma --ms 1,16,32,64,128   # 16/32-wide decode tiles
-    python3 benchmarks/sweep_gemm.py --split   # K in two parts (k_split = 2) on the narrow weights
+    python3 benchmarks/sweep_gemm.py --split [--only prefill]   # K in two parts (k_split = 2) on the narrow weights
     python3 benchmarks/sweep_gemm.py --narrow --tma --cold --ms 1,16,64,128   # weights read from HBM
+    python3 benchmarks/sweep_gemm.py --narrow --any-k --cold --ms 1,16,64,128  # a card's own tiles (_TUNED_ON)
 
 `--cold` times every call on one of several copies of the weight, more bytes in all than the L2
 holds (COLD_BYTES), in turn, as the model runs them (each layer's weights come from HBM); without
@@ -108,6 +109,14 @@ NARROW_CANDIDATES = [
     (64, 64, 64, 8, 4, 6, 2),
     (64, 64, 64, 8, 4, 8, 1),
     (64, 16, 64, 8, 4, 12, 2),
+    # fourth round (2026-11-28): BLOCK_K 128-256 (the GPU's bits do not depend on BLOCK_K, so a card's
+    # own tiles may take another one: `--any-k`); more weight bytes per K step
+    (64, 32, 128, 8, 4, 8, 1),
+    (64, 64, 128, 8, 4, 6, 1),
+    (64, 64, 128, 8, 4, 4, 2),
+    (64, 128, 128, 8, 4, 4, 1),
+    (64, 32, 256, 8, 4, 4, 1),
+    (64, 64, 256, 8, 4, 3, 1),
 ]
 
 
@@ -129,6 +138,7 @@ SPLIT_SMALL_CANDIDATES = [
         (64, 32, bk, 8, 4, 3, 1), (64, 32, bk, 8, 4, 4, 1), (64, 32, bk, 8, 4, 6, 1),
         (64, 64, bk, 8, 4, 3, 1), (64, 64, bk, 8, 4, 4, 1), (128, 64, bk, 8, 4, 3, 1),
         (64, 16, bk, 8, 4, 8, 1), (64, 32, bk, 8, 4, 8, 1), (64, 64, bk, 8, 4, 6, 1),
+        (128, 64, bk, 8, 4, 4, 1), (128, 128, bk, 8, 8, 3, 1), (64, 128, bk, 8, 4, 4, 1),
     )
 ]  # fmt: skip
 SPLIT_LARGE_CANDIDATES = [
@@ -160,7 +170,9 @@ def _bench(fn, x, weights) -> float:
         return do_bench_cudagraph(lambda: [fn(x, w) for w in weights], rep=20) / len(weights)
 
 
-def sweep(shapes, ms, candidates, small_only: bool = False, tag: str = "", cold: bool = False) -> list[dict]:
+def sweep(
+    shapes, ms, candidates, small_only: bool = False, tag: str = "", cold: bool = False, any_k: bool = False
+) -> list[dict]:
     import vexact_vllm.kernels.gemm_triton as gt
 
     original = gt.gemm_config
@@ -186,7 +198,7 @@ def sweep(shapes, ms, candidates, small_only: bool = False, tag: str = "", cold:
             tuned = {m: base[m] / _bench(ours, xs[m], ws) for m in ms}
             print(f"{'tuned (today)':28s}" + "".join(f"{tuned[m]:9.2f}" for m in ms), flush=True)
             for cand in candidates:
-                if small_only and buckets is not None and cand[2] != buckets[0][1].block_k:
+                if small_only and not any_k and buckets is not None and cand[2] != buckets[0][1].block_k:
                     continue  # another reduction order than the shape's: not a small-M tile for it
                 cfg = gt.GemmConfig(*cand)
                 gt.gemm_config = lambda *_, cfg=cfg: cfg
@@ -233,6 +245,15 @@ def main() -> None:
         help="K in two parts (k_split = 2) on SPLIT_SHAPES: decode and prefill tiles",
     )
     parser.add_argument(
+        "--any-k",
+        action="store_true",
+        help="--small/--narrow: also candidates of another BLOCK_K than the shape's (for a card's own "
+        "tiles, _TUNED_ON: bf16 bits do not depend on BLOCK_K on the GPU)",
+    )
+    parser.add_argument(
+        "--only", choices=("decode", "prefill"), help="--split: only the decode or only the prefill candidates"
+    )
+    parser.add_argument(
         "--cold", action="store_true", help=f"cycle through weight copies ({COLD_BYTES >> 20} MB in all): HBM reads"
     )
     args = parser.parse_args()
@@ -248,15 +269,18 @@ def main() -> None:
     if args.split:
         shapes = [s for s in shapes if s in SPLIT_SHAPES]
         small_ms, large_ms = (ms, ms) if args.ms else (SPLIT_SMALL_MS, SPLIT_LARGE_MS)
-        rows = sweep(shapes, small_ms, SPLIT_SMALL_CANDIDATES, small_only=True, tag="decode", cold=args.cold)
-        rows += sweep(shapes, large_ms, SPLIT_LARGE_CANDIDATES, small_only=True, tag="prefill", cold=args.cold)
+        rows = []
+        if args.only != "prefill":
+            rows += sweep(shapes, small_ms, SPLIT_SMALL_CANDIDATES, small_only=True, tag="decode", cold=args.cold)
+        if args.only != "decode":
+            rows += sweep(shapes, large_ms, SPLIT_LARGE_CANDIDATES, small_only=True, tag="prefill", cold=args.cold)
     else:
         if args.narrow or args.small:  # one-part candidates: shapes tuned with K in two parts take --split
             shapes = [(n, k) for n, k in shapes if gemm_config(n, k, torch.bfloat16).k_split == 1]
         candidates = NARROW_CANDIDATES if args.narrow else SMALL_CANDIDATES if args.small else CANDIDATES
         if args.tma:  # GemmConfig's tma and warp_specialize fields after the seven above
             candidates = [*candidates, *((*c, True) for c in candidates), *((*c, True, True) for c in candidates)]
-        rows = sweep(shapes, ms, candidates, small_only=args.small or args.narrow, cold=args.cold)
+        rows = sweep(shapes, ms, candidates, small_only=args.small or args.narrow, cold=args.cold, any_k=args.any_k)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f)
