@@ -197,6 +197,7 @@ def sweep(
             gt.gemm_config = original  # the table's own tiles (the previous shape left a candidate patched in)
             tuned = {m: base[m] / _bench(ours, xs[m], ws) for m in ms}
             print(f"{'tuned (today)':28s}" + "".join(f"{tuned[m]:9.2f}" for m in ms), flush=True)
+            rows.append({"n": n, "k": k, "config": None, "speed": tuned, "tag": tag})  # what `propose` must beat
             for cand in candidates:
                 if small_only and not any_k and buckets is not None and cand[2] != buckets[0][1].block_k:
                     continue  # another reduction order than the shape's: not a small-M tile for it
@@ -285,6 +286,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(rows, f)
     _print_best(shapes, rows, start)
+    _print_proposal(rows)
 
 
 def _print_best(shapes, rows, start: float) -> None:
@@ -294,13 +296,73 @@ def _print_best(shapes, rows, start: float) -> None:
     )
     for n, k in shapes:
         for tag in sorted({r["tag"] for r in rows}):
-            mine = [r for r in rows if (r["n"], r["k"]) == (n, k) and r["tag"] == tag]
+            mine = [r for r in rows if (r["n"], r["k"]) == (n, k) and r["tag"] == tag and r["config"]]
             best = max(mine, key=lambda r: r["gmean"], default=None)
             if best is not None:
                 speeds = " ".join(f"M={m}:{v:.2f}" for m, v in best["speed"].items())
                 print(
                     f"    (_BF16, {n}, {k}) {tag}: {tuple(best['config'])}  # {speeds} (gmean {best['gmean']:.2f})"
                 )
+
+
+def propose(rows, tuned_table: dict, margin: float = 0.03) -> dict:
+    """{(N, K): {bucket bound: (candidate, its speeds, today's speeds)}}: for each `_TUNED` bucket with
+    measured M values inside it, the candidate with the best geometric mean there, where it beats
+    today's tiles (the "tuned" row, this card's) by more than `margin`. Only candidates a card's own
+    tiles may take (`gemm_triton.check_tiles_on`): the shape's k_split, split programs only in bounded
+    buckets, two-part K a whole number of BLOCK_K steps."""
+    import vexact_vllm.kernels.gemm_triton as gt
+
+    out = {}
+    for (dtype, n, k), buckets in tuned_table.items():
+        if dtype != torch.bfloat16:  # the sweep's weights are bf16
+            continue
+        mine = [r for r in rows if (r["n"], r["k"]) == (n, k)]
+        today = {m: v for r in mine if r["config"] is None for m, v in r["speed"].items()}
+        low = 0
+        for bound, cfg in buckets:
+            ms = sorted(m for m in today if m > low and (bound is None or m <= bound))
+            low = math.inf if bound is None else bound
+            if not ms:
+                continue
+
+            def gmean(speed, ms=ms):
+                return math.exp(sum(math.log(speed[m]) for m in ms) / len(ms))
+
+            best = None
+            for r in mine:
+                if r["config"] is None or any(m not in r["speed"] for m in ms):
+                    continue
+                cand = gt.GemmConfig(*r["config"])
+                if cand.k_split != cfg.k_split or (cand.split_programs and bound is None):
+                    continue
+                if cand.k_split > 1 and k % (cand.k_split * cand.block_k):
+                    continue
+                if best is None or gmean(r["speed"]) > gmean(best["speed"]):
+                    best = r
+            if best is not None and gmean(best["speed"]) > (1 + margin) * gmean(today):
+                out.setdefault((n, k), {})[bound] = (
+                    tuple(best["config"]),
+                    [best["speed"][m] for m in ms],
+                    [today[m] for m in ms],
+                )
+    return out
+
+
+def _print_proposal(rows) -> None:
+    """`propose`'s picks as `_TUNED_ON` lines for this card (kernels/gemm_triton.py)."""
+    import vexact_vllm.kernels.gemm_triton as gt
+
+    picks = propose(rows, gt._TUNED)
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "this card"
+    print(f"\n_TUNED_ON entries for {name} (buckets whose best candidate beats today's tiles by > 3%):")
+    for (n, k), by_bound in picks.items():
+        tiles = ", ".join(f"{bound}: C{cand}" for bound, (cand, _, _) in by_bound.items())
+        notes = "; ".join(
+            f"{bound}: " + " ".join(f"{v:.2f}" for v in new) + " (" + " ".join(f"{v:.2f}" for v in old) + ")"
+            for bound, (_, new, old) in by_bound.items()
+        )
+        print(f"    (_BF16, {n}, {k}): {{{tiles}}},  # {notes}")
 
 
 if __name__ == "__main__":
