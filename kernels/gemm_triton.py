@@ -375,9 +375,10 @@ def _default_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
 
 
 def gemm_config(n: int, k: int, dtype: torch.dtype, m: int = 1, device: torch.device | None = None) -> GemmConfig:
-    """The launch configuration for x [M, K] times a weight [N, K] of `dtype` on `device`. Its BLOCK_K
-    and k_split (the reduction) are a function of (N, K, dtype) alone; only the tile follows M and the
-    card (see above and `_TUNED_ON`)."""
+    """The launch configuration for x [M, K] times a weight [N, K] of `dtype` on `device`. The
+    reduction is a function of (N, K, dtype) alone: k_split always, and BLOCK_K without a device (the
+    interpreter's order); the tile follows M and, on a card with its own tiles, the card, whose tile
+    may group the GPU's one chain of k = 16 MMAs in another BLOCK_K (see `_TUNED_ON`)."""
     buckets = _TUNED.get((dtype, n, k))
     if buckets is None:
         return _default_config(n, k, dtype)
