@@ -32,6 +32,12 @@
 #   profile-8b-grpo  the same for grpo:16 (700 output tokens)                                    ~210 s
 #   bench-split the 1.7B A/B of the split: stock, vexact (split 2,048, the default) and
 #               vexact-nosplit; default, decode-small, grpo:32, one run                         ~470 s
+#   gemm        the GEMM CUDA tests (BLOCK_K invariance, every card's tiles, split graphs)     ~150 s
+#   gemm-8b     sweep_gemm.py on the 8B shapes, cold: decode tiles of any BLOCK_K at M = 1-128; it
+#               prints `_TUNED_ON` entries for this card (kernels/gemm_triton.py)               ~150 s
+#   gemm-8b-mid the same for the M = 192-512 buckets (every small tile, pointer, TMA, TMA with warp
+#               specialization; the lm_head too)                                                ~300 s
+#   gemm-1.7b, gemm-1.7b-mid  the same for the 1.7B shapes
 set -uo pipefail
 : "${OUT:?set OUT to the folder the logs go to}"
 cd "$(dirname "$0")/.."
@@ -137,7 +143,19 @@ for phase in "$@"; do
       run bench-split 570 ${B17/stock,vexact/stock,vexact,vexact-nosplit} \
         --workload default,decode-small,grpo:32 --repeats 1 --duration 0
       grep -E "output tok/s" "$OUT/bench-split.log" ;;
+    gemm)
+      run gemm 300 python3 -m pytest -q -m cuda tests/kernels/test_gemm_triton.py tests/kernels/test_gemm_split_graphs.py
+      tail -1 "$OUT/gemm.log" ;;
+    gemm-8b|gemm-1.7b)
+      run "$phase" 280 python3 benchmarks/sweep_gemm.py --shapes "qwen3-${phase#gemm-}" --narrow --any-k --cold \
+        --ms 1,16,64,128
+      sed -n '/^_TUNED_ON entries/,$p' "$OUT/$phase.log" ;;
+    gemm-8b-mid|gemm-1.7b-mid)
+      shapes=${phase#gemm-}
+      run "$phase" 400 python3 benchmarks/sweep_gemm.py --shapes "qwen3-${shapes%-mid}" --small --any-k --tma --cold \
+        --ms 192,256,384,512
+      sed -n '/^_TUNED_ON entries/,$p' "$OUT/$phase.log" ;;
     *)
-      echo "unknown phase $phase (tests check check-long check-split check-nosplit check-many bench bench-8b bench-ab kernels rollout bwd split bench-split profile-8b profile-8b-grpo)"; exit 2 ;;
+      echo "unknown phase $phase (tests check check-long check-split check-nosplit check-many bench bench-8b bench-ab kernels rollout bwd split bench-split profile-8b profile-8b-grpo gemm gemm-8b gemm-8b-mid gemm-1.7b gemm-1.7b-mid)"; exit 2 ;;
   esac
 done
