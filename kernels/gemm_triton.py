@@ -385,7 +385,10 @@ def gemm_config(n: int, k: int, dtype: torch.dtype, m: int = 1, device: torch.de
     bound, cfg = next((bound, cfg) for bound, cfg in buckets if bound is None or m <= bound)
     if device is None:
         return cfg
-    return _tiles_on(device).get((dtype, n, k), {}).get(bound, cfg)
+    tile = _tiles_on(device).get((dtype, n, k), {}).get(bound, cfg)
+    if tile.k_split != cfg.k_split:  # `_TUNED` changed after `check_tiles_on` ran (a patched table)
+        raise ValueError(f"the card's tile {tile} for {(dtype, n, k)} splits K unlike _TUNED's {cfg}; fix _TUNED_ON")
+    return tile
 
 
 def tiles_for_device_name(name: str) -> dict:

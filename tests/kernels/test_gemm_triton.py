@@ -290,6 +290,14 @@ def test_device_tiles_replace_tiles_only(interp, monkeypatch):
             assert mine == by_bound.get(bound, base), (n, k, bound)
             assert mine.k_split == base.k_split
         monkeypatch.undo()
+    # a _TUNED patched after the import check (two K parts) under a card's one-part tile: refused
+    (dtype, n, k), by_bound = next(iter(gt._TUNED_ON["H200"].items()))
+    bound = next(iter(by_bound))
+    monkeypatch.setattr(gt, "_tiles_on", lambda device: gt._TUNED_ON["H200"])
+    split = dataclasses.replace(by_bound[bound], k_split=2)
+    monkeypatch.setitem(gt._TUNED, (dtype, n, k), ((bound, split), (None, dataclasses.replace(split, block_m=128))))
+    with pytest.raises(ValueError, match="splits K unlike"):
+        gt.gemm_config(n, k, dtype, 1, cpu)
 
 
 def test_reduction_depends_on_weight_shape_only(interp):
