@@ -309,8 +309,7 @@ def propose(rows, tuned_table: dict, margin: float = 0.03) -> dict:
     """{(N, K): {bucket bound: (candidate, its speeds, today's speeds)}}: for each `_TUNED` bucket with
     measured M values inside it, the candidate with the best geometric mean there, where it beats
     today's tiles (the "tuned" row, this card's) by more than `margin`. Only candidates a card's own
-    tiles may take (`gemm_triton.check_tiles_on`): the shape's k_split, split programs only in bounded
-    buckets, two-part K a whole number of BLOCK_K steps."""
+    tiles may take: those `gemm_triton.check_tiles_on` accepts in that bucket."""
     import vexact_vllm.kernels.gemm_triton as gt
 
     out = {}
@@ -320,7 +319,7 @@ def propose(rows, tuned_table: dict, margin: float = 0.03) -> dict:
         mine = [r for r in rows if (r["n"], r["k"]) == (n, k)]
         today = {m: v for r in mine if r["config"] is None for m, v in r["speed"].items()}
         low = 0
-        for bound, cfg in buckets:
+        for bound, _ in buckets:
             ms = sorted(m for m in today if m > low and (bound is None or m <= bound))
             low = math.inf if bound is None else bound
             if not ms:
@@ -333,10 +332,9 @@ def propose(rows, tuned_table: dict, margin: float = 0.03) -> dict:
             for r in mine:
                 if r["config"] is None or any(m not in r["speed"] for m in ms):
                     continue
-                cand = gt.GemmConfig(*r["config"])
-                if cand.k_split != cfg.k_split or (cand.split_programs and bound is None):
-                    continue
-                if cand.k_split > 1 and k % (cand.k_split * cand.block_k):
+                try:
+                    gt.check_tiles_on({"card": {(dtype, n, k): {bound: gt.GemmConfig(*r["config"])}}}, tuned_table)
+                except AssertionError:
                     continue
                 if best is None or gmean(r["speed"]) > gmean(best["speed"]):
                     best = r
