@@ -6,13 +6,14 @@
 #   OUT=/root/out bash scripts/gpu-verl-pairs.sh fsdp:tiny-qwen3:fsdp:1:10 tp2:tiny-qwen3:fsdp:2:10
 # Each launch runs in its own mount namespace (root: unshare) with a private /tmp: verl names its
 # weight-sync socket /tmp/rl-colocate-zmq-<Ray job id>-..., and every fresh Ray cluster's first job is
-# 01000000, so two launches would share it. The KV cache is fixed at 4 GiB a replica
-# (kv_cache_memory_bytes), so vLLM's start-up profiling does not measure the other launches' memory.
+# 01000000, so two launches would share it. The KV cache is fixed at KV_BYTES a replica (default 4 GiB;
+# kv_cache_memory_bytes), so vLLM's start-up profiling does not measure the other launches' memory.
 # Step times of launches that share the GPUs are not stock-vs-vexact timings.
 set -uo pipefail
 source /opt/vx/env.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 T=${LAUNCH_TIMEOUT:-540}
+KV_BYTES=${KV_BYTES:-4294967296}
 unshare -m --propagation private true || { echo "no unshare here" >&2; exit 3; }
 for spec in "$@"; do
   IFS=: read -r name model engine tp sides <<<"$spec"
@@ -23,7 +24,7 @@ for spec in "$@"; do
     ( t0=$(date +%s)
       RUNS=$side STEPS=${STEPS:-5} NGPUS_PER_NODE=${NGPUS:-2} ROLLOUT_TP=$tp MODEL_ENGINE=$engine MODEL_PATH=$path \
       ROLLOUT_GPU_MEM_UTIL=0.1 WORK=/root/vxw-$name-$side LOG_DIR=$OUT/$name \
-      timeout -k 10 $T unshare -m --propagation private bash -c "mount --bind $tmpd /tmp && exec bash examples/verl/smoke_1gpu.sh +actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes=4294967296" \
+      timeout -k 10 $T unshare -m --propagation private bash -c "mount --bind $tmpd /tmp && exec bash examples/verl/smoke_1gpu.sh +actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes=$KV_BYTES" \
         > "$OUT/$name/launch$side.out" 2>&1
       echo "$name side=$side rc=$? wall=$(( $(date +%s) - t0 ))s" >> "$OUT/summary.txt" ) &
     sleep 3
