@@ -26,7 +26,10 @@ export MICRO_BATCH_SIZE_PER_GPU=${MICRO_BATCH_SIZE_PER_GPU:-8} ROLLOUT_N=${ROLLO
 export MAX_PROMPT_LENGTH=${MAX_PROMPT_LENGTH:-256} MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-128}
 export ROLLOUT_GPU_MEM_UTIL=${ROLLOUT_GPU_MEM_UTIL:-0.3}
 # One agent-loop worker and one reward worker (verl starts 8 of each by default): 32 sequences a step.
-SMOKE=(actor_rollout_ref.rollout.agent.num_workers=1 reward.num_workers=1)
+# vLLM's context is the run's prompt + response, not the checkpoint's max_position_embeddings (verl's
+# default): a Qwen3-1.7B shape's 40,960 positions need 4.4 GiB of KV cache for one sequence.
+SMOKE=(actor_rollout_ref.rollout.agent.num_workers=1 reward.num_workers=1
+       actor_rollout_ref.rollout.max_model_len=$((MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH)))
 # VeOmni shards with FSDP only on more than one rank. On one it refuses verl's default meta-device
 # initialisation ("Only FSDP training supports `init_device=meta`") and cannot offload (verl's
 # offload_veomni_model_to_cpu calls FSDP's reshard): build on the GPU and keep the reference there.

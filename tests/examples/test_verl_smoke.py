@@ -67,6 +67,8 @@ def test_smoke_overrides_validate_for_one_gpu(tmp_path, tiny_model, engine):
         cfg = _compose((tmp_path / "logs" / f"vexact{vexact}.log").read_text().splitlines())
         assert cfg.trainer.n_gpus_per_node == 1 and cfg.trainer.total_training_steps == 1
         assert cfg.actor_rollout_ref.model.path == str(tiny_model)
+        # vLLM's context is the run's lengths, not the checkpoint's positions (a 1.7B shape's 40,960)
+        assert cfg.actor_rollout_ref.rollout.max_model_len == cfg.data.max_prompt_length + cfg.data.max_response_length
         if engine == "veomni":  # one rank: VeOmni builds without FSDP, so not on the meta device
             assert cfg.actor_rollout_ref.actor.veomni.init_device == cfg.actor_rollout_ref.ref.veomni.init_device == "cuda"
             assert cfg.actor_rollout_ref.ref.veomni.param_offload is False  # offloading needs FSDP
