@@ -50,6 +50,12 @@ metric() {  # metric LOG KEY -> "step value" lines (none when LOG is missing)
 }
 
 status=0
+for side in 1 0; do  # a side not run yet (RUNS names one side, or it failed before training)
+    if ! grep -q "step:[0-9]" "$LOG_DIR/vexact$side.log" 2>/dev/null; then
+        echo "no training step logged in $LOG_DIR/vexact$side.log: run that side (RUNS=$side) first" >&2
+        status=1
+    fi
+done
 printf '\n%-34s %6s %16s %16s\n' metric step vexact stock
 for key in "${METRICS[@]}"; do
     vexact_rows=$(metric "$LOG_DIR/vexact1.log" "$key")

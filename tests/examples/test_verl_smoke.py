@@ -109,3 +109,10 @@ def test_verify_fails_when_a_metric_is_missing(tmp_path):
     _log(tmp_path / "vexact0.log", dict.fromkeys(METRICS, 0.0123))
     proc = _compare(tmp_path)
     assert proc.returncode == 1 and "rollout_corr/k3_kl: not logged" in proc.stderr
+
+
+def test_verify_says_which_side_has_not_run(tmp_path):
+    _log(tmp_path / "vexact1.log", dict.fromkeys(METRICS, 0.0))  # stock (RUNS=0) not run yet
+    proc = _compare(tmp_path)
+    assert proc.returncode == 1 and "vexact0.log: run that side (RUNS=0) first" in proc.stderr
+    assert "vexact1.log" not in proc.stderr and "PASS" not in proc.stdout
