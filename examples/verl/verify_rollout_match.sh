@@ -56,6 +56,7 @@ for side in 1 0; do  # a side not run yet (RUNS names one side, or it failed bef
         status=1
     fi
 done
+[ "$status" = 0 ] || exit 1  # nothing to compare yet
 printf '\n%-34s %6s %16s %16s\n' metric step vexact stock
 for key in "${METRICS[@]}"; do
     vexact_rows=$(metric "$LOG_DIR/vexact1.log" "$key")

@@ -116,3 +116,4 @@ def test_verify_says_which_side_has_not_run(tmp_path):
     proc = _compare(tmp_path)
     assert proc.returncode == 1 and "vexact0.log: run that side (RUNS=0) first" in proc.stderr
     assert "vexact1.log" not in proc.stderr and "PASS" not in proc.stdout
+    assert "calculate_log_probs" not in proc.stderr  # the missing side, not a missing metric, is the cause
