@@ -36,7 +36,7 @@
 #   gemm-8b     sweep_gemm.py on the 8B shapes, cold: decode tiles of any BLOCK_K at M = 1-128; it
 #               prints `_TUNED_ON` entries for this card (kernels/gemm_triton.py)               ~150 s
 #   gemm-8b-mid the same for the M = 192-512 buckets (every small tile, pointer, TMA, TMA with warp
-#               specialization; the lm_head too)                                                ~300 s
+#               specialization; the lm_head too; the 8B's ran past 400 s on an H200: run it alone)  ~450 s
 #   gemm-1.7b, gemm-1.7b-mid  the same for the 1.7B shapes
 set -uo pipefail
 : "${OUT:?set OUT to the folder the logs go to}"
@@ -152,7 +152,7 @@ for phase in "$@"; do
       sed -n '/^_TUNED_ON entries/,$p' "$OUT/$phase.log" ;;
     gemm-8b-mid|gemm-1.7b-mid)
       shapes=${phase#gemm-}
-      run "$phase" 400 python3 benchmarks/sweep_gemm.py --shapes "qwen3-${shapes%-mid}" --small --any-k --tma --cold \
+      run "$phase" 560 python3 benchmarks/sweep_gemm.py --shapes "qwen3-${shapes%-mid}" --small --any-k --tma --cold \
         --ms 192,256,384,512
       sed -n '/^_TUNED_ON entries/,$p' "$OUT/$phase.log" ;;
     *)
