@@ -76,6 +76,8 @@ def specs(head_dim: int, group: int, block_m: int | None, warps: int | None = No
     thin = dict(fwd_opts, num_stages=max((st for _, st in fwd._THIN_STAGES.get(head_dim, ())), default=fwd_stages))
     return {
         "paged": (fwd._paged_fwd_kernel, dict(paged, ORDERED=False), fwd_opts),
+        # rows past the default key split (2,048 keys) fold their chunks in the program (grpo's, long's)
+        "paged-split": (fwd._paged_fwd_kernel, dict(paged, ORDERED=False, SPLIT_TILES=2048 // fwd.KEY_TILE), fwd_opts),
         "paged-thin": (fwd._paged_fwd_kernel, dict(paged, ORDERED=False), thin),  # thin steps' deepest
         "paged-shared-thin": (fwd._paged_fwd_kernel, dict(paged, ORDERED=False, SHARED=True), thin),
         "prefix-thin": (prefix._shared_prefix_kernel, dict(common, BLOCK_M=block_m, PAGE=16), thin),
@@ -134,6 +136,9 @@ def main() -> int:
     parser.add_argument("--block-m", type=int, help="forward rows per tile (default: the wrappers' config)")
     parser.add_argument("--warps", type=int, help="forward warps (default: the wrappers' config); with --block-m "
                         "128 --warps 8 the mma layouts show whether rows keep their arithmetic")  # fmt: skip
+    parser.add_argument("--stages", type=int, help="num_stages of every kernel (default: each launch's own)")
+    parser.add_argument("--maxnreg", type=int, help="cap each kernel's registers a thread (ptxas .maxnreg; "
+                        "spills show in spill_stores): how many programs could share an SM")  # fmt: skip
     parser.add_argument("--out", help="folder for the cubin, PTX and SASS of each kernel")
     args = parser.parse_args()
     out_dir = args.out or tempfile.mkdtemp(prefix="vexact-sass-")
@@ -143,7 +148,9 @@ def main() -> int:
     for name in args.kernels.split(","):
         if name not in table:
             sys.exit(f"unknown kernel {name!r}; choose from {', '.join(table)}")
-        row = inspect(name, *table[name], out_dir)
+        kernel, constexprs, options = table[name]
+        options = dict(options, **{k: v for k, v in (("num_stages", args.stages), ("maxnreg", args.maxnreg)) if v})
+        row = inspect(name, kernel, constexprs, options, out_dir)
         mix = row.pop("mix")
         print(" ".join(f"{k}={v}" for k, v in row.items()))
         print("   ", " ".join(f"{k}:{v}" for k, v in mix.items()))
