@@ -32,6 +32,7 @@ from vexact_vllm.kernels import attention_prefix_groups_triton as groups
 from vexact_vllm.kernels import attention_prefix_triton as prefix
 from vexact_vllm.kernels import attention_triton as fwd
 from vexact_vllm.kernels import attention_triton_bwd as bwd
+from vexact_vllm.kernels.dispatch import DEFAULT_KEY_SPLIT
 
 FLOATS = {"qk_scale", "scale"}
 INT_POINTERS = {"block_table_ptr", "seq_lens_ptr", "start_loc_ptr", "cu_ptr", "order_ptr", "order_start_ptr",
@@ -76,8 +77,9 @@ def specs(head_dim: int, group: int, block_m: int | None, warps: int | None = No
     thin = dict(fwd_opts, num_stages=max((st for _, st in fwd._THIN_STAGES.get(head_dim, ())), default=fwd_stages))
     return {
         "paged": (fwd._paged_fwd_kernel, dict(paged, ORDERED=False), fwd_opts),
-        # rows past the default key split (2,048 keys) fold their chunks in the program (grpo's, long's)
-        "paged-split": (fwd._paged_fwd_kernel, dict(paged, ORDERED=False, SPLIT_TILES=2048 // fwd.KEY_TILE), fwd_opts),
+        # rows past the default key split fold their chunks in the program (grpo's, long's)
+        "paged-split": (fwd._paged_fwd_kernel, dict(paged, ORDERED=False, SPLIT_TILES=DEFAULT_KEY_SPLIT // fwd.KEY_TILE),
+                        fwd_opts),
         "paged-thin": (fwd._paged_fwd_kernel, dict(paged, ORDERED=False), thin),  # thin steps' deepest
         "paged-shared-thin": (fwd._paged_fwd_kernel, dict(paged, ORDERED=False, SHARED=True), thin),
         "prefix-thin": (prefix._shared_prefix_kernel, dict(common, BLOCK_M=block_m, PAGE=16), thin),
