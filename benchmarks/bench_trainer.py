@@ -5,8 +5,8 @@
 
 One step = forward, token log-probs of the next token, loss = -mean(log-probs), backward; gradients
 are set to None between steps, no optimizer. Rows:
-- vexact: `AutoModelForCausalLM.from_config` under `training_enabled()`, a `PackedBatch` of the B
-  sequences, `packed_log_probs` (the fused, row-chunked lm_head log-prob, with its gradient).
+- vexact: `AutoModelForCausalLM.from_config` under `transformers_hooks.installed()`, a `PackedBatch` of
+  the B sequences, `packed_log_probs` (the fused, row-chunked lm_head log-prob, with its gradient).
 - stock-*: transformers' own class (Qwen3ForCausalLM; Qwen3MoeForCausalLM asked for its grouped_mm
   experts, the eager loop where this torch lacks grouped GEMMs, the "experts" field says which); bf16 logits -> fp32 -> log_softmax -> gather (the
   way verl scores tokens without flash-attn's cross-entropy kernel). `sdpa-padded`: [B, L] with an
@@ -36,7 +36,8 @@ import traceback
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vexact_vllm.model_patches import PackedBatch, training_enabled
+from vexact_vllm.model_patches import PackedBatch
+from vexact_vllm.model_patches.trainers import transformers_hooks
 from vexact_vllm.tiny_model import QWEN3_1_7B_SHAPE, QWEN3_30B_A3B_SHAPE, shape_config
 
 TINY_SHAPE = dict(
@@ -63,7 +64,7 @@ def build(config, device, attn: str | None, std: float = INIT_STD):
 
     with torch.device(device):
         if attn is None:
-            with training_enabled():
+            with transformers_hooks.installed():
                 model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         elif getattr(config, "num_experts", None):  # MoE: the fastest experts path transformers has here
             try:

@@ -1,7 +1,9 @@
-"""The shared model definitions (one per family) and the training-side hooks.
+"""The shared model definitions (one per family, at this level) and, in `trainers/`, the trainer side
+(the switch, the transformers training class, verl and VeOmni hooks). The trainer side imports the
+shared model, never the reverse.
 
-Submodules are imported on first use, so `vexact_vllm.register()` (which reads only `.config`)
-never pays for transformers' model classes.
+Names are imported on first use, so `vexact_vllm.register()` (which reads only `.config`) never
+pays for transformers' model classes.
 """
 
 import importlib
@@ -10,12 +12,12 @@ _EXPORTS = {
     "SUPPORTED_ARCHITECTURES": ".config",
     "DecoderConfig": ".config",
     "UnsupportedModelError": ".config",
-    "PackedBatch": ".hf_model",
-    "VexactForCausalLM": ".hf_model",
-    "enable_training": ".training",
-    "disable_training": ".training",
-    "is_training_enabled": ".training",
-    "training_enabled": ".training",
+    "PackedBatch": ".trainers.hf_causal_lm",
+    "VexactForCausalLM": ".trainers.hf_causal_lm",
+    "enable": ".trainers.switch",
+    "disable": ".trainers.switch",
+    "is_enabled": ".trainers.switch",
+    "enabled": ".trainers.switch",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -4,10 +4,10 @@ A family is one file in `model_patches/models/` (its decoder: which attention an
 each layer gets, and what it reads from a Hugging Face config) plus one row here. From the rows come:
 - the supported model types and architectures (config.py, the refusals' messages);
 - the vLLM side: one registered name per family, `VllmVexact<Architecture>`, all served by the one
-  vLLM class `vexact_vllm.models.VllmVexactForCausalLM` (registry.py);
+  vLLM class `VllmVexactForCausalLM` of the plugin (registry.py);
 - the training side: `Vexact<Architecture>` (a transformers PreTrainedModel, what
-  `AutoModelForCausalLM` builds when the training side is enabled: hf_model.py);
-- VeOmni: `VeOmniVexact<Architecture>` (veomni_modeling.py, veomni_hooks.py);
+  `AutoModelForCausalLM` builds when the training side is enabled: trainers/hf_causal_lm.py);
+- VeOmni: `VeOmniVexact<Architecture>` (trainers/veomni_classes.py, trainers/veomni_hooks.py);
 - the built-in tiny checkpoints `tiny-<name>` (vexact_vllm/tiny_model.py).
 The two model classes of a family carry different names on purpose (one runs inside vLLM, the
 other inside a trainer); both build the same decoder from the family file.

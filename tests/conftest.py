@@ -42,14 +42,14 @@ KERNEL_COMPANIONS = {
 
 @pytest.fixture(autouse=True)
 def _training_switch_off():
-    """Every test starts and ends with the training switch off: importing verl (collected by the
-    trainer tests) turns it on through the verl.plugins entry point, and a transformers model built
-    elsewhere with it on would be the vexact class."""
-    from vexact_vllm.model_patches import disable_training
+    """Every test starts and ends with the vexact training classes unregistered from
+    AutoModelForCausalLM (the switch's transformers part): a transformers model built elsewhere with
+    them registered would be the vexact class."""
+    from vexact_vllm.model_patches.trainers import transformers_hooks
 
-    disable_training()
+    transformers_hooks.uninstall()
     yield
-    disable_training()
+    transformers_hooks.uninstall()
 
 
 @pytest.fixture(scope="session")

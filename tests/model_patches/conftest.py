@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from vexact_vllm.model_patches import training_enabled
+from vexact_vllm.model_patches.trainers import transformers_hooks
 from vexact_vllm.tiny_model import TINY_ARCHS
 
 
@@ -26,7 +26,7 @@ def load_model(tiny_paths):
 
     def _load(arch: str, dtype: torch.dtype, vexact: bool):
         if vexact:
-            with training_enabled():
+            with transformers_hooks.installed():
                 return AutoModelForCausalLM.from_pretrained(tiny_paths[arch], dtype=dtype).eval()
         return AutoModelForCausalLM.from_pretrained(tiny_paths[arch], dtype=dtype).eval()
 

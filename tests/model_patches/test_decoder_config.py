@@ -138,7 +138,7 @@ def test_parameters_are_hugging_faces(arch, options):
     parameter names and shapes of Hugging Face's own class (a checkpoint loads both ways)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from vexact_vllm.model_patches.hf_model import TRAINING_CLASSES
+    from vexact_vllm.model_patches.trainers.hf_causal_lm import TRAINING_CLASSES
 
     fields = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=100, head_dim=16, tie_word_embeddings=True)  # fmt: skip

@@ -12,15 +12,15 @@ from vexact_vllm.model_patches.families import FAMILIES
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.model_type)
 def test_every_row_derives_every_class(family):
-    from vexact_vllm.model_patches import hf_model
     from vexact_vllm.model_patches.config import SUPPORTED_ARCHITECTURES, SUPPORTED_MODEL_TYPES
+    from vexact_vllm.model_patches.trainers import hf_causal_lm
     from vexact_vllm.tiny_model import BUILTIN_MODELS
 
     assert SUPPORTED_MODEL_TYPES[family.model_type] == family.architecture
     assert family.architecture in SUPPORTED_ARCHITECTURES
-    training = hf_model.TRAINING_CLASSES[family.model_type]
+    training = hf_causal_lm.TRAINING_CLASSES[family.model_type]
     assert training.__name__ == family.training_name == f"Vexact{family.architecture}"
-    assert getattr(hf_model, family.training_name) is training
+    assert getattr(hf_causal_lm, family.training_name) is training
     assert pickle.loads(pickle.dumps(training)) is training  # found by name, as FSDP/Ray pickling needs
     assert training.config_class.model_type == family.model_type
     assert training.hf_architecture == family.architecture
@@ -37,9 +37,9 @@ def test_vllm_registry_names_one_per_family():
 
 def test_veomni_classes_follow_the_table():
     pytest.importorskip("veomni")
-    from vexact_vllm.model_patches import veomni_modeling
+    from vexact_vllm.model_patches.trainers import veomni_classes
 
     for family in FAMILIES:
-        cls = veomni_modeling.VEOMNI_CLASSES[family.model_type]
+        cls = veomni_classes.VEOMNI_CLASSES[family.model_type]
         assert cls.__name__ == f"VeOmni{family.training_name}"
-        assert getattr(veomni_modeling, cls.__name__) is cls
+        assert getattr(veomni_classes, cls.__name__) is cls

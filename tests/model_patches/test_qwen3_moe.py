@@ -10,9 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-from vexact_vllm.model_patches import PackedBatch, UnsupportedModelError, training_enabled
+from vexact_vllm.model_patches import PackedBatch, UnsupportedModelError
 from vexact_vllm.model_patches.config import DecoderConfig
 from vexact_vllm.model_patches.moe import SparseMoeBlock, expert_rows, expert_tensor
+from vexact_vllm.model_patches.trainers import transformers_hooks
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, vocab_size=100, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32)  # fmt: skip
@@ -81,5 +82,5 @@ def test_router_aux_loss_is_hugging_faces_and_leaves_log_probs_alone(load_model)
     assert torch.equal(out.loss, plain.loss + vexact.config.router_aux_loss_coef * out.aux_loss)
     assert torch.equal(out.logits, plain.logits)
     batch = PackedBatch.from_sequences(ids.tolist())
-    with training_enabled(), torch.no_grad():
+    with transformers_hooks.installed(), torch.no_grad():
         assert torch.equal(vexact.packed_log_probs(batch), vexact.packed_log_probs(batch))

@@ -166,14 +166,14 @@ def _vllm_table():
 
 def _verl_table():
     pytest.importorskip("verl")
-    from vexact_vllm.model_patches import verl_hooks
+    from vexact_vllm.model_patches.trainers import verl_hooks
 
     return verl_hooks.PATCHES
 
 
 def _veomni_table():
     pytest.importorskip("veomni")
-    from vexact_vllm.model_patches import veomni_hooks
+    from vexact_vllm.model_patches.trainers import veomni_hooks
 
     return veomni_hooks.PATCHES
 

@@ -22,9 +22,10 @@ def trainer_device() -> torch.device:
 def load_trainer(model_path: str, dtype: torch.dtype, device: torch.device | None = None):
     from transformers import AutoModelForCausalLM
 
-    from vexact_vllm.model_patches import VexactForCausalLM, training_enabled
+    from vexact_vllm.model_patches import VexactForCausalLM
+    from vexact_vllm.model_patches.trainers import transformers_hooks
 
-    with training_enabled():
+    with transformers_hooks.installed():
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     if not isinstance(model, VexactForCausalLM):
         raise TypeError(f"expected the vexact training class, got {type(model).__name__}")

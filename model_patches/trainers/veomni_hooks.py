@@ -5,10 +5,10 @@ against VeOmni's signatures at install, undone by `uninstall()`):
 
 1. Modeling registry (`veomni.models.loader.MODELING_REGISTRY`, read by `build_foundation_model`
    through `get_model_class`): a local override per supported model type returns the vexact class
-   of `veomni_modeling` wherever VeOmni's own entry would return its `*ForCausalLM`; other heads of
+   of `veomni_classes` wherever VeOmni's own entry would return its `*ForCausalLM`; other heads of
    these types (the value model's `ForTokenClassification`, `ForSequenceClassification`) and every
    other model type stay VeOmni's. Under `MODELING_BACKEND=hf` VeOmni skips this registry and asks
-   transformers' `AutoModelForCausalLM`, which `training.enable_training()` already points at the
+   transformers' `AutoModelForCausalLM`, which `transformers_hooks.install()` already points at the
    vexact training classes.
 2. Kernel registry (`veomni.ops.kernel_registry.KERNEL_REGISTRY`): `vexact_causal_lm_loss` under the
    name "vexact" for the `cross_entropy_loss` op (causal; seq_cls maps to VeOmni's eager
@@ -36,8 +36,8 @@ from functools import partial
 
 from vexact_vllm.patching import Patch, PatchTable
 
-from .config import SUPPORTED_MODEL_TYPES
-from .veomni_modeling import VEOMNI_CLASSES, VEXACT_KERNEL_NAME, vexact_causal_lm_loss
+from ..config import SUPPORTED_MODEL_TYPES
+from .veomni_classes import VEOMNI_CLASSES, VEXACT_KERNEL_NAME, vexact_causal_lm_loss
 
 # What VeOmni's registry entries attach to its own classes for loading (Qwen3-MoE: the converter that
 # stacks per-expert checkpoint tensors into gate_up_proj/down_proj, and its index mapping): our

@@ -2,7 +2,7 @@
 receiver (BucketedWeightSender -> vLLMColocateWorkerExtension.update_weights_from_ipc, shared-memory
 transport on CPU) push them into a running vexact vLLM engine, vLLM's log-probs equal the updated
 trainer's bit for bit, and they still do after verl's sleep / wake-up cycle. The engine side runs
-in a script (_weight_sync.py, which says what it does and what it needs from verl on CPU)."""
+in a script (weight_sync_run.py, which says what it does and what it needs from verl on CPU)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def synced(tiny_model, tmp_path_factory, request):
     arch, tp = request.param
     model = tiny_model(arch)
     out = tmp_path_factory.mktemp("weight-sync")
-    script = Path(__file__).with_name("_weight_sync.py")
+    script = Path(__file__).with_name("weight_sync_run.py")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     proc = subprocess.run(
         [sys.executable, str(script), model, str(out), str(tp)], env=env, capture_output=True, text=True, timeout=600
@@ -90,7 +90,7 @@ def test_log_probs_equal_the_updated_trainer(synced, trainers):
 
 def test_sleep_and_wake_up_keep_the_contract(synced, trainers):
     """verl's sleep(level=2) / wake_up(weights) / sync / wake_up(kv_cache) cycle, weights NaN before the
-    sync (level 2 discards them on a GPU; see _weight_sync.py): the same rollouts
+    sync (level 2 discards them on a GPU; see weight_sync_run.py): the same rollouts
     (tokens and log-probs) as right after the first sync, equal to the updated trainer's."""
     woken, post = synced[2]["woken"], synced[2]["post"]
     assert [(r.output_ids, r.logprobs) for r in woken] == [(r.output_ids, r.logprobs) for r in post]

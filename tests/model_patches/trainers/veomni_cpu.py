@@ -1,5 +1,5 @@
 """Helpers shared by the VeOmni engine tests, in one rank (test_veomni_engine.py) and in the two
-ranks that test_veomni_fsdp.py spawns (_veomni_fsdp_rank.py imports this file by path, so it has no
+ranks that test_veomni_fsdp.py spawns (veomni_fsdp_rank.py imports this file by path, so it has no
 relative imports): verl's CPU platform, the engine's compute-log-prob input, the comparison with
 vLLM's log-probs, and VeOmni's process-wide state restored."""
 
@@ -12,7 +12,7 @@ import torch
 from verl.plugin.platform.platform_base import PlatformBase
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -99,7 +99,7 @@ def veomni_process_state():
         singleton.set_ops_config(ops)
 
 
-def _batch(rollouts, temperature: float, micro_batch_size: int):
+def actor_batch(rollouts, temperature: float, micro_batch_size: int):
     """The actor's compute-log-prob input as verl's trainer hands it to the engine (no padding)."""
     from verl.utils import tensordict_utils as tu
 
@@ -132,10 +132,10 @@ def _generated_log_probs(log_probs, rollouts):
     return out
 
 
-def _assert_engine_equals_vllm(engine, masked_rollouts, micro_batch_size):
+def assert_engine_equals_vllm(engine, masked_rollouts, micro_batch_size):
     """The engine's log-probs of every generated token are torch.equal to vLLM's, at each temperature."""
     for temperature, rollouts in masked_rollouts.items():
-        data = _batch(rollouts, temperature, micro_batch_size)
+        data = actor_batch(rollouts, temperature, micro_batch_size)
         with engine.eval_mode():
             out = engine.forward_backward_batch(data, loss_function=None, forward_only=True)
         scored = _generated_log_probs(out["model_output"]["log_probs"], rollouts)

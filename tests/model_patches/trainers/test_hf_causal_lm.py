@@ -23,7 +23,7 @@ GRAD_PARAMS_EXTRA = {
 }
 
 
-def _ids(shape, seed):
+def random_ids(shape, seed):
     return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
 
 
@@ -48,7 +48,7 @@ def test_parameters_match_stock(load_model, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_logits_match_transformers(load_model, arch):
     stock, vexact = load_model(arch, torch.float32, False), load_model(arch, torch.float32, True)
-    ids = _ids((2, 37), seed=1)
+    ids = random_ids((2, 37), seed=1)
     with torch.no_grad():
         ref = stock(ids, labels=ids)
         out = vexact(ids, labels=ids)
@@ -64,7 +64,7 @@ def test_padded_logits_match_transformers(load_model, arch):
     """Row 0 full, row 1 right-padded, row 2 left-padded; compared on the valid positions only."""
     stock, vexact = load_model(arch, torch.float32, False), load_model(arch, torch.float32, True)
     length = 29
-    ids = _ids((3, length), seed=2)
+    ids = random_ids((3, length), seed=2)
     mask = torch.ones(3, length, dtype=torch.long)
     mask[1, 17:] = 0  # right padding: 17 tokens
     mask[2, :9] = 0  # left padding: 20 tokens
@@ -90,7 +90,7 @@ def test_padded_logits_match_transformers(load_model, arch):
 def test_gradients_match_transformers(load_model, arch):
     """loss = sum over sequences and positions of log p(next token); gradients of a few parameters."""
     stock, vexact = load_model(arch, torch.float32, False), load_model(arch, torch.float32, True)
-    seqs = [_ids((n,), seed=10 + n).tolist() for n in (19, 31)]
+    seqs = [random_ids((n,), seed=10 + n).tolist() for n in (19, 31)]
 
     ref_loss = 0.0
     for seq in seqs:
@@ -120,7 +120,7 @@ def test_gradients_match_transformers(load_model, arch):
 def test_float16_refused_at_forward(load_model):
     model = load_model("qwen3", torch.float16, True)
     with pytest.raises(UnsupportedModelError, match="bfloat16"):
-        model(_ids((1, 5), seed=0))
+        model(random_ids((1, 5), seed=0))
 
 
 def test_forward_requires_input_ids(load_model):

@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("veomni")
 
 from vexact_vllm.kernels import linear_token_log_probs  # noqa: E402
-from vexact_vllm.model_patches.veomni_modeling import vexact_causal_lm_loss  # noqa: E402
+from vexact_vllm.model_patches.trainers.veomni_classes import vexact_causal_lm_loss  # noqa: E402
 
 
 def _inputs(rows=37, hidden=64, vocab=1500, seed=0):

@@ -3,7 +3,7 @@
 verl 0.9.1 registers NVIDIA, Ascend and ROCm platforms and falls back to NVIDIA on a CPU-only host,
 so its weight-sync code calls `torch.cuda.synchronize()` and fails there. verl's own extension
 points fix that without editing it: this module registers a "cpu" platform with
-`PlatformRegistry`; a process loads it through `VERL_USE_EXTERNAL_MODULES=_verl_cpu_platform`
+`PlatformRegistry`; a process loads it through `VERL_USE_EXTERNAL_MODULES=verl_cpu_platform`
 (imported by `import verl`) and selects it with `VERL_PLATFORM=cpu`. The platform says it has no
 CUDA IPC, so verl's bucketed weight transfer takes its shared-memory transport (the one verl uses
 on NPUs without IPC).

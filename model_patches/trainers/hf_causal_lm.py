@@ -19,13 +19,13 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOut
 
 from vexact_vllm.kernels import linear, linear_token_log_probs
 
-from .attention_context import PackedAttention, cu_seqlens_from_position_ids
+from ..attention_context import PackedAttention, cu_seqlens_from_position_ids
+from ..config import DecoderConfig, check_dtype
+from ..families import FAMILIES, Family
+from ..layers import Embedding, Linear, RMSNorm
+from ..models import build_decoder
+from ..moe import Experts, Router
 from .autocast import follows_autocast
-from .config import DecoderConfig, check_dtype
-from .families import FAMILIES, Family
-from .layers import Embedding, Linear, RMSNorm
-from .models import build_decoder
-from .moe import Experts, Router
 from .ppo_outputs import token_log_probs_and_entropy
 
 
@@ -308,8 +308,8 @@ _BY_NAME = {cls.__name__: cls for cls in TRAINING_CLASSES.values()}
 
 
 def __getattr__(name: str):
-    """The family classes by name (`from vexact_vllm.model_patches.hf_model import VexactQwen3ForCausalLM`;
-    pickling finds them the same way)."""
+    """The family classes by name (`from vexact_vllm.model_patches.trainers.hf_causal_lm import
+    VexactQwen3ForCausalLM`; pickling finds them the same way)."""
     if name in _BY_NAME:
         return _BY_NAME[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

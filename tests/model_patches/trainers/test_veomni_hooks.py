@@ -10,14 +10,14 @@ pytest.importorskip("veomni")
 
 from transformers import AutoConfig  # noqa: E402
 
-from vexact_vllm.model_patches import veomni_hooks  # noqa: E402
-from vexact_vllm.model_patches.veomni_modeling import (  # noqa: E402
+from vexact_vllm.model_patches.trainers import veomni_hooks  # noqa: E402
+from vexact_vllm.model_patches.trainers.veomni_classes import (  # noqa: E402
     VEOMNI_CLASSES,
     veomni_causal_lm_loss,
     vexact_causal_lm_loss,
 )
 
-from ._veomni_cpu import veomni_process_state  # noqa: E402
+from .veomni_cpu import veomni_process_state  # noqa: E402
 
 
 def _ops(**overrides):

@@ -3,7 +3,7 @@
 The path is verl 0.9.1's FSDP engine (`FSDPEngineWithLMHead`): its `__init__`, its model build
 (`_build_module`: AutoModelForCausalLM with the vexact classes registered), and `infer_batch` /
 `forward_backward_batch` on verl's no-padding TensorDict, with `verl_hooks` installed; the FSDP2
-wrap itself cannot run on a CPU-only torch (see _verl_engine.py for exactly what fails and what is
+wrap itself cannot run on a CPU-only torch (see verl_engine.py for exactly what fails and what is
 patched). Contract checks are torch.equal only.
 """
 
@@ -18,26 +18,20 @@ import torch
 pytest.importorskip("verl")
 sys.path.insert(0, str(Path(__file__).parent))  # the sibling helper module (importlib import mode)
 
-from _verl_engine import build_engine, cpu_verl, response_outputs, rollout_batch  # noqa: E402
+from verl_engine import build_engine, cpu_verl, response_outputs, rollout_batch  # noqa: E402
 
-from vexact_vllm.model_patches import training, verl_hooks  # noqa: E402
-from vexact_vllm.model_patches.hf_model import VexactForCausalLM  # noqa: E402
+from vexact_vllm.model_patches import VexactForCausalLM, enabled  # noqa: E402
+from vexact_vllm.model_patches.trainers import transformers_hooks, verl_hooks  # noqa: E402
 
 TEMPERATURES = (1.0, 0.7)
 
 
 @pytest.fixture
 def hooks(monkeypatch):
-    """The training switch and the verl hooks on (as `enable()` does), verl on CPU; restored after."""
+    """The training switch on (the verl hooks among its parts), verl on CPU; restored after."""
     cpu_verl(monkeypatch)
-    was_installed, was_enabled = verl_hooks.is_installed(), training.is_training_enabled()
-    training.enable_training()
-    verl_hooks.install()
-    yield
-    if not was_installed:
-        verl_hooks.uninstall()
-    if not was_enabled:
-        training.disable_training()
+    with enabled():
+        yield
 
 
 @pytest.fixture
@@ -124,8 +118,8 @@ def test_verl_divides_nothing(hooks, unmasked, vllm_rollouts, tiny_model, monkey
 
 
 def test_stock_model_untouched(hooks, vllm_rollouts, tiny_model):
-    """A stock transformers model (training switch off) takes verl's own path, hooks or not."""
-    training.disable_training()
+    """A stock transformers model (vexact classes not registered) takes verl's own path, hooks or not."""
+    transformers_hooks.uninstall()
     engine = build_engine(tiny_model("qwen3"), override_config={"attn_implementation": "sdpa"})  # no flash-attn on CPU
     assert not isinstance(engine.module, VexactForCausalLM)
     rollouts = vllm_rollouts[1.0]

@@ -15,10 +15,10 @@ import pytest
 pytest.importorskip("verl")
 
 _STATE = """
-from vexact_vllm.model_patches import training, verl_hooks
+from vexact_vllm.model_patches.trainers import transformers_hooks, verl_hooks
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 wrapped = hasattr(FSDPEngineWithLMHead.__dict__["prepare_model_inputs"], "__wrapped__")
-print("STATE", training.is_training_enabled(), verl_hooks.is_installed(), wrapped)
+print("STATE", transformers_hooks.is_installed(), verl_hooks.is_installed(), wrapped)
 """
 
 
@@ -44,7 +44,7 @@ def test_import_verl_changes_nothing():
 def test_external_lib_turns_the_hooks_on():
     code = (
         "import verl\n"
-        "from vexact_vllm.model_patches import verl_hooks\n"
+        "from vexact_vllm.model_patches.trainers import verl_hooks\n"
         "assert not verl_hooks.is_installed()\n"
         "from verl.utils.import_utils import import_external_libs\n"
         "import_external_libs('vexact_vllm.model_patches.enable')\n" + _STATE
@@ -54,13 +54,14 @@ def test_external_lib_turns_the_hooks_on():
 
 def test_enable_and_disable_are_symmetric():
     code = (
-        "from vexact_vllm.model_patches import enable as switch\n"  # importing it is the switch
+        "import vexact_vllm.model_patches.enable as switch\n"  # importing it is the switch
         "assert switch.is_enabled()\n"
         "switch.disable()\n"
         "assert not switch.is_enabled()\n"
         "with switch.enabled():\n"
         "    assert switch.is_enabled()\n"
         "assert not switch.is_enabled()\n"
-        "switch.enable()\n" + _STATE
+        "from vexact_vllm.model_patches import enable\n"  # the module by now: callable like the function
+        "enable()\n" + _STATE
     )
     assert _run(code) == "STATE True True True"

@@ -1,5 +1,5 @@
 """verl's VeOmni actor engine with FSDP on, over a gloo group of two CPU processes, for
-test_veomni_fsdp.py: `python tests/trainer/_veomni_fsdp_rank.py CASE.pkl PORT` spawns two ranks; each
+test_veomni_fsdp.py: `python tests/model_patches/trainers/veomni_fsdp_rank.py CASE.pkl PORT` spawns two ranks; each
 builds the engine as verl's worker does
 (`VeOmniEngineWithLMHead(...)._build_model_optimizer()`: VeOmni's `build_foundation_model` on the
 meta device, `build_parallelize_model` -> FSDP2 over both ranks with VeOmni's mixed precision, bf16
@@ -31,18 +31,17 @@ def run(rank: int, world: int, port: int, case: dict) -> None:
 
 
 def _score(case: dict) -> None:
-    from _veomni_cpu import PlatformCPU, _assert_engine_equals_vllm, _batch, veomni_process_state
     from torch.distributed.fsdp import FSDPModule
+    from veomni_cpu import PlatformCPU, actor_batch, assert_engine_equals_vllm, veomni_process_state
     from verl.plugin.platform import platform_manager
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, VeOmniEngineConfig, VeOmniOptimizerConfig
     from verl.workers.engine.veomni import transformer_impl
 
-    from vexact_vllm.model_patches import training, veomni_hooks, verl_hooks
+    from vexact_vllm.model_patches import enabled
 
     platform_manager.set_platform(PlatformCPU())
-    verl_hooks.install()
-    with veomni_process_state(), training.training_enabled(), veomni_hooks.installed():
+    with veomni_process_state(), enabled():
         engine = transformer_impl.VeOmniEngineWithLMHead(
             model_config=HFModelConfig(path=case["model"], enable_gradient_checkpointing=False),
             # verl's yaml defaults (veomni.yaml: init_device meta, mixed_precision true; the dataclass
@@ -56,14 +55,14 @@ def _score(case: dict) -> None:
         layers = [m for m in model.modules() if isinstance(m, FSDPModule)]
         assert len(layers) > 1, "VeOmni did not shard the layers"
         assert all(p.dtype == torch.float32 for p in model.parameters()), "expected fp32 masters"
-        _assert_engine_equals_vllm(engine, case["rollouts"], micro_batch_size=2)
+        assert_engine_equals_vllm(engine, case["rollouts"], micro_batch_size=2)
 
         def loss_function(model_output, data, dp_group):
             mask = data["loss_mask"].values().to(torch.float32)
             return -(model_output["log_probs"].values() * torch.roll(mask, -1)).sum(), {}
 
         with engine.train_mode(zero_grad_on_exit=False):
-            engine.forward_backward_batch(_batch(case["rollouts"][0.7], 0.7, 2), loss_function=loss_function)
+            engine.forward_backward_batch(actor_batch(case["rollouts"][0.7], 0.7, 2), loss_function=loss_function)
         for name, p in model.named_parameters():
             grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
             assert grad is not None and bool(torch.isfinite(grad).all()), name
@@ -72,7 +71,7 @@ def _score(case: dict) -> None:
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # _veomni_cpu, in the ranks too
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # veomni_cpu, in the ranks too
     with open(sys.argv[1], "rb") as f:
         case = pickle.load(f)
     mp.spawn(run, args=(2, int(sys.argv[2]), case), nprocs=2, join=True)

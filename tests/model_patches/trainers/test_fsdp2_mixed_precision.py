@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from tests.model_patches.test_autocast import _ppo
-from tests.model_patches.test_training_model import _ids
+from tests.model_patches.trainers.test_autocast import ppo_forward
+from tests.model_patches.trainers.test_hf_causal_lm import random_ids
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +44,11 @@ def test_fsdp2_bf16_policy_over_fp32_masters_equals_the_bf16_model(load_model, m
     bf16 = load_model(arch, torch.bfloat16, True)
     sharded = _shard(load_model(arch, torch.float32, True).train(), mesh)
     bf16.train()
-    ids = _ids((2, 11), seed=3)
+    ids = random_ids((2, 11), seed=3)
     mask = torch.ones_like(ids)
     mask[0, 8:] = 0  # a right-padded row
-    want = _ppo(bf16, ids, mask)
-    got = _ppo(sharded, ids, mask)
+    want = ppo_forward(bf16, ids, mask)
+    got = ppo_forward(sharded, ids, mask)
     assert got.log_probs.dtype == torch.float32
     assert torch.equal(got.log_probs, want.log_probs) and torch.equal(got.entropy, want.entropy)
 

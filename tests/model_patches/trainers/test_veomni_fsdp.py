@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("veomni")
 pytest.importorskip("verl")
 
-from ._veomni_cpu import _free_port  # noqa: E402
+from .veomni_cpu import free_port  # noqa: E402
 
 
 def test_two_rank_fsdp_engine_log_probs_equal_vllm(tiny_model, masked_rollouts_of, tmp_path):
@@ -30,9 +30,9 @@ def test_two_rank_fsdp_engine_log_probs_equal_vllm(tiny_model, masked_rollouts_o
     case.write_bytes(
         pickle.dumps({"model": str(tiny_model(arch)), "rollouts": {t: rs[:4] for t, rs in rollouts.items()}})
     )
-    script = Path(__file__).with_name("_veomni_fsdp_rank.py")
+    script = Path(__file__).with_name("veomni_fsdp_rank.py")
     proc = subprocess.run(
-        [sys.executable, str(script), str(case), str(_free_port())],
+        [sys.executable, str(script), str(case), str(free_port())],
         env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, f"a rank failed:\n{proc.stderr[-6000:]}"

@@ -18,7 +18,7 @@ TEMPERATURES = (1.0, 0.7)
 
 
 def _generate(script: str, model: str, out_dir: Path, *extra: str) -> dict[float, list[Rollout]]:
-    """Run tests/trainer/<script> (a spawn-safe vLLM generation script) and read its rollouts."""
+    """Run tests/model_patches/trainers/<script> (a spawn-safe vLLM generation script) and read its rollouts."""
     out = out_dir / "rollouts.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     temps = ",".join(str(t) for t in TEMPERATURES)
@@ -35,7 +35,7 @@ def _generate(script: str, model: str, out_dir: Path, *extra: str) -> dict[float
 def vllm_rollouts(tiny_model, tmp_path_factory):
     """{temperature: [Rollout]} from vLLM with --model-impl vexact on the tiny Qwen3 (bf16)."""
     pytest.importorskip("vllm")
-    return _generate("_generate.py", tiny_model("qwen3"), tmp_path_factory.mktemp("rollouts"))
+    return _generate("generate_rollouts.py", tiny_model("qwen3"), tmp_path_factory.mktemp("rollouts"))
 
 
 @pytest.fixture(scope="session")
@@ -49,7 +49,7 @@ def masked_rollouts_of(tiny_model, tmp_path_factory):
     def get(arch: str, tp: int = 1) -> dict[float, list[Rollout]]:
         if (arch, tp) not in generated:
             out = tmp_path_factory.mktemp(f"masked-{arch}-tp{tp}")
-            generated[arch, tp] = _generate("_generate_verl_masked.py", tiny_model(arch), out, str(tp))
+            generated[arch, tp] = _generate("generate_verl_masked.py", tiny_model(arch), out, str(tp))
         return generated[arch, tp]
 
     return get

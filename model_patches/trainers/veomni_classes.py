@@ -24,9 +24,9 @@ import torch
 from veomni.ops.dispatch import OpSlot
 from veomni.utils.model_outputs import CausalLMOutputWithLogProbs, FusedLinearAuxOutput
 
+from ..families import BY_MODEL_TYPE
 from .autocast import follows_autocast
-from .families import BY_MODEL_TYPE
-from .hf_model import TRAINING_CLASSES, PackedBatch, share_checkpoint_conversion
+from .hf_causal_lm import TRAINING_CLASSES, PackedBatch, share_checkpoint_conversion
 from .ppo_outputs import token_log_probs_and_entropy
 
 # VeOmni binds every OpSlot of a model's module at build time (`_bind_veomni_ops`).
