@@ -27,7 +27,7 @@ class Family:
     architecture: str  # Hugging Face class name: what checkpoints name and vLLM resolves
     config_class: str  # the transformers config class (a name in `transformers`)
     module: str  # the family file, model_patches/models/<module>.py: its decoder_fields(hf_config)
-    model_class: str  # the decoder class in the family file
+    decoder_name: str  # the decoder class in the family file (a subclass of layers.Decoder)
     tiny: dict = field(default_factory=dict)  # config fields of the built-in `tiny-<tiny_name>` checkpoint
 
     @property
@@ -47,7 +47,7 @@ class Family:
         return importlib.import_module(f"vexact_vllm.model_patches.models.{self.module}")
 
     def decoder_class(self):
-        return getattr(self.load(), self.model_class)
+        return getattr(self.load(), self.decoder_name)
 
     def hf_config_class(self):
         import transformers
@@ -62,13 +62,13 @@ _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "lo
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 256}  # fmt: skip
 
 FAMILIES: tuple[Family, ...] = (
-    Family("qwen3", "Qwen3ForCausalLM", "Qwen3Config", "qwen3", "Qwen3Model",
+    Family("qwen3", "Qwen3ForCausalLM", "Qwen3Config", "qwen3", "Qwen3Decoder",
            {**_TINY, "head_dim": 32, "tie_word_embeddings": True, "rope_parameters": _ROPE}),
-    Family("qwen2", "Qwen2ForCausalLM", "Qwen2Config", "qwen2", "Qwen2Model",
+    Family("qwen2", "Qwen2ForCausalLM", "Qwen2Config", "qwen2", "Qwen2Decoder",
            {**_TINY, "tie_word_embeddings": True, "rope_parameters": _ROPE}),
-    Family("llama", "LlamaForCausalLM", "LlamaConfig", "llama", "LlamaModel",
+    Family("llama", "LlamaForCausalLM", "LlamaConfig", "llama", "LlamaDecoder",
            {**_TINY, "tie_word_embeddings": False, "attention_bias": False, "rope_parameters": _LLAMA3_ROPE}),
-    Family("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", "qwen3_moe", "Qwen3MoeModel",
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", "qwen3_moe", "Qwen3MoeDecoder",
            {**_TINY, "head_dim": 32, "tie_word_embeddings": False, "rope_parameters": _ROPE, "num_experts": 8,
             "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True,
             "decoder_sparse_step": 1, "mlp_only_layers": [1]}),

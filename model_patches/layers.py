@@ -346,7 +346,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class DecoderModel(nn.Module):
+class Decoder(nn.Module):
     """embed_tokens -> layers -> norm. Inputs are packed: input_ids [T], positions [T].
 
     A family file subclasses this and chooses each layer's feed-forward block in `mlp` (built with

@@ -1,12 +1,12 @@
-"""One model definition per family (a file here: its `Model` and `decoder_fields`, plus a row of
-families.py); `build_decoder` picks it from the config's model_type."""
+"""One model definition per family (a file here: its decoder class, a subclass of `layers.Decoder`, and
+`decoder_fields`, plus a row of families.py); `build_decoder` picks it from the config's model_type."""
 
 from ..config import DecoderConfig
 from ..families import BY_MODEL_TYPE
-from ..layers import DecoderModel
+from ..layers import Decoder
 from ..tensor_parallel import TensorParallel
 
 
-def build_decoder(config: DecoderConfig, tp: TensorParallel | None = None) -> DecoderModel:
+def build_decoder(config: DecoderConfig, tp: TensorParallel | None = None) -> Decoder:
     """The family's decoder; `tp`: this rank's shard of it (vLLM with --tensor-parallel-size > 1)."""
     return BY_MODEL_TYPE[config.model_type].decoder_class()(config, tp)

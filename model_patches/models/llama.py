@@ -4,7 +4,7 @@ optional biases on all four attention projections (`attention_bias`) and on the 
 no q/k norm, lm_head usually untied; every layer the dense SwiGLU MLP. Everything else is the
 shared pre-norm decoder of `model_patches.layers`."""
 
-from ..layers import DecoderModel
+from ..layers import Decoder
 
 
 def decoder_fields(hf_config) -> dict:
@@ -13,5 +13,5 @@ def decoder_fields(hf_config) -> dict:
     return dict(qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(hf_config, "mlp_bias", False)), qk_norm=False)
 
 
-class LlamaModel(DecoderModel):
+class LlamaDecoder(Decoder):
     pass

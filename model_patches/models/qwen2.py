@@ -2,7 +2,7 @@
 1e6), no q/k norm; small sizes tie lm_head to embed_tokens; every layer the dense SwiGLU MLP.
 Everything else is the shared pre-norm decoder of `model_patches.layers`."""
 
-from ..layers import DecoderModel
+from ..layers import Decoder
 
 
 def decoder_fields(hf_config) -> dict:
@@ -10,5 +10,5 @@ def decoder_fields(hf_config) -> dict:
     return dict(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False)
 
 
-class Qwen2Model(DecoderModel):
+class Qwen2Decoder(Decoder):
     pass

@@ -4,7 +4,7 @@ hidden_size / num_heads); with `attention_bias` a bias on q, k, v and o (Hugging
 Qwen3Attention); small sizes tie lm_head to embed_tokens; every layer the dense SwiGLU MLP.
 Everything else is the shared pre-norm decoder of `model_patches.layers`."""
 
-from ..layers import DecoderModel
+from ..layers import Decoder
 
 
 def decoder_fields(hf_config) -> dict:
@@ -13,5 +13,5 @@ def decoder_fields(hf_config) -> dict:
     return dict(qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=True)
 
 
-class Qwen3Model(DecoderModel):
+class Qwen3Decoder(Decoder):
     pass

@@ -12,7 +12,7 @@ grouped top-k, another scoring function, a routed scaling factor). `output_route
 from __future__ import annotations
 
 from ..config import DecoderConfig, MoeConfig, UnsupportedModelError
-from ..layers import MLP, DecoderModel
+from ..layers import MLP, Decoder
 from ..moe import EXPERT_PARTS, SparseMoeBlock
 
 # Fields of other MoE routers: present and active, they would change the routing we compute.
@@ -64,7 +64,7 @@ def decoder_fields(hf_config) -> dict:
     return dict(qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=True, moe=moe)
 
 
-class Qwen3MoeModel(DecoderModel):
+class Qwen3MoeDecoder(Decoder):
     def mlp(self, config: DecoderConfig, layer_idx: int):
         if layer_idx in config.moe.sparse_layers:
             return SparseMoeBlock(config, self.tp)

@@ -149,7 +149,7 @@ def collect_router_logits(model: torch.nn.Module, enabled: bool = True) -> Itera
 class VexactPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     _no_split_modules = ["DecoderLayer"]
-    supports_gradient_checkpointing = True  # DecoderModel.forward checkpoints each layer
+    supports_gradient_checkpointing = True  # Decoder.forward checkpoints each layer
     _supports_attention_backend = False
     hf_architecture = ""  # the Hugging Face class this one stands in for, written to saved configs
 
