@@ -1,6 +1,6 @@
-"""Shared fixtures: the three tiny checkpoints (built once per session, offline, in a tmp dir), a
-loader for the stock and the vexact model, and a guard that the thread count does not leak out of
-a test (the training switch is guarded for every test in tests/conftest.py)."""
+"""Shared fixtures: the tiny checkpoints, one per family (built once per session, offline, in a tmp
+dir), a loader for the stock and the vexact model, and a guard that the thread count does not leak
+out of a test (the vexact classes' registration is reset for every test in tests/conftest.py)."""
 
 from pathlib import Path
 

@@ -1,7 +1,7 @@
 """PackedLinear / pack_projections: q/k/v and gate/up as one GEMM each, Hugging Face names kept.
 
 On CPU (the torch kernels) an output element's bits depend only on K, so the fused GEMM must equal
-the per-part `linear` calls bit for bit, and the whole model must equal the old three-GEMM model
+the per-part `linear` calls bit for bit, and the whole model must equal the unfused three-GEMM model
 (contiguous q/k/v, gate/up concatenated after two GEMMs), whose forward is kept inline here. Packing
 (`pack_projections`, the inference layout) must change no name, shape, state_dict key or bit, and
 in-place weight writes (load_weights, RL weight sync, vLLM's dummy loader) must reach the packed rows.
@@ -93,7 +93,7 @@ def _packed_modules(decoder) -> list[PackedLinear]:
     return [m for m in decoder.modules() if isinstance(m, PackedLinear)]
 
 
-def _old_attention_forward(self, x, positions, rope, attn):
+def _unfused_attention_forward(self, x, positions, rope, attn):
     """SelfAttention.forward before PackedLinear: three GEMMs, contiguous q/k/v."""
     t = x.shape[0]
     q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
@@ -106,7 +106,7 @@ def _old_attention_forward(self, x, positions, rope, attn):
     return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
-def _old_mlp_forward(self, x):
+def _unfused_mlp_forward(self, x):
     """MLP.forward before PackedLinear: two GEMMs, then a cat."""
     return self.down_proj(silu_and_mul(torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)))
 
@@ -228,40 +228,40 @@ def test_hf_model_names_unchanged_when_packed(load_model):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_model_equals_three_gemm_model(load_model, monkeypatch, dtype):
     """The fused model (strided q/k/v views through q/k norm, RoPE and attention) gives the bits of
-    the old model with separate GEMMs and contiguous q/k/v; so does its packed form."""
+    the unfused model with separate GEMMs and contiguous q/k/v; so does its packed form."""
     seqs = _sequences()
     for name, decoder in _decoders(load_model, dtype):
         with torch.no_grad():
             fused = _hidden(decoder, seqs)
             with monkeypatch.context() as mp:
-                mp.setattr(SelfAttention, "forward", _old_attention_forward)
-                mp.setattr(MLP, "forward", _old_mlp_forward)
-                old = _hidden(decoder, seqs)
+                mp.setattr(SelfAttention, "forward", _unfused_attention_forward)
+                mp.setattr(MLP, "forward", _unfused_mlp_forward)
+                unfused = _hidden(decoder, seqs)
             pack_projections(decoder)
             packed = _hidden(decoder, seqs)
         assert bool(torch.isfinite(fused).all()) and bool(fused.abs().sum() > 0), name
-        assert torch.equal(fused, old), name
-        assert torch.equal(packed, old), name
+        assert torch.equal(fused, unfused), name
+        assert torch.equal(packed, unfused), name
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
 def test_model_gradients_close_to_three_gemm_model(load_model, monkeypatch, arch):
     """Training through the strided views: every parameter gets a gradient, and it agrees with the
-    old model's to fp32 rounding (the dX sums differ in order, so not bitwise)."""
+    unfused model's to fp32 rounding (the dX sums differ in order, so not bitwise)."""
     seqs = _sequences()
     decoder = load_model(arch, torch.float32, True).model
     grads = {}
-    for label in ("fused", "old"):
+    for label in ("fused", "unfused"):
         decoder.zero_grad(set_to_none=True)
         with monkeypatch.context() as mp:
-            if label == "old":
-                mp.setattr(SelfAttention, "forward", _old_attention_forward)
-                mp.setattr(MLP, "forward", _old_mlp_forward)
+            if label == "unfused":
+                mp.setattr(SelfAttention, "forward", _unfused_attention_forward)
+                mp.setattr(MLP, "forward", _unfused_mlp_forward)
             _hidden(decoder, seqs).float().square().mean().backward()
         grads[label] = {n: p.grad.clone() for n, p in decoder.named_parameters() if p.grad is not None}
-    assert grads["fused"].keys() == grads["old"].keys() == dict(decoder.named_parameters()).keys()
+    assert grads["fused"].keys() == grads["unfused"].keys() == dict(decoder.named_parameters()).keys()
     for n, g in grads["fused"].items():
-        ref = grads["old"][n]
+        ref = grads["unfused"][n]
         assert bool(torch.isfinite(g).all()), n
         torch.testing.assert_close(g, ref, rtol=1e-3, atol=1e-3 * ref.abs().max().item() + 1e-12, msg=n)
 
@@ -447,8 +447,8 @@ def _saved_bytes(fn, exclude) -> tuple[int, list[tuple[int, ...]], torch.Tensor]
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_backward_saves_no_stacked_weight(monkeypatch, dtype, bias):
-    """The module alone saves nothing beyond its input and the parts' own parameters; the old cat
-    path saved the stacked weight, N K elements (which is what makes this measurement meaningful)."""
+    """The module alone saves nothing beyond its input and the parts' own parameters; a plain cat
+    of the parts would save the stacked weight, N K elements (which is what makes this measurement meaningful)."""
     gen = torch.Generator().manual_seed(4)
     k, sizes, m = 33, [16, 8, 8], 7
     parts = [Linear(k, n, bias) for n in sizes]

@@ -1,8 +1,8 @@
 """The shared model wrapped by FSDP2 the way VeOmni (and verl's `strategy=fsdp2`) wrap it: each
 DecoderLayer (`_no_split_modules`) and the root under `fully_shard`, fp32 masters, MixedPrecisionPolicy
 with bf16 parameters and `cast_forward_inputs=True`. That policy casts every floating-point tensor
-argument of a wrapped layer to bf16; the GPU run of VeOmni on two ranks failed on it ("cache has dtype
-torch.bfloat16"), because the layers took the fp32 RoPE table as an argument. Here the log-probs and
+argument of a wrapped layer to bf16, so the layers must not take the fp32 RoPE table as an argument
+(it would arrive as bf16: "cache has dtype torch.bfloat16"). Here the log-probs and
 the gradients must be the bf16 model's, bit for bit. A gloo group of one rank on the CPU: the casts and
 the hooks are FSDP2's own; only the collectives are trivial."""
 

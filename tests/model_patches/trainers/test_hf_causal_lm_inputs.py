@@ -24,7 +24,7 @@ def test_from_sequences_refuses_an_empty_sequence(seqs):
 @pytest.mark.parametrize(
     "seqs",
     [
-        [[1, 2], [3.7, 4]],  # torch.tensor(..., dtype=long) used to truncate this to 3
+        [[1, 2], [3.7, 4]],  # torch.tensor(..., dtype=long) would truncate this to 3
         [[1.0, 2.0]],
         [[True, False]],
         [torch.tensor([1.0, 2.0])],

@@ -2,8 +2,9 @@
 VeOmni shards the shared model over both ranks (meta-device init, rank 0 loads and broadcasts, FSDP2
 with its bf16-over-fp32 mixed precision and `cast_forward_inputs`), and each rank's log-probs of the
 rollouts are torch.equal to what vLLM returned. With one rank VeOmni turns FSDP off
-(test_veomni_engine.py covers that path); this is the path the two-H200 verl run took, where the
-layers' fp32 RoPE table reached `apply_rope` cast to bf16 (docs/BENCHMARKS.md, session 18)."""
+(test_veomni_engine.py covers that path); this is the path of a verl run on two GPUs, where
+`cast_forward_inputs` would cast an fp32 RoPE table passed to a layer to bf16 (so no layer takes it
+as an argument)."""
 
 from __future__ import annotations
 
