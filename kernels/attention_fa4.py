@@ -21,7 +21,7 @@ import importlib.metadata
 
 import torch
 
-from .dispatch import key_split
+from .settings import get_settings
 
 FA4_VERSION = "4.0.0b36"
 _CAPABILITIES = ((9, 0),)
@@ -59,7 +59,7 @@ def check_usable(q: torch.Tensor) -> None:
     if capability not in _CAPABILITIES:
         where = q.device if capability is None else f"sm_{''.join(map(str, capability))}"
         raise ValueError(f"VEXACT_ATTENTION=fa4 runs on Hopper GPUs (sm_90) only, not on {where}; {hint}")
-    key_split()  # VEXACT_KEY_SPLIT is the Triton attention's: refused here with a message, never ignored
+    get_settings()  # a key split with fa4 is refused there, with a message, never ignored
     if q.dtype not in _DTYPES or q.shape[-1] not in _HEAD_DIMS:
         raise ValueError(
             f"VEXACT_ATTENTION=fa4 takes bf16 with head_dim in {_HEAD_DIMS}, got {q.dtype} and "

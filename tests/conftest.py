@@ -52,6 +52,17 @@ def _training_switch_off():
     transformers_hooks.uninstall()
 
 
+@pytest.fixture(autouse=True)
+def _settings_unread():
+    """Every test starts and ends with the VEXACT_* settings unread (kernels/settings.py reads them
+    once): a test's environment is read at its first use, and none outlives the test."""
+    from vexact_vllm.kernels.settings import clear_settings
+
+    clear_settings()
+    yield
+    clear_settings()
+
+
 @pytest.fixture(scope="session")
 def tiny_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("vexact-cache")

@@ -16,6 +16,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from vexact_vllm.kernels.settings import refresh_settings
 from vexact_vllm.tiny_model import (
     TINY_ARCHS,
     build_tiny_model,
@@ -40,6 +41,7 @@ def built(tmp_path_factory):
 def test_default_cache_dir(tmp_path, monkeypatch):
     assert default_cache_dir() == tmp_path / "cache"
     monkeypatch.delenv("VEXACT_VLLM_CACHE")
+    refresh_settings()  # the settings are read once
     assert default_cache_dir() == Path.home() / ".cache" / "vexact-vllm"
 
 

@@ -58,32 +58,11 @@ from vexact_vllm.kernels import (
     shared_prefix_groups,
     write_kv_cache,
 )
-from vexact_vllm.kernels.dispatch import cuda_attention_backend, key_split
+from vexact_vllm.kernels.settings import get_settings
 
 # Requests from which a step's attention tiles are laid out longest last: below it the programs fit
 # in about one wave of the GPU (Hkv programs a request) and ordering costs more host time than it saves.
 SCHEDULE_MIN_REQS = 64
-
-
-def shared_prefix_enabled() -> bool:
-    """VEXACT_SHARED_PREFIX=1 turns the shared-prompt grouping on (A/B benchmarks; no bit changes).
-    The groups are the Triton kernel's without key splits: VEXACT_ATTENTION=fa4 and a key split
-    (the default; VEXACT_KEY_SPLIT=0 turns it off) refuse them."""
-    text = os.environ.get("VEXACT_SHARED_PREFIX", "0")
-    if text not in ("0", "1"):
-        raise ValueError(f"VEXACT_SHARED_PREFIX must be 0 or 1 (shared-prompt decode groups), got {text!r}")
-    if text == "1" and cuda_attention_backend() == "fa4":
-        raise ValueError(
-            "VEXACT_SHARED_PREFIX=1 groups the Triton attention's decodes; VEXACT_ATTENTION=fa4 runs FlashAttention-4, "
-            "which takes no groups: unset one of them"
-        )
-    split = key_split() if text == "1" else 0
-    if split:
-        raise ValueError(
-            f"VEXACT_SHARED_PREFIX=1 takes no key split, and the Triton attention splits keys every {split} "
-            "(VEXACT_KEY_SPLIT, on by default): set VEXACT_KEY_SPLIT=0 on the trainer and the rollout alike"
-        )
-    return text == "1"
 
 
 def schedule_enabled() -> bool:
@@ -171,7 +150,7 @@ class VexactAttentionMetadataBuilder(AttentionMetadataBuilder[VexactAttentionMet
         group = _query_heads_per_kv_head(vllm_config, kv_cache_spec)
         self._page = getattr(kv_cache_spec, "block_size", None)
         head_dim = getattr(kv_cache_spec, "head_size", None)
-        shares = torch.device(device).type == "cuda" and shared_prefix_enabled() and group and self._page
+        shares = torch.device(device).type == "cuda" and get_settings().shared_prefix and group and self._page
         self._max_members = max_group_members(head_dim, group) if shares and head_dim else 0
         self._compilation = getattr(vllm_config, "compilation_config", None)  # read at each step (_eager_prefill)
         self._shared_buffers = (  # order, members, tiles, starts, count (SharedPrefix)

@@ -49,6 +49,7 @@ from transformers import (
     Qwen3Config,
 )
 
+from vexact_vllm.kernels.settings import get_settings
 from vexact_vllm.model_patches.families import BY_MODEL_TYPE, FAMILIES
 
 TINY_ARCHS = tuple(f.model_type for f in FAMILIES)  # one built-in tiny checkpoint per family
@@ -109,9 +110,8 @@ _NUMBER_WORDS = ("zero one two three four five six seven eight nine ten eleven t
 
 
 def default_cache_dir() -> Path:
-    """`$VEXACT_VLLM_CACHE` if set, else `~/.cache/vexact-vllm`."""
-    env = os.environ.get("VEXACT_VLLM_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "vexact-vllm"
+    """`$VEXACT_VLLM_CACHE` if set, else `~/.cache/vexact-vllm` (the settings' `cache_dir`)."""
+    return get_settings().cache_dir
 
 
 def _corpus() -> list[str]:

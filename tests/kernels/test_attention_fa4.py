@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from vexact_vllm.kernels import dispatch, paged_attention, varlen_attention
+from vexact_vllm.kernels.settings import clear_settings, refresh_settings
 
 fa4 = importlib.import_module("vexact_vllm.kernels.attention_fa4")
 
@@ -32,11 +33,15 @@ needs_fa4 = pytest.mark.skipif(not _fa4_ready(), reason=f"needs an SM90 GPU and 
 def test_attention_backend_follows_the_environment(monkeypatch):
     cpu, meta = torch.zeros(1), torch.zeros(1, device="meta")
     monkeypatch.setattr(dispatch, "backend_for", lambda t: "torch" if t.device.type == "cpu" else "triton")
+    monkeypatch.delenv("VEXACT_KEY_SPLIT", raising=False)
     for value, want in (("", "triton"), ("triton", "triton"), ("fa4", "fa4")):
         monkeypatch.setenv("VEXACT_ATTENTION", value)
+        refresh_settings()
         assert dispatch.attention_backend_for(meta) == want
         assert dispatch.attention_backend_for(cpu) == "torch"  # the reference path stays the reference
     monkeypatch.setenv("VEXACT_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="VEXACT_ATTENTION must be one of triton, fa4"):
+        refresh_settings()
     with pytest.raises(ValueError, match="VEXACT_ATTENTION must be one of triton, fa4"):
         dispatch.attention_backend_for(meta)
 
@@ -65,21 +70,19 @@ def test_fa4_refuses_what_it_cannot_keep(monkeypatch):
     fa4.check_usable(types.SimpleNamespace(device=torch.device("cuda", 0), dtype=q.dtype, shape=(4, 2, 128)))
     monkeypatch.setenv("VEXACT_ATTENTION", "fa4")
     monkeypatch.setenv("VEXACT_KEY_SPLIT", "1024")  # the Triton attention's split: refused, never ignored
+    clear_settings()
     with pytest.raises(ValueError, match="which takes no split"):
         fa4.check_usable(types.SimpleNamespace(device=torch.device("cuda", 0), dtype=q.dtype, shape=(4, 2, 128)))
 
 
 def test_fa4_refuses_shared_prompt_groups(monkeypatch):
-    pytest.importorskip("vllm")
-    from vexact_vllm.attention import shared_prefix_enabled
-
     monkeypatch.setenv("VEXACT_SHARED_PREFIX", "1")
     monkeypatch.setenv("VEXACT_ATTENTION", "fa4")
     with pytest.raises(ValueError, match="takes no groups: unset one of them"):
-        shared_prefix_enabled()
+        refresh_settings()
     monkeypatch.setenv("VEXACT_ATTENTION", "triton")
     monkeypatch.setenv("VEXACT_KEY_SPLIT", "0")  # the groups take no key split (on by default)
-    assert shared_prefix_enabled()
+    assert refresh_settings().shared_prefix
     monkeypatch.setattr(fa4, "check_usable", lambda q: None)
     with pytest.raises(ValueError, match="does not take shared-prompt groups"):
         fa4.paged_attention(torch.zeros(1, 2, 64), None, None, None, torch.zeros(1), None, 1.0, shared=object())
@@ -149,6 +152,7 @@ def test_fa4_paged_equals_training(monkeypatch, hq, hkv, page):
     """Random lengths (1..3000), whole prefill, chunks from random unaligned starts, decode steps and
     mixed steps: every query row equals the training call's, torch.equal."""
     monkeypatch.setenv("VEXACT_ATTENTION", "fa4")
+    refresh_settings()
     gen = torch.Generator().manual_seed(hq * 1000 + page)
     d, scale = 128, 128**-0.5
     lens = [int(x) for x in torch.randint(1, 3000, (6,), generator=gen)] + [1, 129]
@@ -172,6 +176,7 @@ def test_fa4_paged_equals_training(monkeypatch, hq, hkv, page):
 def test_fa4_decode_in_cuda_graphs(monkeypatch):
     """Decode captured once and replayed with other lengths and tables: the eager bits."""
     monkeypatch.setenv("VEXACT_ATTENTION", "fa4")
+    refresh_settings()
     gen = torch.Generator().manual_seed(3)
     hq, hkv, d, page, batch = 16, 8, 128, 16, 24
     lens = [int(x) for x in torch.randint(1, 2000, (batch,), generator=gen)]
@@ -198,6 +203,7 @@ def test_fa4_decode_in_cuda_graphs(monkeypatch):
 @pytest.mark.cuda
 def test_fa4_backward_is_deterministic_and_accurate(monkeypatch):
     monkeypatch.setenv("VEXACT_ATTENTION", "fa4")
+    refresh_settings()
     gen = torch.Generator().manual_seed(4)
     q, k, v, cu = _packed([700, 1, 1300, 64], 16, 8, 128, gen)
     g = torch.randn(q.shape, generator=gen).to("cuda", q.dtype)

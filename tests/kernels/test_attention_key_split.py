@@ -18,6 +18,7 @@ from tests.kernels.test_attention_triton import (
     _packed,
     _reference,
 )
+from vexact_vllm.kernels.settings import clear_settings
 
 pytest.importorskip("triton")
 
@@ -44,6 +45,7 @@ def split(interpreted_attention, monkeypatch):
     """The interpreted module with 64-key splits, split decode only for steps of <= 40 tokens (so the
     whole-prompt and 64-token steps fold in one program and the shorter ones split)."""
     monkeypatch.setenv("VEXACT_KEY_SPLIT", "64")
+    clear_settings()
     monkeypatch.setattr(interpreted_attention, "_SPLIT_MAX_TOKENS", 40)
     return interpreted_attention
 
@@ -82,6 +84,7 @@ def test_split_random_shapes_interpreted(interpreted_attention, monkeypatch, see
 
     keys, n_kv, group, head_dim = pick(64, 128), pick(1, 2), pick(1, 2, 3, 4), pick(16, 32)
     monkeypatch.setenv("VEXACT_KEY_SPLIT", str(keys))
+    clear_settings()
     monkeypatch.setattr(interpreted_attention, "_SPLIT_MAX_TOKENS", int(torch.randint(1, 60, (1,), generator=rng)))
     lens = torch.randint(1, 230, (int(torch.randint(2, 5, (1,), generator=rng)),), generator=rng).tolist()
     chunk = int(torch.randint(2, 40, (1,), generator=rng))
@@ -135,8 +138,10 @@ def test_split_keeps_short_rows_and_stays_accurate(interpreted_attention, monkey
     q, k, v, cu = _packed(LENS, 4, 2, 16, torch.bfloat16)
     scale = 1 / math.sqrt(16)
     monkeypatch.setenv("VEXACT_KEY_SPLIT", "0")
+    clear_settings()
     plain = interpreted_attention.varlen_attention(q, k, v, cu, scale)
     monkeypatch.setenv("VEXACT_KEY_SPLIT", "64")
+    clear_settings()
     split = interpreted_attention.varlen_attention(q, k, v, cu, scale)
     pos = torch.cat([torch.arange(n) for n in LENS])
     assert torch.equal(split[pos < 64], plain[pos < 64])
@@ -147,6 +152,7 @@ def test_split_keeps_short_rows_and_stays_accurate(interpreted_attention, monkey
 def test_split_gradients_interpreted(interpreted_attention, monkeypatch):
     """The backward reads the folded log-sum-exp: gradients match the fp64 reference's."""
     monkeypatch.setenv("VEXACT_KEY_SPLIT", "64")
+    clear_settings()
     q, k, v, cu = _packed((70, 150), 2, 1, 16, torch.float32)
     scale = 1 / math.sqrt(16)
     g = torch.randn_like(q)
@@ -165,14 +171,19 @@ def test_split_is_on_by_default_except_under_fa4(monkeypatch):
 
     monkeypatch.delenv("VEXACT_KEY_SPLIT", raising=False)
     monkeypatch.delenv("VEXACT_ATTENTION", raising=False)
+    clear_settings()
     assert key_split() == DEFAULT_KEY_SPLIT == 2048
     monkeypatch.setenv("VEXACT_KEY_SPLIT", "")
+    clear_settings()
     assert key_split() == DEFAULT_KEY_SPLIT
     monkeypatch.setenv("VEXACT_KEY_SPLIT", "0")
+    clear_settings()
     assert key_split() == 0
     monkeypatch.setenv("VEXACT_ATTENTION", "fa4")
+    clear_settings()
     assert key_split() == 0
     monkeypatch.delenv("VEXACT_KEY_SPLIT")
+    clear_settings()
     assert key_split() == 0
 
 
@@ -181,6 +192,7 @@ def test_bad_split_refused(monkeypatch, value):
     from vexact_vllm.kernels.dispatch import key_split
 
     monkeypatch.setenv("VEXACT_KEY_SPLIT", value)
+    clear_settings()
     with pytest.raises(ValueError, match="VEXACT_KEY_SPLIT must be 0"):
         key_split()
 
@@ -190,12 +202,15 @@ def test_split_refused_with_fa4_and_groups(interpreted_attention, monkeypatch):
     from vexact_vllm.kernels.dispatch import key_split
 
     monkeypatch.setenv("VEXACT_KEY_SPLIT", "1024")
+    clear_settings()
     assert key_split() == 1024
     monkeypatch.setenv("VEXACT_ATTENTION", "fa4")
+    clear_settings()
     with pytest.raises(ValueError, match="VEXACT_ATTENTION=fa4"):
         key_split()
     monkeypatch.delenv("VEXACT_ATTENTION")
     monkeypatch.delenv("VEXACT_KEY_SPLIT")  # the default split refuses the groups too, where rows reach it
+    clear_settings()
     q = torch.randn(2, 4, 16)
     cache = torch.randn(4, 16, 2, 16)
     one = torch.zeros(2, dtype=torch.int32)
@@ -225,12 +240,14 @@ def test_split_paged_equals_varlen_cuda(monkeypatch, keys, head_dim, n_heads, n_
     extra = torch.randint(keys, 3000, (3,), generator=torch.Generator().manual_seed(keys)).tolist()
     lens = (*CUDA_LENS, *extra)
     monkeypatch.setenv("VEXACT_KEY_SPLIT", str(keys))
+    clear_settings()
     q, k, v, cu, scale, train = _check_invariance(
         compiled, lens, n_heads, n_kv, head_dim, 16, torch.bfloat16, chunks=(max(lens), 300, 1), device="cuda"
     )  # the decode steps (few rows) split; the others fold in one program
     assert torch.equal(_mixed_steps(compiled, q, k, v, cu, 16, scale), train)
     torch.testing.assert_close(train.double(), _reference(q, k, v, cu, scale), atol=TOL[torch.bfloat16], rtol=0)
     monkeypatch.setenv("VEXACT_KEY_SPLIT", "0")
+    clear_settings()
     plain = compiled.varlen_attention(q, k, v, cu, scale)  # the same inputs, unsplit
     pos = torch.cat([torch.arange(n) for n in lens]).cuda()
     assert torch.equal(train[pos < keys], plain[pos < keys])
@@ -246,6 +263,7 @@ def test_split_decode_in_a_cuda_graph(monkeypatch):
     from vexact_vllm.kernels._capture import gc_paused
 
     monkeypatch.setenv("VEXACT_KEY_SPLIT", "256")
+    clear_settings()
     lens = (1500, 40, 700)
     q, k, v, train, engine, last = _before_last_tokens(compiled, lens, 16, 8, 128, 0.1, device="cuda")
     qs = torch.zeros(3, 16, 128, dtype=q.dtype, device="cuda")
@@ -286,9 +304,11 @@ def test_no_fold_where_no_row_reaches_the_split(interpreted_attention, monkeypat
     for rows before C, one accumulator instead of two); one that can keeps it. The dispatcher hands
     the Triton kernel the longest sequence it read from cu_seqlens."""
     monkeypatch.setenv("VEXACT_KEY_SPLIT", "128")
+    clear_settings()
     rule = interpreted_attention._split_tiles
     assert rule(128) == 0 and rule(129) == 2 and rule(10**6) == 2
     monkeypatch.setenv("VEXACT_KEY_SPLIT", "0")
+    clear_settings()
     assert rule(10**6) == 0
     from vexact_vllm.kernels import attention
 

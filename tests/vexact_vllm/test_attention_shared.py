@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("vllm")
 
 from vexact_vllm import attention  # noqa: E402
+from vexact_vllm.kernels.settings import clear_settings, refresh_settings  # noqa: E402
 
 
 def _builder(device: str, heads: int = 16, kv_heads: int = 8, compilation=None):
@@ -79,18 +80,19 @@ def test_eager_prefill_steps_skip_the_grouping(graphs):
     assert builder.build(0, decodes).max_query_len is None
 
 
-def test_shared_prefix_is_opt_in_for_ab_runs(monkeypatch):
+def test_shared_prefix_is_opt_in(monkeypatch):
+    """Off unless VEXACT_SHARED_PREFIX=1, which takes no key split (the settings refuse the default)."""
     monkeypatch.setenv("VEXACT_SHARED_PREFIX", "1")
     monkeypatch.delenv("VEXACT_KEY_SPLIT", raising=False)  # the default key split: the groups refuse it
     with pytest.raises(ValueError, match="takes no key split.*set VEXACT_KEY_SPLIT=0 on the trainer and the rollout"):
-        attention.shared_prefix_enabled()
+        refresh_settings()
     monkeypatch.setenv("VEXACT_KEY_SPLIT", "0")
-    assert attention.shared_prefix_enabled()
+    assert refresh_settings().shared_prefix
     monkeypatch.setenv("VEXACT_SHARED_PREFIX", "on")
     with pytest.raises(ValueError, match="VEXACT_SHARED_PREFIX must be 0 or 1"):
-        attention.shared_prefix_enabled()
+        refresh_settings()
     monkeypatch.delenv("VEXACT_SHARED_PREFIX")
-    assert not attention.shared_prefix_enabled()  # off unless asked for (docs/BENCHMARKS.md, session 20)
+    assert not refresh_settings().shared_prefix
 
 
 @pytest.mark.cuda
@@ -98,6 +100,7 @@ def test_shared_prefix_is_opt_in_for_ab_runs(monkeypatch):
 def test_cuda_builder_groups_shared_prompts(monkeypatch):
     monkeypatch.setenv("VEXACT_SHARED_PREFIX", "1")
     monkeypatch.setenv("VEXACT_KEY_SPLIT", "0")
+    clear_settings()
     builder = _builder("cuda")
     assert builder._max_members == 32 and builder._page == 16
     tables = [[5, 6, 7, 8, 9, 40 + i] for i in range(8)]
@@ -105,4 +108,5 @@ def test_cuda_builder_groups_shared_prompts(monkeypatch):
     assert shared.order.is_cuda and shared.order.data_ptr() == builder._shared_buffers[0].data_ptr()
     assert shared.tiles.tolist() == [1] * 8 and sorted(shared.members.tolist())[-1] == 8
     monkeypatch.setenv("VEXACT_SHARED_PREFIX", "0")
+    clear_settings()
     assert _builder("cuda")._shared_buffers is None
