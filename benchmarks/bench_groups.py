@@ -66,5 +66,5 @@ def main():
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("VEXACT_KEY_SPLIT", "0")  # the groups take no key split (on by default)
+    os.environ["VEXACT_KEY_SPLIT"] = "0"  # the groups take no key split (on by default); read at first use
     main()

@@ -26,7 +26,9 @@ ROWS: list[dict] = []
 
 @contextlib.contextmanager
 def environment(**changes: str | None):
-    """os.environ with `changes` inside the block (None: the variable removed), as it was after."""
+    """os.environ with `changes` inside the block (None: the variable removed), as it was after; the
+    kernels' settings (kernels/settings.py, read once) are read again on entry and on exit."""
+    from vexact_vllm.kernels.settings import refresh_settings
 
     def put(values):
         for name, value in values.items():
@@ -38,9 +40,11 @@ def environment(**changes: str | None):
     saved = {name: os.environ.get(name) for name in changes}
     put(changes)
     try:
+        refresh_settings()
         yield
     finally:
         put(saved)
+        refresh_settings()
 
 
 def bench(fn, warmup=25, rep=100) -> float:
@@ -214,11 +218,9 @@ def _shared_prefix_inputs(groups, samples, prompt, generated, shared, hq, hkv, d
     return q, engine, fa, block_table.cuda(), seq_lens, qsl
 
 
-# Speed-only launch choices of the paged kernel timed by decode_rollout: name -> (stages, heads_fast,
-# True: the longest-last schedule, "groups": shared-prompt groups). None: the kernel's own.
-PAGED_VARIANTS = {"own": (None, False, False), "schedule": (None, False, True), "stages5": (5, False, False),
-                  "heads-fast": (None, True, False), "heads-fast stages5": (5, True, False),
-                  "groups": (None, False, "groups"), "groups stages5": (5, False, "groups")}  # fmt: skip
+# Speed-only launch choices of the paged kernel timed by decode_rollout: name -> (stages, shared-prompt
+# groups). Stages None: the kernel's own.
+PAGED_VARIANTS = {"own": (None, False), "stages5": (5, False), "groups": (None, True), "groups stages5": (5, True)}
 
 
 @section
@@ -229,8 +231,8 @@ def decode_rollout(quick):
     Each of PAGED_VARIANTS against FlashAttention-3 on the same blocks, bits checked equal."""
     cases = [("grpo 32x8 shared", 32, 8, (256, 1024), 600, True), ("grpo 32x8 private", 32, 8, (256, 1024), 600, False),
              ("long 32x1", 32, 1, (1024, 4096), 2000, False)]  # fmt: skip
-    # The shared-prompt groups take no key split: the unsplit kernel unless one is set.
-    with environment(VEXACT_KEY_SPLIT=os.environ.get("VEXACT_KEY_SPLIT") or "0"):
+    # The shared-prompt groups take no key split: every variant runs the unsplit kernel.
+    with environment(VEXACT_KEY_SPLIT="0"):
         for label, groups, samples, prompt, generated, shared in cases[:1] if quick else cases:
             _decode_rollout_case(label, groups, samples, prompt, generated, shared)
 
@@ -238,13 +240,7 @@ def decode_rollout(quick):
 def _decode_rollout_case(label, groups, samples, prompt, generated, shared):
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
-    from vexact_vllm.kernels import (
-        attention_triton,
-        longest_last_schedule,
-        max_group_members,
-        paged_attention,
-        shared_prefix_groups,
-    )
+    from vexact_vllm.kernels import attention_triton, max_group_members, paged_attention, shared_prefix_groups
 
     hq, hkv, d = 16, 8, 128
     q, (kc, vc), (kf, vf), bt, sl, qsl = _shared_prefix_inputs(groups, samples, prompt, generated, shared, hq, hkv, d)
@@ -253,20 +249,16 @@ def _decode_rollout_case(label, groups, samples, prompt, generated, shared):
         q, kf, vf, max_seqlen_q=1, cu_seqlens_q=qsl, max_seqlen_k=max_len, seqused_k=sl,
         softmax_scale=scale, causal=True, block_table=bt, fa_version=3))  # fmt: skip
     reference = paged_attention(q, kc, vc, bt, sl, qsl, scale)
-    schedule = longest_last_schedule(sl, qsl)
     grouping = shared_prefix_groups(bt, sl, qsl, kc.shape[1], max_group_members(d, hq // hkv))  # as the builder
-    for name, (stages, heads_fast, ordered) in PAGED_VARIANTS.items():
-        sched = schedule if ordered is True else None
-        by_prompt = grouping if ordered == "groups" else None
+    for name, (stages, groups) in PAGED_VARIANTS.items():
+        by_prompt = grouping if groups else None
         if stages is not None:
             attention_triton._PAGED_STAGES[d] = stages
-        attention_triton._PAGED_HEADS_FAST = heads_fast
         try:
-            same = torch.equal(paged_attention(q, kc, vc, bt, sl, qsl, scale, schedule=sched, shared=by_prompt), reference)
-            ours = bench_graph(lambda s=sched, g=by_prompt: paged_attention(q, kc, vc, bt, sl, qsl, scale, schedule=s, shared=g))
+            same = torch.equal(paged_attention(q, kc, vc, bt, sl, qsl, scale, shared=by_prompt), reference)
+            ours = bench_graph(lambda g=by_prompt: paged_attention(q, kc, vc, bt, sl, qsl, scale, shared=g))
         finally:
             attention_triton._PAGED_STAGES.pop(d, None)
-            attention_triton._PAGED_HEADS_FAST = False
         record("rollout", f"{label} {name}{'' if same else ' BITS DIFFER'}", ours, stock, 0.9,
                mean_keys=float(sl.float().mean()), same_bits=same)
 

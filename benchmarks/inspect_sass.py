@@ -1,7 +1,7 @@
 """Compile vexact's attention kernels for Hopper (sm_90a) on any machine, no GPU needed, and print what
 the hardware would run: registers, spills, shared memory, and the instruction mix of each kernel.
 
-    python benchmarks/inspect_sass.py [--kernels paged,paged-ordered,paged-shared,prefix,varlen,dkdv,dq,groups,paged-thin,...] [--head-dim 128] [--group 2]
+    python benchmarks/inspect_sass.py [--kernels paged,paged-shared,prefix,varlen,dkdv,dq,groups,paged-thin,...] [--head-dim 128] [--group 2]
         [--block-m 64] [--out DIR]
 
 Why: device time is scarce; a kernel that spills, loads K/V with scalar 16-bit loads instead of
@@ -32,11 +32,10 @@ from vexact_vllm.kernels import attention_prefix_groups_triton as groups
 from vexact_vllm.kernels import attention_prefix_triton as prefix
 from vexact_vllm.kernels import attention_triton as fwd
 from vexact_vllm.kernels import attention_triton_bwd as bwd
-from vexact_vllm.kernels.dispatch import DEFAULT_KEY_SPLIT
+from vexact_vllm.kernels.settings import DEFAULT_KEY_SPLIT
 
 FLOATS = {"qk_scale", "scale"}
-INT_POINTERS = {"block_table_ptr", "seq_lens_ptr", "start_loc_ptr", "cu_ptr", "order_ptr", "order_start_ptr",
-                "resume_ptr", "members_ptr", "tiles_ptr", "starts_ptr", "count_ptr", "table_ptr", "qsl_ptr",
+INT_POINTERS = {"block_table_ptr", "seq_lens_ptr", "start_loc_ptr", "cu_ptr", "resume_ptr", "members_ptr", "tiles_ptr", "starts_ptr", "count_ptr", "table_ptr", "qsl_ptr",
                 "scratch_ptr"}  # fmt: skip
 FP32_POINTERS = {"lse_ptr", "delta_ptr", "ws_acc_ptr", "ws_ml_ptr"}
 # Instruction families worth counting (SASS opcode prefixes).
@@ -72,19 +71,17 @@ def specs(head_dim: int, group: int, block_m: int | None, warps: int | None = No
     fwd_opts = dict(num_warps=warps or fwd_warps, num_stages=fwd_stages, enable_fp_fusion=False)
     (kv_m, kv_n, kv_w, kv_s), (q_m, q_n, q_w, q_s) = bwd._BWD_CONFIGS[head_dim]
     bwd_common = dict(GROUP=group, HEAD_DIM=head_dim, PRECISION="tf32", DOT_FP32=False)
-    paged = dict(common, BLOCK_M=block_m, PAGE=16, HEADS_FAST=False, SHARED=False)
+    paged = dict(common, BLOCK_M=block_m, PAGE=16, SHARED=False)
     shared_opts = dict(fwd_opts, num_stages=fwd._SHARED_STAGES.get(head_dim, fwd_stages))  # paged_attention(shared=)
     thin = dict(fwd_opts, num_stages=max((st for _, st in fwd._THIN_STAGES.get(head_dim, ())), default=fwd_stages))
     return {
-        "paged": (fwd._paged_fwd_kernel, dict(paged, ORDERED=False), fwd_opts),
+        "paged": (fwd._paged_fwd_kernel, paged, fwd_opts),
         # rows past the default key split fold their chunks in the program (grpo's, long's)
-        "paged-split": (fwd._paged_fwd_kernel, dict(paged, ORDERED=False, SPLIT_TILES=DEFAULT_KEY_SPLIT // fwd.KEY_TILE),
-                        fwd_opts),
-        "paged-thin": (fwd._paged_fwd_kernel, dict(paged, ORDERED=False), thin),  # thin steps' deepest
-        "paged-shared-thin": (fwd._paged_fwd_kernel, dict(paged, ORDERED=False, SHARED=True), thin),
+        "paged-split": (fwd._paged_fwd_kernel, dict(paged, SPLIT_TILES=DEFAULT_KEY_SPLIT // fwd.KEY_TILE), fwd_opts),
+        "paged-thin": (fwd._paged_fwd_kernel, paged, thin),  # thin steps' deepest
+        "paged-shared-thin": (fwd._paged_fwd_kernel, dict(paged, SHARED=True), thin),
         "prefix-thin": (prefix._shared_prefix_kernel, dict(common, BLOCK_M=block_m, PAGE=16), thin),
-        "paged-ordered": (fwd._paged_fwd_kernel, dict(paged, ORDERED=True), fwd_opts),
-        "paged-shared": (fwd._paged_fwd_kernel, dict(paged, ORDERED=False, SHARED=True), shared_opts),
+        "paged-shared": (fwd._paged_fwd_kernel, dict(paged, SHARED=True), shared_opts),
         "prefix": (prefix._shared_prefix_kernel, dict(common, BLOCK_M=block_m, PAGE=16), shared_opts),
         "groups": (groups._groups_kernel, dict(PAGE=16, KEY_TILE=fwd.KEY_TILE, MAX_MEMBERS=block_m // group,
                    MEMBERS_P2=triton.next_power_of_2(block_m // group),
@@ -132,7 +129,7 @@ def inspect(name: str, kernel, constexprs: dict, options: dict, out_dir: str) ->
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kernels", default="paged,paged-ordered,paged-shared,prefix,varlen,dkdv,dq")
+    parser.add_argument("--kernels", default="paged,paged-shared,prefix,varlen,dkdv,dq")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--group", type=int, default=2, help="query heads per kv head (Qwen3-1.7B: 2, 8B: 4)")
     parser.add_argument("--block-m", type=int, help="forward rows per tile (default: the wrappers' config)")

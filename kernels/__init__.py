@@ -7,8 +7,9 @@ order depends only on its own row and absolute position (see each module's docst
 
 from ._mkl_vml import warm_up_vml
 from .activation import silu_and_mul
-from .attention import KEY_TILE, longest_last_schedule, paged_attention, varlen_attention, write_kv_cache
+from .attention import paged_attention, varlen_attention, write_kv_cache
 from .attention_prefix import SharedPrefix, max_group_members, shared_prefix_groups
+from .attention_tiles import KEY_TILE
 from .dispatch import (
     backend_for,
     disable_reference_mode,
@@ -41,7 +42,6 @@ __all__ = [
     "linear",
     "linear_token_log_probs",
     "log_softmax",
-    "longest_last_schedule",
     "max_group_members",
     "shared_prefix_groups",
     "SharedPrefix",

@@ -34,10 +34,9 @@ from ._checks import (
     check_same_device,
 )
 from ._reduction import row_sum
+from .attention_tiles import KEY_TILE
 from .dispatch import attention_backend_for, backend_for
 
-# Keys per tile. Fixed (never tuned per shape) because it sets the order of the additions.
-KEY_TILE = 64
 # Queries handled together; only bounds memory (results do not depend on it).
 _QUERY_CHUNK = 64
 # Largest [C, Hkv, G, tiles, 64, D] fp32 product formed at once (elements); only bounds memory.
@@ -149,10 +148,9 @@ def _write_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping):
 
 
 def _paged_attention_torch(
-    q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out=None, schedule=None, shared=None,
-    max_query_len=None,
-):  # fmt: skip
-    del schedule, shared, max_query_len  # one sequence after another: the layout of the work changes no value
+    q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out=None, shared=None, max_query_len=None
+):
+    del shared, max_query_len  # one sequence after another: the layout of the work changes no value
     block_size = k_cache.shape[1]
     lens = [int(n) for n in seq_lens.tolist()]
     starts = [int(s) for s in query_start_loc.tolist()]
@@ -286,30 +284,6 @@ def write_kv_cache(
     _WRITE_IMPLS[backend_for(k)](k, v, k_cache, v_cache, slot_mapping)
 
 
-def longest_last_schedule(
-    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `schedule` of `paged_attention` that starts the longest sequences' tiles first: (order,
-    order_start) int32, order = the sequences by seq_lens ascending (ties by index), order_start =
-    query_start_loc of the batch laid out in that order ([B + 1], from 0). The CUDA kernel's programs
-    take the tiles last first, so a decode step's longest sequences start first and the short ones
-    fill the GPU at the end (FlashAttention balances the same way by splitting the keys, which would
-    change the reduction order). Torch ops only, no host synchronisation (CUDA-graph safe); `out`:
-    preallocated int32 [>= B] and [>= B + 1] buffers to write into (their leading parts are returned).
-    """
-    n_seqs = seq_lens.shape[0]
-    order = torch.argsort(seq_lens, stable=True)
-    q_lens = (query_start_loc[1:] - query_start_loc[:-1])[order]
-    if out is None:
-        out = (torch.empty(n_seqs, dtype=torch.int32, device=seq_lens.device),
-               torch.empty(n_seqs + 1, dtype=torch.int32, device=seq_lens.device))  # fmt: skip
-    order_out, start_out = out[0][:n_seqs], out[1][: n_seqs + 1]
-    order_out.copy_(order)
-    start_out[:1].zero_()
-    start_out[1:].copy_(q_lens.cumsum(0))
-    return order_out, start_out
-
-
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -319,7 +293,6 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
-    schedule: tuple[torch.Tensor, torch.Tensor] | None = None,
     shared=None,
     max_query_len: int | None = None,
 ) -> torch.Tensor:
@@ -331,10 +304,7 @@ def paged_attention(
     sits at absolute position seq_lens[b] - q_len + i. Returns [T, Hq, D] in q.dtype, bitwise equal
     to `varlen_attention` on the same values. `out`: an optional [T, Hq, D] tensor of q's dtype and
     device (last dim contiguous, rows and heads may be strided, e.g. a view of the caller's output
-    buffer) written in place and returned instead of a new tensor. `schedule`: which program computes
-    which tile on CUDA (`longest_last_schedule`), never a value: the output is the same bits with any
-    schedule or none. Its values are not checked (that would synchronise the host): it must be a
-    permutation of the sequences and the query_start_loc of the batch in that order. `shared`:
+    buffer) written in place and returned instead of a new tensor. `shared`:
     `attention_prefix.shared_prefix_groups` of this step's block_table, seq_lens and query_start_loc
     (decode sequences reading the same cache blocks, attended once per group on CUDA), or None: the
     same bits either way; built for other inputs, it gives wrong values (not checked: that would sync).
@@ -365,14 +335,6 @@ def paged_attention(
             raise ValueError(f"query_start_loc must rise from 0 to T = {q.shape[0]}, got {starts}")
     _check_scale(scale)
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens)
-    if schedule is not None:
-        order, order_start = schedule
-        for name, t, n in (("order", order, n_seqs), ("order_start", order_start, n_seqs + 1)):
-            if t.dtype != torch.int32 or tuple(t.shape) != (n,) or t.device != q.device:
-                raise ValueError(
-                    f"schedule {name} must be int32 [{n}] on {q.device} (longest_last_schedule), got "
-                    f"{t.dtype} {tuple(t.shape)} on {t.device}"
-                )
     if shared is not None:
         for name in ("order", "members", "tiles", "starts", "count"):
             t = getattr(shared, name)
@@ -395,6 +357,6 @@ def paged_attention(
         )
     with torch.no_grad():
         return _PAGED_IMPLS[attention_backend_for(q)](
-            q, k_cache, v_cache, block_table, seq_lens, query_start_loc, float(scale), out=out, schedule=schedule,
-            shared=shared, max_query_len=max_query_len,
+            q, k_cache, v_cache, block_table, seq_lens, query_start_loc, float(scale), out=out, shared=shared,
+            max_query_len=max_query_len,
         )  # fmt: skip

@@ -92,15 +92,14 @@ def varlen_attention(q, k, v, cu_seqlens, scale, longest=None):
 
 
 def paged_attention(
-    q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out=None, schedule=None, shared=None,
-    max_query_len=None,
-):  # fmt: skip
+    q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out=None, shared=None, max_query_len=None
+):
     """`attention.paged_attention` on FA4 (inputs already checked there). No host synchronisation:
     the longest query count is bounded by `max_query_len` where the caller knows it for this launch
     alone (an eager step), else by T; the key count by the block table's width. So a CUDA graph
     captured for T tokens serves every batch of T tokens. FA4's grid follows the bound (its empty
-    query blocks exit), no value does. `schedule` and `shared` only lay out the Triton kernel's
-    programs; FA4 has its own and takes neither."""
+    query blocks exit), no value does. `shared` only lays out the Triton kernel's programs; FA4 has
+    its own and takes none."""
     check_usable(q)
     if shared is not None:
         raise ValueError(

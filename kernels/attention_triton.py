@@ -54,7 +54,6 @@ every program reads the sequence metadata on the device (programs without work e
 
 import functools
 import math
-import os
 
 import torch
 import triton
@@ -93,21 +92,6 @@ _PAGED_STAGES: dict[int, int] = {}
 _SHARED_STAGES: dict[int, int] = {128: 5}
 
 
-def _env_paged_stages() -> int | None:
-    """VEXACT_PAGED_STAGES: every paged launch's pipelining depth, for A/B benchmarks (speed only)."""
-    text = os.environ.get("VEXACT_PAGED_STAGES", "")
-    if not text:
-        return None
-    if not text.isdigit() or not 1 <= int(text) <= 8:
-        raise ValueError(
-            f"VEXACT_PAGED_STAGES must be an integer from 1 to 8 (the paged attention kernel's pipelining "
-            f"depth, speed only), got {text!r}; unset it for the kernel's own"
-        )
-    return int(text)
-
-
-_PAGED_STAGES_ENV = _env_paged_stages()
-
 # head_dim -> ((programs per SM at most, num_stages), ...): the paged launches of thin steps, whose
 # grid leaves the GPU room (at 3 stages two programs fit an SM), keep more K/V tiles in flight per
 # program: speed only. Session 20's microbench (H100, decode at 16 x 32k keys: 128 programs) put them
@@ -139,14 +123,12 @@ def paged_stages(
     head_dim: int, programs: int, sms: int | None, shared: bool, default: int, split: bool = False
 ) -> int:
     """num_stages of a paged launch of `programs` programs on a GPU of `sms` SMs (None: unknown, as in
-    the interpreter, or a GPU these depths were not measured on: then the forward's): _PAGED_STAGES,
-    else VEXACT_PAGED_STAGES, else split decode's (`split`, _SPLIT_STAGES), else the thin-step depth
+    the interpreter, or a GPU these depths were not measured on: then the forward's): _PAGED_STAGES
+    (empty: a benchmark may fill it), else split decode's (`split`, _SPLIT_STAGES), else the thin-step depth
     (_THIN_STAGES), else the shared-prompt launches' (_SHARED_STAGES), else the forward's `default`.
     Which depth runs changes no bit (tests: test_paged_pipelining_depth_changes_no_bit_cuda)."""
     if head_dim in _PAGED_STAGES:
         return _PAGED_STAGES[head_dim]
-    if _PAGED_STAGES_ENV:
-        return _PAGED_STAGES_ENV
     if not sms:  # the depths below were measured on Hopper only (see _THIN_CAPABILITIES)
         return default
     if split:
@@ -157,21 +139,6 @@ def paged_stages(
     if shared:
         return _SHARED_STAGES.get(head_dim, default)
     return default
-
-
-# The paged launch's grid order (speed only: which program computes a tile, never a value): False,
-# (tiles, Hkv), a wave of programs spans many sequences of one kv head; True, (Hkv, tiles), a wave
-# spans every kv head of fewer sequences. VEXACT_PAGED_HEADS_FAST=1 sets it for A/B benchmarks;
-# benchmarks/bench_kernels.py's rollout section times both.
-def _env_flag(name: str, what: str, default: bool = False) -> bool:
-    """A speed-only switch of the environment: 0 or 1 (unset: `default`), anything else refused."""
-    text = os.environ.get(name, "1" if default else "0")
-    if text not in ("0", "1"):
-        raise ValueError(f"{name} must be 0 or 1 ({what}, speed only), got {text!r}")
-    return text == "1"
-
-
-_PAGED_HEADS_FAST = _env_flag("VEXACT_PAGED_HEADS_FAST", "the paged attention kernel's grid order")
 
 
 # Interpreter note: reductions are spelled `tl.reduce(x, 1, _sum_combine)` / `_elementwise_max` and
@@ -531,8 +498,6 @@ def _paged_fwd_kernel(
     block_table_ptr,
     seq_lens_ptr,
     start_loc_ptr,
-    order_ptr,  # int32 [B]: ORDERED only, sequences in the order their tiles are laid out
-    order_start_ptr,  # int32 [B + 1]: ORDERED only, query_start_loc of the sequences in that order
     n_seqs,
     qk_scale,
     stride_qt,
@@ -553,8 +518,6 @@ def _paged_fwd_kernel(
     PAGE: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
-    ORDERED: tl.constexpr,  # tiles laid out in order_ptr's sequence order (which program, never a value)
-    HEADS_FAST: tl.constexpr,  # grid (Hkv, tiles) instead of (tiles, Hkv) (which program, never a value)
     SHARED: tl.constexpr = False,  # resume sequences whose first key tiles the shared-prefix kernel did
     resume_ptr=None,  # SHARED: int32 [B], key tiles already attended per sequence (0: none)
     ws_acc_ptr=None,  # SHARED: fp32 [B, Hq, HEAD_DIM], their unnormalised accumulators (by sequence)
@@ -571,22 +534,12 @@ def _paged_fwd_kernel(
 ):
     """Inference entry: the new queries of each sequence (its last q_len positions) over the paged
     cache; program (tile, kv head) -> BLOCK_M rows, as in training. The programs take the tiles last
-    first; ORDERED lays the tiles out sequence by sequence in `order` (the schedule of
-    `paged_attention`), so the last tiles, taken first, are those of the sequences put last."""
+    first (a batch's later, longer sequences start first)."""
     TOKENS: tl.constexpr = BLOCK_M // GROUP
-    if HEADS_FAST:
-        tile = tl.num_programs(1) - 1 - tl.program_id(1)
-        kv_head = tl.program_id(0)
-    else:
-        tile = tl.num_programs(0) - 1 - tl.program_id(0)
-        kv_head = tl.program_id(1)
-    if ORDERED:  # tile of the rank-th sequence in `order` -> the same tile in the batch's own layout
-        rank = _seq_of_tile(order_start_ptr, n_seqs, tile, TOKENS)
-        b = tl.load(order_ptr + rank)
-        local = tile - _tile_start(tl.load(order_start_ptr + rank), rank, TOKENS)  # b's own tile index
-    else:
-        b = _seq_of_tile(start_loc_ptr, n_seqs, tile, TOKENS)
-        local = tile - _tile_start(tl.load(start_loc_ptr + b), b, TOKENS)
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+    b = _seq_of_tile(start_loc_ptr, n_seqs, tile, TOKENS)
+    local = tile - _tile_start(tl.load(start_loc_ptr + b), b, TOKENS)
     q_start = tl.load(start_loc_ptr + b)
     q_end = tl.load(start_loc_ptr + b + 1)
     first = q_start + local * TOKENS
@@ -894,14 +847,12 @@ def _split_tiles(reach: int) -> int:
 
 
 def paged_attention(
-    q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out=None, schedule=None, shared=None,
-    max_query_len=None,
-):  # fmt: skip
+    q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out=None, shared=None, max_query_len=None
+):
     """Triton implementation of `attention.paged_attention` (inputs already checked there).
 
     No host synchronisation: the grid is (tile_count(T, B), Hkv) from the shapes alone, and sequence
     b's q_len = query_start_loc[b + 1] - query_start_loc[b] must be <= seq_lens[b] (not checked here).
-    `schedule`: (order, order_start) int32, `attention.longest_last_schedule`'s, or None.
     `shared`: `attention_prefix.shared_prefix_groups`'s groups, or None: their shared key tiles go
     through `attention_prefix_triton` first, and their programs here resume after them.
     `max_query_len` is not read: the grid follows the shapes alone.
@@ -924,27 +875,25 @@ def paged_attention(
             "splits; the split is on by default): set VEXACT_KEY_SPLIT=0 with VEXACT_SHARED_PREFIX=1"
         )
     chunks = -(-reach // (split_tiles * KEY_TILE)) if split_tiles else 1
-    split = chunks > 1 and split_decode(n_tokens, n_tiles * n_kv, _sm_count(q.device.index) if q.is_cuda else None)
+    split = chunks > 1 and split_decode(n_tokens)
     num_stages = paged_stages(head_dim, n_tiles * n_kv, thin_sms, shared is not None, num_stages, split)
     block_table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
     seq_lens = seq_lens.to(torch.int32)
     start_loc = query_start_loc.to(torch.int32)
-    order, order_start = schedule if schedule is not None else (seq_lens, start_loc)  # unread when None
-    grid = (n_kv, n_tiles) if _PAGED_HEADS_FAST else (n_tiles, n_kv)
+    grid = (n_tiles, n_kv)
     args = (
-        q, k_cache, v_cache, out, block_table, seq_lens, start_loc, order, order_start, n_seqs, scale * _LOG2E,
+        q, k_cache, v_cache, out, block_table, seq_lens, start_loc, n_seqs, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
     )  # fmt: skip
     meta = dict(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=KEY_TILE, PAGE=k_cache.shape[1],
-        PRECISION=_precision(q.dtype), DOT_FP32=_interpreted(), ORDERED=schedule is not None,
-        HEADS_FAST=_PAGED_HEADS_FAST, enable_fp_fusion=False, num_warps=num_warps, num_stages=num_stages,
-        SPLIT_TILES=split_tiles,
+        PRECISION=_precision(q.dtype), DOT_FP32=_interpreted(), enable_fp_fusion=False, num_warps=num_warps,
+        num_stages=num_stages, SPLIT_TILES=split_tiles,
     )  # fmt: skip
-    if split:  # the split launch takes the tiles in the batch's own order
-        _split_decode(q, out, grid, chunks, args, {**meta, "ORDERED": False}, start_loc, n_seqs)
+    if split:
+        _split_decode(q, out, grid, chunks, args, meta, start_loc, n_seqs)
         return out
     resume = dict(SHARED=False)
     if shared is not None:
@@ -964,30 +913,22 @@ def paged_attention(
     return out
 
 
-# Split decode (VEXACT_KEY_SPLIT): a step of at most this many query tokens whose programs fill at
-# most this share of the SMs' program slots runs each key chunk as its own program and folds the
-# chunks in a second launch; others fold in one program. Same bits either way (speed only).
+# Split decode (a key split): a step of at most this many query tokens runs each key chunk as its own
+# program and folds the chunks in a second launch; others fold in one program. Same bits either way
+# (speed only). Every such step splits, however many programs it has: one that folded in one program
+# would hold two accumulators (255 registers on the H100 against split decode's 219), and grpo's
+# 256-row decode steps ran faster split than with a limit of one program an SM (see docs/results.md).
 _SPLIT_MAX_TOKENS = 256
-_SPLIT_MAX_PROGRAMS_PER_SM = 1
-# Wide steps split too (the default since session 27; VEXACT_SPLIT_DECODE_WIDE=0 for A/B runs keeps
-# the program limit): every step of at most _SPLIT_MAX_TOKENS tokens splits, however many programs it
-# has. Such a step would otherwise fold in one program, whose kernel holds two accumulators (255
-# registers on the H100 against split decode's 219, session 26). grpo's 256-row decode steps are the
-# case: grpo:32 ran at 0.914 of stock against 0.870 with the limit, in the same call (session 27).
-_SPLIT_DECODE_WIDE = _env_flag("VEXACT_SPLIT_DECODE_WIDE", "split decode for wide steps too", default=True)
 # Heads a fold program takes (speed only): a decode step has few tokens, so one program a token left
 # most SMs idle (session 25, H200: 16 programs, 7.7 us of an 84 us step).
 _FOLD_HEADS = 4
 
 
-def split_decode(n_tokens: int, programs: int, sms: int | None) -> bool:
-    """Whether a split paged launch runs its chunks as separate programs: few tokens, few programs
-    (a thin decode step, whose long rows would otherwise each keep one SM busy alone). Shapes only,
-    so a CUDA graph's capture and replays agree. `sms`: the GPU's SM count, on any GPU; in the
-    interpreter (None) every eligible step splits, so the tests cover both launches."""
-    if n_tokens > _SPLIT_MAX_TOKENS:
-        return False
-    return sms is None or _SPLIT_DECODE_WIDE or programs <= _SPLIT_MAX_PROGRAMS_PER_SM * sms
+def split_decode(n_tokens: int) -> bool:
+    """Whether a split paged launch runs its chunks as separate programs: a step of few tokens (a
+    decode step, whose long rows would otherwise each keep one program busy alone). Shapes only, so
+    a CUDA graph's capture and replays agree."""
+    return n_tokens <= _SPLIT_MAX_TOKENS
 
 
 def _split_decode(q, out, grid, chunks, args, meta, start_loc, n_seqs):

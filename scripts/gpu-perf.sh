@@ -14,19 +14,17 @@
 #   check-long  the same with four 2,700-3,300-token prompts                                    ~250 s
 #   check-split check-long with VEXACT_KEY_SPLIT=2048 set (the default since session 28)         ~250 s
 #   check-nosplit check-long with VEXACT_KEY_SPLIT=0                                           ~250 s
-#   check-many  the tiny Qwen3 with 80 prompts: batches of 64 requests or more (with
-#               VEXACT_ATTENTION_SCHEDULE=1 set, the longest-last tile layout)                   ~180 s
+#   check-many  the tiny Qwen3 with 80 prompts: batches of 64 requests or more                 ~180 s
 #   bench       default, decode-small and grpo (32 prompts x 8) side by side, one engine pair    ~450 s
 #   bench-8b    default and grpo (32 x 8) on the Qwen3-8B shape, one engine pair                ~500 s
-#   bench-ab    vexact against itself with the longest-last tile layout and with 5 pipeline
-#               stages in the paged kernel (speed-only choices), default and grpo, 3 engines     ~450 s
+#   bench-ab    vexact against itself without the key split and with the shared-prompt groups,
+#               default and grpo, 3 engines                                                     ~450 s
 #   kernels     bench_kernels.py: q/k norm + RoPE vs vLLM's ops, decode and prefill attention vs FA3,
 #               training attention                                                              ~170 s
 #   rollout     bench_kernels.py's rollout section: decode steps shaped like grpo (32 prompts x 8
 #               sharing prompt blocks) and long, each speed-only paged launch choice vs FA3      ~120 s
-#   bwd         sweep_attention_bwd.py: the backward's launch configurations                    ~120 s
-#   split       key splits (C = 2,048) at kernel level: the CUDA split tests, the mixed-step and
-#               tail sweep unsplit and split, train-attn unsplit and split                      ~250 s
+#   split       key splits (C = 2,048) at kernel level: the CUDA split tests, train-attn unsplit
+#               and split                                                                       ~150 s
 #   profile-8b  where the 8B default and decode-small (600 output tokens) steps go, stock and
 #               vexact each alone, by category (benchmarks/profile_steps.py)                     ~360 s
 #   profile-8b-grpo  the same for grpo:16 (700 output tokens)                                    ~210 s
@@ -85,8 +83,7 @@ for phase in "$@"; do
       run tests 300 python3 -m pytest -q -m cuda tests/kernels/test_attention_triton.py tests/kernels/test_sample.py \
         tests/kernels/test_gumbel_triton.py tests/kernels/test_logprob_triton.py tests/kernels/test_gemm_triton.py \
         tests/kernels/test_gather_triton.py tests/kernels/test_rope_triton.py tests/kernels/test_rms_norm_triton.py \
-        tests/vexact_vllm/test_sampler_graphs.py \
-        tests/vexact_vllm/test_attention_schedule.py
+        tests/vexact_vllm/test_sampler_graphs.py
       tail -3 "$OUT/tests.log" ;;
     check)
       run check 400 vexact-vllm check --model qwen3-1.7b-shape --num-prompts 6 --max-tokens 16 --quiet
@@ -119,7 +116,7 @@ for phase in "$@"; do
       run bench-8b 570 ${B17/qwen3-1.7b-shape/qwen3-8b-shape} --workload default,grpo:32 --repeats 2 --duration 8
       summary "$OUT/bench-8b.log" ;;
     bench-ab)
-      run bench-ab 570 ${B17/stock,vexact/vexact,vexact-schedule,vexact-stages5} --workload default,grpo:32 \
+      run bench-ab 570 ${B17/stock,vexact/vexact,vexact-nosplit,vexact-shared-prefix} --workload default,grpo:32 \
         --repeats 2 --duration 8
       summary "$OUT/bench-ab.log" ;;
     kernels)
@@ -128,17 +125,13 @@ for phase in "$@"; do
     rollout)
       run rollout 240 python3 benchmarks/bench_kernels.py --only rollout --out "$OUT"
       sed -n '/^section    case/,$p' "$OUT/rollout.log" ;;
-    bwd)
-      run bwd 200 python3 benchmarks/sweep_attention_bwd.py --out "$OUT"
-      grep -v "^\s*$" "$OUT/bwd.log" | tail -18 ;;
     split)
       run split 200 python3 -m pytest -q -m cuda tests/kernels/test_attention_key_split.py
       tail -1 "$OUT/split.log"
       for C in 0 2048; do
-        VEXACT_KEY_SPLIT=$C run split 150 python3 benchmarks/sweep_paged_depth.py --mixed --stages 5,7 --vllm-layout --layers 8
         VEXACT_KEY_SPLIT=$C run split 100 python3 benchmarks/bench_kernels.py --only train-attn --out "$OUT"
       done
-      grep -E "^(1.7B|8B) |fwd\+bwd vs SDPA  " "$OUT/split.log" ;;
+      grep -E "fwd\+bwd vs SDPA  " "$OUT/split.log" ;;
     bench-split)
       run bench-split 570 ${B17/stock,vexact/stock,vexact,vexact-nosplit} \
         --workload default,decode-small,grpo:32 --repeats 1 --duration 0
@@ -156,6 +149,6 @@ for phase in "$@"; do
         --ms 192,256,384,512
       sed -n '/^_TUNED_ON entries/,$p' "$OUT/$phase.log" ;;
     *)
-      echo "unknown phase $phase (tests check check-long check-split check-nosplit check-many bench bench-8b bench-ab kernels rollout bwd split bench-split profile-8b profile-8b-grpo gemm gemm-8b gemm-8b-mid gemm-1.7b gemm-1.7b-mid)"; exit 2 ;;
+      echo "unknown phase $phase (tests check check-long check-split check-nosplit check-many bench bench-8b bench-ab kernels rollout split bench-split profile-8b profile-8b-grpo gemm gemm-8b gemm-8b-mid gemm-1.7b gemm-1.7b-mid)"; exit 2 ;;
   esac
 done

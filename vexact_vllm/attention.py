@@ -8,25 +8,15 @@ absolute position 0 exactly like the training kernel `kernels.varlen_attention`.
 CUDA graphs: decode and mixed prefill/decode batches alike (the builder declares ALWAYS support and
 the vexact model asks vLLM for FULL graphs, models.py).
 
-Scheduling (opt-in, VEXACT_ATTENTION_SCHEDULE=1; CUDA, batches of SCHEDULE_MIN_REQS requests or
-more): the builder lays the attention tiles out longest sequence last (`kernels.longest_last_schedule`, computed on the device into
-persistent buffers, so a replayed graph reads the step's own order), and the kernel's programs take
-them last first: a decode step's longest sequences start first instead of ending the step alone.
-Which program computes a tile changes no value. Off by default: on an H100 it gained nothing on
-uniform or long decode steps and cost 5% where GRPO's samples share their prompt's cache blocks
-(docs/BENCHMARKS.md, session 20).
-
 Shared prompts (opt-in, VEXACT_SHARED_PREFIX=1; CUDA): GRPO's samples of one prompt read the
 prompt's cache blocks (vLLM's prefix cache gives them the same blocks). The builder groups the decode
 requests whose block tables start alike (`kernels.shared_prefix_groups`, on the device, into
 persistent buffers), and the kernel attends each group's common key tiles once for all its members
 before each member's own tiles: the same bits, the prompt read once per group instead of per sample.
-Off by default: on an H100 a grpo step's attention takes 13% less time with it (the 1.7B grpo rollout,
-engine alone, 0.944 of stock against 0.913), but a workload of distinct prompts, where no group
-forms, measured slower with it on (docs/BENCHMARKS.md, session 21); session 22's profile put that at
-+3% of a decode step (empty prefix programs, the grouping kernel's latency), both cut since. Session
-23 (H100, 2 repeats side by side): `default` 0.985 of stock with the groups against 1.022 without,
-`grpo:32` 0.921 against 0.877.
+Off by default: on an H100 a grpo step's attention takes 13% less time with it, but a workload of
+distinct prompts, where no group forms, runs slower with it on (`default` 0.985 of stock with the
+groups against 1.022 without, `grpo:32` 0.921 against 0.877; see docs/results.md). The groups take
+no key split: VEXACT_SHARED_PREFIX=1 needs VEXACT_KEY_SPLIT=0 (kernels/settings.py refuses it else).
 
 Cache layout (one tensor per layer, allocated by vLLM from `get_kv_cache_spec`): the logical view
 [num_blocks, num_kv_heads, block_size, 2 * head_size], keys in the first half of the last axis and
@@ -35,7 +25,6 @@ values in the second.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -52,25 +41,12 @@ from vllm.v1.attention.backend import (
 
 from vexact_vllm.kernels import (
     SharedPrefix,
-    longest_last_schedule,
     max_group_members,
     paged_attention,
     shared_prefix_groups,
     write_kv_cache,
 )
 from vexact_vllm.kernels.settings import get_settings
-
-# Requests from which a step's attention tiles are laid out longest last: below it the programs fit
-# in about one wave of the GPU (Hkv programs a request) and ordering costs more host time than it saves.
-SCHEDULE_MIN_REQS = 64
-
-
-def schedule_enabled() -> bool:
-    """VEXACT_ATTENTION_SCHEDULE=1 turns the longest-last layout on (A/B benchmarks; no bit changes)."""
-    text = os.environ.get("VEXACT_ATTENTION_SCHEDULE", "0")
-    if text not in ("0", "1"):
-        raise ValueError(f"VEXACT_ATTENTION_SCHEDULE must be 0 or 1 (the attention tile layout), got {text!r}")
-    return text == "1"
 
 BACKEND_NAME = "CUSTOM"  # vLLM's registry slot for out-of-tree backends
 
@@ -120,31 +96,25 @@ class VexactAttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32: keys per sequence after this step's tokens are written
     block_table: torch.Tensor  # [B, max_blocks] int32
     slot_mapping: torch.Tensor  # [T] int64, -1 for padding
-    schedule: tuple[torch.Tensor, torch.Tensor] | None = None  # the kernel's tile layout (no value changes)
     shared: SharedPrefix | None = None  # decode groups reading the same prompt blocks (no value changes)
     max_query_len: int | None = None  # eager steps only (no graph replays them): sizes FA4's grid
 
 
 class VexactAttentionMetadataBuilder(AttentionMetadataBuilder[VexactAttentionMetadata]):
-    """Views of vLLM's common metadata, and on CUDA the tile schedule (computed on the device),
-    nothing computed on the host. Any batch can be captured in a CUDA graph (ALWAYS): the kernels read
-    lengths, block tables and the schedule on the device, their grids depend on the padded token and
-    request counts only, padded requests have empty queries and padded tokens the slot -1 (neither
-    written nor stored)."""
+    """Views of vLLM's common metadata, and on CUDA the shared-prompt groups (computed on the
+    device), nothing computed on the host. Any batch can be captured in a CUDA graph (ALWAYS): the
+    kernels read lengths, block tables and the groups on the device, their grids depend on the padded
+    token and request counts only, padded requests have empty queries and padded tokens the slot -1
+    (neither written nor stored)."""
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         scheduler = vllm_config.scheduler_config
-        # Persistent: a CUDA graph captured with a schedule reads these addresses at every replay.
-        # Padded request counts stay within the tokens of a step, so this bounds them.
+        # Persistent: a CUDA graph captured with shared-prompt groups reads these addresses at every
+        # replay. Padded request counts stay within the tokens of a step, so this bounds them.
         capacity = scheduler.max_num_seqs + scheduler.max_num_batched_tokens
-        schedules = torch.device(device).type == "cuda" and schedule_enabled()
-        self._schedule_buffers = (
-            (torch.zeros(capacity, dtype=torch.int32, device=device),
-             torch.zeros(capacity + 1, dtype=torch.int32, device=device)) if schedules else None
-        )  # fmt: skip
         # Shared-prompt groups: at most as many members as one query tile has rows for (Hq / Hkv rows
         # a sequence: kernels.max_group_members).
         group = _query_heads_per_kv_head(vllm_config, kv_cache_spec)
@@ -165,11 +135,7 @@ class VexactAttentionMetadataBuilder(AttentionMetadataBuilder[VexactAttentionMet
         if isinstance(m.causal, torch.Tensor) or not m.causal:
             raise ValueError("vexact attention is causal decoder attention only")
         query_start_loc, seq_lens = m.query_start_loc[: m.num_reqs + 1], m.seq_lens[: m.num_reqs]
-        buffers = self._schedule_buffers
-        schedule = None  # decided by the request count alone: a graph's capture and replays agree
-        if buffers is not None and SCHEDULE_MIN_REQS <= m.num_reqs < buffers[0].shape[0]:
-            schedule = longest_last_schedule(seq_lens, query_start_loc, out=buffers)
-        shared = None  # decided by the request count alone, like the schedule (eager prefills aside)
+        shared = None  # decided by the request count alone (eager prefills aside): capture and replays agree
         buffers = self._shared_buffers
         eager = self._eager_prefill(m)
         if buffers is not None and 2 <= m.num_reqs <= buffers[0].shape[0] and not eager:
@@ -182,7 +148,6 @@ class VexactAttentionMetadataBuilder(AttentionMetadataBuilder[VexactAttentionMet
             seq_lens=seq_lens,
             block_table=m.block_table_tensor[: m.num_reqs],
             slot_mapping=m.slot_mapping[: m.num_actual_tokens],
-            schedule=schedule,
             shared=shared,
             max_query_len=m.max_query_len if eager else None,
         )
@@ -274,7 +239,6 @@ class VexactAttentionImpl(AttentionImpl):
             attn_metadata.query_start_loc,
             self.scale,
             out=output[:n].view(n, self.num_heads, self.head_size),  # written in place: no copy
-            schedule=attn_metadata.schedule,
             shared=attn_metadata.shared,
             max_query_len=attn_metadata.max_query_len,
         )

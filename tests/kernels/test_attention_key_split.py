@@ -167,7 +167,8 @@ def test_split_gradients_interpreted(interpreted_attention, monkeypatch):
 def test_split_is_on_by_default_except_under_fa4(monkeypatch):
     """Unset, the split is DEFAULT_KEY_SPLIT keys (both sides read the same default); 0 turns it off;
     FA4, which takes no split, runs without it when unset."""
-    from vexact_vllm.kernels.dispatch import DEFAULT_KEY_SPLIT, key_split
+    from vexact_vllm.kernels.dispatch import key_split
+    from vexact_vllm.kernels.settings import DEFAULT_KEY_SPLIT
 
     monkeypatch.delenv("VEXACT_KEY_SPLIT", raising=False)
     monkeypatch.delenv("VEXACT_ATTENTION", raising=False)
@@ -285,18 +286,13 @@ def test_split_decode_in_a_cuda_graph(monkeypatch):
     assert torch.equal(out, train[last])
 
 
-def test_split_decode_follows_the_step_shape(interpreted_attention, monkeypatch):
-    """With VEXACT_SPLIT_DECODE_WIDE=0, few tokens and at most one program an SM split; more tokens
-    or programs fold in one program; the interpreter (no SM count) splits every step it may. Wide
-    (the default) drops the program limit, never the token limit."""
+def test_split_decode_follows_the_step_shape(interpreted_attention):
+    """Steps of few tokens split, however many programs they have (wide steps too); a prefill-sized
+    step folds in one program."""
     rule = interpreted_attention.split_decode
-    monkeypatch.setattr(interpreted_attention, "_SPLIT_DECODE_WIDE", False)  # VEXACT_SPLIT_DECODE_WIDE=0
-    assert rule(16, 128, 132) and rule(4, 32, 108)
-    assert not rule(16, 133, 132)  # programs past the SMs
-    assert not rule(interpreted_attention._SPLIT_MAX_TOKENS + 1, 8, 132)  # a prefill-sized step
-    assert rule(1, 10**6, None)
-    monkeypatch.setattr(interpreted_attention, "_SPLIT_DECODE_WIDE", True)  # the default
-    assert rule(256, 2048, 132) and not rule(257, 8, 132)
+    limit = interpreted_attention._SPLIT_MAX_TOKENS
+    assert rule(1) and rule(16) and rule(limit)
+    assert not rule(limit + 1)
 
 
 def test_no_fold_where_no_row_reaches_the_split(interpreted_attention, monkeypatch):

@@ -9,12 +9,11 @@ is always `torch.equal`; tolerances are only for accuracy against fp32/fp64 refe
 
 import importlib
 import math
-import os
 
 import pytest
 import torch
 
-from vexact_vllm.kernels import KEY_TILE, longest_last_schedule, paged_attention
+from vexact_vllm.kernels import KEY_TILE, paged_attention
 from vexact_vllm.kernels._capture import gc_paused
 
 pytest.importorskip("triton")
@@ -64,10 +63,8 @@ class _Engine:
     halves are seen as strided [num_blocks, block_size, Hkv, D] views, NaN-filled, each sequence on
     shuffled blocks. `step` plays one engine step: write the new K/V (plus padding slots -1), attend."""
 
-    def __init__(self, ops, k, v, cu, block_size, schedule="none"):
+    def __init__(self, ops, k, v, cu, block_size):
         self.ops, self.k, self.v, self.block_size = ops, k, v, block_size
-        self.schedule = schedule  # "none", "longest" (longest_last_schedule) or "random": tiles' layout
-        self._rng = torch.Generator().manual_seed(5)
         self.cu = cu.tolist()
         self.lens = [hi - lo for lo, hi in zip(self.cu[:-1], self.cu[1:])]
         per_seq = [-(-n // block_size) for n in self.lens]
@@ -118,19 +115,8 @@ class _Engine:
             seq_lens,
             qsl.to(dev),
             scale,
-            schedule=self._schedule(seq_lens, qsl.to(dev)),
         )
         return {b: out[qsl[i] : qsl[i + 1]] for i, b in enumerate(seqs)}
-
-
-    def _schedule(self, seq_lens, qsl):
-        if self.schedule == "longest":
-            return longest_last_schedule(seq_lens, qsl)
-        if self.schedule == "random":  # any order lays the tiles out correctly
-            order = torch.randperm(seq_lens.shape[0], generator=self._rng).to(seq_lens.device)
-            starts = torch.cat([qsl[:1], (qsl[1:] - qsl[:-1])[order].cumsum(0)])
-            return order.int(), starts.int()
-        return None
 
 
 def _run_chunked(ops, q, k, v, cu, block_size, chunk, scale):
@@ -159,10 +145,10 @@ def _check_invariance(ops, seq_lens, n_heads, n_kv, head_dim, block_size, dtype,
     return q, k, v, cu, scale, train
 
 
-def _mixed_steps(ops, q, k, v, cu, block_size, scale, schedule="none"):
+def _mixed_steps(ops, q, k, v, cu, block_size, scale):
     """Steps mixing decodes, prefill chunks and fresh prompts, sequences in a shuffled order."""
     lens = (cu[1:] - cu[:-1]).tolist()
-    engine = _Engine(ops, k, v, cu, block_size, schedule)
+    engine = _Engine(ops, k, v, cu, block_size)
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
     done = [0] * len(lens)
     rng = torch.Generator().manual_seed(1)
@@ -209,33 +195,18 @@ def test_paged_equals_varlen_interpreted_mha(interp):
     assert torch.equal(_mixed_steps(interp, q, k, v, cu, 32, scale), train)
 
 
-@pytest.mark.parametrize("schedule,heads_fast", [("longest", False), ("random", False), ("none", True), ("longest", True)])
-def test_schedule_changes_no_bit_interpreted(interp, monkeypatch, schedule, heads_fast):
-    """Tiles laid out in another sequence order (longest_last_schedule, or any permutation), and the
-    grid's axes swapped (_PAGED_HEADS_FAST): the same outputs, in steps mixing decodes with multi-tile
-    prefill chunks (GQA 2: 32 tokens a tile)."""
-    monkeypatch.setattr(interp, "_PAGED_HEADS_FAST", heads_fast)
+def test_mixed_steps_with_multi_tile_chunks_interpreted(interp):
+    """Steps mixing decodes with multi-tile prefill chunks (GQA 2: 32 tokens a tile): the training bits."""
     q, k, v, cu = _packed((1, 63, 64, 65, 70, 3, 40), 4, 2, 16, torch.bfloat16)
     scale = 0.25
     train = interp.varlen_attention(q, k, v, cu, scale)
-    assert torch.equal(_mixed_steps(interp, q, k, v, cu, 16, scale, schedule), train)
-
-
-def test_paged_stages_from_the_environment(monkeypatch, compiled):
-    for good, want in (("", None), ("5", 5)):
-        monkeypatch.setenv("VEXACT_PAGED_STAGES", good)
-        assert compiled._env_paged_stages() == want
-    for bad in ("0", "9", "five", "-1"):
-        monkeypatch.setenv("VEXACT_PAGED_STAGES", bad)
-        with pytest.raises(ValueError, match="VEXACT_PAGED_STAGES must be an integer from 1 to 8"):
-            compiled._env_paged_stages()
+    assert torch.equal(_mixed_steps(interp, q, k, v, cu, 16, scale), train)
 
 
 def test_paged_stages_follow_the_step(monkeypatch, compiled):
     """A paged launch's pipelining depth: thin steps (at most 1 or 2 programs an SM) the deeper ones,
     groups their own, GPUs other than Hopper (no SM count: the interpreter too) and untabled head dims
-    the forward's; the table and the environment (A/B runs) above all."""
-    monkeypatch.setattr(compiled, "_PAGED_STAGES_ENV", None)
+    the forward's; the table (a benchmark fills it) above all."""
     monkeypatch.setattr(compiled, "_PAGED_STAGES", {})
     monkeypatch.setattr(compiled, "_THIN_STAGES", {128: ((1, 7), (2, 5))})
     monkeypatch.setattr(compiled, "_SHARED_STAGES", {128: 4})
@@ -245,8 +216,6 @@ def test_paged_stages_follow_the_step(monkeypatch, compiled):
         assert stages(128, programs, 132, shared, 3) == want, (programs, shared)
     assert stages(128, 8, None, False, 3) == 3 and stages(128, 8, None, True, 3) == 3  # not Hopper
     assert stages(64, 8, 132, False, 2) == 2
-    monkeypatch.setattr(compiled, "_PAGED_STAGES_ENV", 6)
-    assert stages(128, 8, 132, True, 3) == 6
     monkeypatch.setitem(compiled._PAGED_STAGES, 128, 2)
     assert stages(128, 8, 132, True, 3) == 2
 
@@ -257,49 +226,6 @@ def test_thin_step_depths_only_on_the_gpus_they_were_measured_on(monkeypatch, co
     for capability, want in (((9, 0), 128), ((8, 9), None), ((8, 0), None), ((10, 0), None)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
         assert compiled._thin_sms.__wrapped__(0) == want, capability
-
-
-@pytest.mark.parametrize("name", ["VEXACT_PAGED_HEADS_FAST", "VEXACT_SPLIT_DECODE_WIDE"])
-@pytest.mark.parametrize("default", [False, True])
-def test_speed_switches_from_the_environment(monkeypatch, compiled, name, default):
-    for good, want in (("0", False), ("1", True)):
-        monkeypatch.setenv(name, good)
-        assert compiled._env_flag(name, "what", default) is want
-    monkeypatch.delenv(name, raising=False)
-    assert compiled._env_flag(name, "what", default) is default
-    for bad in ("yes", "2", ""):
-        monkeypatch.setenv(name, bad)
-        with pytest.raises(ValueError, match=f"{name} must be 0 or 1"):
-            compiled._env_flag(name, "what", default)
-
-
-def test_wide_split_decode_is_the_default(monkeypatch):
-    """Unset, VEXACT_SPLIT_DECODE_WIDE is on (session 27's A/B) and the grid-order switch off: a fresh
-    interpreter imports the module with neither set."""
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k not in ("VEXACT_SPLIT_DECODE_WIDE", "VEXACT_PAGED_HEADS_FAST")}
-    code = "import vexact_vllm.kernels.attention_triton as a; print(a._SPLIT_DECODE_WIDE, a._PAGED_HEADS_FAST)"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["True", "False"]
-
-
-def test_longest_last_schedule():
-    seq_lens = torch.tensor([5, 9, 5, 1, 7], dtype=torch.int32)
-    qsl = torch.tensor([0, 1, 4, 5, 6, 8], dtype=torch.int32)  # q_lens 1, 3, 1, 1, 2
-    order, starts = longest_last_schedule(seq_lens, qsl)
-    assert order.tolist() == [3, 0, 2, 4, 1] and order.dtype == torch.int32  # ascending, ties by index
-    assert starts.tolist() == [0, 1, 2, 3, 5, 8] and starts.dtype == torch.int32  # q_lens 1, 1, 1, 2, 3
-    buffers = (torch.full((8,), -1, dtype=torch.int32), torch.full((9,), -1, dtype=torch.int32))
-    got = longest_last_schedule(seq_lens, qsl, out=buffers)
-    assert got[0].data_ptr() == buffers[0].data_ptr() and got[1].data_ptr() == buffers[1].data_ptr()
-    assert torch.equal(got[0], order) and torch.equal(got[1], starts) and buffers[0][5:].eq(-1).all()
-    with pytest.raises(ValueError, match="schedule order must be int32"):
-        q = torch.zeros(8, 2, 16)
-        cache = torch.zeros(4, 16, 2, 16)
-        paged_attention(q, cache, cache, torch.zeros(5, 1, dtype=torch.int32), seq_lens, qsl, 0.25,
-                        schedule=(order.long(), starts))  # fmt: skip
 
 
 @pytest.mark.parametrize("n_heads,dtype", [(4, torch.bfloat16), (6, torch.float32)])
@@ -377,8 +303,7 @@ def test_paged_equals_varlen_cuda(compiled, head_dim, n_heads, n_kv, block_size)
         compiled, CUDA_LENS, n_heads, n_kv, head_dim, block_size, torch.bfloat16,
         chunks=(max(CUDA_LENS), 1000, 100, 64, 7, 1), device="cuda",
     )  # fmt: skip
-    for schedule in ("none", "longest", "random"):  # the tile layout changes no bit
-        assert torch.equal(_mixed_steps(compiled, q, k, v, cu, block_size, scale, schedule), train), schedule
+    assert torch.equal(_mixed_steps(compiled, q, k, v, cu, block_size, scale), train)
     for b in range(len(CUDA_LENS)):  # each sequence alone: training layout and a one-sequence prefill
         lo, hi = cu[b].item(), cu[b + 1].item()
         one = torch.tensor([0, hi - lo], dtype=torch.int32, device="cuda")
@@ -395,27 +320,24 @@ def test_large_batch_decode_cuda(compiled):
     lens = torch.randint(1, 400, (300,)).tolist()
     q, k, v, cu = _packed(lens, 16, 8, 128, torch.bfloat16, device="cuda")
     train = compiled.varlen_attention(q, k, v, cu, 0.1)
-    for schedule in ("none", "longest"):
-        engine = _Engine(compiled, k, v, cu, 16, schedule)
-        out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
-        for step in ({b: (0, n - 1) for b, n in enumerate(lens)}, {b: (n - 1, n) for b, n in enumerate(lens)}):
-            for b, o in engine.step(q, step, 0.1).items():
-                out[engine.cu[b] + step[b][0] : engine.cu[b] + step[b][1]] = o
-        assert torch.equal(out, train), schedule
+    engine = _Engine(compiled, k, v, cu, 16)
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
+    for step in ({b: (0, n - 1) for b, n in enumerate(lens)}, {b: (n - 1, n) for b, n in enumerate(lens)}):
+        for b, o in engine.step(q, step, 0.1).items():
+            out[engine.cu[b] + step[b][0] : engine.cu[b] + step[b][1]] = o
+    assert torch.equal(out, train)
 
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("stages,heads_fast", [(2, False), (5, False), (7, False), (None, True), (5, True)])
-def test_paged_pipelining_depth_changes_no_bit_cuda(compiled, monkeypatch, stages, heads_fast):
-    """_PAGED_STAGES (how many K/V tiles a program has in flight) at 2, 5 and 7, and the grid's axes
-    swapped (_PAGED_HEADS_FAST): decode and prefill chunks equal to training, bit for bit."""
-    if stages is not None:
-        monkeypatch.setitem(compiled._PAGED_STAGES, 128, stages)
-    monkeypatch.setattr(compiled, "_PAGED_HEADS_FAST", heads_fast)
+@pytest.mark.parametrize("stages", [2, 5, 7])
+def test_paged_pipelining_depth_changes_no_bit_cuda(compiled, monkeypatch, stages):
+    """_PAGED_STAGES (how many K/V tiles a program has in flight) at 2, 5 and 7: decode and prefill
+    chunks equal to training, bit for bit."""
+    monkeypatch.setitem(compiled._PAGED_STAGES, 128, stages)
     q, k, v, cu = _packed((1, 64, 129, 1000, 4097), 16, 8, 128, torch.bfloat16, device="cuda")
     train = compiled.varlen_attention(q, k, v, cu, 0.1)
-    assert torch.equal(_mixed_steps(compiled, q, k, v, cu, 16, 0.1, "longest"), train)
+    assert torch.equal(_mixed_steps(compiled, q, k, v, cu, 16, 0.1), train)
 
 
 @pytest.mark.cuda
@@ -474,8 +396,6 @@ def test_paged_cuda_graph_replay(compiled):
         "slots": torch.full((n,), -1, dtype=torch.int64, device="cuda"),
         "seq_lens": torch.ones(n, dtype=torch.int32, device="cuda"),
         "qsl": torch.arange(n + 1, dtype=torch.int32, device="cuda"),
-        "order": torch.arange(n, dtype=torch.int32, device="cuda"),  # the builder's persistent schedule
-        "order_start": torch.arange(n + 1, dtype=torch.int32, device="cuda"),  # (a valid one at capture)
     }
 
     def run():
@@ -488,7 +408,6 @@ def test_paged_cuda_graph_replay(compiled):
             static["seq_lens"],
             static["qsl"],
             scale,
-            schedule=(static["order"], static["order_start"]),
         )
 
     run()  # compile outside the capture
@@ -504,8 +423,6 @@ def test_paged_cuda_graph_replay(compiled):
     static["v"].copy_(v[last])
     static["slots"].copy_((table[torch.arange(3), pos // 16].long() * 16 + pos % 16).cuda())
     static["seq_lens"].copy_((pos + 1).int().cuda())
-    longest_last_schedule(static["seq_lens"], static["qsl"], out=(static["order"], static["order_start"]))
-    assert static["order"].tolist() == [1, 2, 0]  # this step's order, read by the replay
     graph.replay()
     assert torch.equal(out, train[last])
 
@@ -513,7 +430,7 @@ def test_paged_cuda_graph_replay(compiled):
 @pytest.mark.cuda
 @needs_cuda
 def test_public_api_dispatches_to_triton_cuda(compiled, monkeypatch):
-    from vexact_vllm.kernels import dispatch, paged_attention, varlen_attention, write_kv_cache
+    from vexact_vllm.kernels import dispatch, varlen_attention, write_kv_cache
 
     monkeypatch.setattr(dispatch, "_CUDA_BACKEND", "triton")
     q, k, v, cu = _packed((70, 1, 130), 4, 2, 64, torch.bfloat16, device="cuda")

@@ -56,23 +56,16 @@ CONFIGS = {
     "stock": {"model_impl": "vllm", "env": {}},
     "stock-batch-invariant": {"model_impl": "vllm", "env": {"VLLM_BATCH_INVARIANT": "1"}},
     "vexact": {"model_impl": "vexact", "env": {}},
-    # Asked for by name only (--configs): vexact with one speed-only choice changed, for A/B runs.
-    "vexact-schedule": {"model_impl": "vexact", "env": {"VEXACT_ATTENTION_SCHEDULE": "1"}},
-    "vexact-stages3": {"model_impl": "vexact", "env": {"VEXACT_PAGED_STAGES": "3"}},  # no thin-step depth
-    "vexact-stages5": {"model_impl": "vexact", "env": {"VEXACT_PAGED_STAGES": "5"}},
-    "vexact-stages7": {"model_impl": "vexact", "env": {"VEXACT_PAGED_STAGES": "7"}},
-    "vexact-heads-fast": {"model_impl": "vexact", "env": {"VEXACT_PAGED_HEADS_FAST": "1"}},
+    # Asked for by name only (--configs): vexact with one user setting changed.
+    # Shared-prompt decode groups (the same bits; they take no key split).
     "vexact-shared-prefix": {"model_impl": "vexact", "env": {"VEXACT_SHARED_PREFIX": "1", "VEXACT_KEY_SPLIT": "0"}},
     # Another attention (other bits: the trainer must run it too), on SM90 with flash-attn-4 installed.
     "vexact-fa4": {"model_impl": "vexact", "env": {"VEXACT_ATTENTION": "fa4"}},
-    # Key splits: none, every 1,024 / 2,048 keys (2,048 is the default since session 28; other bits
-    # past the first split: the trainer must read the same setting).
+    # Key splits: none, every 1,024 / 2,048 keys (2,048 is the default; other bits past the first
+    # split: the trainer must read the same setting).
     "vexact-nosplit": {"model_impl": "vexact", "env": {"VEXACT_KEY_SPLIT": "0"}},
     "vexact-split1024": {"model_impl": "vexact", "env": {"VEXACT_KEY_SPLIT": "1024"}},
     "vexact-split2048": {"model_impl": "vexact", "env": {"VEXACT_KEY_SPLIT": "2048"}},
-    # The same, with split decode only where a step's programs leave SMs idle (the rule before
-    # session 27; the default now splits grpo's wide steps too): speed only.
-    "vexact-split2048-narrow": {"model_impl": "vexact", "env": {"VEXACT_KEY_SPLIT": "2048", "VEXACT_SPLIT_DECODE_WIDE": "0"}},
 }
 DEFAULT_CONFIGS = ("stock", "stock-batch-invariant", "vexact")
 
