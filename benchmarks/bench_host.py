@@ -4,7 +4,7 @@
 
 vLLM replays the model's forward as a CUDA graph, but the lm_head and the sampler run eagerly after
 it, launched from Python every step. When that host work outlasts the GPU's step, the GPU waits
-(session 13's decode-small profile: vexact's engine was host-bound, stock's was not). Each case is
+(a decode-small profile found vexact's engine host-bound and stock's not). Each case is
 timed with the GPU held busy by a long sleep kernel queued first, so the loop measures only the
 enqueue cost (Python, checks, Triton's launcher), not the kernels: "host us" per call. A case whose
 loop outlasts the sleep is marked GPU-bound and its number is not a host time.

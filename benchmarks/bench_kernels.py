@@ -136,7 +136,7 @@ def gemm(quick):
 def _paged_inputs(batch, context, hq, hkv, d, block_size=16, device="cuda", dtype=torch.bfloat16):
     """One decode step over `context` keys a sequence on a shuffled block table. The table holds every
     page a sequence's keys touch (a partly filled last page included): a shorter row let the kernel
-    read past the table at contexts off a page boundary (the 16 x 3,700 step faulted, session 24)."""
+    read past the table at contexts off a page boundary (the 16 x 3,700 step faulted)."""
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq
     k_cache = torch.randn(num_blocks, block_size, hkv, d, device=device, dtype=dtype)
@@ -331,8 +331,8 @@ def _training_attention_case(nseq, length):
 def rope(quick):
     """Qwen3's q/k RMSNorm + RoPE of one layer: our one fused launch against stock two ways: vLLM's
     custom ops (rms_norm on q, on k, then rotary_embedding in place: its eager layer) and the same
-    math in torch compiled by Inductor (what stock's compiled engine runs: fused kernels, session 27's
-    profile), CUDA-graph replays."""
+    math in torch compiled by Inductor (what stock's compiled engine runs: fused kernels, as its
+    profile shows), CUDA-graph replays."""
     for model, hq, hkv in (("1.7B", 16, 8), ("8B", 32, 8)):
         for t in (16, 256) if quick else (16, 128, 256, 512, 8192):
             _rope_case(model, t, hq, hkv)

@@ -161,7 +161,7 @@ def _decode_case(batch, context):
     qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
     paged = dict(cu_seqlens_q=qsl, max_seqlen_q=1, seqused_k=used, page_table=table, max_seqlen_k=context)
     with torch.no_grad():
-        fa = _one_capture_ms(lambda: _fa4(q, kc, vc, **paged))  # do_bench_cudagraph faulted here (session 23)
+        fa = _one_capture_ms(lambda: _fa4(q, kc, vc, **paged))  # do_bench_cudagraph faulted here
         ours = _one_capture_ms(lambda: paged_attention(q, kc, vc, table, used, qsl, SCALE))
     return f"decode {batch} x {context} (page 16)", fa, ours
 

@@ -124,7 +124,7 @@ NARROW_CANDIDATES = [
 # the same on both sides), on the weights whose few column tiles leave SMs idle at decode sizes. The
 # decode candidates compute the parts in separate programs (measured at SPLIT_SMALL_MS); the prefill
 # candidates sum both in one program, two accumulators (measured at SPLIT_LARGE_MS). Same BLOCK_K filter.
-# The 8B down and qkv joined in session 29 (the H200 profile: the 8B GEMMs at M = 16 are 1.24x stock's).
+# The 8B down and qkv are here because an H200 profile put the 8B GEMMs at M = 16 at 1.24x stock's time.
 SPLIT_SHAPES = [(4096, 2048), (2048, 2048), (2048, 6144), (4096, 4096), (4096, 12288), (6144, 4096)]
 SPLIT_SMALL_MS = [1, 16, 32, 64, 128, 256]
 SPLIT_LARGE_MS = [128, 256, 512, 2048, 8192]

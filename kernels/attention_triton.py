@@ -101,9 +101,9 @@ _SHARED_STAGES: dict[int, int] = {128: 5}
 # and 5 stages 113 KB, more than an sm_89 GPU has).
 _THIN_STAGES: dict[int, tuple[tuple[int, int], ...]] = {128: ((1, 7), (2, 5))}
 _THIN_CAPABILITIES = ((9, 0),)
-# head_dim -> num_stages of split decode's chunk launch (VEXACT_KEY_SPLIT; Hopper only, as above).
-# Session 25 (`sweep_paged_depth.py --mixed` at C = 2,048): 5 stages against 3 / 7, 8B uneven step
-# H100 97.3 / 96.7 / 106.9 us, H200 73.8 / 77.1 / 87.1; 16 x 5,200 keys H100 132.3 / 137.3 / 137.5.
+# head_dim -> num_stages of split decode's chunk launch (a key split; Hopper only, as above): at
+# C = 2,048, 5 stages against 3 / 7 ran an 8B uneven step in 73.8 / 77.1 / 87.1 us on the H200 and 16 x
+# 5,200 keys in 132.3 / 137.3 / 137.5 us on the H100 (see docs/results.md).
 _SPLIT_STAGES: dict[int, int] = {128: 5}
 
 
