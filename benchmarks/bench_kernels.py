@@ -57,10 +57,10 @@ def bench_graph(fn) -> float:
     """Kernel time without the Python launch cost (vLLM replays CUDA graphs at decode)."""
     from triton.testing import do_bench_cudagraph
 
-    from vexact_vllm.kernels._capture import gc_paused
+    from vexact_vllm.kernels.capture import gc_paused
 
     fn()
-    with gc_paused():  # see kernels/_capture.py: a cycle collected mid-capture broke the 32k decode case
+    with gc_paused():  # see kernels/capture.py: a cycle collected mid-capture broke the 32k decode case
         return float(do_bench_cudagraph(fn, rep=50, return_mode="median"))
 
 
@@ -68,7 +68,7 @@ def bench_one_capture(fn, replays: int = 200) -> float:
     """Milliseconds a replay of a CUDA graph holding ONE call of fn (captured once by
     torch.cuda.graph, as vLLM captures a step), median of `replays` timed replays. For kernels whose
     capture under do_bench_cudagraph (several calls in one graph) is in question: FA4's faulted there."""
-    from vexact_vllm.kernels._capture import gc_paused
+    from vexact_vllm.kernels.capture import gc_paused
 
     fn()
     torch.cuda.synchronize()

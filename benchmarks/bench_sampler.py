@@ -24,7 +24,7 @@ import torch
 def _time_graph(fn) -> float:
     from triton.testing import do_bench_cudagraph
 
-    from vexact_vllm.kernels._capture import gc_paused
+    from vexact_vllm.kernels.capture import gc_paused
 
     fn()
     with gc_paused():

@@ -164,7 +164,7 @@ def _bench(fn, x, weights) -> float:
     """ms per call of fn(x, w), the calls cycling through `weights` (one CUDA graph replays them all)."""
     from triton.testing import do_bench_cudagraph
 
-    from vexact_vllm.kernels._capture import gc_paused
+    from vexact_vllm.kernels.capture import gc_paused
 
     with gc_paused():
         return do_bench_cudagraph(lambda: [fn(x, w) for w in weights], rep=20) / len(weights)

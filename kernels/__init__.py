@@ -5,7 +5,6 @@ the torch reference on CPU (and in reference mode), the Triton kernels on CUDA. 
 order depends only on its own row and absolute position (see each module's docstring).
 """
 
-from ._mkl_vml import warm_up_vml
 from .activation import silu_and_mul
 from .attention import paged_attention, varlen_attention, write_kv_cache
 from .attention_prefix import SharedPrefix, max_group_members, shared_prefix_groups
@@ -19,6 +18,7 @@ from .dispatch import (
 )
 from .gemm import linear
 from .logprob import VOCAB_BLOCK, gumbel_argmax, linear_token_log_probs, log_softmax, token_log_probs
+from .mkl_vml import warm_up_vml
 from .moe import fused_moe
 from .moe_routing import route
 from .rms_norm import add_rms_norm, rms_norm
@@ -26,7 +26,7 @@ from .rope import apply_rope, rope_cache
 from .sample import Sampled, sample_tokens
 from .truncation import truncation_threshold
 
-warm_up_vml()  # before any parallel CPU op of ours can race on MKL's lazy dispatch (see _mkl_vml.py)
+warm_up_vml()  # before any parallel CPU op of ours can race on MKL's lazy dispatch (see mkl_vml.py)
 
 __all__ = [
     "KEY_TILE",

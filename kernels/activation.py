@@ -13,8 +13,8 @@ Backward (custom, for a NaN-free gradient at large |a|):
 
 import torch
 
-from ._autograd import backward_without_autocast
-from ._checks import check_dtype, check_last_dim_contiguous
+from .autograd_utils import backward_without_autocast
+from .checks import check_dtype, check_last_dim_contiguous
 from .dispatch import backend_for
 
 

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._autograd import backward_without_autocast
-from ._checks import check_dtype, check_last_dim_contiguous
+from .autograd_utils import backward_without_autocast
+from .checks import check_dtype, check_last_dim_contiguous
 
 # Elements of one row half per program; only tiles the elementwise work.
 _BLOCK = 1024

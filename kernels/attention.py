@@ -11,7 +11,7 @@ query head h reading kv head h // (Hq / Hkv) (grouped-query attention):
     out = (o / l).to(q.dtype)
 
 Invariant: every sum above has a fixed length (D for the scores, exactly KEY_TILE within a tile)
-and runs over the contiguous last dim (`_reduction.row_sum`); the tiles are added one by one in
+and runs over the contiguous last dim (`reduction.row_sum`); the tiles are added one by one in
 absolute order; key slots past p contribute an exact +0.0 (masked with `torch.where`, so garbage or
 NaN in unused cache slots never enters) and tiles past p's own tile are skipped with `torch.where`
 (no +0.0 is ever added). So out(p, h) depends only on q[p, h] and K/V at positions 0..p: not on the
@@ -26,16 +26,16 @@ import importlib
 
 import torch
 
-from ._checks import (
+from .attention_tiles import KEY_TILE
+from .checks import (
     check_dim,
     check_dtype,
     check_int,
     check_last_dim_contiguous,
     check_same_device,
 )
-from ._reduction import row_sum
-from .attention_tiles import KEY_TILE
 from .dispatch import attention_backend_for, backend_for
+from .reduction import row_sum
 
 # Queries handled together; only bounds memory (results do not depend on it).
 _QUERY_CHUNK = 64

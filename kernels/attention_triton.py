@@ -60,8 +60,8 @@ import triton
 import triton.language as tl
 from triton.language.standard import _elementwise_max, _sum_combine
 
-from ._autograd import backward_without_autocast
 from .attention import KEY_TILE
+from .autograd_utils import backward_without_autocast
 from .dispatch import key_split
 
 _LOG2E = math.log2(math.e)

@@ -5,7 +5,7 @@ Math: for each row m and output column n,
     y[m, n]   = (acc[m, n] + fp32(b[n])).to(out_dtype)   (bias added once, at the end)
 
 Invariant: acc[m, n] is reduced over K by one `sum(-1)` over a contiguous [.., K] fp32 product
-tensor, whose addition order depends on K alone (see `_reduction.row_sum`). Rows and columns are
+tensor, whose addition order depends on K alone (see `reduction.row_sum`). Rows and columns are
 processed in chunks only to bound memory; a chunk boundary never falls inside a K reduction, so
 each output element has the same bits whatever M, the chunking or the thread count. No BLAS call
 appears in the forward: MKL/oneDNN choose kernels and K-splits by M and by thread count.
@@ -16,8 +16,8 @@ dX = dY @ W, dW = dY^T @ X, db = sum_m dY.
 
 import torch
 
-from ._autograd import backward_without_autocast
-from ._checks import (
+from .autograd_utils import backward_without_autocast
+from .checks import (
     SUPPORTED_DTYPES,
     check_dim,
     check_dtype,
@@ -25,9 +25,9 @@ from ._checks import (
     check_out,
     check_same_device,
 )
-from ._reduction import row_sum
 from .dispatch import backend_for
 from .gemm_slices import check_k_slices, combine_partials, tree_sum
+from .reduction import row_sum
 
 # Largest [m, n, K] fp32 product tensor formed at once (elements); only bounds memory.
 _PRODUCT_BUDGET = 1 << 20

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import SUPPORTED_DTYPES, check_dim, check_dtype, check_last_dim_contiguous, check_same_device
+from .checks import SUPPORTED_DTYPES, check_dim, check_dtype, check_last_dim_contiguous, check_same_device
 from .gemm_split_triton import linear_split_programs
 from .gemm_tiles_triton import _dot_k_range, _dot_k_range_tma, _tile_coords  # noqa: F401 (moe_triton)
 

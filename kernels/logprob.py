@@ -44,8 +44,8 @@ splitmix64's 63 bits of seed and position.
 import torch
 import torch.nn.functional as F
 
-from ._autograd import backward_without_autocast
-from ._checks import (
+from .autograd_utils import backward_without_autocast
+from .checks import (
     check_dim,
     check_dtype,
     check_int,
@@ -53,9 +53,9 @@ from ._checks import (
     check_out,
     check_same_device,
 )
-from ._reduction import row_sum, sequential_sum
 from .dispatch import backend_for
 from .gemm import linear
+from .reduction import row_sum, sequential_sum
 
 # Vocabulary entries per block of the exp-sum. Fixed: it sets the order of the additions.
 VOCAB_BLOCK = 1024

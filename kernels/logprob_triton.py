@@ -45,8 +45,8 @@ import triton
 import triton.language as tl
 from triton.language.standard import _elementwise_max, _sum_combine
 
-from ._autograd import backward_without_autocast
-from ._checks import check_dtype, check_last_dim_contiguous
+from .autograd_utils import backward_without_autocast
+from .checks import check_dtype, check_last_dim_contiguous
 from .gemm import linear
 from .logprob import MIN_TEMPERATURE, mask_logits_
 

@@ -21,7 +21,7 @@ in slot order with no atomics.
 Torch path (CPU; CUDA in reference mode): literally that composition of the batch-invariant ops,
 expert by expert (the rows routed to e gathered in (token, slot) order, `linear`, `silu_and_mul`,
 `linear(..., out_dtype=fp32)` scattered into an fp32 [n, H] buffer), then the slot-order sum
-(`_reduction.sequential_sum`). Exact by construction. Triton path (CUDA): `moe_triton.py`, one
+(`reduction.sequential_sum`). Exact by construction. Triton path (CUDA): `moe_triton.py`, one
 grouped GEMM per projection; bitwise equal to the same composition of the Triton dense ops. As for
 every op, the two backends agree to rounding only: rollout and trainer must run the same one.
 
@@ -43,12 +43,12 @@ gu and a are recomputed in the backward (the forward keeps only its inputs).
 
 import torch
 
-from ._autograd import backward_without_autocast
-from ._checks import check_contiguous, check_dim, check_dtype, check_int, check_same_device
-from ._reduction import sequential_sum
 from .activation import silu_and_mul
+from .autograd_utils import backward_without_autocast
+from .checks import check_contiguous, check_dim, check_dtype, check_int, check_same_device
 from .dispatch import backend_for, reference_mode
 from .gemm import linear
+from .reduction import sequential_sum
 
 
 def check_moe_inputs(x, w_gate_up, w_down, topk_ids, topk_weights, down_shape=None) -> None:

@@ -43,7 +43,7 @@ none). The sort selects; the gradient reaches logits through the gathered probab
 
 import torch
 
-from ._checks import check_dim, check_dtype, check_last_dim_contiguous
+from .checks import check_dim, check_dtype, check_last_dim_contiguous
 from .dispatch import backend_for
 from .logprob import log_softmax
 

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from triton.language.standard import _argmax_combine_tie_break_left, _elementwise_max, _sum_combine
 
-from ._autograd import backward_without_autocast
+from .autograd_utils import backward_without_autocast
 
 _NUM_WARPS = 4  # fixed: with BLOCK_E (a function of E) it shapes the exp-sum's tree
 

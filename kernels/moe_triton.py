@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._autograd import backward_without_autocast
+from .autograd_utils import backward_without_autocast
 from .gemm_triton import _tile_coords, gemm_config
 from .moe import check_moe_inputs
 from .moe_align_triton import _Layout

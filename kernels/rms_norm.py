@@ -7,16 +7,16 @@ add_rms_norm first forms the new residual r = (fp32(x) + fp32(residual)).to(x.dt
 normalises r exactly as above, so the normalised value is the one the next layer's residual holds.
 
 Invariant: the only reduction is the sum of squares over H, one `sum(-1)` over the contiguous last
-dim (`_reduction.row_sum`), whose order depends on H alone; everything else is elementwise
+dim (`reduction.row_sum`), whose order depends on H alone; everything else is elementwise
 (`rsqrt` gives the same bits wherever the element sits). A row's output is the same alone or in any
 batch. Gradients flow through the torch ops (correct and deterministic).
 """
 
 import torch
 
-from ._checks import check_dtype, check_last_dim_contiguous, check_same_device
-from ._reduction import row_sum
+from .checks import check_dtype, check_last_dim_contiguous, check_same_device
 from .dispatch import backend_for
+from .reduction import row_sum
 
 
 def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

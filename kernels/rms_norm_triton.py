@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from triton.language.standard import _sum_combine
 
-from ._autograd import backward_without_autocast
+from .autograd_utils import backward_without_autocast
 from .rms_norm import _check
 
 # The reductions are spelled `tl.reduce(x, 0, _sum_combine)` / `_elementwise_max`: exactly what

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from ._checks import check_dim, check_dtype, check_int, check_last_dim_contiguous, check_same_device
+from .checks import check_dim, check_dtype, check_int, check_last_dim_contiguous, check_same_device
 from .dispatch import backend_for
 from .rms_norm import _check as _check_norm
 from .rms_norm import _rms_norm_torch

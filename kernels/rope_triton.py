@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from triton.language.standard import _sum_combine
 
-from ._autograd import backward_without_autocast
+from .autograd_utils import backward_without_autocast
 from .rms_norm_triton import _backward as _rms_norm_backward
 from .rms_norm_triton import _block_for, _warps_for
 from .rope import _check

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import check_out, check_same_device
+from .checks import check_out, check_same_device
 from .dispatch import backend_for
 from .logprob import (
     _check_logits,

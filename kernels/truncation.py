@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_dim, check_dtype, check_same_device
+from .checks import check_dim, check_dtype, check_same_device
 
 # Fixed-point scale of the top-p probabilities (int64 sums of probabilities <= 1 cannot overflow).
 _P_SCALE = float(2**40)

@@ -26,7 +26,7 @@ from vexact_vllm.kernels import (
     rope_cache,
     silu_and_mul,
 )
-from vexact_vllm.kernels._autograd import backward_without_autocast
+from vexact_vllm.kernels.autograd_utils import backward_without_autocast
 from vexact_vllm.kernels.gemm import linear_grads
 
 from .attention_context import AttentionContext

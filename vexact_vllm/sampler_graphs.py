@@ -35,7 +35,7 @@ import torch
 from vllm.logger import init_logger
 
 from vexact_vllm.kernels import Sampled, linear, sample_tokens
-from vexact_vllm.kernels._capture import gc_paused
+from vexact_vllm.kernels.capture import gc_paused
 from vexact_vllm.kernels.gather_triton import gather_rows
 from vexact_vllm.kernels.sample import DRAWS, OUTPUTS
 

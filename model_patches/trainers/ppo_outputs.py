@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from vexact_vllm.kernels import linear, linear_token_log_probs, log_softmax
-from vexact_vllm.kernels._autograd import backward_without_autocast
+from vexact_vllm.kernels.autograd_utils import backward_without_autocast
 from vexact_vllm.kernels.logprob import (
     _blocked_ids,
     _temperature_column,

@@ -261,7 +261,7 @@ def test_split_decode_in_a_cuda_graph(monkeypatch):
     """A split decode step captured once and replayed with longer sequences: the training bits (the
     1,500- and 700-key rows through the fold kernel, the 40-key row stored by its one program)."""
     from vexact_vllm.kernels import attention_triton as compiled
-    from vexact_vllm.kernels._capture import gc_paused
+    from vexact_vllm.kernels.capture import gc_paused
 
     monkeypatch.setenv("VEXACT_KEY_SPLIT", "256")
     clear_settings()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from vexact_vllm.kernels import KEY_TILE, paged_attention
-from vexact_vllm.kernels._capture import gc_paused
+from vexact_vllm.kernels.capture import gc_paused
 
 pytest.importorskip("triton")
 

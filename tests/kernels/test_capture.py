@@ -2,7 +2,7 @@
 
 import gc
 
-from vexact_vllm.kernels._capture import gc_paused
+from vexact_vllm.kernels.capture import gc_paused
 
 
 class _Cycle:

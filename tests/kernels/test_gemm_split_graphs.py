@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from vexact_vllm.kernels._capture import gc_paused
+from vexact_vllm.kernels.capture import gc_paused
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 

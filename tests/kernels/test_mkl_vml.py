@@ -1,4 +1,4 @@
-"""The MKL VML warm-up (kernels/_mkl_vml.py): it covers every function ATen sends to VML, and it has
+"""The MKL VML warm-up (kernels/mkl_vml.py): it covers every function ATen sends to VML, and it has
 run, in a fresh process, by the time the package is imported."""
 
 import re
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from vexact_vllm.kernels._mkl_vml import VML_OPS
+from vexact_vllm.kernels.mkl_vml import VML_OPS
 
 
 def _aten_vml_ops() -> set[str]:
@@ -28,7 +28,7 @@ def test_every_vml_function_of_aten_is_warmed():
 def test_importing_the_kernels_warms_every_function_in_both_precisions():
     code = (
         "import torch, vexact_vllm.kernels\n"
-        "from vexact_vllm.kernels._mkl_vml import warmed\n"
+        "from vexact_vllm.kernels.mkl_vml import warmed\n"
         "print(torch.backends.mkl.is_available(), len(set(warmed)))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from vexact_vllm.kernels import dispatch, fused_moe, moe, reference_mode
-from vexact_vllm.kernels._capture import gc_paused
+from vexact_vllm.kernels.capture import gc_paused
 
 pytest.importorskip("triton")
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from vexact_vllm.kernels._reduction import row_sum, sequential_sum
+from vexact_vllm.kernels.reduction import row_sum, sequential_sum
 
 
 @pytest.mark.parametrize("length", [7, 64, 1000, 40000])

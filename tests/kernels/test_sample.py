@@ -207,7 +207,7 @@ def test_cuda_equals_the_composition_and_is_batch_invariant(draw):
 @requires_cuda
 def test_cuda_in_place_log_probs_and_graph_replay():
     """Written over the logits (the sampler graph's static buffer), captured and replayed: the eager bits."""
-    from vexact_vllm.kernels._capture import gc_paused
+    from vexact_vllm.kernels.capture import gc_paused
 
     logits, temps, seeds, positions = _inputs(64, 151936, "cuda", scale=4.0)
     want = sample_tokens(logits, temps, seeds, positions, draw="mixed", output="log_probs")
