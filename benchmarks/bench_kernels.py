@@ -148,7 +148,7 @@ def _paged_inputs(batch, context, hq, hkv, d, block_size=16, device="cuda", dtyp
     return q, k_cache, v_cache, block_table, seq_lens, qsl
 
 
-PAGED_STAGES: list[int] = []  # --paged-stages: pipelining depths of the paged kernel to time (speed only)
+TIMED_STAGES: list[int] = []  # --paged-stages: pipelining depths of the paged kernel to time (speed only)
 
 
 @section
@@ -161,7 +161,7 @@ def decode_attention(quick):
 def _decode_case(batch, context):
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
-    from vexact_vllm.kernels import attention_triton, paged_attention
+    from vexact_vllm.kernels import attention_paged_triton, paged_attention
 
     hq, hkv, d = 16, 8, 128
     q, kc, vc, bt, sl, qsl = _paged_inputs(batch, context, hq, hkv, d)
@@ -171,14 +171,14 @@ def _decode_case(batch, context):
         softmax_scale=scale, causal=True, block_table=bt, fa_version=3))
     bytes_moved = 2 * kc.numel() * kc.element_size()
     reference = paged_attention(q, kc, vc, bt, sl, qsl, scale)
-    for stages in [None, *PAGED_STAGES]:  # None: the kernel's own configuration
+    for stages in [None, *TIMED_STAGES]:  # None: the kernel's own configuration
         if stages is not None:
-            attention_triton._PAGED_STAGES[d] = stages
+            attention_paged_triton.PAGED_STAGES[d] = stages
         try:
             same = torch.equal(paged_attention(q, kc, vc, bt, sl, qsl, scale), reference)
             ours = bench_graph(lambda: paged_attention(q, kc, vc, bt, sl, qsl, scale))
         finally:
-            attention_triton._PAGED_STAGES.pop(d, None)
+            attention_paged_triton.PAGED_STAGES.pop(d, None)
         label = "" if stages is None else f" stages={stages}{'' if same else ' BITS DIFFER'}"
         record("decode", f"B={batch} ctx={context} Hq={hq} Hkv={hkv} D={d}{label}", ours, stock,
                0.8 if context <= 1024 else 0.9, vexact_tb_s=bytes_moved / ours / 1e9, same_bits=same)
@@ -240,7 +240,12 @@ def decode_rollout(quick):
 def _decode_rollout_case(label, groups, samples, prompt, generated, shared):
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
-    from vexact_vllm.kernels import attention_triton, max_group_members, paged_attention, shared_prefix_groups
+    from vexact_vllm.kernels import (
+        attention_paged_triton,
+        max_group_members,
+        paged_attention,
+        shared_prefix_groups,
+    )
 
     hq, hkv, d = 16, 8, 128
     q, (kc, vc), (kf, vf), bt, sl, qsl = _shared_prefix_inputs(groups, samples, prompt, generated, shared, hq, hkv, d)
@@ -253,12 +258,12 @@ def _decode_rollout_case(label, groups, samples, prompt, generated, shared):
     for name, (stages, groups) in PAGED_VARIANTS.items():
         by_prompt = grouping if groups else None
         if stages is not None:
-            attention_triton._PAGED_STAGES[d] = stages
+            attention_paged_triton.PAGED_STAGES[d] = stages
         try:
             same = torch.equal(paged_attention(q, kc, vc, bt, sl, qsl, scale, shared=by_prompt), reference)
             ours = bench_graph(lambda g=by_prompt: paged_attention(q, kc, vc, bt, sl, qsl, scale, shared=g))
         finally:
-            attention_triton._PAGED_STAGES.pop(d, None)
+            attention_paged_triton.PAGED_STAGES.pop(d, None)
         record("rollout", f"{label} {name}{'' if same else ' BITS DIFFER'}", ours, stock, 0.9,
                mean_keys=float(sl.float().mean()), same_bits=same)
 
@@ -459,7 +464,7 @@ def main():
     parser.add_argument("--paged-stages", default="",
                         help="comma-separated pipelining depths of the paged decode kernel to time beside its own")
     args = parser.parse_args()
-    PAGED_STAGES.extend(int(x) for x in args.paged_stages.split(",") if x)
+    TIMED_STAGES.extend(int(x) for x in args.paged_stages.split(",") if x)
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     torch.manual_seed(0)

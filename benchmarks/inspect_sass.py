@@ -28,10 +28,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from vexact_vllm.kernels import attention_core_triton as core
+from vexact_vllm.kernels import attention_paged_triton as paged_fwd
 from vexact_vllm.kernels import attention_prefix_groups_triton as groups
 from vexact_vllm.kernels import attention_prefix_triton as prefix
-from vexact_vllm.kernels import attention_triton as fwd
+from vexact_vllm.kernels import attention_triton as varlen_fwd
 from vexact_vllm.kernels import attention_triton_bwd as bwd
+from vexact_vllm.kernels.attention_tiles import KEY_TILE
 from vexact_vllm.kernels.settings import DEFAULT_KEY_SPLIT
 
 FLOATS = {"qk_scale", "scale"}
@@ -65,29 +68,29 @@ def signature(kernel, constexprs: dict) -> tuple[dict, dict]:
 
 def specs(head_dim: int, group: int, block_m: int | None, warps: int | None = None) -> dict:
     """name -> (jit function, constexprs, launch options), as the wrappers launch them."""
-    fwd_m, fwd_warps, fwd_stages = fwd.forward_config(head_dim, group)
+    fwd_m, fwd_warps, fwd_stages = core.forward_config(head_dim, group)
     block_m = block_m or fwd_m
-    common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_N=fwd.KEY_TILE, PRECISION="tf32", DOT_FP32=False)
+    common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_N=KEY_TILE, PRECISION="tf32", DOT_FP32=False)
     fwd_opts = dict(num_warps=warps or fwd_warps, num_stages=fwd_stages, enable_fp_fusion=False)
-    (kv_m, kv_n, kv_w, kv_s), (q_m, q_n, q_w, q_s) = bwd._BWD_CONFIGS[head_dim]
+    (kv_m, kv_n, kv_w, kv_s), (q_m, q_n, q_w, q_s) = bwd.BWD_CONFIGS[head_dim]
     bwd_common = dict(GROUP=group, HEAD_DIM=head_dim, PRECISION="tf32", DOT_FP32=False)
     paged = dict(common, BLOCK_M=block_m, PAGE=16, SHARED=False)
-    shared_opts = dict(fwd_opts, num_stages=fwd._SHARED_STAGES.get(head_dim, fwd_stages))  # paged_attention(shared=)
-    thin = dict(fwd_opts, num_stages=max((st for _, st in fwd._THIN_STAGES.get(head_dim, ())), default=fwd_stages))
+    shared_opts = dict(fwd_opts, num_stages=paged_fwd.SHARED_STAGES.get(head_dim, fwd_stages))  # paged_attention(shared=)
+    thin = dict(fwd_opts, num_stages=max((st for _, st in paged_fwd.THIN_STAGES.get(head_dim, ())), default=fwd_stages))
     return {
-        "paged": (fwd._paged_fwd_kernel, paged, fwd_opts),
+        "paged": (paged_fwd._paged_fwd_kernel, paged, fwd_opts),
         # rows past the default key split fold their chunks in the program (grpo's, long's)
-        "paged-split": (fwd._paged_fwd_kernel, dict(paged, SPLIT_TILES=DEFAULT_KEY_SPLIT // fwd.KEY_TILE), fwd_opts),
-        "paged-thin": (fwd._paged_fwd_kernel, paged, thin),  # thin steps' deepest
-        "paged-shared-thin": (fwd._paged_fwd_kernel, dict(paged, SHARED=True), thin),
+        "paged-split": (paged_fwd._paged_fwd_kernel, dict(paged, SPLIT_TILES=DEFAULT_KEY_SPLIT // KEY_TILE), fwd_opts),
+        "paged-thin": (paged_fwd._paged_fwd_kernel, paged, thin),  # thin steps' deepest
+        "paged-shared-thin": (paged_fwd._paged_fwd_kernel, dict(paged, SHARED=True), thin),
         "prefix-thin": (prefix._shared_prefix_kernel, dict(common, BLOCK_M=block_m, PAGE=16), thin),
-        "paged-shared": (fwd._paged_fwd_kernel, dict(paged, SHARED=True), shared_opts),
+        "paged-shared": (paged_fwd._paged_fwd_kernel, dict(paged, SHARED=True), shared_opts),
         "prefix": (prefix._shared_prefix_kernel, dict(common, BLOCK_M=block_m, PAGE=16), shared_opts),
-        "groups": (groups._groups_kernel, dict(PAGE=16, KEY_TILE=fwd.KEY_TILE, MAX_MEMBERS=block_m // group,
+        "groups": (groups._groups_kernel, dict(PAGE=16, KEY_TILE=KEY_TILE, MAX_MEMBERS=block_m // group,
                    MEMBERS_P2=triton.next_power_of_2(block_m // group),
                    **dict(zip(("BLOCK_I", "BLOCK_J", "BLOCK_C", "BLOCK_S"), groups.BLOCKS))),
                    dict(num_warps=groups.NUM_WARPS)),  # fmt: skip
-        "varlen": (fwd._varlen_fwd_kernel, dict(common, BLOCK_M=block_m, STORE_LSE=True), fwd_opts),
+        "varlen": (varlen_fwd._varlen_fwd_kernel, dict(common, BLOCK_M=block_m, STORE_LSE=True), fwd_opts),
         "dkdv": (bwd._dkdv_kernel, dict(bwd_common, BLOCK_M=kv_m, BLOCK_N=kv_n), dict(num_warps=kv_w, num_stages=kv_s)),
         "dq": (bwd._dq_kernel, dict(bwd_common, BLOCK_M=q_m, BLOCK_N=q_n), dict(num_warps=q_w, num_stages=q_s)),
     }

@@ -188,10 +188,10 @@ _VARLEN_IMPLS = {
     "triton": _lazy_impl("attention_triton", "varlen_attention"),
     "fa4": _lazy_impl("attention_fa4", "varlen_attention"),
 }
-_WRITE_IMPLS = {"torch": _write_kv_cache_torch, "triton": _lazy_impl("attention_triton", "write_kv_cache")}
+_WRITE_IMPLS = {"torch": _write_kv_cache_torch, "triton": _lazy_impl("attention_paged_triton", "write_kv_cache")}
 _PAGED_IMPLS = {
     "torch": _paged_attention_torch,
-    "triton": _lazy_impl("attention_triton", "paged_attention"),
+    "triton": _lazy_impl("attention_paged_triton", "paged_attention"),
     "fa4": _lazy_impl("attention_fa4", "paged_attention"),
 }
 

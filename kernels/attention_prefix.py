@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from .attention import KEY_TILE
+from .attention_tiles import KEY_TILE
 from .dispatch import backend_for
 
 
@@ -31,9 +31,9 @@ class SharedPrefix(NamedTuple):
 
 def max_group_members(head_dim: int, group: int) -> int:
     """The most decode sequences one group may hold at this head_dim and Hq / Hkv = `group`: their
-    query rows (`group` each) must fit one forward query tile (`attention_triton.forward_config`'s
+    query rows (`group` each) must fit one forward query tile (`attention_core_triton.forward_config`'s
     BLOCK_M rows). ValueError where the Triton attention has no configuration."""
-    from .attention_triton import forward_config
+    from .attention_core_triton import forward_config
 
     return forward_config(head_dim, group)[0] // group
 

@@ -11,9 +11,9 @@ group forms costs one wave of programs that exit at once (session 22: a program 
 kv head cost 4 us a layer there, eight waves of empty programs). `_paged_fwd_kernel` (SHARED) then
 resumes each sequence from the state written here.
 
-Invariant: a row's arithmetic is the same as in `_attend_rows`. The key tiles 0 .. tiles - 1 are
+Invariant: a row's arithmetic is the same as in `attend_rows`. The key tiles 0 .. tiles - 1 are
 the same keys (the same cache blocks) for every member, wholly below every member's query position,
-so they are the unmasked tiles `_attend_rows` would take first; each is one `_attend_tile` step,
+so they are the unmasked tiles `attend_rows` would take first; each is one `attend_tile` step,
 whose dots and row reductions treat every row alike, wherever it sits in the tile (the rows of a
 training tile and of a decode tile already sit at different places). The state (running max, sum,
 unnormalised fp32 accumulator) goes through fp32 memory unchanged to the resuming program.
@@ -22,8 +22,8 @@ unnormalised fp32 accumulator) goes through fp32 memory unchanged to the resumin
 import triton
 import triton.language as tl
 
-from .attention import KEY_TILE
-from .attention_triton import _attend_tile
+from .attention_core_triton import attend_tile
+from .attention_tiles import KEY_TILE
 
 
 @triton.jit
@@ -102,7 +102,7 @@ def _attend_group(
     acc = tl.full([BLOCK_M, HEAD_DIM], 0, dtype=tl.float32)
     block_table_row = block_table_ptr + leader.to(tl.int64) * stride_bt  # the members' blocks there
     for t in range(0, n_tiles):
-        m_i, l_i, acc = _attend_tile(
+        m_i, l_i, acc = attend_tile(
             t, q, q_pos, m_i, l_i, acc, 0, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh, 0,
             stride_ks, stride_vs, block_table_row, stride_kb, stride_vb, qk_scale,
             False, True, PAGE, HEAD_DIM, BLOCK_N, PRECISION, DOT_FP32,

@@ -14,20 +14,16 @@ Every sum therefore has one fixed order per launch shape. Programs find their se
 as the forward does (`attention_triton._seq_of_tile`): no host synchronisation.
 """
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.standard import _sum_combine
 
-from .attention_triton import _dot, _query_rows, _seq_of_tile, _tile_start, tile_count
-
-_LOG2E = math.log2(math.e)
+from .attention_core_triton import LOG2E, query_rows, seq_of_tile, tile_count, tile_dot, tile_start
 
 # head_dim -> (BLOCK_M rows, BLOCK_N keys, num_warps, num_stages) of `_dkdv_kernel` and of `_dq_kernel`;
 # only speed depends on these (the backward need not be batch-invariant, only deterministic).
-_BWD_CONFIGS = {
+BWD_CONFIGS = {
     16: ((64, 64, 4, 2), (64, 64, 4, 2)),
     32: ((64, 64, 4, 2), (64, 64, 4, 2)),
     64: ((64, 64, 4, 2), (64, 64, 4, 2)),
@@ -93,16 +89,16 @@ def _dkdv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,  # "ieee" for fp32 inputs
-    DOT_FP32: tl.constexpr,  # interpreter only (see `_dot`)
+    DOT_FP32: tl.constexpr,  # interpreter only (see `tile_dot`)
 ):
     """dK, dV of one BLOCK_N-key tile of one kv head (tiles found as in the forward, early ones first)."""
     TOKENS: tl.constexpr = BLOCK_M // GROUP
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    b = _seq_of_tile(cu_ptr, n_seqs, tile, BLOCK_N)
+    b = seq_of_tile(cu_ptr, n_seqs, tile, BLOCK_N)
     seq_start = tl.load(cu_ptr + b)
     seq_end = tl.load(cu_ptr + b + 1)
-    first = seq_start + (tile - _tile_start(seq_start, b, BLOCK_N)) * BLOCK_N
+    first = seq_start + (tile - tile_start(seq_start, b, BLOCK_N)) * BLOCK_N
     if first >= seq_end:
         return
     offs_n = tl.arange(0, BLOCK_N)
@@ -125,7 +121,7 @@ def _dkdv_kernel(
     dv = tl.full([BLOCK_N, HEAD_DIM], 0, dtype=tl.float32)
     # Queries before the tile's first key see none of it: start there, walk to the sequence end.
     for q_first in range(first, seq_end, TOKENS):
-        token, head, valid, q_pos = _query_rows(
+        token, head, valid, q_pos = query_rows(
             q_first, seq_end, q_first - seq_start, kv_head, GROUP, BLOCK_M
         )
         q = tl.load(
@@ -141,13 +137,13 @@ def _dkdv_kernel(
         lse = tl.load(lse_ptr + token * stride_lt + head, mask=valid, other=0.0)
         delta = tl.load(delta_ptr + token * stride_lt + head, mask=valid, other=0.0)
         # 1. Recompute P (zero where masked), 2. dV += P^T dO, 3. dS = P (dO V^T - delta), dK += dS^T Q.
-        s = _dot(q, tl.trans(k), None, PRECISION, DOT_FP32)  # [BLOCK_M, BLOCK_N]
+        s = tile_dot(q, tl.trans(k), None, PRECISION, DOT_FP32)  # [BLOCK_M, BLOCK_N]
         p = tl.exp2(tl.fma(s, qk_scale, -lse[:, None]))
         p = tl.where(valid[:, None] & (k_pos[None, :] <= q_pos[:, None]), p, 0.0)
-        dv = _dot(tl.trans(p.to(do.dtype)), do, dv, PRECISION, DOT_FP32)
-        dp = _dot(do, tl.trans(v), None, PRECISION, DOT_FP32)
+        dv = tile_dot(tl.trans(p.to(do.dtype)), do, dv, PRECISION, DOT_FP32)
+        dp = tile_dot(do, tl.trans(v), None, PRECISION, DOT_FP32)
         ds = p * (dp - delta[:, None])
-        dk = _dot(tl.trans(ds.to(q.dtype)), q, dk, PRECISION, DOT_FP32)
+        dk = tile_dot(tl.trans(ds.to(q.dtype)), q, dk, PRECISION, DOT_FP32)
     dk = dk * scale
     out_rows = key[:, None] * stride_dkt + kv_head * stride_dkh + offs_d[None, :]
     tl.store(dk_ptr + out_rows, dk.to(dk_ptr.dtype.element_ty), mask=k_valid[:, None])
@@ -189,15 +185,15 @@ def _dq_kernel(
     TOKENS: tl.constexpr = BLOCK_M // GROUP
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
-    b = _seq_of_tile(cu_ptr, n_seqs, tile, TOKENS)
+    b = seq_of_tile(cu_ptr, n_seqs, tile, TOKENS)
     seq_start = tl.load(cu_ptr + b)
     seq_end = tl.load(cu_ptr + b + 1)
-    first = seq_start + (tile - _tile_start(seq_start, b, TOKENS)) * TOKENS
+    first = seq_start + (tile - tile_start(seq_start, b, TOKENS)) * TOKENS
     if first >= seq_end:
         return
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    token, head, valid, q_pos = _query_rows(first, seq_end, first - seq_start, kv_head, GROUP, BLOCK_M)
+    token, head, valid, q_pos = query_rows(first, seq_end, first - seq_start, kv_head, GROUP, BLOCK_M)
     q = tl.load(
         q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
         mask=valid[:, None],
@@ -227,12 +223,12 @@ def _dq_kernel(
             other=0.0,
         )
         # 1. Recompute P, 2. dS = P (dO V^T - delta), 3. dQ += dS K.
-        s = _dot(q, tl.trans(k), None, PRECISION, DOT_FP32)
+        s = tile_dot(q, tl.trans(k), None, PRECISION, DOT_FP32)
         p = tl.exp2(tl.fma(s, qk_scale, -lse[:, None]))
         p = tl.where(valid[:, None] & (k_pos[None, :] <= q_pos[:, None]), p, 0.0)
-        dp = _dot(do, tl.trans(v), None, PRECISION, DOT_FP32)
+        dp = tile_dot(do, tl.trans(v), None, PRECISION, DOT_FP32)
         ds = p * (dp - delta[:, None])
-        dq = _dot(ds.to(k.dtype), k, dq, PRECISION, DOT_FP32)
+        dq = tile_dot(ds.to(k.dtype), k, dq, PRECISION, DOT_FP32)
     dq = dq * scale
     dq_ptrs = dq_ptr + token[:, None] * stride_dqt + head[:, None] * stride_dqh + offs_d[None, :]
     tl.store(dq_ptrs, dq.to(dq_ptr.dtype.element_ty), mask=valid[:, None])
@@ -276,11 +272,11 @@ def _launch_meta(q, k, block_m, kernel):
 
 
 def _launch_dkdv(grad_out, q, k, v, lse, delta, cu_seqlens, scale, dk, dv):
-    block_m, block_n, num_warps, num_stages = _BWD_CONFIGS[q.shape[2]][0]
+    block_m, block_n, num_warps, num_stages = BWD_CONFIGS[q.shape[2]][0]
     _, block_m, meta = _launch_meta(q, k, block_m, _dkdv_kernel)
     n_seqs = cu_seqlens.shape[0] - 1
     _dkdv_kernel[(tile_count(q.shape[0], n_seqs, block_n), k.shape[1])](
-        q, k, v, grad_out, lse, delta, dk, dv, cu_seqlens, n_seqs, scale * _LOG2E, scale,
+        q, k, v, grad_out, lse, delta, dk, dv, cu_seqlens, n_seqs, scale * LOG2E, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         grad_out.stride(0), grad_out.stride(1), lse.stride(0), dk.stride(0), dk.stride(1),
         BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **meta,
@@ -288,11 +284,11 @@ def _launch_dkdv(grad_out, q, k, v, lse, delta, cu_seqlens, scale, dk, dv):
 
 
 def _launch_dq(grad_out, q, k, v, lse, delta, cu_seqlens, scale, dq):
-    block_m, block_n, num_warps, num_stages = _BWD_CONFIGS[q.shape[2]][1]
+    block_m, block_n, num_warps, num_stages = BWD_CONFIGS[q.shape[2]][1]
     group, block_m, meta = _launch_meta(q, k, block_m, _dq_kernel)
     n_seqs = cu_seqlens.shape[0] - 1
     _dq_kernel[(tile_count(q.shape[0], n_seqs, block_m // group), k.shape[1])](
-        q, k, v, grad_out, lse, delta, dq, cu_seqlens, n_seqs, scale * _LOG2E, scale,
+        q, k, v, grad_out, lse, delta, dq, cu_seqlens, n_seqs, scale * LOG2E, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         grad_out.stride(0), grad_out.stride(1), lse.stride(0), dq.stride(0), dq.stride(1),
         BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **meta,

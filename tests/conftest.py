@@ -6,6 +6,7 @@ import importlib
 import os
 import shutil
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -22,8 +23,10 @@ if not (os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi")):
 
 ATTENTION_TRITON_MODULES = (
     "vexact_vllm.kernels.attention_triton",
+    "vexact_vllm.kernels.attention_paged_triton",
     "vexact_vllm.kernels.attention_triton_bwd",
     "vexact_vllm.kernels.attention_prefix_triton",
+    "vexact_vllm.kernels.attention_core_triton",
 )
 # Kernel modules whose jit helpers or kernels another module's kernels call: importing that module
 # interpreted must import these interpreted too (a compiled helper cannot run in an interpreted kernel).
@@ -130,8 +133,7 @@ def import_interpreted_modules(names: tuple[str, ...]) -> list:
     saved_attrs = {attr: package.__dict__.pop(attr, None) for attr in attrs}
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        importlib.import_module(names[0])
-        return [sys.modules[name] for name in names]
+        return [importlib.import_module(name) for name in names]
     finally:
         if saved_env is None:
             os.environ.pop("TRITON_INTERPRET", None)
@@ -156,10 +158,15 @@ def interpreted_modules():
 
 @pytest.fixture(scope="module")
 def interpreted_attention():
-    """attention_triton (and its backward module) imported with TRITON_INTERPRET=1 (see
-    `import_interpreted_modules`)."""
+    """The Triton attention modules imported with TRITON_INTERPRET=1 (see `import_interpreted_modules`),
+    as a namespace: the three entry points (varlen_attention, paged_attention, write_kv_cache) and
+    the modules (varlen, paged, bwd, prefix, core) whose constants a test may patch."""
     pytest.importorskip("triton")
-    module = import_interpreted_modules(ATTENTION_TRITON_MODULES)[0]
+    varlen, paged, bwd, prefix, core = import_interpreted_modules(ATTENTION_TRITON_MODULES)
+    module = types.SimpleNamespace(
+        varlen_attention=varlen.varlen_attention, paged_attention=paged.paged_attention,
+        write_kv_cache=paged.write_kv_cache, varlen=varlen, paged=paged, bwd=bwd, prefix=prefix, core=core,
+    )  # fmt: skip
     # Triton < 3.9's interpreter turns a scalar (a 1-element array) into a loop bound with
     # int(array), which NumPy >= 2.5 refuses; 3.9 squeezes first. Same fix here, for this module only.
     interpreter = importlib.import_module("triton.runtime.interpreter")

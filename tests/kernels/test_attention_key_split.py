@@ -1,4 +1,4 @@
-"""Key splits of the Triton attention (VEXACT_KEY_SPLIT, kernels/attention_triton.py "Key splits"):
+"""Key splits of the Triton attention (VEXACT_KEY_SPLIT, kernels/attention_core_triton.py "Key splits"):
 training (one program folds the chunks), paged steps that fold in one program and split decode
 (a program per chunk, then `_fold_kernel`) give every query row the same bits; rows before the
 first split keep the unsplit bits; the values stay accurate; bad settings are refused."""
@@ -17,6 +17,7 @@ from tests.kernels.test_attention_triton import (
     _mixed_steps,
     _packed,
     _reference,
+    compiled_attention,
 )
 from vexact_vllm.kernels.settings import clear_settings
 
@@ -46,7 +47,7 @@ def split(interpreted_attention, monkeypatch):
     whole-prompt and 64-token steps fold in one program and the shorter ones split)."""
     monkeypatch.setenv("VEXACT_KEY_SPLIT", "64")
     clear_settings()
-    monkeypatch.setattr(interpreted_attention, "_SPLIT_MAX_TOKENS", 40)
+    monkeypatch.setattr(interpreted_attention.paged, "_SPLIT_MAX_TOKENS", 40)
     return interpreted_attention
 
 
@@ -85,7 +86,7 @@ def test_split_random_shapes_interpreted(interpreted_attention, monkeypatch, see
     keys, n_kv, group, head_dim = pick(64, 128), pick(1, 2), pick(1, 2, 3, 4), pick(16, 32)
     monkeypatch.setenv("VEXACT_KEY_SPLIT", str(keys))
     clear_settings()
-    monkeypatch.setattr(interpreted_attention, "_SPLIT_MAX_TOKENS", int(torch.randint(1, 60, (1,), generator=rng)))
+    monkeypatch.setattr(interpreted_attention.paged, "_SPLIT_MAX_TOKENS", int(torch.randint(1, 60, (1,), generator=rng)))
     lens = torch.randint(1, 230, (int(torch.randint(2, 5, (1,), generator=rng)),), generator=rng).tolist()
     chunk = int(torch.randint(2, 40, (1,), generator=rng))
     _check_invariance(
@@ -108,7 +109,7 @@ def test_split_decode_with_padding_and_junk_workspaces(split, monkeypatch, fold_
     of no query), with every torch.empty buffer full of junk (NaN, chunk count 5): the workspaces'
     unwritten entries are never read, padding rows are never written, and the real tokens get the
     training bits, whatever the fold kernel's head block (6 heads: padded blocks of 4 and 64)."""
-    monkeypatch.setattr(split, "_FOLD_HEADS", fold_heads)
+    monkeypatch.setattr(split.paged, "_FOLD_HEADS", fold_heads)
     lens = (40, 150, 70)  # one, three and two chunks of 64 keys
     q, k, v, train, engine, last = _before_last_tokens(split, lens, 6, 2, 16, 0.25)
     _write_last(split, engine, k, v, lens, last)
@@ -236,8 +237,8 @@ def test_split_paged_equals_varlen_cuda(monkeypatch, keys, head_dim, n_heads, n_
     split decode of every position) gives the training bits; rows before the split keep the unsplit
     bits."""
     from tests.kernels.test_attention_triton import CUDA_LENS
-    from vexact_vllm.kernels import attention_triton as compiled
 
+    compiled = compiled_attention()
     extra = torch.randint(keys, 3000, (3,), generator=torch.Generator().manual_seed(keys)).tolist()
     lens = (*CUDA_LENS, *extra)
     monkeypatch.setenv("VEXACT_KEY_SPLIT", str(keys))
@@ -260,9 +261,9 @@ def test_split_paged_equals_varlen_cuda(monkeypatch, keys, head_dim, n_heads, n_
 def test_split_decode_in_a_cuda_graph(monkeypatch):
     """A split decode step captured once and replayed with longer sequences: the training bits (the
     1,500- and 700-key rows through the fold kernel, the 40-key row stored by its one program)."""
-    from vexact_vllm.kernels import attention_triton as compiled
     from vexact_vllm.kernels.capture import gc_paused
 
+    compiled = compiled_attention()
     monkeypatch.setenv("VEXACT_KEY_SPLIT", "256")
     clear_settings()
     lens = (1500, 40, 700)
@@ -289,8 +290,8 @@ def test_split_decode_in_a_cuda_graph(monkeypatch):
 def test_split_decode_follows_the_step_shape(interpreted_attention):
     """Steps of few tokens split, however many programs they have (wide steps too); a prefill-sized
     step folds in one program."""
-    rule = interpreted_attention.split_decode
-    limit = interpreted_attention._SPLIT_MAX_TOKENS
+    rule = interpreted_attention.paged.split_decode
+    limit = interpreted_attention.paged._SPLIT_MAX_TOKENS
     assert rule(1) and rule(16) and rule(limit)
     assert not rule(limit + 1)
 
@@ -301,7 +302,7 @@ def test_no_fold_where_no_row_reaches_the_split(interpreted_attention, monkeypat
     the Triton kernel the longest sequence it read from cu_seqlens."""
     monkeypatch.setenv("VEXACT_KEY_SPLIT", "128")
     clear_settings()
-    rule = interpreted_attention._split_tiles
+    rule = interpreted_attention.core.key_split_tiles
     assert rule(128) == 0 and rule(129) == 2 and rule(10**6) == 2
     monkeypatch.setenv("VEXACT_KEY_SPLIT", "0")
     clear_settings()

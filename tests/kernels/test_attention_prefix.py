@@ -143,8 +143,7 @@ def test_shared_prefix_equals_training_interpreted(interp, monkeypatch, max_memb
     3s or 2s; the prefix launch with a program for each possible group, or fewer programs than groups
     (each walks several: `programs`)."""
     if programs is not None:
-        prefix = interp.attention_prefix_triton
-        monkeypatch.setattr(prefix, "prefix_programs", lambda n_seqs, n_kv, sms: programs)
+        monkeypatch.setattr(interp.prefix, "prefix_programs", lambda n_seqs, n_kv, sms: programs)
     shared = _check_rollout_step(interp, "cpu", [200, 70, 131], 4, 40, 4, 2, 16, 16, max_members)
     assert int(shared.members.max()) == min(4, max_members)
     assert int(shared.count[0]) > (programs or 0)  # the programs walked more than one group each
@@ -172,9 +171,9 @@ def test_shared_prefix_refuses_groups_wider_than_the_tile(interp):
 def test_shared_prefix_equals_training_cuda(n_heads, n_kv, samples):
     """Qwen3 shapes (GQA 2 and 4, D 128): 12 prompts of 64-1,100 tokens x 8, 16 or 40 samples (40
     groups are cut at max_group_members: 64 // GQA), up to 300 generated tokens each."""
-    import importlib
+    from tests.kernels.test_attention_triton import compiled_attention
 
-    ops = importlib.import_module("vexact_vllm.kernels.attention_triton")
+    ops = compiled_attention()
     prompts = torch.randint(64, 1100, (12,), generator=torch.Generator().manual_seed(3)).tolist()
     most = max_group_members(128, n_heads // n_kv)
     shared = _check_rollout_step(ops, "cuda", prompts, samples, 300, n_heads, n_kv, 128, 16, most)
@@ -254,7 +253,7 @@ def test_one_launch_grouping_equals_the_torch_composition_cuda():
 def test_max_group_members_follows_the_forward_tile():
     """As many sequences as the forward query tile has rows for (BLOCK_M / (Hq / Hkv)); refused where
     the Triton attention has no configuration."""
-    from vexact_vllm.kernels.attention_triton import forward_config
+    from vexact_vllm.kernels.attention_core_triton import forward_config
 
     for head_dim in (64, 128, 256):
         for group in (1, 2, 4, 7):

@@ -1,4 +1,5 @@
-"""Triton attention (`kernels/attention_triton.py`, `attention_triton_bwd.py`): the kernels' logic on
+"""Triton attention (`kernels/attention_core_triton.py` and its entry modules `attention_triton.py`,
+`attention_paged_triton.py`, `attention_triton_bwd.py`): the kernels' logic on
 CPU through the Triton interpreter (tiny shapes), and the compiled kernels on CUDA at real shapes.
 
 The contract (DESIGN rule 3): a query at position p gets the same bits from the training kernel
@@ -9,6 +10,7 @@ is always `torch.equal`; tolerances are only for accuracy against fp32/fp64 refe
 
 import importlib
 import math
+import types
 
 import pytest
 import torch
@@ -24,14 +26,25 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an 
 
 @pytest.fixture(scope="module")
 def interp(interpreted_attention):
-    """attention_triton under the Triton interpreter (tests/conftest.py `interpreted_attention`)."""
+    """The Triton attention under the Triton interpreter (tests/conftest.py `interpreted_attention`)."""
     return interpreted_attention
+
+
+def compiled_attention() -> types.SimpleNamespace:
+    """The Triton attention as vLLM and the trainer import it (compiled kernels), in the namespace of
+    tests/conftest.py's `interpreted_attention`."""
+    names = ("attention_triton", "attention_paged_triton", "attention_triton_bwd", "attention_prefix_triton",
+             "attention_core_triton")  # fmt: skip
+    varlen, paged, bwd, prefix, core = (importlib.import_module(f"vexact_vllm.kernels.{n}") for n in names)
+    return types.SimpleNamespace(
+        varlen_attention=varlen.varlen_attention, paged_attention=paged.paged_attention,
+        write_kv_cache=paged.write_kv_cache, varlen=varlen, paged=paged, bwd=bwd, prefix=prefix, core=core,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def compiled():
-    """attention_triton as vLLM and the trainer import it (compiled kernels)."""
-    return importlib.import_module("vexact_vllm.kernels.attention_triton")
+    return compiled_attention()
 
 
 def _reference(q, k, v, cu_seqlens, scale, dtype=torch.float64):
@@ -207,25 +220,25 @@ def test_paged_stages_follow_the_step(monkeypatch, compiled):
     """A paged launch's pipelining depth: thin steps (at most 1 or 2 programs an SM) the deeper ones,
     groups their own, GPUs other than Hopper (no SM count: the interpreter too) and untabled head dims
     the forward's; the table (a benchmark fills it) above all."""
-    monkeypatch.setattr(compiled, "_PAGED_STAGES", {})
-    monkeypatch.setattr(compiled, "_THIN_STAGES", {128: ((1, 7), (2, 5))})
-    monkeypatch.setattr(compiled, "_SHARED_STAGES", {128: 4})
-    stages = compiled.paged_stages
+    monkeypatch.setattr(compiled.paged, "PAGED_STAGES", {})
+    monkeypatch.setattr(compiled.paged, "THIN_STAGES", {128: ((1, 7), (2, 5))})
+    monkeypatch.setattr(compiled.paged, "SHARED_STAGES", {128: 4})
+    stages = compiled.paged.paged_stages
     for programs, shared, want in ((1, False, 7), (132, True, 7), (133, False, 5), (264, True, 5),
                                    (265, False, 3), (265, True, 4), (10_000, False, 3)):  # fmt: skip
         assert stages(128, programs, 132, shared, 3) == want, (programs, shared)
     assert stages(128, 8, None, False, 3) == 3 and stages(128, 8, None, True, 3) == 3  # not Hopper
     assert stages(64, 8, 132, False, 2) == 2
-    monkeypatch.setitem(compiled._PAGED_STAGES, 128, 2)
+    monkeypatch.setitem(compiled.paged.PAGED_STAGES, 128, 2)
     assert stages(128, 8, 132, True, 3) == 2
 
 
 def test_thin_step_depths_only_on_the_gpus_they_were_measured_on(monkeypatch, compiled):
     """7 stages need 148 KB of shared memory a program: Hopper's, not an sm_89 GPU's."""
-    monkeypatch.setattr(compiled, "_sm_count", lambda index: 128)
+    monkeypatch.setattr(compiled.paged, "_sm_count", lambda index: 128)
     for capability, want in (((9, 0), 128), ((8, 9), None), ((8, 0), None), ((10, 0), None)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
-        assert compiled._thin_sms.__wrapped__(0) == want, capability
+        assert compiled.paged._thin_sms.__wrapped__(0) == want, capability
 
 
 @pytest.mark.parametrize("n_heads,dtype", [(4, torch.bfloat16), (6, torch.float32)])
@@ -332,9 +345,9 @@ def test_large_batch_decode_cuda(compiled):
 @needs_cuda
 @pytest.mark.parametrize("stages", [2, 5, 7])
 def test_paged_pipelining_depth_changes_no_bit_cuda(compiled, monkeypatch, stages):
-    """_PAGED_STAGES (how many K/V tiles a program has in flight) at 2, 5 and 7: decode and prefill
+    """PAGED_STAGES (how many K/V tiles a program has in flight) at 2, 5 and 7: decode and prefill
     chunks equal to training, bit for bit."""
-    monkeypatch.setitem(compiled._PAGED_STAGES, 128, stages)
+    monkeypatch.setitem(compiled.paged.PAGED_STAGES, 128, stages)
     q, k, v, cu = _packed((1, 64, 129, 1000, 4097), 16, 8, 128, torch.bfloat16, device="cuda")
     train = compiled.varlen_attention(q, k, v, cu, 0.1)
     assert torch.equal(_mixed_steps(compiled, q, k, v, cu, 16, 0.1), train)
@@ -463,9 +476,9 @@ def test_tile_count_is_one_program_a_decode(compiled):
     """The tile axis: one program a sequence for one-token decodes (the thin steps' grid: 16 decodes x 8
     kv heads stay 128 programs at any GQA group), and T // TOKENS + B where sequences have many tokens."""
     for n_seqs in (1, 16, 33, 256):
-        assert compiled.tile_count(n_seqs, n_seqs, 16) == n_seqs
-    assert compiled.tile_count(100, 3, 32) == 100 // 32 + 3
-    assert compiled.tile_count(40, 20, 32) == 40 // 32 + 20
+        assert compiled.core.tile_count(n_seqs, n_seqs, 16) == n_seqs
+    assert compiled.core.tile_count(100, 3, 32) == 100 // 32 + 3
+    assert compiled.core.tile_count(40, 20, 32) == 40 // 32 + 20
 
 
 def test_empty_sequences_amid_a_batch_interpreted(interp):
