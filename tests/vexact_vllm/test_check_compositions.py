@@ -104,29 +104,52 @@ def test_bench_default_configs(monkeypatch):
     assert set(DEFAULT_CONFIGS) < set(CONFIGS)  # the A/B variants run only when named
 
 
-def test_preemption_blocks_fit_the_longest_request_and_one_spare():
-    from vexact_vllm.cli.rollout import RolloutSettings, preemption_blocks
+def test_preemption_plan_fits_the_longest_request_and_puts_it_first():
+    from vexact_vllm.cli.rollout import RolloutSettings, preemption_plan
 
     settings = RolloutSettings(model="m", max_tokens=33, block_size=32)
-    prompts = [[1] * 20, [1] * 70, [1] * 5]  # 53, 103, 38 tokens at the end: 2, 4, 2 blocks
-    assert preemption_blocks(prompts, settings) == 5
+    prompts = [[1] * 20, [2] * 70, [3] * 5]  # 53, 103, 38 tokens at the end: 2, 4, 2 blocks
+    # A = request 1 (4 blocks), B = request 0 (admitted beside it: 3 + 1 blocks); 4 usable + the null block
+    assert preemption_plan(prompts, settings) == (5, [1, 0, 2])
 
 
-def test_preemption_blocks_admit_two_long_prompts_side_by_side():
-    from vexact_vllm.cli.rollout import RolloutSettings, preemption_blocks
+def test_shared_blocks_count_whole_common_blocks_but_not_the_last_prompt_token():
+    from vexact_vllm.cli.rollout import shared_blocks
+
+    assert shared_blocks([1] * 64, [1] * 64, 32) == 1  # vLLM computes the last token: its block is not hit
+    assert shared_blocks([1] * 64, [1] * 65, 32) == 2
+    assert shared_blocks([1] * 64, [1] * 40 + [2] * 40, 32) == 1
+    assert shared_blocks([2] + [1] * 99, [1] * 100, 32) == 0
+    assert shared_blocks([1] * 10, [1] * 10, 32) == 0
+
+
+def _need(tokens, bs):
+    return -(-tokens // bs)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_preemption_plan_forces_two_requests_to_collide(caching):
+    """For random prompts, some sharing prefixes (one repeated, a common system prompt): every request
+    fits alone; the first two are admitted side by side and cannot both run to the first's end."""
+    from vexact_vllm.cli.rollout import RolloutSettings, preemption_plan, shared_blocks
 
     rng = random.Random(13)
-    for _ in range(50):
-        bs = rng.choice([16, 32])
-        settings = RolloutSettings(model="m", max_tokens=rng.randint(bs + 1, 4 * bs), block_size=bs)
-        prompts = [[1] * rng.randint(1, 8000) for _ in range(rng.randint(2, 5))]
-        total = preemption_blocks(prompts, settings)
-
-        def need(tokens, bs=bs):
-            return -(-tokens // bs)
-
-        full = [need(len(p) + settings.max_tokens) for p in prompts]
-        assert total > max(full)  # the longest finishes alone
-        assert total >= need(len(prompts[0]) + 1) + need(len(prompts[1]) + 1)  # first two admitted together
-        if max(full) + 1 < full[0] + full[1]:
-            assert total < full[0] + full[1]  # ...and cannot both finish side by side
+    for _ in range(300):
+        bs = rng.choice([16, 32, 64])
+        settings = RolloutSettings(model="m", max_tokens=rng.randint(bs + 1, 4 * bs), block_size=bs,
+                                   extra={} if caching else {"enable_prefix_caching": False})  # fmt: skip
+        system = [rng.randrange(1000) for _ in range(rng.choice([0, 0, 5, bs, 3 * bs + 7]))]
+        prompts = [system + [rng.randrange(1000) for _ in range(rng.randint(1, 2000))] for _ in range(rng.randint(2, 6))]
+        if rng.random() < 0.3:
+            prompts.append(list(prompts[0]))  # a prompt repeated (a prompts file used in turn)
+        blocks, order = preemption_plan(prompts, settings)
+        usable = blocks - 1  # vLLM's null block
+        a, b = order[:2]
+        assert sorted(order) == list(range(len(prompts)))
+        full = [_need(len(p) + settings.max_tokens, bs) for p in prompts]
+        assert usable >= max(full) == full[a]  # every request finishes alone; A is the longest
+        shared = shared_blocks(prompts[a], prompts[b], bs) if caching else 0
+        assert usable >= _need(len(prompts[a]) + 1, bs) + _need(len(prompts[b]) + 1, bs) - shared  # admitted together
+        assert full[a] + _need(len(prompts[b]) + 1, bs) - shared > usable  # ...cannot both run to A's end
+        if caching and any(shared_blocks(prompts[a], p, bs) == 0 for i, p in enumerate(prompts) if i != a):
+            assert shared == 0  # B's admission does not hang on a cache hit when it can be avoided

@@ -27,12 +27,12 @@ def test_one_ulp_is_a_mismatch_and_is_located():
     trainer = [torch.tensor([-1.5, -2.25]), torch.tensor([-0.5, float(off), -4.0])]
     c = compare(_rollouts(), trainer)
     assert c.mismatches == 1
-    assert (c.first.request, c.first.position) == (1, 2)  # prompt length 1 + output index 1
+    assert (c.first.request, c.first.position, c.first.output_index) == (1, 2, 1)  # prompt length 1 + output index 1
     assert c.first.vllm == -3.0 and c.first.trainer == float(off)
     rows = [Row("batch", "vexact", "all", c), Row("batch", "stock", "all", compare(_rollouts(), trainer))]
     assert not verdict(rows)
     table = to_table(rows)
-    assert "request 1, position 2" in table and "FAIL" in table
+    assert "request 1, generated token 1 (position 2 counting the prompt)" in table and "FAIL" in table
     report = json.loads(to_json(rows, {"model": "m"}))
     assert report["passed"] is False and report["rows"][0]["mismatches"] == 1
 

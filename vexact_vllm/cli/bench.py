@@ -380,19 +380,19 @@ def add_arguments(parser) -> None:
                         "(with --interleave on the same engines, started once, max-model-len the largest); the "
                         "options below override every listed workload's values; NAME:PROMPTS (grpo:32) sets one "
                         "workload's prompt count")
-    parser.add_argument("--num-prompts", type=positive_int, help="prompts in one pass of the workload")
-    parser.add_argument("--input-len", type=length_range, help="prompt length range LO-HI, inclusive, or one length N")
+    parser.add_argument("--num-prompts", type=positive_int, help="prompts in one pass of the workload (default: the workload's)")
+    parser.add_argument("--input-len", type=length_range, help="prompt length range LO-HI, inclusive, or one length N (default: the workload's)")
     parser.add_argument("--output-len", type=length_range,
-                        help="output length range LO-HI (drawn per request), or one length N")
-    parser.add_argument("--samples", type=positive_int, help="requests per prompt (same prompt, own seeds)")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--dtype", default="bfloat16")
+                        help="output length range LO-HI (drawn per request), or one length N (default: the workload's)")
+    parser.add_argument("--samples", type=positive_int, help="requests per prompt (same prompt, own seeds; default: the workload's)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="every request's")
+    parser.add_argument("--seed", type=int, default=7, help="request i uses seed + i")
+    parser.add_argument("--dtype", default="bfloat16", help="vLLM's --dtype")
     parser.add_argument("--max-model-len", type=positive_int, help="default: the workload's (1024 for default)")
     parser.add_argument("--load-format", default="dummy", help="dummy weights are fine for throughput")
     parser.add_argument("--vocab-limit", type=int,
                         help="prompt token ids are drawn from [10, this) (default: the model's vocab_size)")
-    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--enforce-eager", action="store_true", help="CUDA graphs off")
     parser.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                         help="vLLM's tensor-parallel size, every configuration (one GPU per rank)")
     parser.add_argument("--engine-kwargs", default="{}", help="JSON of extra LLM(...) arguments")
@@ -407,7 +407,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--report", action="store_true",
                         help="after the table, print a markdown section (date, device, commit, command, table) "
                         "for docs/BENCHMARKS.md")
-    parser.add_argument("--output", help="write every run's numbers and the summary as JSON")
+    parser.add_argument("--output", help="write every run's numbers and the summary as JSON to this file (default: none)")
     parser.add_argument("--profile", metavar="DIR",
                         help="after the timed passes, one more pass under vLLM's torch profiler: a trace and a "
                         "kernel table per configuration in DIR/<configuration>; the table's top rows are printed")

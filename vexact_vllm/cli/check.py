@@ -5,24 +5,30 @@
 2. prompts: --prompts FILE (one per line, or JSON lines with a "prompt"), or built-in ones;
 3. generate under each composition (rollout.py), also with stock vLLM when --against-stock;
 4. score every generated token with the training class under several packings (score.py);
-5. print the table (or --json) and exit 0 only when every vexact token matches.
+5. print what ran (model, dtype, device, the settings both sides read), the table (or --json), and
+   exit 0 only when every vexact token matches.
+
+vLLM's own output (its log, its engine processes', torch's warnings) goes to a temporary log file,
+named only when the check fails; `--verbose` shows it on stderr instead. A model or option vLLM's
+configuration refuses (an unsupported architecture, sliding window, float16) is one line, `error: ...`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from vexact_vllm.kernels.dispatch import cuda_attention_backend, key_split
+from vexact_vllm import __version__
+from vexact_vllm.kernels.settings import refresh_settings
 
 from .args import existing_file, micro_batches, positive_int, temperature
+from .console import engine_output, keep_log
 from .report import Row, to_json, to_table, verdict
-from .rollout import RolloutSettings, run_compositions
+from .rollout import EngineRefused, RolloutSettings, run_compositions
 from .score import compare, load_trainer, trainer_log_probs
 
 COMPOSITIONS = ("alone", "batch", "shuffled", "prefix-cache", "chunked-prefill", "preemption", "eager")
@@ -135,23 +141,44 @@ def resolve_model(path: str | None) -> str:
     return path
 
 
-@contextlib.contextmanager
-def diagnostics_to_stderr():
-    """vLLM (and its engine processes, which inherit the descriptor) log to stdout; send that to
-    stderr so stdout carries only the report (a table, or JSON a machine can parse)."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
+def resolve_dtype(model_path: str, requested: str | None) -> tuple[str, str | None]:
+    """(dtype both sides run in, a note for the report or None). Without --dtype: bfloat16, but a
+    checkpoint whose config says float16 is refused with the server's own message (vLLM's `--dtype
+    auto` would run it in float16, which vexact-vllm does not support); with --dtype, that dtype, and
+    a note when it overrides a float16 checkpoint."""
+    from vexact_vllm.model_patches.config import check_dtype
+
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    saved = config.get("dtype") or config.get("torch_dtype")
+    if saved == "float16" and requested is None:
+        try:
+            check_dtype(torch.float16)
+        except ValueError as err:  # UnsupportedModelError: the message `vllm serve` prints
+            raise SystemExit(f"error: {err}") from None
+    if saved == "float16":
+        return requested, (f"the checkpoint's config says float16; checked in {requested} as --dtype asks "
+                           f"(serve it with --dtype {requested} too)")  # fmt: skip
+    return requested or "bfloat16", None
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+
+
+def header(args, model_path: str, dtype: str, n_prompts: int, settings) -> list[str]:
+    """The lines before the report: what runs, and the settings both sides read."""
+    cuda = torch.cuda.is_available()
+    return [
+        f"vexact-vllm {__version__} check: {model_path} in {dtype}, {n_prompts} prompts x {args.max_tokens} "
+        f"tokens, temperature {args.temperature}, seed {args.seed}, on {device_name()}"
+        + (f", tensor-parallel size {args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""),
+        f"settings: {settings.describe()}" + ("" if cuda else " (attention and key split: CUDA kernels only)"),
+    ]
 
 
 def run_check(args) -> int:
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if not args.verbose:  # vLLM's own lines go to the log (shown on a failure), at most its warnings
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     # The trainer and the CUDA probes touch the GPU in this process; vLLM's engine processes must
     # then be spawned, not forked (a forked child cannot re-initialise CUDA).
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -159,23 +186,40 @@ def run_check(args) -> int:
         from .plot import require_matplotlib
 
         require_matplotlib()  # before minutes of generation, not after
-    try:  # checked before minutes of generation; both sides read them
-        attention = cuda_attention_backend()
-        split = key_split()
+    try:  # read (again: the environment may have changed) and checked before minutes of generation
+        settings = refresh_settings()
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
-    with diagnostics_to_stderr():
-        rows, model_path, n_prompts, note = _run(args)
-    meta = {"model": model_path, "prompts": n_prompts, "max_tokens": args.max_tokens,
-            "temperature": args.temperature, "seed": args.seed, "tensor_parallel_size": args.tensor_parallel_size,
-            "cuda_attention": attention, "key_split": split}
+    model_path = resolve_model(args.model)
+    dtype, dtype_note = resolve_dtype(model_path, args.dtype)
+    prompts = read_prompts(args.prompts, args.num_prompts)
+
+    refused, outcome, log = None, "error", None
+    try:
+        with engine_output(args.verbose, "vexact-check-") as (console, log):
+            try:
+                rows, note = _run(args, model_path, dtype, prompts, console)
+            except EngineRefused as err:  # vLLM's config refused the model or an option: one line
+                refused = f"error: {err}"
+            except SystemExit as err:  # an argument refused once the prompts are tokenized
+                refused = err.code
+        outcome = "refused" if refused is not None else "passed" if verdict(rows) else "failed"
+    finally:
+        keep_log(log, outcome in ("error", "failed"), "vLLM's and the trainer's output")
+    if refused is not None:
+        raise SystemExit(refused)
+
+    meta = {"version": __version__, "model": model_path, "dtype": dtype, "prompts": len(prompts),
+            "max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed,
+            "tensor_parallel_size": args.tensor_parallel_size, "device": device_name(),
+            "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()}}  # fmt: skip
+    if dtype_note:
+        meta["dtype_note"] = dtype_note
     if note:
         meta["bisect"] = note
-    report = to_json(rows, meta) if args.json else to_table(rows) + (f"\n{note}" if note else "")
-    if not args.json and attention != "triton":
-        report += f"\nattention on CUDA: {attention} (VEXACT_ATTENTION), on the trainer and the rollout"
-    if not args.json and split:
-        report += f"\nCUDA attention keys split every {split} (VEXACT_KEY_SPLIT), on the trainer and the rollout"
+    head = header(args, model_path, dtype, len(prompts), settings) + ([f"note: {dtype_note}"] if dtype_note else [])
+    table = "\n".join([*head, to_table(rows)] + ([note] if note else []))
+    report = to_json(rows, meta) if args.json else table
     print(report, flush=True)
     if args.output:
         Path(args.output).write_text(report + "\n")
@@ -200,13 +244,10 @@ def bisect_note(trainer, results, rows, forced: bool) -> str | None:
     return None
 
 
-def _run(args) -> tuple[list[Row], str, int, str | None]:
+def _run(args, model_path: str, dtype: str, prompts: list[str], console) -> tuple[list[Row], str | None]:
     from tqdm import tqdm
 
-    model_path = resolve_model(args.model)
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     max_model_len = args.max_model_len
-    prompts = read_prompts(args.prompts, args.num_prompts)
     prompt_ids = tokenize(model_path, prompts, max_model_len, args.max_tokens)
     if args.compositions is None:
         names = default_compositions()
@@ -222,12 +263,12 @@ def _run(args) -> tuple[list[Row], str, int, str | None]:
 
     settings = RolloutSettings(
         model=model_path,
-        dtype=args.dtype,
+        dtype=dtype,
         max_model_len=max_model_len,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         seed=args.seed,
-        kv_cache_bytes=kv_cache_bytes(model_path, max_model_len, dtype.itemsize),
+        kv_cache_bytes=kv_cache_bytes(model_path, max_model_len, getattr(torch, dtype).itemsize),
         extra={"tensor_parallel_size": tp} if tp > 1 else {},
     )
     if "prefix-cache" in names:
@@ -239,30 +280,43 @@ def _run(args) -> tuple[list[Row], str, int, str | None]:
                 f"prefix, the longest prompt, twice --max-tokens) but --max-model-len is {max_model_len}. "
                 "Raise --max-model-len, or leave prefix-cache out of --compositions."
             )
-    steps = len(names) + (1 if args.against_stock else 0) + 1
-    progress = tqdm(total=steps, desc="vexact-vllm check", file=sys.stderr, disable=args.json or args.quiet)
-    results = [("vexact", r) for r in run_compositions(prompt_ids, settings, names, progress)]
+    engines = [("vexact", settings, names)]
     if args.against_stock:
-        stock = RolloutSettings(**{**settings.__dict__, "model_impl": "vllm"})
-        results += [("stock", r) for r in run_compositions(prompt_ids, stock, ["batch"], progress)]
+        engines.append(("stock", RolloutSettings(**{**settings.__dict__, "model_impl": "vllm"}), ["batch"]))
+    runs = sum(len(n) for _, _, n in engines)
+    steps = runs + 1 + runs * len(packings)  # compositions, the trainer's loading, its scoring
+    progress = tqdm(total=steps, desc="vexact-vllm check", file=console, leave=False,
+                    disable=args.json or args.quiet, bar_format="{l_bar}{bar:20}{r_bar}")  # fmt: skip
+    try:
+        results = []
+        for engine, engine_settings, engine_names in engines:
+            results += [(engine, r) for r in run_compositions(prompt_ids, engine_settings, engine_names, progress)]
+        progress.set_description_str(f"trainer: loading {Path(model_path).name}")
+        trainer = load_trainer(model_path, getattr(torch, dtype))
+        progress.update(1)
+        rows = score_rows(trainer, results, packings, progress)
+        progress.set_description_str("trainer: bisect")
+        note = bisect_note(trainer, results, rows, args.bisect)
+    finally:
+        progress.close()
+    return rows, note
 
-    trainer = load_trainer(model_path, dtype)
-    rows = score_rows(trainer, results, packings)
-    progress.update(1)
-    progress.close()
-    return rows, model_path, len(prompt_ids), bisect_note(trainer, results, rows, args.bisect)
 
-
-def score_rows(trainer, results, packings: list[int]) -> list[Row]:
+def score_rows(trainer, results, packings: list[int], progress=None) -> list[Row]:
     """One row per (engine, composition result): every rollout scored by the trainer in each packing
-    (micro-batch size, 0 = all in one) at the rollout's own temperature, the worst packing shown."""
+    (micro-batch size, 0 = all in one) at the rollout's own temperature, the worst packing shown.
+    `progress`: a tqdm-like bar, advanced by one per (result, packing) and described by it."""
     rows: list[Row] = []
     for engine, result in results:
         labels = ["all" if mb <= 0 else str(mb) for mb in packings]
-        comparisons = {
-            label: compare(result.rollouts, trainer_log_probs(trainer, result.rollouts, mb))
-            for label, mb in zip(labels, packings)
-        }
+        comparisons = {}
+        for label, mb in zip(labels, packings):
+            if progress is not None:
+                packing = "one micro-batch" if mb <= 0 else f"micro-batches of {mb}"
+                progress.set_description_str(f"trainer: scoring {engine} {result.name}, {packing}")
+            comparisons[label] = compare(result.rollouts, trainer_log_probs(trainer, result.rollouts, mb))
+            if progress is not None:
+                progress.update(1)
         worst = max(comparisons.values(), key=lambda c: (c.mismatches, c.max_abs_diff))
         per_packing = {label: c.mismatches for label, c in comparisons.items()}
         rows.append(Row(result.name, engine, ",".join(labels), worst, result.notes, result.problem, per_packing))
@@ -271,17 +325,23 @@ def score_rows(trainer, results, packings: list[int]) -> list[Row]:
 
 def add_arguments(parser) -> None:
     parser.add_argument("--model", help="Hugging Face checkpoint directory, or a built-in random-weight model: "
-                        "tiny-qwen3 (the default), tiny-qwen2, tiny-llama, tiny-qwen3-moe, qwen3-1.7b-shape (Qwen3-1.7B's shapes, "
-                        "~3.4 GB, built once in the cache)")
+                        "tiny-qwen3 (the default), tiny-qwen2, tiny-llama, tiny-qwen3-moe, qwen3-1.7b-shape (Qwen3-1.7B's "
+                        "shapes, ~3.4 GB, built once in the cache)")
     parser.add_argument("--prompts", type=existing_file,
-                        help="file with one prompt per line, or JSON lines with a 'prompt' field")
-    parser.add_argument("--num-prompts", type=positive_int, default=12)
-    parser.add_argument("--max-tokens", type=positive_int, default=24)
+                        help="file with one prompt per line, or JSON lines with a 'prompt' field, used in turn "
+                        f"(default: {len(BUILTIN_PROMPTS)} built-in prompts)")
+    parser.add_argument("--num-prompts", type=positive_int, default=12, help="requests, prompt i of them the "
+                        "(i mod N)-th prompt")
+    parser.add_argument("--max-tokens", type=positive_int, default=24,
+                        help="tokens generated per request (the preemption composition generates at least one "
+                        "KV block's worth more, 33)")
     parser.add_argument("--seed", type=int, default=0, help="request i uses seed + i")
     parser.add_argument("--temperature", type=temperature, default=1.0,
                         help="0 (greedy) to 2; below 0.01 counts as 0.01 on both sides, as vLLM does")
-    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    parser.add_argument("--max-model-len", type=positive_int, default=1024)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"),
+                        help="dtype of both sides (default: bfloat16; a checkpoint whose config says float16 is "
+                        "refused, as `vllm serve` refuses it, unless --dtype is given)")
+    parser.add_argument("--max-model-len", type=positive_int, default=1024, help="vLLM's max_model_len")
     parser.add_argument("--compositions",
                         help=f"comma-separated subset of {', '.join(COMPOSITIONS)} (default: all; eager only on CUDA)")
     parser.add_argument("--tensor-parallel-size", type=positive_int, default=1,
@@ -292,10 +352,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--against-stock", action="store_true",
                         help="also run stock vLLM (--model-impl vllm) against the same training forward")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--output", help="also write the report (table or JSON) to this file")
+    parser.add_argument("--output", help="also write the report (table or JSON) to this file (default: none)")
     parser.add_argument("--plot", help="write a PNG of per-position |log-prob difference| against the trainer, "
-                        "vexact beside stock (needs matplotlib)")
+                        "vexact beside stock (needs matplotlib; default: none)")
     parser.add_argument("--bisect", action="store_true",
                         help="replay a request's inference steps in-process and name the first module whose "
                         "output differs from training (runs by itself on a mismatch)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show vLLM's own log on stderr as it runs (by default it goes to a temporary file, "
+                        "named only when the check fails)")

@@ -95,8 +95,7 @@ def run_case(
 
 def _record(case: FuzzCase, row, bisect: str | None) -> dict:
     c = row.comparison
-    first = None if c.first is None else f"request {c.first.request}, position {c.first.position}: " \
-        f"vLLM {c.first.vllm!r} trainer {c.first.trainer!r}"  # fmt: skip
+    first = None if c.first is None else c.first.describe()
     return {
         "case": case.index, "seed": case.seed, "composition": _base(row.composition), "run": row.composition,
         "passed": c.mismatches == 0, "inconclusive": row.problem is not None, "tokens": c.tokens,
@@ -186,7 +185,7 @@ def _case_here(args, index: int) -> list[dict]:
 def run_fuzz(args) -> int:
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
-    from .check import diagnostics_to_stderr
+    from .console import diagnostics_to_stderr
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -244,19 +243,19 @@ def _compositions(text: str) -> list[str]:
 def add_arguments(parser) -> None:
     parser.add_argument("--cases", type=positive_int, default=4, help="random cases to draw (case indices from --start)")
     parser.add_argument("--start", type=int, default=0, help="index of the first case")
-    parser.add_argument("--case", type=int, help="run only this case index (a failure's reproducer)")
+    parser.add_argument("--case", type=int, help="run only this case index (a failure's reproducer; default: --cases from --start)")
     parser.add_argument("--seed", type=int, default=0, help="the run's seed: with the index it fixes each case")
     parser.add_argument("--profile", choices=("cpu", "cuda"), help="size limits of the drawn cases (default: the device)")
     parser.add_argument("--max-prompt-len", type=positive_int,
                         help=f"longest prompt drawn (default: {PROFILE_DEFAULTS['cpu']} cpu, {PROFILE_DEFAULTS['cuda']} cuda)")
     parser.add_argument("--rounds", type=positive_int, default=2,
                         help="times the shared-engine compositions run in a row on one engine")
-    parser.add_argument("--compositions", type=_compositions, help="only these compositions (comma-separated)")
+    parser.add_argument("--compositions", type=_compositions, help="only these compositions (comma-separated; default: each case's own draw)")
     parser.add_argument("--workers", type=positive_int, default=1, help="cases run at once, each in its own process")
     parser.add_argument("--gpu-memory-utilization", type=float,
                         help="vLLM's, per engine (default: vLLM's; 0.6 / --workers with several workers)")
     parser.add_argument("--workdir", help="where checkpoints are built (default: a temporary directory)")
     parser.add_argument("--keep", action="store_true", help="keep every checkpoint (failing ones are always kept)")
     parser.add_argument("--json", action="store_true", help="print the records as JSON")
-    parser.add_argument("--output", help="also write every record as JSON to this file")
+    parser.add_argument("--output", help="also write every record as JSON to this file (default: none)")
     parser.add_argument("--records", action="store_true", help=argparse.SUPPRESS)  # a --workers child

@@ -46,10 +46,7 @@ def to_table(rows: list[Row]) -> str:
     lines = [header]
     for r in rows:
         c = r.comparison
-        first = "-"
-        if c.first is not None:
-            f = c.first
-            first = f"request {f.request}, position {f.position}: vLLM {f.vllm!r} trainer {f.trainer!r}"
+        first = "-" if c.first is None else c.first.describe()
         name = r.composition + "".join(f" [{k}: {v}]" for k, v in r.notes.items())
         packing = r.packing
         if len(set(r.per_packing.values())) > 1:  # the packings disagree: show each one's count

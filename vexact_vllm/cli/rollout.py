@@ -1,9 +1,9 @@
 """Generate with vLLM under the compositions `vexact-vllm check` compares.
 
 A composition is one way of feeding the same requests to vLLM: each prompt alone, all at once,
-shuffled, a small token budget that forces chunked prefill, a KV cache small enough to force
-preemption and recompute (its requests generate at least one block's worth of tokens, so each must
-grow into a new block mid-decode), CUDA graphs off (`eager`). Every request carries its own seed, so a
+shuffled, a small token budget that forces chunked prefill, a KV cache sized from the prompts and
+output lengths so that two requests cannot finish side by side, forcing preemption and recompute
+(`preemption_plan`), CUDA graphs off (`eager`). Every request carries its own seed, so a
 bitwise-invariant engine returns the same tokens and log-probs in all of them.
 
 `prefix-cache` feeds other requests, built so that most of their prompt is read from cached KV
@@ -80,6 +80,29 @@ def sampling_params(settings: RolloutSettings, index: int):
     )
 
 
+class EngineRefused(Exception):
+    """vLLM refused the engine while building its configuration (an unsupported architecture,
+    sliding window, dtype, option...): the message says what to do; no traceback is needed."""
+
+
+def refusal_message(err: BaseException) -> str | None:
+    """The message of a refusal raised while vLLM builds its configuration, else None. vLLM's config
+    classes are pydantic dataclasses, so the ValueError a check raises reaches the caller as a
+    pydantic ValidationError ("Value error, <message>"); a plugin check may raise
+    UnsupportedModelError directly."""
+    from vexact_vllm.model_patches import UnsupportedModelError
+
+    if isinstance(err, UnsupportedModelError):
+        return str(err)
+    if type(err).__name__ == "ValidationError" and hasattr(err, "errors"):
+        try:
+            messages = [str(e["msg"]).removeprefix("Value error, ") for e in err.errors()]
+        except Exception:  # another ValidationError API: not recognised as a refusal
+            return None
+        return "; ".join(messages) or None
+    return None
+
+
 def _engine(settings: RolloutSettings, **overrides):
     from vllm import LLM
 
@@ -96,7 +119,13 @@ def _engine(settings: RolloutSettings, **overrides):
     )
     kwargs.update(settings.extra)
     kwargs.update(overrides)
-    return LLM(**kwargs)
+    try:
+        return LLM(**kwargs)
+    except Exception as err:
+        message = refusal_message(err)
+        if message is None:
+            raise
+        raise EngineRefused(message) from None
 
 
 def _shutdown(llm) -> None:
@@ -171,26 +200,46 @@ SHARED_ENGINE = ("alone", "batch", "shuffled", "prefix-cache")  # run on one eng
 ROUND_SEED_STRIDE = 100_003
 
 
-def _shared_engine_round(llm, prompt_ids, settings, names, suffix, step) -> list[CompositionResult]:
+class Steps:
+    """The progress of `run_compositions`: `start(label)` names the step under way (a progress bar's
+    description, when there is one), `done()` counts a finished composition."""
+
+    def __init__(self, progress=None):
+        self.progress = progress
+
+    def start(self, label: str) -> None:
+        if self.progress is not None and hasattr(self.progress, "set_description_str"):
+            self.progress.set_description_str(label)
+
+    def done(self) -> None:
+        if self.progress is not None:
+            self.progress.update(1)
+
+
+def _shared_engine_round(llm, prompt_ids, settings, names, suffix, steps: Steps) -> list[CompositionResult]:
     results: list[CompositionResult] = []
     n = len(prompt_ids)
     if "alone" in names:
+        steps.start(f"vLLM: alone{suffix} ({n} requests one by one)")
         rollouts = [_generate(llm, [(prompt_ids[i], i)], settings)[0] for i in range(n)]
         results.append(CompositionResult("alone" + suffix, rollouts))
-        step(1)
+        steps.done()
     if "batch" in names:
+        steps.start(f"vLLM: batch{suffix}")
         results.append(CompositionResult("batch" + suffix, _generate_all(llm, prompt_ids, settings, list(range(n)))))
-        step(1)
+        steps.done()
     if "shuffled" in names:
+        steps.start(f"vLLM: shuffled{suffix}")
         order = list(range(n))
         random.Random(settings.seed).shuffle(order)
         results.append(CompositionResult("shuffled" + suffix, _generate_all(llm, prompt_ids, settings, order)))
-        step(1)
+        steps.done()
     if "prefix-cache" in names:  # last in a round: the earlier ones share no prefix with it
+        steps.start(f"vLLM: prefix-cache{suffix}")
         result = _prefix_cache(llm, prompt_ids, settings)
         result.name += suffix
         results.append(result)
-        step(1)
+        steps.done()
     return results
 
 
@@ -199,21 +248,24 @@ def run_compositions(
 ) -> list[CompositionResult]:
     """Run the named compositions; engines are started once each and shut down after use
     (alone, batch, shuffled and prefix-cache share one, on which they run `rounds` times in a row,
-    round r with seeds shifted by r * ROUND_SEED_STRIDE and its results named "<name> #r")."""
+    round r with seeds shifted by r * ROUND_SEED_STRIDE and its results named "<name> #r").
+    `progress`: a tqdm-like bar, advanced by one per composition run and described by its step."""
     results: list[CompositionResult] = []
     n = len(prompt_ids)
-    step = progress.update if progress is not None else (lambda *_: None)
+    steps = Steps(progress)
 
     if set(SHARED_ENGINE) & set(names):
+        steps.start("vLLM: starting an engine")
         llm = _engine(settings)
         try:
             for r in range(rounds):
                 shifted = dataclasses.replace(settings, seed=settings.seed + r * ROUND_SEED_STRIDE)
-                results += _shared_engine_round(llm, prompt_ids, shifted, names, f" #{r}" if rounds > 1 else "", step)
+                results += _shared_engine_round(llm, prompt_ids, shifted, names, f" #{r}" if rounds > 1 else "", steps)
         finally:
             _shutdown(llm)
 
     if "chunked-prefill" in names:
+        steps.start(f"vLLM: chunked-prefill (starting an engine with a {settings.chunk_tokens}-token budget)")
         llm = _engine(
             settings,
             enable_chunked_prefill=True,
@@ -221,59 +273,112 @@ def run_compositions(
             max_num_seqs=max(2, min(n, settings.chunk_tokens)),
         )
         try:
+            steps.start("vLLM: chunked-prefill")
             rollouts = _generate_all(llm, prompt_ids, settings, list(range(n)))
             results.append(CompositionResult(f"chunked-prefill ({settings.chunk_tokens} tok)", rollouts))
-            step(1)
+            steps.done()
         finally:
             _shutdown(llm)
 
     if "preemption" in names:
-        # Every request generates past a block boundary (at least block_size + 1 tokens), so it must
-        # take a new KV block mid-decode: with the cache sized below, that preempts another request.
-        least = settings.block_size + 1
-        grow = dataclasses.replace(
-            settings,
-            max_tokens=max(settings.max_tokens, least),
-            per_request=[{**o, "max_tokens": max(o.get("max_tokens", least), least)} for o in settings.per_request],
-        )
-        blocks = settings.preempt_blocks or preemption_blocks(prompt_ids, grow)
-        llm = _engine(grow, num_gpu_blocks_override=blocks, max_model_len=(blocks - 1) * settings.block_size)
-        try:
-            rollouts = _generate_all(llm, prompt_ids, grow, list(range(n)))
-            count = _counter(llm, "vllm:num_preemptions")
-            problem = None
-            if count == 0:
-                problem = (
-                    f"no preemption happened with {blocks} KV blocks of {settings.block_size} tokens: the composition "
-                    "tested nothing; raise --max-tokens (requests must grow into new blocks) or add prompts"
-                )
-            notes = {"preemptions": "n/a" if count is None else count}
-            results.append(CompositionResult(f"preemption ({blocks} blocks)", rollouts, notes, problem))
-            step(1)
-        finally:
-            _shutdown(llm)
+        results.append(_preemption(prompt_ids, settings, steps))
 
     if "eager" in names:  # batch's requests with CUDA graphs (and torch.compile) off
+        steps.start("vLLM: eager (starting an engine without CUDA graphs)")
         llm = _engine(settings, enforce_eager=True)
         try:
+            steps.start("vLLM: eager")
             results.append(CompositionResult("eager", _generate_all(llm, prompt_ids, settings, list(range(n)))))
-            step(1)
+            steps.done()
         finally:
             _shutdown(llm)
     return results
 
 
-def preemption_blocks(prompt_ids: list[list[int]], settings: RolloutSettings) -> int:
-    """Enough blocks for the longest request to finish alone (one spare), and for the first two
-    requests' prompts to be admitted side by side (the scheduler admits in order and a waiting prompt
-    only when all its blocks fit), too few for them to finish side by side: every request generates
-    past a block boundary, so the two must collide. With long prompts the first bound is not enough:
-    the second prompt would wait for the first request to finish and nothing would be preempted."""
-    bs = settings.block_size
+def _preemption(prompt_ids: list[list[int]], settings: RolloutSettings, steps: Steps) -> CompositionResult:
+    """Every request generates past a block boundary (at least block_size + 1 tokens), so it must take
+    a new KV block mid-decode; the cache is sized by `preemption_plan` so that two requests cannot
+    finish side by side: one preempts the other, which is recomputed."""
+    least = settings.block_size + 1
+    grow = dataclasses.replace(
+        settings,
+        max_tokens=max(settings.max_tokens, least),
+        per_request=[{**o, "max_tokens": max(o.get("max_tokens", least), least)} for o in settings.per_request],
+    )
+    if settings.preempt_blocks:
+        blocks, order = settings.preempt_blocks, list(range(len(prompt_ids)))
+    else:
+        blocks, order = preemption_plan(prompt_ids, grow)
+    longest = max(len(p) + grow.request_options(i)["max_tokens"] for i, p in enumerate(prompt_ids))
+    # vLLM refuses a max_model_len its cache cannot hold (the null block aside); every request fits.
+    max_model_len = min((blocks - 1) * settings.block_size, max(settings.max_model_len, longest))
+    steps.start(f"vLLM: preemption (starting an engine with {blocks} KV blocks)")
+    llm = _engine(grow, num_gpu_blocks_override=blocks, max_model_len=max_model_len)
+    try:
+        steps.start(f"vLLM: preemption ({blocks} KV blocks)")
+        rollouts = _generate_all(llm, prompt_ids, grow, order)
+        count = _counter(llm, "vllm:num_preemptions")
+    finally:
+        _shutdown(llm)
+    problem = None
+    if count == 0:
+        problem = (
+            f"no preemption happened with {blocks} KV blocks of {settings.block_size} tokens: the composition "
+            "tested nothing" + ("; it needs two requests or more" if len(prompt_ids) < 2 else "")
+        )
+    steps.done()
+    notes = {"preemptions": "n/a" if count is None else count}
+    return CompositionResult(f"preemption ({blocks} blocks)", rollouts, notes, problem)
+
+
+def shared_blocks(first: list[int], second: list[int], block_size: int) -> int:
+    """KV blocks of `second`'s prompt that vLLM's prefix cache can take from `first`'s: the leading
+    full blocks the two prompts have in common, less the block holding `second`'s last prompt
+    token (vLLM always computes that token)."""
+    common = 0
+    while (common + 1) * block_size <= min(len(first), len(second)):
+        lo, hi = common * block_size, (common + 1) * block_size
+        if first[lo:hi] != second[lo:hi]:
+            break
+        common += 1
+    return min(common, (len(second) - 1) // block_size)
+
+
+def preemption_plan(prompt_ids: list[list[int]], settings: RolloutSettings) -> tuple[int, list[int]]:
+    """(KV blocks, submission order) that make the preemption composition preempt, whatever the prompts.
+
+    With b(t) = blocks holding t tokens and full(i) = b(prompt + max_tokens) of request i, request A
+    (the largest full(i)) goes first, request B second, and the cache holds
+    U = max(full(A), b(len A + 1) + b(len B + 1) - shared(A, B)) usable blocks (plus vLLM's null block):
+    1. every request can finish alone: U >= full(A) >= full(i);
+    2. A and B are admitted side by side: vLLM admits a waiting request only when its whole prompt
+       fits, and when B is considered A holds at most b(len A + 1) blocks;
+    3. they cannot both run to A's last step: A then holds full(A) > b(len A + 1) blocks (it generates
+       past a block boundary) and B at least b(len B + 1) > shared(A, B), more than U together.
+    So one of them is preempted and recomputed (3 assumes B is still running at A's end: true when
+    every request has the same max_tokens, as in the check). B minimizes the admission bound among
+    the requests sharing no prefix-cache block with A (its admission then never hangs on a cache hit);
+    only when all share blocks with A (one prompt repeated, a common system prompt) is B one that
+    does. The other requests follow in index order. With prefix caching off
+    (`enable_prefix_caching=False` in settings.extra) nothing is shared."""
+    n, bs = len(prompt_ids), settings.block_size
 
     def blocks(tokens: int) -> int:
         return -(-tokens // bs)
 
     full = [blocks(len(p) + settings.request_options(i)["max_tokens"]) for i, p in enumerate(prompt_ids)]
-    side_by_side = sum(blocks(len(p) + 1) for p in prompt_ids[:2]) + 1
-    return max(max(full) + 1, side_by_side)
+    a = max(range(n), key=lambda i: (full[i], -i))
+    if n == 1:
+        return full[a] + 1, [a]
+    caching = settings.extra.get("enable_prefix_caching", True)
+
+    def shared(i: int) -> int:
+        return shared_blocks(prompt_ids[a], prompt_ids[i], bs) if caching else 0
+
+    def admission(i: int) -> int:
+        return blocks(len(prompt_ids[a]) + 1) + blocks(len(prompt_ids[i]) + 1) - shared(i)
+
+    others = [i for i in range(n) if i != a]
+    b = min(others, key=lambda i: (shared(i) > 0, admission(i), i))
+    usable = max(full[a], admission(b))
+    return usable + 1, [a, b] + [i for i in others if i != b]

@@ -59,9 +59,14 @@ def trainer_log_probs(
 @dataclass
 class Mismatch:
     request: int
-    position: int  # index of the token in its sequence (prompt included)
+    position: int  # index of the token in its sequence, the prompt counted
     vllm: float
     trainer: float
+    output_index: int = 0  # index of the token among the generated ones (position - prompt length)
+
+    def describe(self) -> str:
+        return (f"request {self.request}, generated token {self.output_index} (position {self.position} "
+                f"counting the prompt): vLLM {self.vllm!r} trainer {self.trainer!r}")  # fmt: skip
 
 
 @dataclass
@@ -89,5 +94,5 @@ def compare(rollouts: list[Rollout], trainer: list[torch.Tensor]) -> Comparison:
         per_position += list(enumerate(diff.tolist()))
         if first is None and bad.numel():
             k = int(bad[0])
-            first = Mismatch(i, len(r.prompt_ids) + k, float(v[k]), float(t[k]))
+            first = Mismatch(i, len(r.prompt_ids) + k, float(v[k]), float(t[k]), k)
     return Comparison(tokens, mismatches, max_diff, first, per_position)
