@@ -3,7 +3,7 @@
     python benchmarks/bench_sampler.py [--rows 1,16,64,256,512] [--vocab 151936] [--out DIR]
 
 Per row count, draw and output, both timed as CUDA-graph replays (as the decode step runs them):
-"composition" is what the sampler launched before (`kernels.sample._sample_composed` on CUDA
+"composition" is what the sampler launched before (`kernels.sample.sample_composed` on CUDA
 tensors): log_softmax written to [B, V], then argmax or gumbel_argmax reading it, then (output
 "token_log_probs") the token's log-prob gathered and its rank counted by torch
 (`(log_probs >= token_lp).sum(-1)`, standing in for vLLM's rank kernel, which also reads the row once). "fused" is `sample_tokens(..., draw=, output=)`. Greedy against sampled shows
@@ -40,7 +40,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     from vexact_vllm.kernels import Sampled, sample_tokens
-    from vexact_vllm.kernels.sample import _sample_composed  # the composition, each op by its own kernel
+    from vexact_vllm.kernels.sample import sample_composed  # the composition, each op by its own kernel
 
     torch.manual_seed(0)
     results = []
@@ -54,9 +54,9 @@ def main() -> None:
                 new = sample_tokens(logits, tau, seeds, positions, draw=draw, output=output)
                 old = Sampled(*(None if t is None else torch.empty_like(t) for t in new))
                 inputs = (logits, tau, seeds, positions)
-                _sample_composed(*inputs, draw, output, old)
+                sample_composed(*inputs, draw, output, old)
                 equal = all((a is None and b is None) or torch.equal(a, b) for a, b in zip(old, new))
-                t_old = _time_graph(lambda i=inputs, d=draw, o=output, b=old: _sample_composed(*i, d, o, b))
+                t_old = _time_graph(lambda i=inputs, d=draw, o=output, b=old: sample_composed(*i, d, o, b))
                 t_new = _time_graph(lambda i=inputs, d=draw, o=output: sample_tokens(*i, draw=d, output=o))
                 results.append(dict(rows=rows, draw=draw, output=output, composition_us=t_old, fused_us=t_new,
                                     speedup=t_old / t_new, equal=equal))  # fmt: skip

@@ -17,19 +17,23 @@ from .dispatch import (
     reference_mode,
 )
 from .gemm import linear
-from .logprob import VOCAB_BLOCK, gumbel_argmax, linear_token_log_probs, log_softmax, token_log_probs
+from .logprob import TORCH_VOCAB_BLOCK, linear_token_log_probs, log_softmax, token_log_probs
 from .mkl_vml import warm_up_vml
 from .moe import fused_moe
 from .moe_routing import route
 from .rms_norm import add_rms_norm, rms_norm
 from .rope import apply_rope, rope_cache
-from .sample import Sampled, sample_tokens
+from .sample import Sampled, gumbel_argmax, sample_tokens
 from .truncation import truncation_threshold
+
+# The torch path's log-softmax block, under the name this package has always exported.
+VOCAB_BLOCK = TORCH_VOCAB_BLOCK
 
 warm_up_vml()  # before any parallel CPU op of ours can race on MKL's lazy dispatch (see mkl_vml.py)
 
 __all__ = [
     "KEY_TILE",
+    "TORCH_VOCAB_BLOCK",
     "VOCAB_BLOCK",
     "add_rms_norm",
     "apply_rope",

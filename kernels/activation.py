@@ -61,3 +61,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"x must end in an even size 2I, got shape {tuple(x.shape)}")
     check_last_dim_contiguous("x", x)
     return _IMPLS[backend_for(x)](x)
+
+
+def silu_and_mul_grad(gu: torch.Tensor, grad_a: torch.Tensor) -> torch.Tensor:
+    """fp32 [M, 2I]: the gradient w.r.t. gu [M, 2I] = [a | b] of silu_and_mul(gu) for an output
+    gradient g = grad_a [M, I] (the formula of `_SiluAndMulFunction.backward`): with
+    s = 1 / (1 + exp(-a)), da = g b s (1 + a (1 - s)), db = g a s. Used by the MoE backwards."""
+    inter = gu.shape[-1] // 2
+    a = gu[:, :inter].float()  # [M, I]
+    b = gu[:, inter:].float()  # [M, I]
+    g = grad_a.float()
+    s = 1.0 / (1.0 + torch.exp(-a))  # exp overflow gives s = 0, never NaN
+    return torch.cat([g * b * s * (1.0 + a * (1.0 - s)), g * (a * s)], dim=-1)

@@ -2,7 +2,7 @@
 
 Legend: M rows, N output columns, K the reduction, S = 2 parts of K/2 columns each.
 Math (the reduction `gemm_triton` defines for a weight shape with k_split = 2):
-    p_s[m, n] = sum over k in [s K/2, (s+1) K/2) of x[m, k] W[n, k]   (`_dot_k_range`, from the
+    p_s[m, n] = sum over k in [s K/2, (s+1) K/2) of x[m, k] W[n, k]   (`dot_k_range`, from the
                                                                        part's first column, BLOCK_K steps)
     y[m, n]   = ((p_0 + p_1) + fp32(b[n])).to(out_dtype)
 Why separate programs: a narrow weight (N = 2048) in 16-wide column tiles gives 128 tiles at M <= 64,
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemm_tiles_triton import _dot_k_range, _tile_coords
+from .gemm_tiles_triton import dot_k_range, tile_coords
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -56,7 +56,7 @@ def _linear_split_kernel(
     part = pid % 2
     num_pid_m = (M + BLOCK_M - 1) // BLOCK_M
     num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
-    pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+    pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -65,7 +65,7 @@ def _linear_split_kernel(
     k_part = K // 2
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + part * k_part + offs_k[None, :]
     w_ptrs = w_ptr + cols[None, :] * stride_wn + part * k_part + offs_k[:, None]
-    acc = _dot_k_range(x_ptrs, w_ptrs, row_ok, k_part, EVEN_K, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = dot_k_range(x_ptrs, w_ptrs, row_ok, k_part, EVEN_K, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
 
     # Publish this part, then take a ticket: the barrier orders every thread's stores before the
     # (single-thread, release) atomic; its acquire orders the last program's loads after it.

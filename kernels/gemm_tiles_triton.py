@@ -1,7 +1,7 @@
 """Triton building blocks shared by the GEMM kernels (gemm_triton, gemm_split_triton, moe_triton):
 the tile order, and the reduction of one K range, which fixes how every output element is summed.
 
-`_dot_k_range` (pointer loads) and `_dot_k_range_tma` (tensor descriptors) reduce a K range the same
+`dot_k_range` (pointer loads) and `dot_k_range_tma` (tensor descriptors) reduce a K range the same
 way: from its first column, one `tl.dot` per BLOCK_K step chained on an fp32 accumulator in K order,
 what lies past M, N or the range's end read as exact zeros. A kernel that splits K into parts calls
 them once per part; the parts are summed by the caller.
@@ -12,7 +12,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+def tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """(pid_m, pid_n) of a tile: GROUP_M row-tiles share each column sweep so W stays in L2."""
     tiles_per_group = GROUP_M * num_pid_n
     first_pid_m = (tile_id // tiles_per_group) * GROUP_M
@@ -23,7 +23,7 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _dot_k_range(
+def dot_k_range(
     x_ptrs,  # [BLOCK_M, BLOCK_K] pointers at the range's first column
     w_ptrs,  # [BLOCK_K, BLOCK_N] pointers (W^T tile) at the range's first column
     row_ok,  # [BLOCK_M] rows below M
@@ -57,7 +57,7 @@ def _dot_k_range(
 
 
 @triton.jit
-def _dot_k_range_tma(
+def dot_k_range_tma(
     x_desc,
     w_desc,
     row0,
@@ -69,7 +69,7 @@ def _dot_k_range_tma(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """`_dot_k_range` through tensor descriptors: K steps first_tile .. first_tile + k_tiles - 1, in
+    """`dot_k_range` through tensor descriptors: K steps first_tile .. first_tile + k_tiles - 1, in
     order; what lies past M, N or K loads as exact zeros."""
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for ki in range(first_tile, first_tile + k_tiles):

@@ -11,7 +11,7 @@ Invariant (DESIGN rule 2): the bits of output row m depend only on x[m] and W.
   fixed, and every part is walked from its first column upwards in steps of BLOCK_K, in order, with
   one `tl.dot(x_tile, w_tile, acc)` per step (on Hopper: wgmma instructions of k = 16, chained on
   the fp32 accumulator in K order), the tail masked with zeros (adding 0.0 changes no bit)
-  (`gemm_tiles_triton._dot_k_range`). The split's boundaries are a function of K alone, never of M
+  (`gemm_tiles_triton.dot_k_range`). The split's boundaries are a function of K alone, never of M
   or the load; whether one program sums both parts (two accumulators) or two programs each compute
   one (`gemm_split_triton`, decode sizes) changes no bit: p_0 + p_1 == p_1 + p_0. No autotuning.
 - The TILE shape (BLOCK_M, BLOCK_N, warps, stages, persistent programs) and how tiles reach shared
@@ -45,7 +45,7 @@ import triton.language as tl
 
 from .checks import SUPPORTED_DTYPES, check_dim, check_dtype, check_last_dim_contiguous, check_same_device
 from .gemm_split_triton import linear_split_programs
-from .gemm_tiles_triton import _dot_k_range, _dot_k_range_tma, _tile_coords  # noqa: F401 (moe_triton)
+from .gemm_tiles_triton import dot_k_range, dot_k_range_tma, tile_coords
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -84,7 +84,7 @@ def _linear_kernel(
     for tile_id in tl.range(start_pid, num_tiles, NUM_PROGRAMS, flatten=True):
         # 1. Tile coordinates. Rows past M are masked (zeros, no traffic: clamping them all to one
         #    row makes every SM hammer one L2 line when M is small); columns past N read column 0.
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = offs_m < M
@@ -97,18 +97,18 @@ def _linear_kernel(
         #    (a sum from +0 is never -0), so the total is p_0 + p_1. One K loop in the code: a second
         #    loop would take shared memory for its own pipeline.
         if K_SPLIT == 1:
-            acc = _dot_k_range(x_ptrs, w_ptrs, row_ok, k_part, EVEN_K, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+            acc = dot_k_range(x_ptrs, w_ptrs, row_ok, k_part, EVEN_K, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
         else:
             acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
             for part in range(K_SPLIT):
-                acc += _dot_k_range(
+                acc += dot_k_range(
                     x_ptrs + part * k_part, w_ptrs + part * k_part, row_ok, k_part,
                     EVEN_K, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
                 )  # fmt: skip
 
         # 3. Bias once in fp32, round once to the output dtype, store the valid part.
         tile_id_out += NUM_PROGRAMS
-        pid_m, pid_n = _tile_coords(tile_id_out, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_coords(tile_id_out, num_pid_m, num_pid_n, GROUP_M)
         offs_ym = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_yn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         if HAS_BIAS:
@@ -151,21 +151,21 @@ def _linear_kernel_tma(
     for tile_id in tl.range(
         start_pid, num_tiles, NUM_PROGRAMS, flatten=True, warp_specialize=WARP_SPECIALIZE
     ):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         row0 = pid_m * BLOCK_M
         col0 = pid_n * BLOCK_N
         if K_SPLIT == 1:
-            acc = _dot_k_range_tma(
+            acc = dot_k_range_tma(
                 x_desc, w_desc, row0, col0, 0, k_tiles, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K
             )
         else:  # K_SPLIT > 1 only where K / K_SPLIT is a multiple of BLOCK_K; a total from zero (above)
             acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
             for part in range(K_SPLIT):
-                acc += _dot_k_range_tma(
+                acc += dot_k_range_tma(
                     x_desc, w_desc, row0, col0, part * k_tiles, k_tiles, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K
                 )
         tile_id_out += NUM_PROGRAMS
-        pid_m, pid_n = _tile_coords(tile_id_out, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_coords(tile_id_out, num_pid_m, num_pid_n, GROUP_M)
         if HAS_BIAS:
             offs_yn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             bias = tl.load(b_ptr + offs_yn, mask=offs_yn < N, other=0.0)

@@ -1,33 +1,33 @@
 """Triton log-softmax, token log-probs and the fused lm_head log-prob (the CUDA path of `logprob.py`).
 
-Temperature semantics are `logprob.py`'s: the callers pass tau as an fp32 [M, 1] tensor, either the
+Temperature semantics are logit_rules.py's: the callers pass tau as an fp32 [M, 1] tensor, either the
 requested temperatures or their `effective_temperature` (each kernel applies that rule itself, in
-`_effective_tau`, which is idempotent), and every kernel forms scaled = z / tau with `div_rn`, the IEEE
+`effective_tau`, which is idempotent), and every kernel forms scaled = z / tau with `div_rn`, the IEEE
 round-to-nearest division (Triton's plain fp32 `/` is an approximation; torch's CUDA `/` is
 div.rn, so the bits are torch's `logits / tau`).
 
-Log-softmax of a row of V fp32 logits z, in chunks of VOCAB_CHUNK = CHUNK_BLOCKS * VOCAB_BLOCK
-columns (chunk c: columns c * VOCAB_CHUNK ..), each chunk read by its own program (rows x chunks
+Log-softmax of a row of V fp32 logits z, in chunks of TRITON_VOCAB_CHUNK = TRITON_CHUNK_BLOCKS * TRITON_VOCAB_BLOCK
+columns (chunk c: columns c * TRITON_VOCAB_CHUNK ..), each chunk read by its own program (rows x chunks
 programs, so a few rows still spread over the SMs):
     1. per chunk c: mx_c = max scaled[v]        running elementwise max over its blocks, then one
                                                 tree max (exact, order-free)
-                    s_c  = sum exp(scaled[v] - mx_c)   added elementwise into an fp32 [VOCAB_BLOCK]
+                    s_c  = sum exp(scaled[v] - mx_c)   added elementwise into an fp32 [TRITON_VOCAB_BLOCK]
                                                 vector block by block in index order, then one tree sum
                                                 (a chunk whose logits are all -inf: s_c = 0)
     2. per row:     mx = max_c mx_c (exact);  sum = s_0 e_0 + s_1 e_1 + ... in chunk order, one
                     term at a time, e_c = exp(mx_c - mx);  lse = mx + log(sum)
     3. log_prob[v] = scaled[v] - lse
-Step 1 is `_chunk_lse_kernel`; steps 2 and 3 are `_log_softmax_fwd_kernel`, which writes step 3 for
+Step 1 is `chunk_lse_kernel`; steps 2 and 3 are `_log_softmax_fwd_kernel`, which writes step 3 for
 every v (`log_softmax`, one program per (row, chunk), each forming the row's lse from the same
 partials in the same order) or for v = token only, with lse (`token_log_probs`): one kernel source
 (the MODE constexpr only picks what step 3 writes), so a token's value is log_softmax's at that
-token, bit for bit. Loops run over constexpr counts (CHUNK_BLOCKS, NUM_CHUNKS = cdiv(V,
-VOCAB_CHUNK)): one compilation per vocabulary size.
-The blocks (and Triton's exp/log) differ from the torch path's (`logprob.VOCAB_BLOCK`, 1024, one
+token, bit for bit. Loops run over constexpr counts (TRITON_CHUNK_BLOCKS, NUM_CHUNKS = cdiv(V,
+TRITON_VOCAB_CHUNK)): one compilation per vocabulary size.
+The blocks (and Triton's exp/log) differ from the torch path's (`logprob.TORCH_VOCAB_BLOCK`, 1024, one
 global max), so the two backends agree to rounding, not bitwise: inference and training must run
 the same backend.
 
-Invariant: the order of every addition is fixed by V, VOCAB_BLOCK and CHUNK_BLOCKS alone (the same
+Invariant: the order of every addition is fixed by V, TRITON_VOCAB_BLOCK and TRITON_CHUNK_BLOCKS alone (the same
 for every call), never by the number of rows in the launch, the chunk of rows a row falls in
 (`linear_token_log_probs`), or the entry point (`log_softmax`, `token_log_probs`,
 `linear_token_log_probs`).
@@ -48,7 +48,7 @@ from triton.language.standard import _elementwise_max, _sum_combine
 from .autograd_utils import backward_without_autocast
 from .checks import check_dtype, check_last_dim_contiguous
 from .gemm import linear
-from .logprob import MIN_TEMPERATURE, mask_logits_
+from .logit_rules import MIN_TEMPERATURE, mask_logits_
 
 # The reductions are spelled `tl.reduce(x, 0, _sum_combine)` / `_elementwise_max`: exactly what
 # `tl.sum` / `tl.max` expand to for fp32, but with no call to a @triton.jit library function, so the
@@ -56,13 +56,13 @@ from .logprob import MIN_TEMPERATURE, mask_logits_
 # (the tests); the interpreter recognises these combine functions and reduces with numpy.
 
 # Vocabulary columns per block. Fixed for every call: with V it sets the order of the additions.
-VOCAB_BLOCK = 4096
-# Blocks per chunk program (VOCAB_CHUNK = 8192 columns: 19 chunks of a 151,936-token vocabulary).
-# Fixed with VOCAB_BLOCK: it decides which columns share a partial sum.
-CHUNK_BLOCKS = 2
-VOCAB_CHUNK = CHUNK_BLOCKS * VOCAB_BLOCK
-# Warps per program; fixed with VOCAB_BLOCK (it shapes the tree of each chunk's tl.sum).
-_NUM_WARPS = 16
+TRITON_VOCAB_BLOCK = 4096
+# Blocks per chunk program (TRITON_VOCAB_CHUNK = 8192 columns: 19 chunks of a 151,936-token vocabulary).
+# Fixed with TRITON_VOCAB_BLOCK: it decides which columns share a partial sum.
+TRITON_CHUNK_BLOCKS = 2
+TRITON_VOCAB_CHUNK = TRITON_CHUNK_BLOCKS * TRITON_VOCAB_BLOCK
+# Warps per program; fixed with TRITON_VOCAB_BLOCK (it shapes the tree of each chunk's tl.sum).
+LSE_WARPS = 16
 
 _MODE_ALL = 0  # write log_prob[v] for every v
 _MODE_TOKEN = 1  # write log_prob[token] and lse
@@ -72,29 +72,29 @@ _MIN_TAU = tl.constexpr(MIN_TEMPERATURE)
 
 
 @triton.jit
-def _effective_tau(tau):
-    """`logprob.effective_temperature` of a requested temperature: 1 for 0 (greedy), MIN_TEMPERATURE
+def effective_tau(tau):
+    """`logit_rules.effective_temperature` of a requested temperature: 1 for 0 (greedy), MIN_TEMPERATURE
     below it, else itself. Idempotent, so callers may pass requested or effective temperatures;
     applied here, the sampler's decode step launches no torch ops for it."""
     return tl.where(tau == 0, 1.0, tl.where(tau < _MIN_TAU, _MIN_TAU, tau))
 
 
 @triton.jit
-def _chunk_lse_kernel(
+def chunk_lse_kernel(
     Z,
     TAU,
     PART,  # [M, NUM_CHUNKS, 2] fp32: (mx_c, s_c)
     stride_z,
     V,
-    BLOCK: tl.constexpr,  # VOCAB_BLOCK
+    BLOCK: tl.constexpr,  # TRITON_VOCAB_BLOCK
     CHUNK_BLOCKS: tl.constexpr,
-    NUM_CHUNKS: tl.constexpr,  # cdiv(V, VOCAB_CHUNK): fixed by the vocabulary
+    NUM_CHUNKS: tl.constexpr,  # cdiv(V, TRITON_VOCAB_CHUNK): fixed by the vocabulary
 ):
     """Program (row, chunk c): 1. mx_c; 2. s_c, block by block in index order (module docstring)."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     z_row = Z + row * stride_z
-    tau = _effective_tau(tl.load(TAU + row))
+    tau = effective_tau(tl.load(TAU + row))
     cols = chunk * (CHUNK_BLOCKS * BLOCK) + tl.arange(0, BLOCK)
     mx_vec = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
     for b in range(CHUNK_BLOCKS):
@@ -114,7 +114,7 @@ def _chunk_lse_kernel(
 
 
 @triton.jit
-def _row_lse(part_row, NUM_CHUNKS: tl.constexpr):
+def row_lse(part_row, NUM_CHUNKS: tl.constexpr):
     """lse of one row from its chunks' (mx_c, s_c): 1. mx = max_c mx_c; 2. the rescaled sums added
     one chunk at a time in chunk order (unrolled scalar code: no tree, so no layout can change it)."""
     mx = tl.load(part_row)
@@ -133,21 +133,21 @@ def _log_softmax_fwd_kernel(
     TOKENS,
     OUT,
     LSE,
-    PART,  # [M, NUM_CHUNKS, 2] from _chunk_lse_kernel
+    PART,  # [M, NUM_CHUNKS, 2] from chunk_lse_kernel
     stride_z,
     stride_out,
     V,
     MODE: tl.constexpr,  # _MODE_ALL (grid rows x chunks) or _MODE_TOKEN (grid rows)
-    BLOCK: tl.constexpr,  # VOCAB_BLOCK
+    BLOCK: tl.constexpr,  # TRITON_VOCAB_BLOCK
     CHUNK_BLOCKS: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
 ):
-    """Program (row, chunk): the row's lse (`_row_lse`), then 3. scaled - lse on the chunk (MODE_ALL)
+    """Program (row, chunk): the row's lse (`row_lse`), then 3. scaled - lse on the chunk (MODE_ALL)
     or at the token, with lse (MODE_TOKEN, one program per row)."""
     row = tl.program_id(0).to(tl.int64)
     z_row = Z + row * stride_z
-    tau = _effective_tau(tl.load(TAU + row))
-    lse = _row_lse(PART + row * NUM_CHUNKS * 2, NUM_CHUNKS)
+    tau = effective_tau(tl.load(TAU + row))
+    lse = row_lse(PART + row * NUM_CHUNKS * 2, NUM_CHUNKS)
     if MODE == 1:
         token = tl.load(TOKENS + row).to(tl.int64)
         tl.store(OUT + row, tl.math.div_rn(tl.load(z_row + token), tau) - lse)
@@ -172,12 +172,12 @@ def _token_grad_kernel(
     stride_z,
     stride_dz,
     V,
-    BLOCK: tl.constexpr,  # VOCAB_BLOCK (elementwise here; any block would do)
-    NUM_BLOCKS: tl.constexpr,  # cdiv(V, VOCAB_BLOCK)
+    BLOCK: tl.constexpr,  # TRITON_VOCAB_BLOCK (elementwise here; any block would do)
+    NUM_BLOCKS: tl.constexpr,  # cdiv(V, TRITON_VOCAB_BLOCK)
 ):
     """dz[v] = (onehot(token)[v] - exp(z[v] / tau - lse)) * (g / tau), written in DZ's dtype."""
     row = tl.program_id(0).to(tl.int64)
-    tau = _effective_tau(tl.load(TAU + row))
+    tau = effective_tau(tl.load(TAU + row))
     lse = tl.load(LSE + row)
     token = tl.load(TOKENS + row).to(tl.int64)
     coef = tl.math.div_rn(tl.load(G + row), tau)
@@ -201,12 +201,12 @@ def _log_softmax_grad_kernel(
     stride_g,
     stride_dz,
     V,
-    BLOCK: tl.constexpr,  # VOCAB_BLOCK
-    NUM_BLOCKS: tl.constexpr,  # cdiv(V, VOCAB_BLOCK): fixed by the vocabulary
+    BLOCK: tl.constexpr,  # TRITON_VOCAB_BLOCK
+    NUM_BLOCKS: tl.constexpr,  # cdiv(V, TRITON_VOCAB_BLOCK): fixed by the vocabulary
 ):
     """1. gsum = sum_v g[v] (block by block, then a tree); 2. dz = (g - exp(logp) * gsum) / tau."""
     row = tl.program_id(0).to(tl.int64)
-    tau = _effective_tau(tl.load(TAU + row))
+    tau = effective_tau(tl.load(TAU + row))
     cols = tl.arange(0, BLOCK)
     acc = tl.full([BLOCK], 0.0, dtype=tl.float32)
     for b in range(NUM_BLOCKS):
@@ -252,10 +252,10 @@ def _launch_rows(logits, tau, tokens, mode, out=None, lse=None):
         lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device) if lse is None else lse
         tokens = tokens.contiguous()
     if n_rows > 0:
-        n_chunks = triton.cdiv(vocab, VOCAB_CHUNK)
+        n_chunks = triton.cdiv(vocab, TRITON_VOCAB_CHUNK)
         part = torch.empty(n_rows, n_chunks, 2, dtype=torch.float32, device=logits.device)
-        sizes = dict(BLOCK=VOCAB_BLOCK, CHUNK_BLOCKS=CHUNK_BLOCKS, NUM_CHUNKS=n_chunks, num_warps=_NUM_WARPS)
-        _chunk_lse_kernel[(n_rows, n_chunks)](logits, tau, part, logits.stride(0), vocab, **sizes)
+        sizes = dict(BLOCK=TRITON_VOCAB_BLOCK, CHUNK_BLOCKS=TRITON_CHUNK_BLOCKS, NUM_CHUNKS=n_chunks, num_warps=LSE_WARPS)
+        chunk_lse_kernel[(n_rows, n_chunks)](logits, tau, part, logits.stride(0), vocab, **sizes)
         grid = (n_rows, n_chunks if mode == _MODE_ALL else 1)
         _log_softmax_fwd_kernel[grid](
             logits, tau, tokens, out, lse, part, logits.stride(0), out.stride(0), vocab, MODE=mode, **sizes
@@ -278,9 +278,9 @@ def _token_grad(logits, tau, tokens, lse, grad_out, dtype):
             logits.stride(0),
             dz.stride(0),
             vocab,
-            BLOCK=VOCAB_BLOCK,
-            NUM_BLOCKS=triton.cdiv(vocab, VOCAB_BLOCK),
-            num_warps=_NUM_WARPS,
+            BLOCK=TRITON_VOCAB_BLOCK,
+            NUM_BLOCKS=triton.cdiv(vocab, TRITON_VOCAB_BLOCK),
+            num_warps=LSE_WARPS,
         )
     return dz
 
@@ -310,9 +310,9 @@ class _LogSoftmaxFunction(torch.autograd.Function):
                 g.stride(0),
                 dz.stride(0),
                 log_probs.shape[1],
-                BLOCK=VOCAB_BLOCK,
-                NUM_BLOCKS=triton.cdiv(log_probs.shape[1], VOCAB_BLOCK),
-                num_warps=_NUM_WARPS,
+                BLOCK=TRITON_VOCAB_BLOCK,
+                NUM_BLOCKS=triton.cdiv(log_probs.shape[1], TRITON_VOCAB_BLOCK),
+                num_warps=LSE_WARPS,
             )
         return dz, None
 
@@ -411,7 +411,7 @@ def linear_token_log_probs_triton(
     """fp32 [M] = token_log_probs_triton(linear(hidden, weight, fp32), tokens, tau), chunked over rows.
 
     hidden [M, H], weight [V, H] (one dtype), tokens int [M], tau fp32 [M, 1] (greedy already 1),
-    blocked: optional bool [V], True where the logit is set to -inf after the GEMM (see logprob.py).
+    blocked: optional bool [V], True where the logit is set to -inf after the GEMM (logit_rules.py).
     """
     if not isinstance(chunk_rows, int) or chunk_rows <= 0:
         raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")

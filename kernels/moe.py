@@ -43,72 +43,12 @@ gu and a are recomputed in the backward (the forward keeps only its inputs).
 
 import torch
 
-from .activation import silu_and_mul
+from .activation import silu_and_mul, silu_and_mul_grad
 from .autograd_utils import backward_without_autocast
-from .checks import check_contiguous, check_dim, check_dtype, check_int, check_same_device
+from .checks import check_moe_inputs
 from .dispatch import backend_for, reference_mode
 from .gemm import linear
 from .reduction import sequential_sum
-
-
-def check_moe_inputs(x, w_gate_up, w_down, topk_ids, topk_weights, down_shape=None) -> None:
-    """Shapes, dtypes, contiguity and device of `fused_moe`'s inputs (shared with the Triton launcher).
-    Expert ids are checked against [0, E) on CPU tensors only: on CUDA the check would synchronise
-    with the host in every MoE layer (and cannot run inside CUDA-graph capture); the Triton path
-    writes NaN rows for tokens with an id outside [0, E) instead of reading out of bounds."""
-    check_dtype("x", x)
-    check_dim("x", x, 2, "[T, H]")
-    if x.shape[1] > 1 and x.stride(1) != 1:
-        raise ValueError(f"x must be contiguous in its last dim, got strides {x.stride()}")
-    for name, w, legend in (("w_gate_up", w_gate_up, "[E, 2I, H]"), ("w_down", w_down, "[E, H, I]")):
-        check_dtype(name, w)
-        if w.dtype != x.dtype:
-            raise ValueError(f"{name} dtype {w.dtype} differs from x dtype {x.dtype}")
-        check_dim(name, w, 3, legend)
-        check_contiguous(name, w)
-    n_experts, two_inter, hidden = w_gate_up.shape
-    inter = two_inter // 2
-    if n_experts < 1 or inter < 1 or two_inter % 2 or hidden != x.shape[1]:
-        raise ValueError(
-            f"w_gate_up {tuple(w_gate_up.shape)} must be [E, 2I, H] with E, I >= 1 and H = x.shape[1] "
-            f"= {x.shape[1]}"
-        )
-    down_shape = (n_experts, hidden, inter) if down_shape is None else down_shape  # [E, H, I]
-    if tuple(w_down.shape) != tuple(down_shape):
-        raise ValueError(
-            f"w_down must have shape {tuple(down_shape)} = [E, H, I], got {tuple(w_down.shape)}"
-        )
-    check_int("topk_ids", topk_ids)
-    check_dim("topk_ids", topk_ids, 2, "[T, k]")
-    check_dtype("topk_weights", topk_weights, (torch.float32,))
-    if topk_ids.shape[0] != x.shape[0] or topk_ids.shape[1] < 1:
-        raise ValueError(
-            f"topk_ids must be [T, k] with T = {x.shape[0]} and k >= 1, got {tuple(topk_ids.shape)}"
-        )
-    if topk_weights.shape != topk_ids.shape:
-        raise ValueError(
-            f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} must both be [T, k]"
-        )
-    check_contiguous("topk_ids", topk_ids)
-    check_contiguous("topk_weights", topk_weights)
-    check_same_device(x=x, w_gate_up=w_gate_up, w_down=w_down, topk_ids=topk_ids, topk_weights=topk_weights)
-    if (
-        topk_ids.device.type == "cpu"
-        and topk_ids.numel()
-        and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= n_experts)
-    ):
-        raise ValueError(f"topk_ids must lie in [0, {n_experts}) (E = w_gate_up.shape[0])")
-
-
-def silu_and_mul_grad(gu: torch.Tensor, grad_a: torch.Tensor) -> torch.Tensor:
-    """fp32 [M, 2I]: the gradient w.r.t. gu [M, 2I] of silu_and_mul(gu) for an output gradient grad_a
-    [M, I] (`activation.py`'s formula: with s = 1 / (1 + exp(-a)), da = g b s (1 + a (1 - s)), db = g a s)."""
-    inter = gu.shape[-1] // 2
-    a = gu[:, :inter].float()  # [M, I]
-    b = gu[:, inter:].float()  # [M, I]
-    g = grad_a.float()
-    s = 1.0 / (1.0 + torch.exp(-a))  # exp overflow gives s = 0, never NaN
-    return torch.cat([g * b * s * (1.0 + a * (1.0 - s)), g * (a * s)], dim=-1)
 
 
 def _expert_entries(topk_ids: torch.Tensor, n_experts: int):

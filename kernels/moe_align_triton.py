@@ -32,7 +32,7 @@ _ONE_HOT = 8192  # CHUNK * BLOCK_E: the one-hot tile of a program
 _SCAN_ROWS = 32  # chunks per step of the scan over chunks
 
 
-class _Layout(NamedTuple):
+class Layout(NamedTuple):
     rows: torch.Tensor  # int32 [P]: entry of each padded row, -1 = padding
     tile_expert: torch.Tensor  # int32 [P / block_m]: expert of each M tile, E = unused
     tile_start: torch.Tensor  # int32 [E + 1]: first M tile of each expert
@@ -111,7 +111,7 @@ def _place_kernel(
     tl.store(ENTRY_ROW + p, row.to(tl.int64), mask=live)
 
 
-def align(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> _Layout:
+def align(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> Layout:
     """The layout of the module docstring for topk_ids [T, k] (any integer dtype)."""
     device = topk_ids.device
     flat = topk_ids.reshape(-1)
@@ -121,7 +121,7 @@ def align(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> _Layout:
     tile_start = torch.zeros(n_experts + 1, dtype=torch.int32, device=device)
     if n == 0:
         empty = torch.zeros(0, dtype=torch.int32, device=device)
-        return _Layout(empty, empty, tile_start, torch.zeros(0, dtype=torch.int64, device=device), block_m)
+        return Layout(empty, empty, tile_start, torch.zeros(0, dtype=torch.int64, device=device), block_m)
     block_e = triton.next_power_of_2(n_experts)
     chunk = max(16, _ONE_HOT // block_e)
     num_chunks = triton.cdiv(n, chunk)
@@ -138,4 +138,4 @@ def align(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> _Layout:
         flat, counts, tile_start, rows, entry_row, n, n_experts, capacity,
         BLOCK_M=block_m, CHUNK=chunk, BLOCK_E=block_e,
     )  # fmt: skip
-    return _Layout(rows[:capacity], tile_expert, tile_start, entry_row, block_m)
+    return Layout(rows[:capacity], tile_expert, tile_start, entry_row, block_m)

@@ -20,8 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe import silu_and_mul_grad
-from .moe_triton import MoeConfig, _combine, _gate_up, _grouped_gemm, _Layout, _tile_rows
+from .activation import silu_and_mul_grad
+from .moe_align_triton import Layout
+from .moe_core_triton import MoeConfig, combine, gate_up, grouped_gemm, tile_rows
 
 
 @triton.jit
@@ -58,7 +59,7 @@ def _grouped_wgrad_kernel(
     k_ok = offs_k < K
     acc = tl.full((BLOCK_N, BLOCK_K), 0.0, tl.float32)
     for tile in range(tl.load(TILE_START + expert), tl.load(TILE_START + expert + 1)):
-        offs_m, entry, row_ok, token = _tile_rows(tile, ROWS, top_k, BLOCK_M)
+        offs_m, entry, row_ok, token = tile_rows(tile, ROWS, top_k, BLOCK_M)
         if L_BY_TOKEN:
             l_rows = token
         else:
@@ -92,7 +93,7 @@ def backward_configs(dtype: torch.dtype, block_m: int) -> tuple[MoeConfig, MoeCo
     return MoeConfig(block_m, 128, 64, 8, 4, 3), MoeConfig(block_m, 128, 128, 1, 8, 3)
 
 
-def moe_backward(grad_out, x, w_gate_up, w_down, topk_ids, topk_weights, layout: _Layout, cfg_gate_up, needs):
+def moe_backward(grad_out, x, w_gate_up, w_down, topk_ids, topk_weights, layout: Layout, cfg_gate_up, needs):
     """[dX, dW_gate_up, dW_down, d topk_weights] of `moe_triton._forward`, given its layout and gate_up
     configuration (the recompute must be the forward's bits); None where `needs` (x, w_gate_up,
     w_down, topk_weights) is False."""
@@ -105,11 +106,11 @@ def moe_backward(grad_out, x, w_gate_up, w_down, topk_ids, topk_weights, layout:
     w_flat = topk_weights.reshape(-1)
     capacity = layout.rows.shape[0]
     # 1. The forward's gu and act again; G = dOut[t] @ w_down[e] (w_down[e] read as [I, H]).
-    act, gu = _gate_up(x, w_gate_up, layout, cfg_gate_up, top_k, store_gu=True)  # [P, I], [P, 2I]
+    act, gu = gate_up(x, w_gate_up, layout, cfg_gate_up, top_k, store_gu=True)  # [P, I], [P, 2I]
     g = torch.empty(capacity, inter, dtype=torch.float32, device=x.device)  # [P, I]
     strides = (w_down.stride(0), w_down.stride(2), w_down.stride(1))
-    _grouped_gemm(grad_out, w_down, strides, inter, hidden, g, layout, cfg_mm,
-                  a_by_token=True, out_by_entry=False, top_k=top_k)  # fmt: skip
+    grouped_gemm(grad_out, w_down, strides, inter, hidden, g, layout, cfg_mm,
+                 a_by_token=True, out_by_entry=False, top_k=top_k)  # fmt: skip
     # 2. Elementwise and per-row steps in torch (deterministic): d weights, dGU.
     pad = layout.rows < 0
     w_rows = torch.where(pad, 0.0, w_flat[layout.rows.clamp(min=0).long()])  # [P]
@@ -122,9 +123,9 @@ def moe_backward(grad_out, x, w_gate_up, w_down, topk_ids, topk_weights, layout:
         if need_x:  # 3. dX rows = dGU @ w_gate_up[e] (read as [H, 2I]), summed over slots in order
             dx_rows = torch.empty(n_tokens * top_k, hidden, dtype=torch.float32, device=x.device)  # [n, H]
             strides = (w_gate_up.stride(0), w_gate_up.stride(2), w_gate_up.stride(1))
-            _grouped_gemm(dgu, w_gate_up, strides, hidden, two_inter, dx_rows, layout, cfg_mm,
-                          a_by_token=False, out_by_entry=True, top_k=top_k)  # fmt: skip
-            grads[0] = _combine(dx_rows, None, topk_ids, n_experts, x.dtype)
+            grouped_gemm(dgu, w_gate_up, strides, hidden, two_inter, dx_rows, layout, cfg_mm,
+                         a_by_token=False, out_by_entry=True, top_k=top_k)  # fmt: skip
+            grads[0] = combine(dx_rows, None, topk_ids, n_experts, x.dtype)
         if need_wgu:  # 4. dW_gate_up[e] = dGU^T x
             grads[1] = _wgrad(dgu, x, None, w_gate_up, layout, cfg_wgrad, False, True, top_k)
     if need_wd:  # 5. dW_down[e] = (w dOut)^T act
@@ -132,7 +133,7 @@ def moe_backward(grad_out, x, w_gate_up, w_down, topk_ids, topk_weights, layout:
     return grads
 
 
-def _wgrad(left, right, scale, weight, layout: _Layout, cfg: MoeConfig, l_by_token, r_by_token, top_k):
+def _wgrad(left, right, scale, weight, layout: Layout, cfg: MoeConfig, l_by_token, r_by_token, top_k):
     """dW [E, N, K] (weight's shape and dtype) = per expert, sum over its rows of left^T right."""
     n_experts, n_cols, k = weight.shape
     dw = torch.empty_like(weight)

@@ -14,12 +14,12 @@ batch. Gradients flow through the torch ops (correct and deterministic).
 
 import torch
 
-from .checks import check_dtype, check_last_dim_contiguous, check_same_device
+from .checks import check_rms_norm_inputs
 from .dispatch import backend_for
 from .reduction import row_sum
 
 
-def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()  # [..., H]
     mean_sq = row_sum(x32 * x32) / x.shape[-1]  # [...]
     y = x32 * torch.rsqrt(mean_sq + eps)[..., None] * weight.float()  # [..., H]
@@ -28,7 +28,7 @@ def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 def _add_rms_norm_torch(x, residual, weight, eps):
     new_residual = (x.float() + residual.float()).to(x.dtype)  # [..., H]
-    return _rms_norm_torch(new_residual, weight, eps), new_residual
+    return rms_norm_torch(new_residual, weight, eps), new_residual
 
 
 def _rms_norm_triton(x, weight, eps):
@@ -43,35 +43,13 @@ def _add_rms_norm_triton(x, residual, weight, eps):
     return add_rms_norm_triton(x, residual, weight, eps)
 
 
-_IMPLS = {"torch": _rms_norm_torch, "triton": _rms_norm_triton}
+_IMPLS = {"torch": rms_norm_torch, "triton": _rms_norm_triton}
 _ADD_IMPLS = {"torch": _add_rms_norm_torch, "triton": _add_rms_norm_triton}
-
-
-def _check(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> None:
-    """Input checks shared by the public ops and the Triton launchers."""
-    check_dtype("x", x)
-    check_dtype("weight", weight)
-    if x.dim() < 1 or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
-        raise ValueError(
-            f"weight {tuple(weight.shape)} must be [H] with H = x.shape[-1] (x {tuple(x.shape)})"
-        )
-    check_last_dim_contiguous("x", x)
-    check_last_dim_contiguous("weight", weight)
-    if residual is not None:
-        check_dtype("residual", residual)
-        if residual.dtype != x.dtype or residual.shape != x.shape:
-            raise ValueError(
-                f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}"
-            )
-        check_last_dim_contiguous("residual", residual)
-    check_same_device(x=x, weight=weight, residual=residual)
-    if not isinstance(eps, (int, float)) or eps < 0:
-        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim. x: [..., H] bf16/fp32, weight: [H] bf16/fp32 -> [..., H] in x.dtype."""
-    _check(x, weight, eps)
+    check_rms_norm_inputs(x, weight, eps)
     return _IMPLS[backend_for(x)](x, weight, float(eps))
 
 
@@ -82,5 +60,5 @@ def add_rms_norm(
 
     x, residual: [..., H] of one dtype, weight: [H] -> (out [..., H], new_residual [..., H]).
     """
-    _check(x, weight, eps, residual)
+    check_rms_norm_inputs(x, weight, eps, residual)
     return _ADD_IMPLS[backend_for(x)](x, residual, weight, float(eps))

@@ -26,7 +26,7 @@ import triton.language as tl
 from triton.language.standard import _sum_combine
 
 from .autograd_utils import backward_without_autocast
-from .rms_norm import _check
+from .checks import check_rms_norm_inputs
 
 # The reductions are spelled `tl.reduce(x, 0, _sum_combine)` / `_elementwise_max`: exactly what
 # `tl.sum` / `tl.max` expand to for fp32, but with no call to a @triton.jit library function, so the
@@ -41,11 +41,11 @@ _MAX_BLOCK = 8192
 _BWD_ROWS_PER_PROGRAM = 16
 
 
-def _block_for(hidden: int) -> int:
+def block_for(hidden: int) -> int:
     return min(triton.next_power_of_2(hidden), _MAX_BLOCK)
 
 
-def _warps_for(block: int) -> int:
+def warps_for(block: int) -> int:
     return max(1, min(16, block // 512))
 
 
@@ -192,7 +192,7 @@ def _forward(x, residual, weight, eps):
     new_res = torch.empty_like(y) if residual is not None else y
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)  # [M]
     if rows > 0 and hidden > 0:
-        block = _block_for(hidden)
+        block = block_for(hidden)
         _rms_norm_fwd_kernel[(rows,)](
             x2,
             r2,
@@ -211,13 +211,13 @@ def _forward(x, residual, weight, eps):
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
             NUM_CHUNKS=triton.cdiv(hidden, block),
-            num_warps=_warps_for(block),
+            num_warps=warps_for(block),
         )
     y = y.reshape(x.shape)
     return y, (new_res.reshape(x.shape) if residual is not None else None), rstd
 
 
-def _backward(dy, r, weight, rstd, dres):
+def rms_norm_backward(dy, r, weight, rstd, dres):
     """(dx [..., H] in r.dtype, dweight [H] in weight.dtype); r is the normalised input."""
     hidden = r.shape[-1]
     r2 = r.reshape(-1, hidden)  # [M, H]
@@ -234,7 +234,7 @@ def _backward(dy, r, weight, rstd, dres):
     programs = max(1, triton.cdiv(n_rows, _BWD_ROWS_PER_PROGRAM))
     dw_partial = torch.zeros(programs, hidden, dtype=torch.float32, device=r.device)  # [G, H]
     if n_rows > 0 and hidden > 0:
-        block = _block_for(hidden)
+        block = block_for(hidden)
         ref = dres2 if dres2 is not None else dy2
         _rms_norm_bwd_kernel[(programs,)](
             dy2,
@@ -254,7 +254,7 @@ def _backward(dy, r, weight, rstd, dres):
             BLOCK=block,
             NUM_CHUNKS=triton.cdiv(hidden, block),
             ROWS=_BWD_ROWS_PER_PROGRAM,
-            num_warps=_warps_for(block),
+            num_warps=warps_for(block),
         )
     return dx.reshape(r.shape), dw_partial.sum(0).to(weight.dtype)
 
@@ -270,7 +270,7 @@ class _RMSNormFunction(torch.autograd.Function):
     @backward_without_autocast
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
-        dx, dw = _backward(dy, x, weight, rstd, None)
+        dx, dw = rms_norm_backward(dy, x, weight, rstd, None)
         return dx, dw, None
 
 
@@ -285,7 +285,7 @@ class _AddRMSNormFunction(torch.autograd.Function):
     @backward_without_autocast
     def backward(ctx, dy, dres):
         new_res, weight, rstd = ctx.saved_tensors
-        dr, dw = _backward(dy, new_res, weight, rstd, dres)
+        dr, dw = rms_norm_backward(dy, new_res, weight, rstd, dres)
         d_residual = dr.clone() if ctx.needs_input_grad[0] and ctx.needs_input_grad[1] else dr
         return dr, d_residual, dw, None
 
@@ -296,7 +296,7 @@ def _needs_grad(*tensors: torch.Tensor) -> bool:
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim: x [..., H] bf16/fp32, weight [H] -> [..., H] in x.dtype."""
-    _check(x, weight, eps)
+    check_rms_norm_inputs(x, weight, eps)
     if _needs_grad(x, weight):
         return _RMSNormFunction.apply(x, weight, float(eps))
     return _forward(x, None, weight, float(eps))[0]
@@ -306,7 +306,7 @@ def add_rms_norm_triton(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(r), r) with r = (x + residual) formed in fp32 and stored in x.dtype."""
-    _check(x, weight, eps, residual)
+    check_rms_norm_inputs(x, weight, eps, residual)
     if _needs_grad(x, residual, weight):
         return _AddRMSNormFunction.apply(x, residual, weight, float(eps))
     y, new_res, _ = _forward(x, residual, weight, float(eps))

@@ -23,10 +23,9 @@ import math
 
 import torch
 
-from .checks import check_dim, check_dtype, check_int, check_last_dim_contiguous, check_same_device
+from .checks import check_rope_inputs
 from .dispatch import backend_for
-from .rms_norm import _check as _check_norm
-from .rms_norm import _rms_norm_torch
+from .rms_norm import rms_norm_torch
 
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -103,7 +102,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def _apply_rope_torch(q, k, positions, cache, qk_norm=None):
     if qk_norm is not None:
         q_weight, k_weight, eps = qk_norm
-        q, k = _rms_norm_torch(q, q_weight, eps), _rms_norm_torch(k, k_weight, eps)
+        q, k = rms_norm_torch(q, q_weight, eps), rms_norm_torch(k, k_weight, eps)
     if positions.numel() > 0 and (int(positions.min()) < 0 or int(positions.max()) >= cache.shape[0]):
         raise ValueError(f"positions must lie in [0, {cache.shape[0]}) (the cache's max_positions)")
     rows = cache[positions]  # [T, R]
@@ -122,37 +121,6 @@ def _apply_rope_triton(q, k, positions, cache, qk_norm=None):
 _IMPLS = {"torch": _apply_rope_torch, "triton": _apply_rope_triton}
 
 
-def _check(q, k, positions, cache, qk_norm=None) -> None:
-    """Input checks shared by `apply_rope` and the Triton launcher."""
-    for name, t in (("q", q), ("k", k)):
-        check_dtype(name, t)
-        check_dim(name, t, 3, "[T, H, D]")
-        check_last_dim_contiguous(name, t)
-    check_dtype("cache", cache, (torch.float32,))
-    check_dim("cache", cache, 2, "[max_positions, rot_dim]")
-    check_last_dim_contiguous("cache", cache)
-    check_int("positions", positions)
-    check_dim("positions", positions, 1, "[T]")
-    if k.dtype != q.dtype:
-        raise ValueError(f"k dtype {k.dtype} differs from q dtype {q.dtype}")
-    if k.shape[0] != q.shape[0] or positions.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
-        raise ValueError(
-            f"q {tuple(q.shape)}, k {tuple(k.shape)}, positions {tuple(positions.shape)} must share T and D"
-        )
-    if cache.shape[1] % 2 != 0 or not 0 < cache.shape[1] <= q.shape[2]:
-        raise ValueError(f"cache rot_dim {cache.shape[1]} must be even, in (0, head_dim {q.shape[2]}]")
-    check_same_device(q=q, k=k, positions=positions, cache=cache)
-    if not positions.is_cuda and positions.numel() > 0:
-        if int(positions.min()) < 0 or int(positions.max()) >= cache.shape[0]:
-            raise ValueError(f"positions must lie in [0, {cache.shape[0]}) (the cache's max_positions)")
-    if qk_norm is not None:
-        if not isinstance(qk_norm, tuple) or len(qk_norm) != 3:
-            raise ValueError("qk_norm must be a tuple (q_weight, k_weight, eps)")
-        q_weight, k_weight, eps = qk_norm
-        _check_norm(q, q_weight, eps)
-        _check_norm(k, k_weight, eps)
-
-
 def apply_rope(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -165,7 +133,7 @@ def apply_rope(
     cache: fp32 [max_positions, rot_dim] from `rope_cache`, on the device of q. qk_norm: optional
     (q_weight [D], k_weight [D], eps): RMSNorm each head of q and k first. Returns new tensors.
     """
-    _check(q, k, positions, cache, qk_norm)
+    check_rope_inputs(q, k, positions, cache, qk_norm)
     if qk_norm is not None:
         qk_norm = (qk_norm[0], qk_norm[1], float(qk_norm[2]))
     return _IMPLS[backend_for(q)](q, k, positions, cache, qk_norm)

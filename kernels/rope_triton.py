@@ -10,7 +10,7 @@ eps), x is first each head's RMSNorm, rounded to the input dtype: exactly `rms_n
 eps)` (rms_norm_triton.py's row math: one [BLOCK] row, one tree sum, the same warp count, so the
 same bits; the CUDA tests compare). The backward is the rotation by -theta (the same kernel with s
 negated: dx1 = g1 * c + g2 * s, dx2 = g2 * c - g1 * s), then RMSNorm's own backward
-(rms_norm_triton._backward) with the rstd the forward saved.
+(rms_norm_triton.rms_norm_backward) with the rstd the forward saved.
 
 Program (token t, HEADS_PER_PROGRAM of the Hq + Hkv heads, cos/sin read once): each head's whole
 row gives the norm's rstd; the halves are normalised in registers with the norm's element math
@@ -34,9 +34,8 @@ import triton.language as tl
 from triton.language.standard import _sum_combine
 
 from .autograd_utils import backward_without_autocast
-from .rms_norm_triton import _backward as _rms_norm_backward
-from .rms_norm_triton import _block_for, _warps_for
-from .rope import _check
+from .checks import check_rope_inputs
+from .rms_norm_triton import block_for, rms_norm_backward, warps_for
 
 
 @triton.jit
@@ -66,7 +65,7 @@ def _rope_kernel(
     eps,
     HALF: tl.constexpr,  # rot_dim / 2: fixed by the model
     HEAD_DIM: tl.constexpr,  # D: fixed by the model
-    BLOCK_D: tl.constexpr,  # rms_norm_triton._block_for(D): the norm's row block (its tree)
+    BLOCK_D: tl.constexpr,  # rms_norm_triton.block_for(D): the norm's row block (its tree)
     BLOCK_HALF: tl.constexpr,  # next_pow2(HALF)
     BLOCK_PASS: tl.constexpr,  # next_pow2(D - rot_dim), 1 if none
     NORM: tl.constexpr,  # RMSNorm each head first
@@ -163,7 +162,7 @@ def _launch(q, k, positions, cache, norm=None, inverse=False):
     if n_tokens == 0 or n_q + n_kv == 0:
         return q_out, k_out, rstd_q, rstd_k
     q_w, k_w, eps = norm if norm is not None else (q, k, 0.0)  # dummies without a norm
-    block_d = _block_for(head_dim)
+    block_d = block_for(head_dim)
     heads = _heads_for(n_tokens, n_q + n_kv)
     _rope_kernel[(n_tokens, triton.cdiv(n_q + n_kv, heads))](
         q, k, q_out, k_out, q_w, k_w,
@@ -180,7 +179,7 @@ def _launch(q, k, positions, cache, norm=None, inverse=False):
         NORM=norm is not None,
         INVERSE=inverse,
         HEADS=heads,
-        num_warps=_warps_for(block_d),  # the norm's warp count: part of its tree
+        num_warps=warps_for(block_d),  # the norm's warp count: part of its tree
     )  # fmt: skip
     return q_out, k_out, rstd_q, rstd_k
 
@@ -210,8 +209,8 @@ class _RopeFunction(torch.autograd.Function):
         if not ctx.norm:
             return dq, dk, None, None, None, None, None
         q, k, q_weight, k_weight, rstd_q, rstd_k = saved
-        dq, dwq = _rms_norm_backward(dq, q, q_weight, rstd_q.reshape(-1), None)
-        dk, dwk = _rms_norm_backward(dk, k, k_weight, rstd_k.reshape(-1), None)
+        dq, dwq = rms_norm_backward(dq, q, q_weight, rstd_q.reshape(-1), None)
+        dk, dwk = rms_norm_backward(dk, k, k_weight, rstd_k.reshape(-1), None)
         return dq, dk, None, None, dwq, dwk, None
 
 
@@ -229,7 +228,7 @@ def apply_rope_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq, D] and k [T, Hkv, D] at positions [T] with the fp32 cache [P, rot_dim];
     with qk_norm = (q_weight [D], k_weight [D], eps), RMSNorm each head first (see above)."""
-    _check(q, k, positions, cache, qk_norm)
+    check_rope_inputs(q, k, positions, cache, qk_norm)
     positions = positions.contiguous()
     q_w, k_w, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
     params = (q, k) if qk_norm is None else (q, k, q_w, k_w)

@@ -1,7 +1,13 @@
-"""The decode step's sampling, one function: the token, its log-prob and rank from the fp32 logits.
+"""Sampling: the Gumbel-max draw, and the decode step's sampling in one function (the token, its
+log-prob and rank from the fp32 logits).
+
+`gumbel_argmax(log_probs, seeds, positions)`: token = argmax_v(log_probs[v] + g_v), g the noise of
+gumbel.py (keyed by the request's seed, the position and the token id only, so a request samples
+the same tokens alone or in any batch, in any order); ties go to the lowest id. The CUDA path is
+gumbel_triton.py.
 
 `sample_tokens(logits, temperature, seeds, positions, draw=, output=)` is, by definition, this
-composition of logprob.py's functions (`_sample_composed` runs it as written: the torch path, and on
+composition (`sample_composed` runs it as written: the torch path, and on
 CUDA tensors the sampler's kernels before this fusion; the Triton path, sample_triton.py, fuses it
 without writing the [M, V] log-probs, with the same bits):
     log_probs       = log_softmax(logits, temperature)                                      [M, V]
@@ -22,19 +28,82 @@ from typing import NamedTuple
 
 import torch
 
-from .checks import check_out, check_same_device
-from .dispatch import backend_for
-from .logprob import (
-    _check_logits,
-    _check_noise_keys,
-    _check_temperature,
-    _temperature_column,
-    gumbel_argmax,
-    log_softmax,
+from .checks import (
+    check_dtype,
+    check_logits,
+    check_noise_keys,
+    check_out,
+    check_same_device,
+    check_temperature,
 )
+from .dispatch import backend_for
+from .gumbel import gumbel_noise
+from .logit_rules import temperature_column
+from .logprob import log_softmax
 
 DRAWS = ("greedy", "sampled", "mixed")
 OUTPUTS = ("tokens", "token_log_probs", "log_probs")
+# Rows per chunk of the [rows, V] hash in gumbel_argmax's torch path; only bounds memory.
+_GUMBEL_ELEMENTS = 1 << 22
+
+
+# ---------------------------------------------------------------------------------------------
+# Gumbel-max draw
+# ---------------------------------------------------------------------------------------------
+
+
+def _gumbel_argmax_torch(log_probs, seeds, positions, threshold=None, out=None):
+    n_rows, vocab = log_probs.shape
+    step = max(1, _GUMBEL_ELEMENTS // max(vocab, 1))
+    out = torch.empty(n_rows, dtype=torch.int64, device=log_probs.device) if out is None else out
+    for r0 in range(0, n_rows, step):
+        rows = slice(r0, r0 + step)
+        lp = log_probs[rows]
+        if threshold is not None:  # truncated sampling: ids below the row's threshold cannot win
+            lp = torch.where(lp >= threshold[rows, None], lp, float("-inf"))
+        out[rows] = (lp + gumbel_noise(seeds[rows], positions[rows], vocab)).argmax(-1)
+    return out
+
+
+def _gumbel_argmax_triton(log_probs, seeds, positions, threshold=None, out=None):
+    from .gumbel_triton import gumbel_argmax_triton  # imported on first use: no Triton on CPU
+
+    return gumbel_argmax_triton(log_probs, seeds, positions, threshold, out=out)
+
+
+_GUMBEL_IMPLS = {"torch": _gumbel_argmax_torch, "triton": _gumbel_argmax_triton}
+
+
+def gumbel_argmax(
+    log_probs: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    threshold: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """int64 [M]: argmax_v(log_probs[m, v] + gumbel(seeds[m], positions[m], v)) (gumbel.py's noise) over the ids with
+    log_probs[m, v] >= threshold[m] (all of them without a threshold); written into `out` (a
+    contiguous int64 [M]) when given.
+
+    log_probs: fp32 [M, V] (already at the request's temperature; greedy rows should take
+    log_probs.argmax(-1) instead); seeds, positions: int64 [M]; threshold: fp32 [M] or None
+    (`kernels.truncation.truncation_threshold`: top-k, top-p, min-p). Ties go to the lowest token id.
+    """
+    check_logits(log_probs, "log_probs")
+    check_noise_keys(seeds, positions, log_probs.shape[0])
+    if threshold is not None:
+        check_dtype("threshold", threshold, (torch.float32,))
+        if tuple(threshold.shape) != (log_probs.shape[0],):
+            raise ValueError(f"threshold must have shape ({log_probs.shape[0]},), got {tuple(threshold.shape)}")
+    check_same_device(log_probs=log_probs, seeds=seeds, positions=positions, threshold=threshold)
+    check_out(out, (log_probs.shape[0],), torch.int64, log_probs.device)
+    return _GUMBEL_IMPLS[backend_for(log_probs)](log_probs, seeds, positions, threshold, out)
+
+
+# ---------------------------------------------------------------------------------------------
+# the decode step's sampling
+# ---------------------------------------------------------------------------------------------
 
 
 class Sampled(NamedTuple):
@@ -47,7 +116,7 @@ class Sampled(NamedTuple):
     log_probs: torch.Tensor | None = None  # fp32 [M, V], may be the logits themselves ("log_probs")
 
 
-def _sample_composed(logits, tau, seeds, positions, draw, output, out: Sampled) -> None:
+def sample_composed(logits, tau, seeds, positions, draw, output, out: Sampled) -> None:
     """The composition of the module docstring, written into `out`, each op on the backend its
     public function picks (the torch path here; benchmarks/bench_sampler.py times it on CUDA)."""
     log_probs = log_softmax(logits, tau, out=out.log_probs)
@@ -70,7 +139,7 @@ def _sample_triton(logits, tau, seeds, positions, draw, output, out: Sampled) ->
     sample_triton(logits, tau, seeds, positions, draw, output, *out)
 
 
-_IMPLS = {"torch": _sample_composed, "triton": _sample_triton}
+_IMPLS = {"torch": sample_composed, "triton": _sample_triton}
 
 
 def _buffers(logits: torch.Tensor, output: str, out: Sampled | None) -> Sampled:
@@ -112,13 +181,13 @@ def sample_tokens(
         raise ValueError(f"draw must be one of {DRAWS}, got {draw!r}")
     if output not in OUTPUTS:
         raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
-    _check_logits(logits)
+    check_logits(logits)
     n_rows = logits.shape[0]
-    _check_temperature(temperature, n_rows, logits.device)
+    check_temperature(temperature, n_rows, logits.device)
     if draw != "greedy":
-        _check_noise_keys(seeds, positions, n_rows)
+        check_noise_keys(seeds, positions, n_rows)
         check_same_device(logits=logits, seeds=seeds, positions=positions)
     out = _buffers(logits, output, out)
-    tau = _temperature_column(temperature, n_rows, logits.device, effective=False)[:, 0]  # requested, [M]
+    tau = temperature_column(temperature, n_rows, logits.device, effective=False)[:, 0]  # requested, [M]
     _IMPLS[backend_for(logits)](logits, tau.contiguous(), seeds, positions, draw, output, out)
     return out

@@ -1,19 +1,19 @@
 """Triton sampling step (the CUDA path of `sample.sample_tokens`): the draw, the sampled token's
 log-prob and rank, and the log-probs only when asked, without writing and re-reading [M, V] log-probs.
 
-The composition it replaces (`sample._sample_composed` spells it): log_probs = log_softmax(logits, tau)
+The composition it replaces (`sample.sample_composed` spells it): log_probs = log_softmax(logits, tau)
 written to memory, then argmax or gumbel_argmax reading it back, then vLLM's gather and rank reading it
 again. At 256 rows of a 151,936-token vocabulary that is 156 MB read four times and written once a
 decode step; here the logits are read twice (three times with the rank) and nothing [M, V] is written.
 
-Per row of V fp32 logits z, tau its requested temperature (`_effective_tau` applied in each kernel,
+Per row of V fp32 logits z, tau its requested temperature (`effective_tau` applied in each kernel,
 as in logprob_triton), in (row, chunk) programs over logprob_triton's 8,192-column chunks:
-  1. `_chunk_lse_kernel` (logprob_triton's own): each chunk's (max, sum of exp).
-  2. `_sample_chunk_kernel`: lse = `_row_lse` of the row's chunks (the log-prob kernels' function: the
+  1. `chunk_lse_kernel` (logprob_triton's own): each chunk's (max, sum of exp).
+  2. `_sample_chunk_kernel`: lse = `row_lse` of the row's chunks (the log-prob kernels' function: the
      same partials combined in the same order), then per column lp[v] = div_rn(z[v], tau) - lse,
      log_softmax_triton's expression, so its bits (written out in the "log_probs" output only), and
      the value drawn on: lp[v] for greedy rows, lp[v] + g(seed, position, v) for sampled rows
-     (gumbel_triton's `_gumbel`, the same noise); the chunk's first maximum (value, id).
+     (gumbel_triton's `gumbel_value`, gumbel.py's noise); the chunk's first maximum (value, id).
   3. `_sample_pick_kernel`, one program per row: the chunks in order, a later one taken only when
      strictly greater, so the token is the row's first maximum (torch.argmax's and
      gumbel_argmax_triton's choice; only NaN logits, which torch.argmax would pick, are never
@@ -31,16 +31,16 @@ import triton
 import triton.language as tl
 from triton.language.standard import _sum_combine
 
-from . import logprob
-from .gumbel_triton import _fold_first_max, _gumbel, _pick_first_max, _row_key
+from . import gumbel
+from .gumbel_triton import fold_first_max, gumbel_value, noise_row_key, pick_first_max
 from .logprob_triton import (
-    _NUM_WARPS,
-    CHUNK_BLOCKS,
-    VOCAB_BLOCK,
-    VOCAB_CHUNK,
-    _chunk_lse_kernel,
-    _effective_tau,
-    _row_lse,
+    LSE_WARPS,
+    TRITON_CHUNK_BLOCKS,
+    TRITON_VOCAB_BLOCK,
+    TRITON_VOCAB_CHUNK,
+    chunk_lse_kernel,
+    effective_tau,
+    row_lse,
 )
 
 # `draw` codes (the kernels' DRAW constexpr: one compilation per draw, never a per-row branch on it).
@@ -58,19 +58,19 @@ def _sample_chunk_kernel(
     TAU,
     SEEDS,
     POS,
-    PART,  # [M, NUM_CHUNKS, 2] from _chunk_lse_kernel
+    PART,  # [M, NUM_CHUNKS, 2] from chunk_lse_kernel
     LOGP,  # [M, V] fp32 written when WRITE (may be Z itself: each element is read, then written)
     BEST_VAL,  # fp32 [M, NUM_CHUNKS]: each chunk's first maximum
     BEST_IDX,  # int64 [M, NUM_CHUNKS]: its id
     stride_z,
     stride_lp,
     V,
-    BLOCK: tl.constexpr,  # VOCAB_BLOCK: the chunks are logprob_triton's
+    BLOCK: tl.constexpr,  # TRITON_VOCAB_BLOCK: the chunks are logprob_triton's
     CHUNK_BLOCKS: tl.constexpr,
-    NUM_CHUNKS: tl.constexpr,  # cdiv(V, VOCAB_CHUNK)
+    NUM_CHUNKS: tl.constexpr,  # cdiv(V, TRITON_VOCAB_CHUNK)
     DRAW: tl.constexpr,  # 0 greedy, 1 sampled, 2 mixed (greedy where the requested tau is 0)
     WRITE: tl.constexpr,  # write lp (the "log_probs" output)
-    UNIFORM_BITS: tl.constexpr,  # logprob._UNIFORM_BITS: the noise's definition
+    UNIFORM_BITS: tl.constexpr,  # gumbel.UNIFORM_BITS: the noise's definition
 ):
     """Program (row, chunk): the row's lse, then lp and the drawn value per column; the chunk's first
     maximum (module docstring, step 2)."""
@@ -78,10 +78,10 @@ def _sample_chunk_kernel(
     chunk = tl.program_id(1)
     z_row = Z + row * stride_z
     tau_req = tl.load(TAU + row)
-    tau = _effective_tau(tau_req)
-    lse = _row_lse(PART + row * NUM_CHUNKS * 2, NUM_CHUNKS)
+    tau = effective_tau(tau_req)
+    lse = row_lse(PART + row * NUM_CHUNKS * 2, NUM_CHUNKS)
     if DRAW != 0:
-        row_key = _row_key(SEEDS, POS, row)
+        row_key = noise_row_key(SEEDS, POS, row)
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     best_val = tl.full([], float("-inf"), tl.float32)
     best_idx = tl.full([], 0, tl.int64)
@@ -94,10 +94,10 @@ def _sample_chunk_kernel(
             tl.store(LOGP + row * stride_lp + offs, lp, mask=mask)
         val = lp
         if DRAW == 1:
-            val = lp + _gumbel(row_key, offs, UNIFORM_BITS)
+            val = lp + gumbel_value(row_key, offs, UNIFORM_BITS)
         if DRAW == 2:
-            val = tl.where(tau_req == 0, lp, lp + _gumbel(row_key, offs, UNIFORM_BITS))
-        best_val, best_idx = _fold_first_max(tl.where(mask, val, float("-inf")), lanes, start, best_val, best_idx)
+            val = tl.where(tau_req == 0, lp, lp + gumbel_value(row_key, offs, UNIFORM_BITS))
+        best_val, best_idx = fold_first_max(tl.where(mask, val, float("-inf")), lanes, start, best_val, best_idx)
     tl.store(BEST_VAL + row * NUM_CHUNKS + chunk, best_val)
     tl.store(BEST_IDX + row * NUM_CHUNKS + chunk, best_idx)
 
@@ -118,11 +118,11 @@ def _sample_pick_kernel(
     """The row's token: the chunks in order, a later one taken only when strictly greater; then
     lp[token] = div_rn(z[token], tau) - lse, the chunk kernel's expression."""
     row = tl.program_id(0).to(tl.int64)
-    best_idx = _pick_first_max(BEST_VAL, BEST_IDX, row, NUM_CHUNKS)
+    best_idx = pick_first_max(BEST_VAL, BEST_IDX, row, NUM_CHUNKS)
     tl.store(TOKENS + row, best_idx)
     if TOKEN_LOG_PROBS:
-        tau = _effective_tau(tl.load(TAU + row))
-        lse = _row_lse(PART + row * NUM_CHUNKS * 2, NUM_CHUNKS)
+        tau = effective_tau(tl.load(TAU + row))
+        lse = row_lse(PART + row * NUM_CHUNKS * 2, NUM_CHUNKS)
         tl.store(TOKEN_LP + row, tl.math.div_rn(tl.load(Z + row * stride_z + best_idx), tau) - lse)
 
 
@@ -142,8 +142,8 @@ def _rank_kernel(
     """Program (row, chunk): #{v in the chunk: lp[v] >= lp[token]}, added to the row's rank."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    tau = _effective_tau(tl.load(TAU + row))
-    lse = _row_lse(PART + row * NUM_CHUNKS * 2, NUM_CHUNKS)
+    tau = effective_tau(tl.load(TAU + row))
+    lse = row_lse(PART + row * NUM_CHUNKS * 2, NUM_CHUNKS)
     token_lp = tl.load(TOKEN_LP + row)
     cols = chunk * (CHUNK_BLOCKS * BLOCK) + tl.arange(0, BLOCK)
     count = tl.full([BLOCK], 0, tl.int32)
@@ -161,15 +161,15 @@ def sample_triton(logits, tau, seeds, positions, draw, output, tokens, token_log
     n_rows, vocab = logits.shape
     if n_rows == 0:
         return
-    n_chunks = triton.cdiv(vocab, VOCAB_CHUNK)
+    n_chunks = triton.cdiv(vocab, TRITON_VOCAB_CHUNK)
     dev = logits.device
     part = torch.empty(n_rows, n_chunks, 2, dtype=torch.float32, device=dev)
     best_val = torch.empty(n_rows, n_chunks, dtype=torch.float32, device=dev)
     best_idx = torch.empty(n_rows, n_chunks, dtype=torch.int64, device=dev)
-    sizes = dict(BLOCK=VOCAB_BLOCK, CHUNK_BLOCKS=CHUNK_BLOCKS, NUM_CHUNKS=n_chunks, num_warps=_NUM_WARPS)
+    sizes = dict(BLOCK=TRITON_VOCAB_BLOCK, CHUNK_BLOCKS=TRITON_CHUNK_BLOCKS, NUM_CHUNKS=n_chunks, num_warps=LSE_WARPS)
     stride_z = logits.stride(0)
     grid = (n_rows, n_chunks)
-    _chunk_lse_kernel[grid](logits, tau, part, stride_z, vocab, **sizes)
+    chunk_lse_kernel[grid](logits, tau, part, stride_z, vocab, **sizes)
     if draw == "greedy":  # no noise: the seeds and positions are never read
         seeds = positions = tokens
     seeds, positions = seeds.contiguous(), positions.contiguous()
@@ -178,7 +178,7 @@ def sample_triton(logits, tau, seeds, positions, draw, output, tokens, token_log
     chunked = dict(sizes, num_warps=_SAMPLE_WARPS)
     _sample_chunk_kernel[grid](
         logits, tau, seeds, positions, part, lp_out, best_val, best_idx, stride_z, lp_out.stride(0), vocab,
-        DRAW=DRAW_CODES[draw], WRITE=write, UNIFORM_BITS=logprob._UNIFORM_BITS, **chunked,
+        DRAW=DRAW_CODES[draw], WRITE=write, UNIFORM_BITS=gumbel.UNIFORM_BITS, **chunked,
     )  # fmt: skip
     with_lp = output == "token_log_probs"
     token_lp = token_log_probs if with_lp else best_val  # unused unless TOKEN_LOG_PROBS

@@ -36,6 +36,8 @@ KERNEL_COMPANIONS = {
         "vexact_vllm.kernels.gemm_tiles_triton",
     ),
     "vexact_vllm.kernels.rope_triton": ("vexact_vllm.kernels.rms_norm_triton",),
+    "vexact_vllm.kernels.moe_triton": ("vexact_vllm.kernels.moe_core_triton", "vexact_vllm.kernels.gemm_tiles_triton"),
+    "vexact_vllm.kernels.moe_triton_bwd": ("vexact_vllm.kernels.moe_core_triton",),
     "vexact_vllm.kernels.sample_triton": (
         "vexact_vllm.kernels.logprob_triton",
         "vexact_vllm.kernels.gumbel_triton",

@@ -18,12 +18,8 @@ import torch
 
 from vexact_vllm.kernels import linear, linear_token_log_probs, log_softmax
 from vexact_vllm.kernels.autograd_utils import backward_without_autocast
-from vexact_vllm.kernels.logprob import (
-    _blocked_ids,
-    _temperature_column,
-    chunked_linear_backward,
-    mask_logits_,
-)
+from vexact_vllm.kernels.logit_rules import blocked_ids, mask_logits_, temperature_column
+from vexact_vllm.kernels.logprob import chunked_linear_backward
 
 # Rows per chunk of the entropy's [rows, V] logits; only bounds memory.
 ENTROPY_CHUNK_ROWS = 256
@@ -71,8 +67,8 @@ def linear_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, temperature, vocab_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
     """fp32 [M] entropy of softmax(mask(linear(hidden, weight, fp32)) / temperature), differentiable."""
-    blocked = _blocked_ids(vocab_mask, weight.shape[0], hidden.device)
-    tau = _temperature_column(temperature, hidden.shape[0], hidden.device)  # [M, 1]
+    blocked = blocked_ids(vocab_mask, weight.shape[0], hidden.device)
+    tau = temperature_column(temperature, hidden.shape[0], hidden.device)  # [M, 1]
     return _LinearEntropyFunction.apply(hidden, weight, tau, blocked, ENTROPY_CHUNK_ROWS)
 
 

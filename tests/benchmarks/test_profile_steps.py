@@ -36,7 +36,7 @@ VEXACT = {
     "_rms_norm_fwd_kernel": "norm",
     "_silu_and_mul_fwd_kernel": "silu-and-mul",
     "_rope_kernel": "rope",
-    "_chunk_lse_kernel": "sampler",
+    "chunk_lse_kernel": "sampler",
     "_gumbel_chunk_kernel": "sampler",
     "_gate_up_kernel": "moe",
 }

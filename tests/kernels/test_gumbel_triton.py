@@ -9,10 +9,10 @@ import torch
 pytest.importorskip("triton")  # imported here, in compiled mode, before any interpreted import
 
 from vexact_vllm.kernels import gumbel_argmax, log_softmax  # noqa: E402
-from vexact_vllm.kernels.logprob import gumbel_noise, gumbel_uniform  # noqa: E402
+from vexact_vllm.kernels.gumbel import gumbel_noise, gumbel_uniform  # noqa: E402
 
 MODULE = "vexact_vllm.kernels.gumbel_triton"
-BLOCK = importlib.import_module(MODULE).BLOCK
+BLOCK = importlib.import_module(MODULE).GUMBEL_BLOCK
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 

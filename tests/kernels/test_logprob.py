@@ -11,7 +11,7 @@ from vexact_vllm.kernels import (
     log_softmax,
     token_log_probs,
 )
-from vexact_vllm.kernels.logprob import gumbel_noise
+from vexact_vllm.kernels.gumbel import gumbel_noise
 
 VOCABS = (1000, VOCAB_BLOCK, 3001)
 

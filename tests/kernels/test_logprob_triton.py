@@ -12,7 +12,9 @@ from vexact_vllm.kernels import dispatch, linear, log_softmax, token_log_probs  
 
 MODULE = "vexact_vllm.kernels.logprob_triton"
 logprob = importlib.import_module("vexact_vllm.kernels.logprob")
-BLOCK = importlib.import_module(MODULE).VOCAB_BLOCK
+logit_rules = importlib.import_module("vexact_vllm.kernels.logit_rules")
+sample = importlib.import_module("vexact_vllm.kernels.sample")
+BLOCK = importlib.import_module(MODULE).TRITON_VOCAB_BLOCK
 VOCABS = (100, 1500, 3000, 2 * BLOCK + 37)
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -25,7 +27,7 @@ def tk(import_interpreted):
 
 def _tau(temperature, n_rows, device="cpu"):
     """The fp32 [M, 1] divisor the public functions pass down (greedy 0 -> 1)."""
-    return logprob._temperature_column(temperature, n_rows, torch.device(device))
+    return logit_rules.temperature_column(temperature, n_rows, torch.device(device))
 
 
 def _reference(logits, temperature):
@@ -70,7 +72,7 @@ def test_accuracy_invariance_and_tokens(tk, vocab):
 def test_chunks_of_minus_infinity_and_many_chunks(tk):
     """A chunk whose logits are all -inf (a blocked vocabulary range) adds nothing and makes no NaN;
     rows spanning several chunks combine them in order (row alone == row in a batch, accurate)."""
-    chunk = importlib.import_module(MODULE).VOCAB_CHUNK
+    chunk = importlib.import_module(MODULE).TRITON_VOCAB_CHUNK
     vocab = 2 * chunk + 37  # three chunks, the last one short
     logits = torch.randn(4, vocab) * 5
     logits[1, :chunk] = float("-inf")  # row 1: its whole first chunk blocked
@@ -106,9 +108,9 @@ def test_kernels_apply_the_effective_temperature(tk):
     torch ops for it): requested and effective temperatures give the same bits, also backward."""
     logits = torch.randn(7, 3000) * 3
     requested = torch.tensor([0.0, 0.005, 1e-6, 0.01, 0.7, 1.0, 2.5]).reshape(7, 1)
-    effective = logprob.effective_temperature(requested)
+    effective = logit_rules.effective_temperature(requested)
     assert torch.equal(effective[:3, 0], torch.tensor([1.0, 0.01, 0.01]))  # the rule itself
-    assert torch.equal(logprob.effective_temperature(effective), effective)  # idempotent
+    assert torch.equal(logit_rules.effective_temperature(effective), effective)  # idempotent
     assert torch.equal(tk.log_softmax_triton(logits, requested), tk.log_softmax_triton(logits, effective))
     tokens = torch.randint(0, 3000, (7,))
     got = tk.token_log_probs_triton(logits, tokens, requested)
@@ -211,7 +213,7 @@ def test_tables_register_triton():
         logprob._LOG_SOFTMAX_IMPLS,
         logprob._TOKEN_IMPLS,
         logprob._LINEAR_IMPLS,
-        logprob._GUMBEL_IMPLS,
+        sample._GUMBEL_IMPLS,
     ):
         assert set(table) == {"torch", "triton"}
 

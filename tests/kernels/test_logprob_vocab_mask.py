@@ -10,7 +10,7 @@ import torch
 
 from vexact_vllm.kernels import linear, linear_token_log_probs, log_softmax, token_log_probs
 
-logprob = importlib.import_module("vexact_vllm.kernels.logprob")
+logit_rules = importlib.import_module("vexact_vllm.kernels.logit_rules")
 TEMPERATURES = (1.0, 0.7)
 
 
@@ -87,7 +87,7 @@ def test_masked_triton_interpreted(import_interpreted, temperature):
     weight = torch.randn(vocab, 32, requires_grad=True)
     tokens = torch.randint(0, valid, (6,))
     mask = torch.arange(vocab) < valid
-    tau = logprob._temperature_column(temperature, 6, hidden.device)
+    tau = logit_rules.temperature_column(temperature, 6, hidden.device)
     logits = linear(hidden.detach(), weight.detach(), out_dtype=torch.float32)
     logits[:, valid:] = float("-inf")
     expected = tk.log_softmax_triton(logits, tau).gather(1, tokens[:, None])[:, 0]

@@ -25,7 +25,8 @@ pytest.importorskip("triton")
 
 MODULES = (
     "vexact_vllm.kernels.moe_triton", "vexact_vllm.kernels.moe_triton_bwd", "vexact_vllm.kernels.moe_align_triton",
-    "vexact_vllm.kernels.gemm_triton",  # its tile-order helper runs inside the MoE kernels
+    "vexact_vllm.kernels.moe_core_triton",
+    "vexact_vllm.kernels.gemm_triton",  # its gemm_config, and gemm_tiles_triton's tile order, run in the MoE kernels
 )
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 # (T, H, E, I, k): H and I not multiples of the 16-wide tiles (K tails, N tails), T odd
@@ -34,13 +35,13 @@ SHAPES = [(5, 40, 4, 24, 1), (17, 40, 6, 24, 2), (33, 24, 8, 20, 3), (17, 50, 5,
 
 @pytest.fixture(scope="module")
 def mt(interpreted_modules):
-    """moe_triton, moe_triton_bwd, moe_align_triton (and gemm_triton, whose _tile_coords the MoE kernels
-    call) imported afresh with TRITON_INTERPRET=1 (they take CPU tensors), as a namespace (fwd, bwd,
-    align); later imports get the compiled kernels (gemm_triton is imported compiled first, so that
-    the compiled module comes back after)."""
+    """moe_triton, moe_triton_bwd, moe_align_triton, moe_core_triton (and gemm_triton, whose tile order
+    the MoE kernels call) imported afresh with TRITON_INTERPRET=1 (they take CPU tensors), as a
+    namespace (fwd, bwd, align, core); later imports get the compiled kernels (gemm_triton is imported
+    compiled first, so that the compiled module comes back after)."""
     importlib.import_module("vexact_vllm.kernels.gemm_triton")
-    fwd, bwd, align, _ = interpreted_modules(MODULES)
-    mods = types.SimpleNamespace(fwd=fwd, bwd=bwd, align=align)
+    fwd, bwd, align, core, _ = interpreted_modules(MODULES)
+    mods = types.SimpleNamespace(fwd=fwd, bwd=bwd, align=align, core=core)
     try:  # Triton 3.6's interpreter calls int() on 1-element arrays, which numpy >= 2.5 refuses
         fwd.fused_moe_triton(*_inputs(1, 16, 2, 8, 1))
     except Exception as e:
@@ -115,7 +116,7 @@ def _combine(y, weights, n_tokens):
 def test_interpreter_casts_bf16_by_truncation(small):
     y = torch.randn(64, 40)
     ids = torch.zeros(64, 1, dtype=torch.int64)
-    got = small.fwd._combine(y, None, ids, 1, torch.bfloat16)
+    got = small.core.combine(y, None, ids, 1, torch.bfloat16)
     assert torch.equal(got, _round_like_interpreter(y, torch.bfloat16))
 
 
@@ -244,7 +245,7 @@ def test_align_layout(mt, block_m):
         ids = torch.rand(n_tokens, n_experts).argsort(-1)[:, :top_k].contiguous()
         if n_tokens == 100:
             ids.zero_()  # every entry on expert 0
-        layout = mt.fwd._align(ids, n_experts, block_m)
+        layout = mt.align.align(ids, n_experts, block_m)
         flat = ids.reshape(-1)
         n = flat.numel()
         assert layout.rows.numel() == (-(-n // block_m) + min(n_experts, n)) * block_m
@@ -267,16 +268,16 @@ def test_align_bad_ids_and_int32(mt):
     layout as int64; more entries than one chunk's worth with a large E (several chunks, scan steps)."""
     ids = torch.randint(-2, 9, (300, 3))  # E = 7: -2, -1, 7, 8 are bad
     for block_m in (16, 64):
-        layout = mt.fwd._align(ids, 7, block_m)
+        layout = mt.align.align(ids, 7, block_m)
         for got, want in zip(layout[:4], _align_reference(ids, 7, block_m)):
             assert torch.equal(got, want)
         bad = ((ids < 0) | (ids >= 7)).reshape(-1)
         assert (layout.entry_row[bad] == layout.rows.numel()).all()
-        assert torch.equal(mt.fwd._align(ids.int(), 7, block_m)[0], layout.rows)
+        assert torch.equal(mt.align.align(ids.int(), 7, block_m)[0], layout.rows)
     ids = torch.randint(0, 1000, (200, 8))
-    for got, want in zip(mt.fwd._align(ids, 1000, 64)[:4], _align_reference(ids, 1000, 64)):
+    for got, want in zip(mt.align.align(ids, 1000, 64)[:4], _align_reference(ids, 1000, 64)):
         assert torch.equal(got, want)
-    empty = mt.fwd._align(ids[:0], 1000, 64)
+    empty = mt.align.align(ids[:0], 1000, 64)
     assert empty.rows.numel() == empty.tile_expert.numel() == empty.entry_row.numel() == 0
 
 
@@ -288,7 +289,7 @@ def test_combine_equals_torch_and_poisons_bad_ids(small):
     weights = torch.softmax(torch.randn(17, 3), -1)
     ids = torch.randint(0, 6, (17, 3))
     assert torch.equal(
-        small.fwd._combine(y, weights.reshape(-1), ids, 6, torch.float32), _combine(y, weights, 17)
+        small.core.combine(y, weights.reshape(-1), ids, 6, torch.float32), _combine(y, weights, 17)
     )
     x, w_gate_up, w_down, ids, weights = _inputs(17, 40, 6, 24, 2)
     good = small.fwd._forward(x, w_gate_up, w_down, ids, weights)[0]

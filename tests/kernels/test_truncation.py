@@ -134,7 +134,7 @@ def test_thresholded_gumbel_draws_only_kept_tokens_with_the_truncated_distributi
 def test_interpreted_triton_threshold_matches_torch(import_interpreted):
     pytest.importorskip("triton")
     gk = import_interpreted("vexact_vllm.kernels.gumbel_triton")
-    lp = _log_probs(6, gk.BLOCK + 37)
+    lp = _log_probs(6, gk.GUMBEL_BLOCK + 37)
     seeds, positions = torch.arange(6) * 7919, torch.arange(6) + 100
     thr = truncation_threshold(lp, top_k=torch.tensor([1, 3, 0, 50, 7, 2]), top_p=torch.full((6,), 0.8))
     tokens = gk.gumbel_argmax_triton(lp, seeds, positions, thr)
