@@ -375,9 +375,9 @@ def dot_precision(dtype: torch.dtype) -> str:
 def key_split_tiles(reach: int) -> int:
     """SPLIT_TILES of a launch whose rows reach at most `reach` keys: VEXACT_KEY_SPLIT's, or 0 where
     no row reaches key C. A row before key C has the same bits either way (module docstring), and the
-    kernel without the fold runs with one accumulator instead of two (session 26, H100: the fold's
-    kernel took 1.15 ms for 8 x 1,024 tokens' forward+backward against 0.93 without it; rollouts
-    where no row was that long lost 6-12% with the split on; since this rule, session 27 measured
-    them within the runs' spread of the unsplit kernel)."""
+    kernel without the fold runs with one accumulator instead of two: on an H100 the fold's kernel
+    took 1.15 ms for 8 x 1,024 tokens' forward+backward against 0.93 without it, and rollouts where
+    no row reaches C run within the spread of the unsplit kernel with this rule (6-12% slower
+    without it; see docs/results.md)."""
     keys = key_split()
     return keys // KEY_TILE if keys and reach > keys else 0

@@ -48,16 +48,15 @@ PAGED_STAGES: dict[int, int] = {}
 
 # head_dim -> num_stages of the launches with shared-prompt groups (`paged_attention(shared=...)`:
 # the prefix kernel and the paged kernel resuming after it), where they differ from the above: speed
-# only. bench_kernels.py's rollout section (session 21, H100) put grpo-shaped steps at 1.06 of FA3
-# with 5 stages against 1.00 with 3, and 0.99 / 0.96 against 0.94 / 0.90 where groups share little.
+# only. bench_kernels.py's rollout section on an H100 put grpo-shaped steps at 1.06 of FA3 with 5
+# stages against 1.00 with 3, and 0.99 / 0.96 against 0.94 / 0.90 where groups share little.
 SHARED_STAGES: dict[int, int] = {128: 5}
 
 
 # head_dim -> ((programs per SM at most, num_stages), ...): the paged launches of thin steps, whose
 # grid leaves the GPU room (at 3 stages two programs fit an SM), keep more K/V tiles in flight per
-# program: speed only. Session 20's microbench (H100, decode at 16 x 32k keys: 128 programs) put them
-# at 0.81 of FA3 with 3 stages, 0.97 with 5 and 1.00 with 7; at 32 x 6k (256 programs) 0.99 / 1.00 /
-# 0.99. The grid follows the step's shapes, so a CUDA graph captured per batch size keeps its depth.
+# program: speed only. On an H100, decode at 16 x 32k keys (128 programs) ran at 0.81 of FA3 with 3
+# stages, 0.97 with 5 and 1.00 with 7; at 32 x 6k (256 programs) 0.99 / 1.00 / 0.99. The grid follows the step's shapes, so a CUDA graph captured per batch size keeps its depth.
 # Hopper only, like SHARED_STAGES (measured there; 7 stages need 148 KB of shared memory a program
 # and 5 stages 113 KB, more than an sm_89 GPU has).
 THIN_STAGES: dict[int, tuple[tuple[int, int], ...]] = {128: ((1, 7), (2, 5))}
@@ -442,7 +441,7 @@ def paged_attention(
 # 256-row decode steps ran faster split than with a limit of one program an SM (see docs/results.md).
 _SPLIT_MAX_TOKENS = 256
 # Heads a fold program takes (speed only): a decode step has few tokens, so one program a token left
-# most SMs idle (session 25, H200: 16 programs, 7.7 us of an 84 us step).
+# most SMs idle (H200: 16 programs took 7.7 us of an 84 us step).
 _FOLD_HEADS = 4
 
 
@@ -455,9 +454,9 @@ def split_decode(n_tokens: int) -> bool:
 
 def _split_decode(q, out, grid, chunks, args, meta, start_loc, n_seqs):
     """The chunks of each row as separate programs (fp32 workspaces), then `_fold_kernel`; `args` and
-    `meta`: `paged_attention`'s launch of `_paged_fwd_kernel`. One chunk a program: session 26 tried
-    chunk 0's program taking a prefix of the chunks (folded in registers, or through its workspace
-    entry): both compiled to 255 registers and ran the 16-sequence steps 7-40% slower (docs/BENCHMARKS.md)."""
+    `meta`: `paged_attention`'s launch of `_paged_fwd_kernel`. One chunk a program: chunk 0's program
+    taking a prefix of the chunks (folded in registers, or through its workspace entry) compiled to
+    255 registers and ran the 16-sequence steps 7-40% slower (see docs/results.md)."""
     n_tokens, n_heads, head_dim = q.shape
     part_acc = torch.empty((n_tokens, n_heads, chunks, head_dim), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((n_tokens, n_heads, chunks, 2), dtype=torch.float32, device=q.device)

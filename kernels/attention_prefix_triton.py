@@ -7,8 +7,8 @@ cache blocks for the prompt, and one decode step of the paged kernel reads those
 BLOCK_M // GROUP sequences of GROUP heads) into one tile and reads each shared key tile once.
 `attention_prefix.shared_prefix_groups` finds the groups and lists them (`starts`, `count`); a
 fixed grid of programs (`prefix_programs`: about two an SM) walks that list, so a step where no
-group forms costs one wave of programs that exit at once (session 22: a program per sequence and
-kv head cost 4 us a layer there, eight waves of empty programs). `_paged_fwd_kernel` (SHARED) then
+group forms costs one wave of programs that exit at once (a program per sequence and kv head cost 4
+us a layer there: eight waves of empty programs). `_paged_fwd_kernel` (SHARED) then
 resumes each sequence from the state written here.
 
 Invariant: a row's arithmetic is the same as in `attend_rows`. The key tiles 0 .. tiles - 1 are

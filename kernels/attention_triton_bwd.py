@@ -11,7 +11,7 @@ Determinism: no atomics. `_dkdv_kernel` owns one key tile of one kv head and loo
 tiles of its sequence in order (the G query heads of the kv head sit along the rows, so the group
 sum happens inside the dots); `_dq_kernel` owns one row tile and loops over the key tiles in order.
 Every sum therefore has one fixed order per launch shape. Programs find their sequence on the device
-as the forward does (`attention_triton._seq_of_tile`): no host synchronisation.
+as the forward does (`attention_core_triton.seq_of_tile`): no host synchronisation.
 """
 
 import torch

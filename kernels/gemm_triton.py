@@ -310,13 +310,13 @@ _TUNED_ON: dict[str, dict[tuple[torch.dtype, int, int], dict[int | None, GemmCon
     "H200": {
         (_BF16, 6144, 4096): {  # qkv .96 .94 .95 | .75 (the H100's tiles here: .72 .75 .83 | .68)
             64: C(64, 64, 64, 8, 4, 8, 1),
-            # `gemm-8b` (--any-k) on an H200 (2026-11-28, session 31): cold M = 128 .83 (this table's
-            # BLOCK_K 64 tile .74)
+            # `gemm-8b` (--any-k) on an H200 (2026-11-28): cold M = 128 .83 (this table's BLOCK_K 64
+            # tile .74)
             128: C(64, 128, 128, 8, 4, 4, 1),
         },
         (_BF16, 24576, 4096): {  # gate_up .97 .97 .96 (.93 .94 .96)
             64: C(64, 64, 64, 8, 4, 4, 3),
-            128: C(64, 128, 128, 8, 4, 4, 1),  # session 31's `gemm-8b`: cold M = 128 .87 (.80)
+            128: C(64, 128, 128, 8, 4, 4, 1),  # `gemm-8b` (--any-k): cold M = 128 .87 (.80)
         },
         # o and down: BLOCK_K 128 tiles (twice the weight bytes per K step), cold M = 16 | 128 against
         # the BLOCK_K 64 tiles' (this table's first pick): o 1.07 | .94 (.91 | .86), down .89 | .89 (.72 | .82)

@@ -15,9 +15,9 @@ negated: dx1 = g1 * c + g2 * s, dx2 = g2 * c - g1 * s), then RMSNorm's own backw
 Program (token t, HEADS_PER_PROGRAM of the Hq + Hkv heads, cos/sin read once): each head's whole
 row gives the norm's rstd; the halves are normalised in registers with the norm's element math
 (x * rstd * w, rounded to the dtype: the bits rms_norm_triton stores), rotated and stored once.
-Session 27's profile had one head a program with a store, barrier and reload between the norm and
-the rotation at 8.4 us a layer (8B, 256-token decode) against stock's fused 5.0; session 28 timed
-4.4 us for this layout (`HEADS_PER_PROGRAM`). Stock vLLM fuses the same ops (q/k norm with RoPE);
+One head a program, with a store, barrier and reload between the norm and the rotation, took 8.4 us
+a layer (8B, 256-token decode) against stock's fused 5.0; this layout takes 4.4 us
+(`HEADS_PER_PROGRAM`). Stock vLLM fuses the same ops (q/k norm with RoPE);
 four launches per layer become one.
 
 Invariant: the only reduction is the norm's sum of squares over one head row of D elements, whose
@@ -132,8 +132,8 @@ def _rope_head(
         tl.store(y_base + p, tail, mask=p_ok)
 
 
-# Heads a program: speed only (every head runs the same one-row code, see `_rope_head`). H100,
-# session 28, q/k norm + RoPE of the 8B shape (40 heads), us for 1 / 2 / 4 / 8 heads a program:
+# Heads a program: speed only (every head runs the same one-row code, see `_rope_head`). H100, q/k
+# norm + RoPE of the 8B shape (40 heads), us for 1 / 2 / 4 / 8 heads a program:
 # T = 16: 2.08 / 2.29 / 2.95 / 4.62; T = 256: 7.60 / 5.17 / 4.37 / 5.13; T = 8,192: 199 / 101 / 81 / 83.
 # So HEADS_PER_PROGRAM, halved while the launch would have fewer than _FEW_PROGRAMS programs.
 HEADS_PER_PROGRAM = 4

@@ -7,9 +7,9 @@ the same tokens alone or in any batch, in any order); ties go to the lowest id. 
 gumbel_triton.py.
 
 `sample_tokens(logits, temperature, seeds, positions, draw=, output=)` is, by definition, this
-composition (`sample_composed` runs it as written: the torch path, and on
-CUDA tensors the sampler's kernels before this fusion; the Triton path, sample_triton.py, fuses it
-without writing the [M, V] log-probs, with the same bits):
+composition (`sample_composed` runs it as written: the torch path, and on CUDA tensors the sampler's
+kernels before this fusion; the Triton path, sample_triton.py, fuses it without writing the [M, V]
+log-probs, with the same bits):
     log_probs       = log_softmax(logits, temperature)                                      [M, V]
     tokens          = draw "greedy":  argmax_v log_probs[m, v]      (the first maximum)       [M]
                       draw "sampled": gumbel_argmax(log_probs, seeds, positions)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from .attention_tiles import KEY_TILE
 
-# The CUDA attention kernels both sides may run ("triton": kernels/attention_triton.py; "fa4":
+# The CUDA attention kernels both sides may run ("triton": kernels/attention_core_triton.py; "fa4":
 # FlashAttention-4 on Hopper, kernels/attention_fa4.py).
 ATTENTION_BACKENDS = ("triton", "fa4")
 # Keys per split of the Triton attention when VEXACT_KEY_SPLIT is unset: a step of few long rows then
