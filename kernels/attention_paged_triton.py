@@ -56,14 +56,15 @@ SHARED_STAGES: dict[int, int] = {128: 5}
 # head_dim -> ((programs per SM at most, num_stages), ...): the paged launches of thin steps, whose
 # grid leaves the GPU room (at 3 stages two programs fit an SM), keep more K/V tiles in flight per
 # program: speed only. On an H100, decode at 16 x 32k keys (128 programs) ran at 0.81 of FA3 with 3
-# stages, 0.97 with 5 and 1.00 with 7; at 32 x 6k (256 programs) 0.99 / 1.00 / 0.99. The grid follows the step's shapes, so a CUDA graph captured per batch size keeps its depth.
-# Hopper only, like SHARED_STAGES (measured there; 7 stages need 148 KB of shared memory a program
-# and 5 stages 113 KB, more than an sm_89 GPU has).
+# stages, 0.97 with 5 and 1.00 with 7; at 32 x 6k (256 programs) 0.99 / 1.00 / 0.99. The grid follows
+# the step's shapes, so a CUDA graph captured per batch size keeps its depth. Hopper only, like
+# SHARED_STAGES (measured there; 7 stages need 148 KB of shared memory a program and 5 stages 113 KB,
+# more than an sm_89 GPU has).
 THIN_STAGES: dict[int, tuple[tuple[int, int], ...]] = {128: ((1, 7), (2, 5))}
 THIN_CAPABILITIES = ((9, 0),)
 # head_dim -> num_stages of split decode's chunk launch (a key split; Hopper only, as above): at
-# C = 2,048, 5 stages against 3 / 7 ran an 8B uneven step in 73.8 / 77.1 / 87.1 us on the H200 and 16 x
-# 5,200 keys in 132.3 / 137.3 / 137.5 us on the H100 (see docs/results.md).
+# C = 2,048, 5 stages against 3 / 7 ran an 8B uneven step in 73.8 / 77.1 / 87.1 us on the H200 and
+# 16 x 5,200 keys in 132.3 / 137.3 / 137.5 us on the H100 (see docs/results.md).
 SPLIT_STAGES: dict[int, int] = {128: 5}
 
 
@@ -84,8 +85,8 @@ def paged_stages(
 ) -> int:
     """num_stages of a paged launch of `programs` programs on a GPU of `sms` SMs (None: unknown, as in
     the interpreter, or a GPU these depths were not measured on: then the forward's): PAGED_STAGES
-    (empty: a benchmark may fill it), else split decode's (`split`, SPLIT_STAGES), else the thin-step depth
-    (THIN_STAGES), else the shared-prompt launches' (SHARED_STAGES), else the forward's `default`.
+    (empty: a benchmark may fill it), else split decode's (`split`, SPLIT_STAGES), else the thin-step
+    depth (THIN_STAGES), else the shared-prompt launches' (SHARED_STAGES), else the forward's `default`.
     Which depth runs changes no bit (tests: test_paged_pipelining_depth_changes_no_bit_cuda)."""
     if head_dim in PAGED_STAGES:
         return PAGED_STAGES[head_dim]

@@ -1,18 +1,18 @@
 """Triton Gumbel-max sampling (the CUDA path of `sample.gumbel_argmax`).
 
 token[m] = argmax_v(log_probs[m, v] + g(seeds[m], positions[m], v)), ties to the lowest v, with the
-hash and the uniform of `gumbel.py` (its constants) and g = -log(-log(u)) in fp32: the row key in int64 arithmetic
-(wrapping mod 2^64, values masked to 63 bits, as the torch path computes it), the per-id hash in
-uint32 arithmetic (wrapping mod 2^32: the torch path's masked int64 products have the same low 32
-bits), so the noise has the torch path's bits up to `log`'s rounding.
+hash and the uniform of `gumbel.py` (its constants) and g = -log(-log(u)) in fp32: the row key in
+int64 arithmetic (wrapping mod 2^64, values masked to 63 bits, as the torch path computes it), the
+per-id hash in uint32 arithmetic (wrapping mod 2^32: the torch path's masked int64 products have the
+same low 32 bits), so the noise has the torch path's bits up to `log`'s rounding.
 
-The vocabulary is cut into chunks of GUMBEL_CHUNK_BLOCKS blocks of GUMBEL_BLOCK ids; one program per (row, chunk)
-walks its chunk's blocks in index order, generating the noise in registers (the torch path
+The vocabulary is cut into chunks of GUMBEL_CHUNK_BLOCKS blocks of GUMBEL_BLOCK ids; one program per
+(row, chunk) walks its chunk's blocks in index order, generating the noise in registers (the torch path
 materialises [rows, V] int64 tensors, tens of passes over memory per decode step) and keeping the
 chunk's first maximum (value, id); then one program per row scans the chunks in order, taking a
 chunk only when its value is strictly greater. Both scans keep the first maximum, so the token is
-the vocabulary's first maximum whatever GUMBEL_CHUNK_BLOCKS is (speed only: a decode batch of 16 rows gives
-16 x 19 programs instead of 16): a row's token depends on its own log-probs, seed and position
+the vocabulary's first maximum whatever GUMBEL_CHUNK_BLOCKS is (speed only: a decode batch of 16
+rows gives 16 x 19 programs instead of 16): a row's token depends on its own log-probs, seed and position
 only, never on the batch. Triton's `log` may round differently from torch's, so
 the two backends can pick different tokens where two candidates tie to within an ulp; a rollout
 uses one backend throughout (the trainer does not sample).

@@ -6,9 +6,9 @@ requested temperatures or their `effective_temperature` (each kernel applies tha
 round-to-nearest division (Triton's plain fp32 `/` is an approximation; torch's CUDA `/` is
 div.rn, so the bits are torch's `logits / tau`).
 
-Log-softmax of a row of V fp32 logits z, in chunks of TRITON_VOCAB_CHUNK = TRITON_CHUNK_BLOCKS * TRITON_VOCAB_BLOCK
-columns (chunk c: columns c * TRITON_VOCAB_CHUNK ..), each chunk read by its own program (rows x chunks
-programs, so a few rows still spread over the SMs):
+Log-softmax of a row of V fp32 logits z, in chunks of TRITON_VOCAB_CHUNK = TRITON_CHUNK_BLOCKS *
+TRITON_VOCAB_BLOCK columns (chunk c: columns c * TRITON_VOCAB_CHUNK ..), each chunk read by its own
+program (rows x chunks programs, so a few rows still spread over the SMs):
     1. per chunk c: mx_c = max scaled[v]        running elementwise max over its blocks, then one
                                                 tree max (exact, order-free)
                     s_c  = sum exp(scaled[v] - mx_c)   added elementwise into an fp32 [TRITON_VOCAB_BLOCK]
@@ -27,8 +27,8 @@ The blocks (and Triton's exp/log) differ from the torch path's (`logprob.TORCH_V
 global max), so the two backends agree to rounding, not bitwise: inference and training must run
 the same backend.
 
-Invariant: the order of every addition is fixed by V, TRITON_VOCAB_BLOCK and TRITON_CHUNK_BLOCKS alone (the same
-for every call), never by the number of rows in the launch, the chunk of rows a row falls in
+Invariant: the order of every addition is fixed by V, TRITON_VOCAB_BLOCK and TRITON_CHUNK_BLOCKS
+alone (the same for every call), never by the number of rows in the launch, the chunk of rows a row falls in
 (`linear_token_log_probs`), or the entry point (`log_softmax`, `token_log_probs`,
 `linear_token_log_probs`).
 

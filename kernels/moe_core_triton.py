@@ -1,6 +1,6 @@
-"""The kernels and launch helpers of the Triton fused mixture-of-experts (`moe_triton.py`, the CUDA path
-of `moe.py`, and its backward `moe_triton_bwd.py`, which both import this module): grouped GEMMs and a
-slot-order combine.
+"""The kernels and launch helpers of the Triton fused mixture-of-experts (`moe_triton.py`, the CUDA
+path of `moe.py`, and its backward `moe_triton_bwd.py`, which both import this module): grouped GEMMs
+and a slot-order combine.
 
 Math: `moe.py`'s. Legend: T = tokens, H = hidden, E = experts, I = expert intermediate size, k = experts
 per token, n = T * k entries (entry p = t * k + j), P = rows of the expert-grouped layout.
@@ -13,13 +13,14 @@ bounds sum_e cdiv(n_e, BLOCK_M) * BLOCK_M for every routing, so grids depend on 
 the launch can be captured in a CUDA graph.
 
 Forward kernels:
-1. `_gate_up_kernel` (`gate_up`), per tile (M tile of one expert, BLOCK_N columns of I): gate and up accumulators
-   over K = H from x rows gathered by token; epilogue: both rounded to the model dtype (what `linear`
+1. `_gate_up_kernel` (`gate_up`), per tile (M tile of one expert, BLOCK_N columns of I): gate and up
+   accumulators over K = H from x rows gathered by token; epilogue: both rounded to the model dtype (what `linear`
    stores as gu), then a = div_rn(g, 1 + exp(-g)) * u in fp32 (what `silu_and_mul` computes),
    rounded: act [P, I]. With STORE_GU (backward recompute) the rounded gu [P, 2I] is written too.
-2. `_grouped_gemm_kernel` (`grouped_gemm`): y = act @ w_down[e]^T, fp32, each row stored at its entry: y [n, H].
-3. `_combine_kernel` (`combine`), per token: out[t] = w_t0 * y_t0 + w_t1 * y_t1 + ... in slot order, fp32, one
-   rounding. Compiled without FMA contraction, so each product is rounded to fp32 before its
+2. `_grouped_gemm_kernel` (`grouped_gemm`): y = act @ w_down[e]^T, fp32, each row stored at its
+   entry: y [n, H].
+3. `_combine_kernel` (`combine`), per token: out[t] = w_t0 * y_t0 + w_t1 * y_t1 + ... in slot order,
+   fp32, one rounding. Compiled without FMA contraction, so each product is rounded to fp32 before its
    addition, as torch's `w * y` then `+` does.
 
 Invariant: one REDUCTION per weight shape, the dense GEMM's (`gemm_triton.py`). For an expert weight

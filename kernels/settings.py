@@ -6,12 +6,11 @@ backend and the key split change bits. `get_settings()` reads the environment on
 a CLI that sets variables before it starts work); `clear_settings()` leaves the next read to
 `get_settings()`. `Settings.describe()` is the one line the check and the bench print.
 
-| variable | values | meaning |
-| --- | --- | --- |
-| VEXACT_ATTENTION | triton (unset), fa4 | the CUDA attention kernels (fa4: FlashAttention-4, Hopper) |
-| VEXACT_KEY_SPLIT | 0, or a positive multiple of 64 (unset: 2048; 0 under fa4) | keys per split of the Triton attention |
-| VEXACT_SHARED_PREFIX | 0 (unset), 1 | shared-prompt decode groups (Triton, no key split; same bits) |
-| VEXACT_VLLM_CACHE | a directory (unset: ~/.cache/vexact-vllm) | where the built-in tiny checkpoints are built |
+VEXACT_ATTENTION      triton (unset) or fa4: the CUDA attention kernels (fa4: FlashAttention-4, Hopper)
+VEXACT_KEY_SPLIT      0, or a positive multiple of 64 (unset: 2048; 0 under fa4): keys per split of
+                      the Triton attention
+VEXACT_SHARED_PREFIX  0 (unset) or 1: shared-prompt decode groups (Triton, no key split; same bits)
+VEXACT_VLLM_CACHE     a directory (unset: ~/.cache/vexact-vllm): where the built-in tiny checkpoints go
 
 An empty variable counts as unset.
 """
@@ -35,8 +34,9 @@ DEFAULT_KEY_SPLIT = 2048
 ENV_VARS: dict[str, str] = {
     "VEXACT_ATTENTION": "CUDA attention kernels: triton (default) or fa4 (FlashAttention-4, Hopper); "
     "the same on the trainer and the rollout",
-    "VEXACT_KEY_SPLIT": f"keys per split of the Triton attention: 0 (none) or a positive multiple of {KEY_TILE} "
-    f"(default {DEFAULT_KEY_SPLIT}; none under fa4); changes bits, so the same on the trainer and the rollout",
+    "VEXACT_KEY_SPLIT": f"keys per split of the Triton attention: 0 (none) or a positive multiple of "
+    f"{KEY_TILE} (default {DEFAULT_KEY_SPLIT}; none under fa4); changes bits, so the same on the trainer and "
+    "the rollout",
     "VEXACT_SHARED_PREFIX": "1: decodes reading the same prompt blocks attend them once per group (Triton "
     "attention with VEXACT_KEY_SPLIT=0; the same bits); default 0",
     "VEXACT_VLLM_CACHE": "directory of the built-in tiny checkpoints (default ~/.cache/vexact-vllm)",
