@@ -79,3 +79,96 @@ def test_check_refuses_a_bad_key_split_before_generating(tmp_path, monkeypatch):
     monkeypatch.setenv("VEXACT_KEY_SPLIT", "100")
     with pytest.raises(SystemExit, match=r"VEXACT_KEY_SPLIT must be 0 \(no split\) or a positive multiple of 64 keys"):
         main(["check", "--model", str(tmp_path)])
+
+
+def _long_prompts(path, tokenizer_path: str) -> None:
+    """Four prompts of 300-600 tokens, all opening with the same system text (several KV blocks the
+    prefix cache shares between them)."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    rng = random.Random(5)
+    words = "the of and to in is was for on that with as by at from his her an which were are this be had".split()
+    system = "You are a careful assistant. Read the question, think about it step by step, and answer. " * 3
+    lines = [system + " ".join(rng.choice(words) for _ in range(n)) for n in (70, 110, 150, 190)]
+    lengths = [len(ids) for ids in AutoTokenizer.from_pretrained(tokenizer_path)(lines)["input_ids"]]
+    assert 300 <= min(lengths) and max(lengths) <= 600, lengths
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_check_preempts_with_long_prompts(tiny_model, tmp_path):
+    """The preemption composition sizes its cache from the prompts: long ones (sharing a prefix) too."""
+    prompts, out = tmp_path / "long.txt", tmp_path / "report.json"
+    _long_prompts(prompts, tiny_model("qwen3"))
+    rc = main(["check", "--model", tiny_model("qwen3"), "--prompts", str(prompts), "--num-prompts", "4",
+               "--compositions", "preemption", "--micro-batches", "0", "--json", "--output", str(out), "--quiet"])  # fmt: skip
+    report = json.loads(out.read_text())
+    assert rc == 0, report
+    (row,) = report["rows"]
+    assert row["problem"] is None and row["mismatches"] == 0 and row["notes"]["preemptions"] > 0, row
+
+
+def _checkpoint_with(tiny_model, tmp_path, **fields) -> str:
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model("qwen3"), model)
+    config = json.loads((model / "config.json").read_text())
+    config.update(fields)
+    (model / "config.json").write_text(json.dumps(config))
+    return str(model)
+
+
+def test_check_refuses_a_float16_checkpoint_as_the_server_does(tiny_model, tmp_path):
+    model = _checkpoint_with(tiny_model, tmp_path, dtype="float16", torch_dtype="float16")
+    with pytest.raises(SystemExit, match=r"dtype torch.float16 is not supported by vexact-vllm; use bfloat16 or "
+                       r"float32 \(for example --dtype bfloat16\)"):  # fmt: skip
+        main(["check", "--model", model])
+
+
+def test_check_runs_a_float16_checkpoint_in_the_dtype_asked_for(tiny_model, tmp_path, capsys):
+    model = _checkpoint_with(tiny_model, tmp_path, dtype="float16", torch_dtype="float16")
+    rc = main(["check", "--model", model, "--dtype", "bfloat16", "--num-prompts", "3", "--max-tokens", "4",
+               "--compositions", "batch", "--micro-batches", "0", "--quiet"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "note: the checkpoint's config says float16; checked in bfloat16 as --dtype asks" in out
+    assert " in bfloat16, 3 prompts x 4 tokens" in out and out.rstrip().endswith("PASS: every token matches bit for bit")
+
+
+def _gpt2_checkpoint(tiny_model, tmp_path) -> str:
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model("qwen3"))
+    model = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=1, n_head=2, vocab_size=len(tokenizer))).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    return str(model)
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("gpt2", "error: --model-impl vexact does not support architecture GPT2LMHeadModel; supported: "),
+        ("sliding-window", "error: sliding-window attention is not supported by vexact-vllm; set use_sliding_window=false"),
+    ],
+)
+def test_a_refusal_of_vllms_config_is_one_line(tiny_model, tmp_path, case, message):
+    """An unsupported architecture or option, refused while vLLM builds its configuration: the check
+    prints the message alone (no traceback, no vLLM log) and exits non-zero."""
+    import os
+    import subprocess
+    import sys
+
+    if case == "gpt2":
+        model = _gpt2_checkpoint(tiny_model, tmp_path)
+    else:
+        model = _checkpoint_with(tiny_model, tmp_path, use_sliding_window=True, sliding_window=64, max_window_layers=0)
+    proc = subprocess.run([sys.executable, "-m", "vexact_vllm.cli", "check", "--model", model],
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=300)  # fmt: skip
+    # as a terminal shows it: a progress bar's updates overwrite each other (carriage returns)
+    lines = [line.rsplit("\r", 1)[-1] for line in (proc.stdout + proc.stderr).split("\n")]
+    lines = [line for line in lines if line.strip()]
+    assert proc.returncode == 1
+    assert len(lines) == 1 and lines[0].startswith(message), lines[-40:]

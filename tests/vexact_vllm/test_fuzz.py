@@ -66,6 +66,31 @@ def test_report_counts_failures_per_composition_with_a_reproducer():
     assert "PASS" in to_table(args, [_record("batch", True)], cases=1, elapsed=1.0)
 
 
+def test_report_says_what_each_case_was():
+    """A PASS shows what it covered: the family and sizes, the requests and the engine settings."""
+    case = draw_case(1, 3, "cuda", 500)
+    parts = case.describe_parts()
+    m, e = case.model_summary(), case.engine_summary()
+    records = [{**_record(name, True, case=3), "seed": 1, "run": f"{name} #0", "case_parts": parts}
+               for name in ("batch", "shuffled")]  # fmt: skip
+    records.append({**_record("preemption", True, case=3), "seed": 1, "run": "preemption (9 blocks)",
+                    "inconclusive": True, "case_parts": parts})  # fmt: skip
+    table = to_table(SimpleNamespace(profile="cuda", max_prompt_len=500, rounds=1), records, cases=1, elapsed=1.0)
+    lines = table.splitlines()
+    assert lines[0] == "case 3 (seed 1): PASS (1 inconclusive), 3 runs: batch, shuffled, preemption (9 blocks); 120 tokens"
+    assert lines[1] == f"  model: {parts['model']}" and lines[2].startswith("  requests: ")
+    assert lines[3] == f"  engine: {parts['engine']}"
+    model = f"{m['family']}, hidden {m['hidden']}, {m['layers']} layer"
+    assert parts["model"].startswith(model) and f"heads {m['heads']}/{m['kv_heads']} x {m['head_dim']}" in parts["model"]
+    assert f"vocab {m['vocab']} {'tied' if m['tied'] else 'untied'}" in parts["model"]
+    assert f"block {e['block_size']}, max_num_seqs {e['max_num_seqs']}, token budget " in parts["engine"]
+    assert "prefix caching o" in parts["engine"] and "CUDA graphs o" in parts["engine"]
+    assert "async scheduling o" in parts["engine"]
+    assert parts["requests"].startswith(f"{len(case.prompt_lens)} prompts of ")
+    cpu = draw_case(1, 0, "cpu", 96).describe_parts()["engine"]
+    assert "CUDA graphs n/a (CPU)" in cpu
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_one_cpu_case_end_to_end(tmp_path):
@@ -80,4 +105,5 @@ def test_one_cpu_case_end_to_end(tmp_path):
     assert sum(r["tokens"] for r in records) > 0
     runs = [r["run"] for r in records]
     assert "batch #0" in runs and "batch #1" in runs  # both rounds on the shared engine
+    assert all(r["model"]["family"] and r["engine"]["block_size"] for r in records)  # what the case was
     assert not list(tmp_path.glob("case-*"))  # passing checkpoints are deleted

@@ -19,10 +19,7 @@ def package_version() -> str:
         return __version__
 
 
-def main(argv: list[str] | None = None) -> int:
-    if (sys.argv[1:] if argv is None else argv) == ["--version"]:  # without importing torch and vLLM
-        print(f"vexact-vllm {package_version()}")
-        return 0
+def build_parser() -> argparse.ArgumentParser:
     from . import bench as bench_cmd
     from . import check as check_cmd
     from . import fuzz as fuzz_cmd
@@ -40,7 +37,18 @@ def main(argv: list[str] | None = None) -> int:
     fuzz = sub.add_parser("fuzz", help="random checkpoints, prompts and engine settings, every composition "
                           "checked bit for bit, repeatedly: flake rate and reproducers", formatter_class=HelpFormatter)  # fmt: skip
     fuzz_cmd.add_arguments(fuzz)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else argv) == ["--version"]:  # without importing torch and vLLM
+        print(f"vexact-vllm {package_version()}")
+        return 0
+    from . import bench as bench_cmd
+    from . import check as check_cmd
+    from . import fuzz as fuzz_cmd
+
+    args = build_parser().parse_args(argv)
     if args.command == "check":
         return check_cmd.run_check(args)
     if args.command == "fuzz":

@@ -410,7 +410,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--output", help="write every run's numbers and the summary as JSON to this file (default: none)")
     parser.add_argument("--profile", metavar="DIR",
                         help="after the timed passes, one more pass under vLLM's torch profiler: a trace and a "
-                        "kernel table per configuration in DIR/<configuration>; the table's top rows are printed")
+                        "kernel table per configuration in DIR/<configuration>; the table's top rows are printed (default: no "
+                        "profile)")
     parser.add_argument("--profile-steps", type=profile_window, default=(30, 20), metavar="SKIP:STEPS",
                         help="engine steps of the profiled pass to skip, then to profile (default 30:20: past "
                         "the default workload's prefill, decode steps)")

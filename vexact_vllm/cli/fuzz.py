@@ -3,7 +3,8 @@
 round to round) and once more on fresh engines (chunked prefill, preemption, eager), every generated
 token is scored again by the trainer in several packings and compared with torch.equal.
 
-Prints, last, the runs and failures per composition (the flake rate) and, for every failure, what
+Prints, last, what each case was (family and sizes, requests, engine settings) and its verdict, the
+runs and failures per composition (the flake rate) and, for every failure, what
 differed (with the in-process bisect's verdict: model/kernels or vLLM integration) and the command
 that rebuilds exactly that case: `vexact-vllm fuzz --seed S --case I ... --compositions NAME`.
 `--workers N` runs N cases at once, each in its own process (one GPU holds several small engines).
@@ -101,13 +102,15 @@ def _record(case: FuzzCase, row, bisect: str | None) -> dict:
         "passed": c.mismatches == 0, "inconclusive": row.problem is not None, "tokens": c.tokens,
         "mismatches": c.mismatches, "max_abs_diff": c.max_abs_diff, "first": first, "per_packing": row.per_packing,
         "problem": row.problem, "notes": row.notes, "bisect": bisect if c.mismatches else None,
-        "describe": case.describe(),
+        "describe": case.describe(), "case_parts": case.describe_parts(),
+        "model": case.model_summary(), "engine": case.engine_summary(),
     }  # fmt: skip
 
 
 def _error_record(case: FuzzCase, error: str) -> dict:
     return {"case": case.index, "seed": case.seed, "composition": "(case)", "run": "(case)", "passed": False,
-            "error": error, "describe": case.describe()}  # fmt: skip
+            "error": error, "describe": case.describe(), "case_parts": case.describe_parts(),
+            "model": case.model_summary(), "engine": case.engine_summary()}  # fmt: skip
 
 
 def reproducer(args, record: dict) -> str:
@@ -131,13 +134,33 @@ def summary(records: list[dict]) -> list[tuple[str, int, int, int]]:
     return rows + [("total", sum(runs.values()), sum(fails.values()), sum(idle.values()))]
 
 
+def case_lines(records: list[dict]) -> list[str]:
+    """What each case was and how it went, in case order: its verdict, runs and tokens, then the
+    checkpoint, the requests and the engine settings, one indented line each."""
+    by_case: dict[tuple[int, int], list[dict]] = {}
+    for r in records:
+        by_case.setdefault((r["seed"], r["case"]), []).append(r)
+    lines = []
+    for (seed, case), recs in sorted(by_case.items()):
+        verdict = "PASS" if all(r["passed"] for r in recs) else "FAIL"
+        idle = sum(bool(r.get("inconclusive")) and r["passed"] for r in recs)
+        verdict += f" ({idle} inconclusive)" if idle else ""
+        names = ", ".join(dict.fromkeys(r["run"].split(" #")[0] for r in recs))  # "batch #1" -> "batch"
+        tokens = sum(r.get("tokens", 0) for r in recs)
+        lines.append(f"case {case} (seed {seed}): {verdict}, {len(recs)} runs: {names}; {tokens} tokens")
+        parts = recs[0].get("case_parts") or {"case": recs[0]["describe"]}
+        lines += [f"  {name}: {text}" for name, text in parts.items()]
+    return lines
+
+
 def to_table(args, records: list[dict], cases: int, elapsed: float) -> str:
-    lines = [f"{'composition':16s} {'runs':>6s} {'failures':>9s} {'flake rate':>11s} {'inconclusive':>13s}"]
+    lines = case_lines(records) + [""]
+    lines += [f"{'composition':16s} {'runs':>6s} {'failures':>9s} {'flake rate':>11s} {'inconclusive':>13s}"]
     for name, n, f, idle in summary(records):
         lines.append(f"{name:16s} {n:6d} {f:9d} {f / n if n else 0.0:11.4f} {idle:13d}")
     failed = [r for r in records if not r["passed"]]
     for r in failed:
-        lines.append(f"FAIL case {r['case']} (seed {r['seed']}), {r['run']}: {r['describe']}")
+        lines.append(f"FAIL case {r['case']} (seed {r['seed']}), {r['run']}")
         if r.get("error"):
             lines.append(f"  error: {r['error']}")
         else:

@@ -62,15 +62,63 @@ class FuzzCase:
     def name(self) -> str:
         return f"case {self.index} (seed {self.seed})"
 
-    def describe(self) -> str:
+    def model_summary(self) -> dict:
+        """The checkpoint: family and sizes (and the MoE's experts, the biases, RoPE)."""
         f = self.fields
-        head_dim = f.get("head_dim") or f["hidden_size"] // f["num_attention_heads"]
-        shape = (f"{self.model_type} L{f['num_hidden_layers']} H{f['hidden_size']} heads {f['num_attention_heads']}/"
-                 f"{f['num_key_value_heads']}x{head_dim} I{f['intermediate_size']} V{f['vocab_size']}"
-                 f"{' tied' if f['tie_word_embeddings'] else ''}")  # fmt: skip
-        engine = ",".join(f"{k}={v}" for k, v in sorted(self.engine.items()))
-        lens = f"{len(self.prompt_lens)} prompts of {min(self.prompt_lens)}-{max(self.prompt_lens)} tok"
-        return f"{shape}; {lens}; block {self.block_size}; {engine}"
+        out = {
+            "family": self.model_type, "hidden": f["hidden_size"], "layers": f["num_hidden_layers"],
+            "heads": f["num_attention_heads"], "kv_heads": f["num_key_value_heads"],
+            "head_dim": f.get("head_dim") or f["hidden_size"] // f["num_attention_heads"],
+            "intermediate": f["intermediate_size"], "vocab": f["vocab_size"], "tied": f["tie_word_embeddings"],
+            "rope": f["rope_parameters"]["rope_type"], "weight_std": self.weight_std,
+        }  # fmt: skip
+        if "num_experts" in f:
+            out.update(experts=f["num_experts"], experts_per_token=f["num_experts_per_tok"],
+                       moe_intermediate=f["moe_intermediate_size"], dense_layers=len(f["mlp_only_layers"]))  # fmt: skip
+        out["biases"] = [name for name in ("attention_bias", "mlp_bias") if f.get(name)]
+        return out
+
+    def engine_summary(self) -> dict:
+        """The engine settings; None where the case leaves vLLM's default."""
+        e = self.engine
+        return {
+            "block_size": self.block_size, "max_num_seqs": e["max_num_seqs"],
+            "token_budget": e.get("max_num_batched_tokens"), "prefix_caching": e["enable_prefix_caching"],
+            "cuda_graphs": None if "enforce_eager" not in e else not e["enforce_eager"],
+            "async_scheduling": e.get("async_scheduling"), "chunked_prefill_budget": self.chunk_tokens,
+        }  # fmt: skip
+
+    def describe_parts(self) -> dict[str, str]:
+        """The checkpoint ("model"), the requests and the engine settings the case ran, as text."""
+        m, e = self.model_summary(), self.engine_summary()
+        moe = ""
+        if "experts" in m:
+            moe = f", {m['experts']} experts top-{m['experts_per_token']} of {m['moe_intermediate']}"
+            moe += f" ({m['dense_layers']} dense layers)" if m["dense_layers"] else ""
+        layers = f"{m['layers']} layer{'s' if m['layers'] != 1 else ''}"
+        model = (f"{m['family']}, hidden {m['hidden']}, {layers}, heads {m['heads']}/{m['kv_heads']} x "
+                 f"{m['head_dim']}, intermediate {m['intermediate']}{moe}, vocab {m['vocab']} "
+                 f"{'tied' if m['tied'] else 'untied'}, rope {m['rope']}"
+                 f"{''.join(f', {b}' for b in m['biases'])}")  # fmt: skip
+        temps = sorted({o["temperature"] for o in self.per_request})
+        truncation = sorted({k for o in self.per_request for k in ("top_k", "top_p", "min_p") if k in o})
+        requests = (f"{len(self.prompt_lens)} prompts of {min(self.prompt_lens)}-{max(self.prompt_lens)} tokens, "
+                    f"temperature {'/'.join(f'{t:g}' for t in temps)}"
+                    f"{', ' + '/'.join(truncation) if truncation else ''}")  # fmt: skip
+
+        def default(value, shown):
+            return "vLLM's default" if value is None else shown
+
+        graphs = "n/a (CPU)" if self.profile == "cpu" else default(e["cuda_graphs"], "on" if e["cuda_graphs"] else "off (eager)")
+        engine = (f"block {e['block_size']}, max_num_seqs {e['max_num_seqs']}, token budget "
+                  f"{default(e['token_budget'], e['token_budget'])}, prefix caching {'on' if e['prefix_caching'] else 'off'}, "
+                  f"CUDA graphs {graphs}, async scheduling "
+                  f"{default(e['async_scheduling'], 'on' if e['async_scheduling'] else 'off')}")  # fmt: skip
+        return {"model": model, "requests": requests, "engine": engine}
+
+    def describe(self) -> str:
+        """One line: `describe_parts`."""
+        return "; ".join(f"{k}: {v}" for k, v in self.describe_parts().items())
 
     def to_dict(self) -> dict:
         return asdict(self)
