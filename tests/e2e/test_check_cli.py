@@ -91,7 +91,7 @@ def _long_prompts(path, tokenizer_path: str) -> None:
     rng = random.Random(5)
     words = "the of and to in is was for on that with as by at from his her an which were are this be had".split()
     system = "You are a careful assistant. Read the question, think about it step by step, and answer. " * 3
-    lines = [system + " ".join(rng.choice(words) for _ in range(n)) for n in (70, 110, 150, 190)]
+    lines = [system + " ".join(rng.choice(words) for _ in range(n)) for n in (72, 110, 150, 190)]
     lengths = [len(ids) for ids in AutoTokenizer.from_pretrained(tokenizer_path)(lines)["input_ids"]]
     assert 300 <= min(lengths) and max(lengths) <= 600, lengths
     path.write_text("\n".join(lines) + "\n")
@@ -166,9 +166,9 @@ def test_a_refusal_of_vllms_config_is_one_line(tiny_model, tmp_path, case, messa
     else:
         model = _checkpoint_with(tiny_model, tmp_path, use_sliding_window=True, sliding_window=64, max_window_layers=0)
     proc = subprocess.run([sys.executable, "-m", "vexact_vllm.cli", "check", "--model", model],
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=300)  # fmt: skip
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, timeout=300)  # fmt: skip
     # as a terminal shows it: a progress bar's updates overwrite each other (carriage returns)
-    lines = [line.rsplit("\r", 1)[-1] for line in (proc.stdout + proc.stderr).split("\n")]
+    lines = [line.rsplit("\r", 1)[-1] for line in (proc.stdout + proc.stderr).decode().split("\n")]
     lines = [line for line in lines if line.strip()]
     assert proc.returncode == 1
     assert len(lines) == 1 and lines[0].startswith(message), lines[-40:]
