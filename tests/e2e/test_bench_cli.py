@@ -51,7 +51,8 @@ def test_bench_reports_throughput(tiny_model, tmp_path, capsys):
     captured = capsys.readouterr()
     assert "profile, " in captured.err
     table, markdown = captured.out.split("\n## ")
-    assert table.splitlines()[2].split()[:2] == ["vexact", "1"]
+    assert table.splitlines()[1].startswith("settings: VEXACT_ATTENTION=")
+    assert table.splitlines()[3].split()[:2] == ["vexact", "1"]
     assert "| vexact | 1 |" in markdown and "--duration 0.3" in markdown
 
 
@@ -256,6 +257,8 @@ def test_markdown_report():
     lines = text.splitlines()
     assert lines[0] == "## 2026-11-25: `vexact-vllm bench`, NVIDIA H100 80GB HBM3"
     assert "Commit: abc1234. Command: `vexact-vllm bench --repeats 3`" in lines
+    assert "Settings: `VEXACT_ATTENTION=triton`." in bench_report.markdown_report(
+        bench_report.summarize(RUNS), {**meta, "settings": "VEXACT_ATTENTION=triton"}).splitlines()
     table = [ln for ln in lines if ln.startswith("|")]
     assert table[0].startswith("| configuration | runs |") and set(table[1].replace(" ", "")) == {"|", "-"}
     assert table[2] == "| stock | 3 | 50.0 | 1.000 | 21,000 | 20,000 | 22,000 | 10.0% | 1.000 | - | - | - |"
@@ -286,12 +289,13 @@ def test_run_bench_alternates_keeps_going_after_a_failure_and_prints_the_table_l
     stdout = capsys.readouterr().out.splitlines()
     assert stdout[0].startswith("tiny-qwen3 (dummy weights), workload default: 256 prompts of 64-511 tokens")
     assert "5 s timed per run" in stdout[0]
-    assert stdout[1].startswith("configuration") and stdout[4].startswith("vexact")
+    assert stdout[1].startswith("settings: VEXACT_ATTENTION=")  # the header: workload, then settings
+    assert stdout[2].startswith("configuration") and stdout[5].startswith("vexact")
     assert stdout[-1] == "Failed: vexact: run of repeat 2: exit 1, see its log on stderr."
     assert any(ln.startswith("## ") and ln.endswith("Fake GPU") for ln in stdout)
     saved = json.loads(out.read_text())
     assert [r["position"] for r in saved["results"]] == list(range(9))
-    assert {"model", "model_name", "workload", "forwarded", "results", "summary", "commit", "command"} <= set(saved)
+    assert {"model", "model_name", "workload", "forwarded", "results", "summary", "commit", "command", "settings"} <= set(saved)
     assert saved["repeats"] == 3 and saved["duration_s"] == 5.0 and saved["device"] == "Fake GPU"
 
 
@@ -340,3 +344,15 @@ def test_tensor_parallel_size_reaches_every_child():
     assert forwarded[forwarded.index("--tensor-parallel-size") + 1] == "2"
     assert parser.parse_args(forwarded).tensor_parallel_size == 2
     assert parser.parse_args([]).tensor_parallel_size == 1
+
+
+def test_settings_line_names_what_each_configuration_sets_itself(monkeypatch):
+    from vexact_vllm.kernels.settings import refresh_settings
+
+    monkeypatch.delenv("VEXACT_KEY_SPLIT", raising=False)
+    refresh_settings()
+    assert bench.settings_line(["stock", "vexact"]) == refresh_settings().describe()
+    own = [n for n, c in bench.CONFIGS.items() if any(k.startswith("VEXACT_") for k in c["env"])]
+    if own:  # a variant that sets a VEXACT_* variable of its own
+        env = " ".join(f"{k}={v}" for k, v in bench.CONFIGS[own[0]]["env"].items() if k.startswith("VEXACT_"))
+        assert bench.settings_line(["vexact", own[0]]).endswith(f"; {own[0]} sets {env}")

@@ -14,14 +14,14 @@ stock-batch-invariant, vexact; then reversed; ...) so neither side always runs f
 host; every run counts, the first included. The table, printed last, gives per configuration the
 median output tok/s, min, max and spread, the median start-up, the ratios of medians to stock, and
 each run's ratio to the stock run of the same repeat (`bench_report`). `--report` adds a markdown
-section for docs/BENCHMARKS.md; `--output` writes every run's numbers as JSON. All three
+section (date, device, commit, command, table); `--output` writes every run's numbers as JSON. All three
 configurations run by default; without CUDA, stock-batch-invariant is left out (vLLM's
 batch-invariant mode is Triton kernels). A run that fails is reported and the others still run
 (exit 1). vLLM's logs, progress and each repeat's table go to stderr; stdout holds only the report.
 `--profile DIR` adds one untimed pass per run under vLLM's torch profiler (engine steps chosen by
 `--profile-steps`): where the time goes, per kernel, for each configuration (DIR/<configuration>).
 
-Default workload (the one ../shared/gpu reports stock vLLM on): the built-in `qwen3-1.7b-shape`
+Default workload: the built-in `qwen3-1.7b-shape`
 (Qwen3-1.7B's config, 28 layers, hidden 2048, 16/8 heads of 128, vocabulary 151936) with dummy
 weights (only its config is written: `--load-format dummy` never reads weights), 256 prompts of
 64-511 random token ids below the vocabulary size, 256 output tokens, temperature 1, seed 7,
@@ -278,6 +278,15 @@ def _command_line(args) -> str:
     return shlex.join(["vexact-vllm", "bench", *shown])
 
 
+def settings_line(names: list[str]) -> str:
+    """The VEXACT_* settings every configuration runs with, and those a configuration sets itself."""
+    from vexact_vllm.kernels.settings import get_settings
+
+    own = [f"{name} sets {' '.join(f'{k}={v}' for k, v in CONFIGS[name]['env'].items() if k.startswith('VEXACT_'))}"
+           for name in names if any(k.startswith("VEXACT_") for k in CONFIGS[name]["env"])]  # fmt: skip
+    return get_settings().describe() + "".join(f"; {o}" for o in own)
+
+
 def run_bench(args) -> int:
     workloads = args.workload.split(",")
     if args.config:  # child process: it gets every field of a single workload on its command line
@@ -287,6 +296,12 @@ def run_bench(args) -> int:
         print("VEXACT_BENCH " + json.dumps(run_one(args)), flush=True)
         return 0
     names = _config_names(args)
+    try:  # the settings every configuration reads, checked before any engine starts
+        from vexact_vllm.kernels.settings import refresh_settings
+
+        refresh_settings()
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
     if args.repeats < 1 or args.warmup_passes < 0 or args.duration < 0:
         raise SystemExit("error: --repeats must be at least 1, --warmup-passes and --duration at least 0")
     if args.interleave and args.profile:
@@ -333,8 +348,10 @@ def _bench_workload(args, names: list[str], interleaved: list[dict] | None, shar
                    if args.interleave else ""))  # fmt: skip
     rows = summarize(results)
     meta = {"date": datetime.date.today().isoformat(), "command": _command_line(args), "commit": git_commit(),
-            "workload": workload, "device": next((r["device"] for r in results if "device" in r), "unknown")}  # fmt: skip
+            "workload": workload, "settings": settings_line(names),
+            "device": next((r["device"] for r in results if "device" in r), "unknown")}  # fmt: skip
     print(workload)
+    print(f"settings: {meta['settings']}")
     print(summary_table(rows))
     if args.report:
         print("\n" + markdown_report(rows, meta))
@@ -406,7 +423,7 @@ def add_arguments(parser) -> None:
                         "repeat (default: 3)")
     parser.add_argument("--report", action="store_true",
                         help="after the table, print a markdown section (date, device, commit, command, table) "
-                        "for docs/BENCHMARKS.md")
+                        "for a results page")
     parser.add_argument("--output", help="write every run's numbers and the summary as JSON to this file (default: none)")
     parser.add_argument("--profile", metavar="DIR",
                         help="after the timed passes, one more pass under vLLM's torch profiler: a trace and a "

@@ -131,12 +131,13 @@ def summary_table(rows: list[dict]) -> str:
 
 
 def markdown_report(rows: list[dict], meta: dict) -> str:
-    """A section for docs/BENCHMARKS.md: date, device, commit, command, workload and the table.
-    `meta` holds `date`, `device`, `commit`, `command` and `workload`."""
+    """A markdown section for a results page: date, device, commit, command, workload and the table.
+    `meta` holds `date`, `device`, `commit`, `command`, `workload` and, optionally, `settings`."""
     head = ["configuration", "runs", "start-up s (median)", "vs stock", "output tok/s (median)", "min", "max",
             "spread", "vs stock", "per repeat vs stock", "vs BI", "pass drift"]  # fmt: skip
     lines = [f"## {meta['date']}: `vexact-vllm bench`, {meta['device']}", "",
              f"Commit: {meta['commit']}. Command: `{meta['command']}`", "", f"Workload: {meta['workload']}.", "",
+             *([f"Settings: `{meta['settings']}`.", ""] if meta.get("settings") else []),
              "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]  # fmt: skip
     for row in rows:
         cells = _cells(row, sep=",")

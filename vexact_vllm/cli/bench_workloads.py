@@ -1,7 +1,7 @@
 """The named workloads of `vexact-vllm bench` (`--workload`): the request shapes RL rollouts have.
 
-    default       256 prompts of 64-511 tokens, 256 output tokens (the one ../shared/gpu reports
-                  stock vLLM on)
+    default       256 prompts of 64-511 tokens, 256 output tokens (the stock vLLM baseline of the
+                  project's design notes)
     long          128 prompts of 1,024-4,096 tokens, 4,096-8,192 output tokens: long reasoning rollouts,
                   enough requests to fill the KV cache of a 1.7B-8B model on one GPU
     grpo          64 prompts of 256-1,024 tokens x 8 samples each (one seed per sample), 1,024-2,048
