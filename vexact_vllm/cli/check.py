@@ -177,7 +177,7 @@ def header(args, model_path: str, dtype: str, n_prompts: int, settings) -> list[
 
 
 def run_check(args) -> int:
-    if not args.verbose:  # vLLM's own lines go to the log (shown on a failure), at most its warnings
+    if not args.verbose:  # vLLM's own lines go to a log (named on a failure): its warnings and errors
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     # The trainer and the CUDA probes touch the GPU in this process; vLLM's engine processes must
     # then be spawned, not forked (a forked child cannot re-initialise CUDA).
