@@ -74,11 +74,11 @@ def cases(rows: int, vocab: int, hidden: int):
         probs = torch.softmax(logits / temperature[:, None], -1)
         return probs.div_(torch.empty_like(probs).exponential_()).argmax(-1)
 
-    def vexact_sample():  # the sampler's work for an all-sampled batch (sampler.draw_tokens)
+    def vexact_sample():  # the sampler's work for an all-sampled batch (sampler.rules.draw_tokens)
         return gumbel_argmax(log_softmax(logits, temperature), seeds, positions)
 
     from vexact_vllm.kernels.gemm_triton import linear_triton
-    from vexact_vllm.sampler_graphs import BUCKETS, SamplerGraphs
+    from vexact_vllm.sampler.graphs import BUCKETS, SamplerGraphs
 
     with torch.inference_mode():
         yield "lm_head", lambda: linear(h, w, out_dtype=torch.float32), lambda: F.linear(h, w)
@@ -95,7 +95,7 @@ def cases(rows: int, vocab: int, hidden: int):
             return probs.div_(torch.empty_like(probs).exponential_()).argmax(-1)
 
         yield "step: lm_head + sample", eager_step, stock_step
-        if rows <= BUCKETS[-1]:  # the same step by replays of the sampler graphs (sampler_graphs.py)
+        if rows <= BUCKETS[-1]:  # the same step by replays of the sampler graphs (sampler/graphs.py)
             graphs = SamplerGraphs(w, rows)
             graphs.capture()
             idx, at = torch.arange(rows, device=dev, dtype=torch.int32), torch.arange(rows, device=dev)

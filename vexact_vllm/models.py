@@ -4,8 +4,8 @@ The decoder (`model_patches`) is the trainer's; only the attention context diffe
 `PagedAttention`, which hands q/k/v to vLLM `Attention` layers bound to the vexact backend (write to
 the paged KV cache, then attend over it). Logits are the lm_head GEMM in fp32; the vexact sampler
 turns them into log-probs with the one log-prob function: on vLLM's model runner v2 through the
-model's state class (`get_model_state_cls`, model_state.py), on the V1 runner (CPU) through
-runner_hooks.py (installed with vLLM's patch table by `register()`).
+model's state class (`get_model_state_cls`, sampler/v2.py), on the V1 runner (CPU) through the
+runner's patched `_sample` (sampler/v1.py, installed with vLLM's patch table by `register()`).
 
 Tensor parallelism (`--tensor-parallel-size T`): the decoder is built as this rank's shard
 (model_patches/tensor_parallel.py: every sharded GEMM column-parallel with the whole layer's
@@ -120,7 +120,7 @@ class VllmVexactForCausalLM(nn.Module):
     @classmethod
     def get_model_state_cls(cls):
         """Runner v2's hook: its state class, whose `custom_sampler` installs the vexact sampler."""
-        from .model_state import VexactModelState
+        from .sampler.v2 import VexactModelState
 
         return VexactModelState
 
@@ -163,7 +163,7 @@ class VllmVexactForCausalLM(nn.Module):
         warm_up_linear(self.lm_head_weight, out_dtype=torch.float32, config_n=self._lm_head_config_n)
         self._kernels_warm = True
 
-    # The lm_head's CUDA graphs, set by the vexact sampler once captured (sampler_graphs.py).
+    # The lm_head's CUDA graphs, set by the vexact sampler once captured (sampler/graphs.py).
     sampler_graphs = None
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -9,9 +9,9 @@ installed in every process by `register()`).
 The wrap acts only for model configs with `model_impl == "vexact"`; every other model gets vLLM's
 validation unchanged.
 
-Refused: sampling options that change the distribution the trainer's log-probs describe (top-k,
-top-p, min-p, penalties, logit bias, bad words, allowed token ids, min_tokens: `sampler.
-refuse_unsupported`), and prompt log-probs under runner v2, whose prompt log-probs are computed by
+Refused: sampling options that change the distribution the trainer's log-probs describe
+(penalties, logit bias, bad words, allowed token ids, min_tokens, structured outputs:
+`sampler.rules.refuse_unsupported`; top-k, top-p and min-p are served), and prompt log-probs under runner v2, whose prompt log-probs are computed by
 vLLM's own log-softmax, which no model hook replaces (the V1 runner computes them with the vexact
 sampler's function).
 """
@@ -22,7 +22,7 @@ import functools
 
 from vllm.exceptions import VLLMValidationError
 
-from .sampler import refuse_unsupported
+from .sampler.rules import refuse_unsupported
 
 MODEL_IMPL = "vexact"
 

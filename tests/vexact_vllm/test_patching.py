@@ -322,7 +322,7 @@ def test_post_condition_is_installed_on_vllms_worker():
     ("vllm", "generate", False, "original"),
 ])  # fmt: skip
 def test_vexact_models_default_to_runner_v2(model_impl, runner_type, is_moe, expected):
-    from vexact_vllm.runner_hooks import wrap_default_v2_runner
+    from vexact_vllm.vllm_patches import wrap_default_v2_runner
 
     calls = []
 

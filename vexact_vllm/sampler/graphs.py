@@ -3,7 +3,7 @@
 Why: vLLM replays the model's forward as one CUDA graph but runs `compute_logits` and the sampler
 eagerly every step. Ours are Triton launches of 25-30 us of host time each (stock's are ATen calls
 of ~5 us), and at small batches the decode step is host-bound: the GPU waits for them
-(docs/BENCHMARKS.md, sessions 13-14). Here both are captured once per bucket of rows and replayed.
+(docs/results.md#sampler-graphs-host). Here both are captured once per bucket of rows and replayed.
 
 What is captured, for each bucket b of BUCKETS up to the engine's max_num_reqs:
     lm_head:  hidden[:b] -> logits[:b]                                      one graph
@@ -39,7 +39,7 @@ from vexact_vllm.kernels.capture import gc_paused
 from vexact_vllm.kernels.gather_triton import gather_rows
 from vexact_vllm.kernels.sample import DRAWS, OUTPUTS
 
-from .sampler import GREEDY_EPS
+from .rules import GREEDY_EPS
 
 # Padded row counts (one set of graphs each): fine-grained, since the sampler's kernels scale with
 # rows; up to 256 (vLLM's default max_num_seqs), the static logits then costing 256 x V x 4 bytes

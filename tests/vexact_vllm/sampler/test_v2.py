@@ -13,7 +13,7 @@ pytestmark = pytest.mark.vllm
 
 
 def _sampler(temperatures, seeds):
-    from vexact_vllm.sampler_v2 import VexactSamplerV2
+    from vexact_vllm.sampler.v2 import VexactSamplerV2
 
     base = SimpleNamespace(
         sampling_states=SimpleNamespace(
@@ -65,7 +65,7 @@ def _step_sampler(monkeypatch, num_logprobs, token_ids=0, top_p=1.0):
     `compute_topk_scores` (its logits-mode fast path restated in torch, recording its calls)."""
     from vllm.v1.outputs import LogprobsTensors
 
-    from vexact_vllm import sampler_v2
+    from vexact_vllm.sampler import v2
 
     def state(values, dtype):
         t = torch.tensor(values, dtype=dtype)
@@ -79,8 +79,8 @@ def _step_sampler(monkeypatch, num_logprobs, token_ids=0, top_p=1.0):
         token_lp = log_probs.gather(-1, ids)
         return LogprobsTensors(ids, token_lp, (log_probs >= token_lp).sum(-1), cu)
 
-    monkeypatch.setattr(sampler_v2, "get_num_sampled_and_rejected", lambda *args: (None, None))
-    monkeypatch.setattr(sampler_v2, "compute_topk_scores", topk_scores)
+    monkeypatch.setattr(v2, "get_num_sampled_and_rejected", lambda *args: (None, None))
+    monkeypatch.setattr(v2, "compute_topk_scores", topk_scores)
     slots = 6
     base = SimpleNamespace(
         sampling_states=SimpleNamespace(
@@ -95,7 +95,7 @@ def _step_sampler(monkeypatch, num_logprobs, token_ids=0, top_p=1.0):
         req_states=SimpleNamespace(prefill_len=SimpleNamespace(gpu=None)),
         compute_nans=False,
     )
-    sampler = sampler_v2.VexactSamplerV2.from_base(base)
+    sampler = v2.VexactSamplerV2.from_base(base)
     sampler._kernels_warm = True  # no warm-up: it would capture nothing on CPU anyway
     batch = SimpleNamespace(
         expanded_idx_mapping=torch.tensor([3, 0, 1, 4], dtype=torch.int32),
@@ -126,7 +126,7 @@ def test_a_step_returns_the_log_probs_the_batch_asks_for(monkeypatch, num_logpro
     LogprobsTensors are what vLLM's compute_topk_scores gives for the token, without [B, V]
     log-probs in the token-only case."""
     from vexact_vllm.kernels import log_softmax, truncation_threshold
-    from vexact_vllm.sampler import draw_tokens
+    from vexact_vllm.sampler.rules import draw_tokens
 
     sampler, batch, calls = _step_sampler(monkeypatch, num_logprobs, token_ids, top_p)
     host_t = sampler.sampling_states.temperature.np[batch.idx_mapping_np]
@@ -152,3 +152,22 @@ def test_a_step_returns_the_log_probs_the_batch_asks_for(monkeypatch, num_logpro
     assert torch.equal(lt.selected_token_ranks, (log_probs >= token_lp).sum(-1))
     assert lt.cu_num_generated_tokens is None
     assert calls == ([] if output == "token_log_probs" else [max(num_logprobs, 0)])
+
+
+def test_the_model_gives_runner_v2_the_vexact_state():
+    """Runner v2 takes the model's state class (`get_model_state_cls`), whose `custom_sampler`
+    returns the vexact sampler over vLLM's states."""
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+    from vexact_vllm.models import VllmVexactForCausalLM
+    from vexact_vllm.sampler.v2 import VexactModelState, VexactSamplerV2
+
+    state_cls = VllmVexactForCausalLM.get_model_state_cls()
+    assert state_cls is VexactModelState and issubclass(state_cls, DefaultModelState)
+    state = state_cls.__new__(state_cls)
+    state.vllm_config = SimpleNamespace(speculative_config=None, compilation_config=SimpleNamespace(cudagraph_mode=None))
+    state.model = object()
+    base = SimpleNamespace(sampling_states=None)
+    sampler, extra = state.custom_sampler(base)
+    assert isinstance(sampler, VexactSamplerV2) and extra is None
+    assert sampler.model is state.model and sampler.use_graphs

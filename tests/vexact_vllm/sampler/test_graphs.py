@@ -1,4 +1,4 @@
-"""The decode step's lm_head and sampler graphs (sampler_graphs.py) against the eager path, bit for bit.
+"""The decode step's lm_head and sampler graphs (sampler/graphs.py) against the eager path, bit for bit.
 
 On CPU the graphs are `Rerun` stand-ins (a replay calls the captured function again on the static
 buffers): that covers the buckets, the padding, the static buffers and the variants. On CUDA the
@@ -18,7 +18,7 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 
 
 def _graphs(device, vocab, hidden, max_rows, dtype=torch.bfloat16):
-    from vexact_vllm.sampler_graphs import SamplerGraphs
+    from vexact_vllm.sampler.graphs import SamplerGraphs
 
     weight = (torch.randn(vocab, hidden, device=device) * 0.5).to(dtype)
     graphs = SamplerGraphs(weight, max_rows)
@@ -27,10 +27,10 @@ def _graphs(device, vocab, hidden, max_rows, dtype=torch.bfloat16):
 
 
 def _eager(graphs, hidden, temperature, seeds, positions, greedy_tiny=False):
-    """The sampler's composition (sampler_v2's rows, log_softmax, draw_tokens, then the token's
+    """The sampler's composition (v2.py's rows, log_softmax, draw_tokens, then the token's
     log-prob and vLLM's rank) on the same rows: (logits, Sampled with every field)."""
     from vexact_vllm.kernels import Sampled, linear, log_softmax
-    from vexact_vllm.sampler import GREEDY_EPS, draw_tokens
+    from vexact_vllm.sampler.rules import GREEDY_EPS, draw_tokens
 
     logits = linear(hidden, graphs.weight, out_dtype=torch.float32)
     tau = temperature.clone()
@@ -94,7 +94,7 @@ def _step(graphs, n, draw, output, device, rng, tiny=False):
 
 
 def test_buckets_cover_the_engine_rows():
-    from vexact_vllm.sampler_graphs import BUCKETS, buckets_for
+    from vexact_vllm.sampler.graphs import BUCKETS, buckets_for
 
     assert buckets_for(1) == (1,)
     assert buckets_for(20) == (1, 2, 4, 8, 16, 20)
@@ -158,7 +158,7 @@ def test_a_row_samples_the_same_token_in_every_bucket():
 
 
 def _sampler_v2(graphs, temperature, seeds, top_p):
-    from vexact_vllm.sampler_v2 import VexactSamplerV2
+    from vexact_vllm.sampler.v2 import VexactSamplerV2
 
     def state(values, dtype):
         t = torch.tensor(values, dtype=dtype)
@@ -182,7 +182,7 @@ def _sampler_v2(graphs, temperature, seeds, top_p):
 def test_sampler_v2_takes_the_graph_only_where_it_may():
     """The runner-v2 sampler's graph step equals its eager rows + draw; truncation stays eager."""
     from vexact_vllm.kernels import log_softmax
-    from vexact_vllm.sampler import draw_tokens, truncates
+    from vexact_vllm.sampler.rules import draw_tokens, truncates
 
     torch.manual_seed(6)
     graphs = _graphs("cpu", 900, 16, 8)
@@ -256,7 +256,7 @@ def test_cuda_graph_replays_equal_the_eager_path(draw):
 
 def test_no_graphs_where_the_engine_runs_eagerly_or_sharded():
     """`--enforce-eager` (cudagraph_mode NONE), tensor parallelism and CPU keep the eager sampler."""
-    from vexact_vllm.sampler_v2 import VexactSamplerV2
+    from vexact_vllm.sampler.v2 import VexactSamplerV2
 
     base = SimpleNamespace(sampling_states=SimpleNamespace(max_num_reqs=8))
     model = SimpleNamespace(tp=None, sampler_graphs=None)

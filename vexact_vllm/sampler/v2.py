@@ -1,8 +1,10 @@
-"""The vexact sampler for vLLM's model runner v2 (the default GPU runner of vLLM 0.26).
+"""The vexact sampler for vLLM's model runner v2 (the default GPU runner of vLLM 0.26), and its hook.
 
-Runner v2 builds its `Sampler` after the model and offers it to the model's `ModelState.
-custom_sampler` (model_state.py), which returns this subclass, carrying over the base sampler's
-per-request states (temperatures, seeds, logprob settings, filled by the runner's `add_request`).
+The hook: runner v2 asks the model for its state class (`get_model_state_cls`: `VexactModelState`,
+vLLM's default state with one change) and, after loading, offers the state its freshly built
+`Sampler` (`ModelState.custom_sampler`): the state returns `VexactSamplerV2`, carrying over the
+base sampler's per-request states (temperatures, seeds, logprob settings, filled by the runner's
+`add_request`).
 Per step, on the rows the runner samples (one per request; prefill chunks that end mid-prompt are
 sampled and discarded, as in stock vLLM), `kernels.sample_tokens` computes:
 1. log_probs = kernels.log_softmax(logits, tau): the fp32 lm_head logits divided once by the
@@ -17,10 +19,10 @@ sampled and discarded, as in stock vLLM), `kernels.sample_tokens` computes:
    own `compute_topk_scores` in logits mode (a gather, no arithmetic).
 Top-k, top-p and min-p (vLLM's per-request states, filled from the request or the checkpoint's
 generation_config) narrow which tokens Gumbel-max may draw through the batch-invariant threshold of
-`kernels.truncation` (sampler.py's `truncation`, on the log-probs of step 1 written out); the
+`kernels.truncation` (`rules.truncation`, on the log-probs of step 1 written out); the
 returned log-prob stays the full-vocabulary one.
 
-CUDA graphs (sampler_graphs.py): after vLLM's warm-up call, the lm_head and this sampler are
+CUDA graphs (graphs.py): after vLLM's warm-up call, the lm_head and this sampler are
 captured per padded batch size and replayed on the usual decode step (no truncation, at most 256
 rows, no tensor parallelism, CUDA graphs on): the same kernels on the same inputs, so the same bits,
 without their host time.
@@ -37,6 +39,7 @@ import torch
 from vllm.v1.outputs import LogprobsTensors
 from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
 from vllm.v1.worker.gpu.metrics.logits import get_num_nans
+from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.sample.sampler import Sampler
@@ -45,8 +48,8 @@ from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 from vexact_vllm.kernels import Sampled, gumbel_argmax, log_softmax, sample_tokens
 from vexact_vllm.kernels.sample import DRAWS, OUTPUTS
 
-from .sampler import GREEDY_EPS, draw_tokens, truncates, truncation
-from .sampler_graphs import SamplerGraphs
+from .graphs import SamplerGraphs
+from .rules import GREEDY_EPS, draw_tokens, truncates, truncation
 
 
 def _tiny_temperatures(host_temperature) -> bool:
@@ -69,7 +72,7 @@ class VexactSamplerV2(Sampler):
         return sampler
 
     def _capture_graphs(self, device: torch.device) -> None:
-        """The lm_head and sampler graphs (sampler_graphs.py), handed to the model's compute_logits.
+        """The lm_head and sampler graphs (graphs.py), handed to the model's compute_logits.
         Run once, in vLLM's profile run (so their memory is counted before the KV cache is sized)."""
         model = self.model
         if not self.use_graphs or model is None or device.type != "cuda" or getattr(model, "tp", None) is not None:
@@ -81,7 +84,7 @@ class VexactSamplerV2(Sampler):
         self.graphs = model.sampler_graphs = graphs
 
     def _sample_graphed(self, logits, input_batch, host_temperature, draw, output) -> Sampled:
-        """`sample_tokens` by a replay (the eager path's bits: sampler_graphs.py)."""
+        """`sample_tokens` by a replay (the eager path's bits: graphs.py)."""
         states = self.sampling_states
         return self.graphs.sample(
             logits.shape[0],
@@ -204,3 +207,16 @@ class VexactSamplerV2(Sampler):
         states = self.sampling_states
         threshold = truncation(log_probs, lambda name: getattr(states, name).gpu[idx], *host_truncation)
         return Sampled(draw_tokens(log_probs, greedy, host_greedy, seeds, positions, threshold), log_probs=log_probs)
+
+
+class VexactModelState(DefaultModelState):
+    """Runner v2's model state for vexact models (the model's `get_model_state_cls`): vLLM's default
+    state, whose `custom_sampler` hands back the vexact sampler over vLLM's."""
+
+    def custom_sampler(self, sampler):
+        if self.vllm_config.speculative_config is not None:  # the model refuses it at build time
+            raise ValueError("speculative decoding is not supported with --model-impl vexact")
+        from vllm.config.compilation import CUDAGraphMode
+
+        graphs_on = self.vllm_config.compilation_config.cudagraph_mode != CUDAGraphMode.NONE
+        return VexactSamplerV2.from_base(sampler, self.model, use_graphs=graphs_on), None
