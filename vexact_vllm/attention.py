@@ -6,7 +6,7 @@ keys go through one reduction: `kernels.paged_attention`, whose per-query order 
 absolute position 0 exactly like the training kernel `kernels.varlen_attention`.
 
 CUDA graphs: decode and mixed prefill/decode batches alike (the builder declares ALWAYS support and
-the vexact model asks vLLM for FULL graphs, models.py).
+the vexact model asks vLLM for FULL graphs, vllm_wrapper.py).
 
 Shared prompts (opt-in, VEXACT_SHARED_PREFIX=1; CUDA): GRPO's samples of one prompt read the
 prompt's cache blocks (vLLM's prefix cache gives them the same blocks). The builder groups the decode

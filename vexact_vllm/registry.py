@@ -2,7 +2,7 @@
 
 vLLM resolves a model class through `ModelRegistry.inspect_model_cls` / `resolve_model_cls`. The
 vexact class is registered lazily once per family of the family table (`VllmVexactQwen3ForCausalLM`,
-..., all naming `vexact_vllm.models.VllmVexactForCausalLM`), and the
+..., all naming `vexact_vllm.vllm_wrapper.VllmVexactForCausalLM`), and the
 two lookups are wrapped (`wrap_lookup`, rows of vllm_patches.py): with `model_impl == "vexact"` the
 checkpoint's architecture is mapped to its vexact class (or refused, naming the supported ones);
 with any other model_impl the original lookups run untouched. Each vexact architecture also gets
@@ -99,5 +99,5 @@ def register_models() -> None:
 
     for vexact_name in VEXACT_ARCHITECTURES.values():
         if vexact_name not in ModelRegistry.models:
-            ModelRegistry.register_model(vexact_name, "vexact_vllm.models:VllmVexactForCausalLM")
+            ModelRegistry.register_model(vexact_name, "vexact_vllm.vllm_wrapper:VllmVexactForCausalLM")
         MODELS_CONFIG_MAP[vexact_name] = VexactModelConfig

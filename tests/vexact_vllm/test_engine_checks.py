@@ -111,7 +111,7 @@ def test_the_model_checks_again_in_the_worker(tiny_model):
     import torch
     from vllm.config import set_current_vllm_config
 
-    from vexact_vllm.models import VllmVexactForCausalLM
+    from vexact_vllm.vllm_wrapper import VllmVexactForCausalLM
 
     cfg = _engine_config(tiny_model("qwen3"), model_impl="vexact", block_size=32)
     cfg.cache_config.cache_dtype = "fp8_e4m3"

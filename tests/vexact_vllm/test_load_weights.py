@@ -18,7 +18,7 @@ def build_vllm_model():
     from vllm.engine.arg_utils import EngineArgs
 
     import vexact_vllm
-    from vexact_vllm.models import VllmVexactForCausalLM
+    from vexact_vllm.vllm_wrapper import VllmVexactForCausalLM
 
     vexact_vllm.register()
 

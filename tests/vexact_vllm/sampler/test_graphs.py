@@ -273,7 +273,7 @@ def test_no_graphs_where_the_engine_runs_eagerly_or_sharded():
 
 def test_compute_logits_replays_where_a_bucket_fits():
     from vexact_vllm.kernels import linear
-    from vexact_vllm.models import VllmVexactForCausalLM
+    from vexact_vllm.vllm_wrapper import VllmVexactForCausalLM
 
     graphs = _graphs("cpu", 90, 16, 4)
     model = SimpleNamespace(sampler_graphs=graphs, lm_head_weight=graphs.weight, _lm_head_config_n=None, tp=None)

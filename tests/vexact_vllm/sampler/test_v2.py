@@ -159,7 +159,7 @@ def test_the_model_gives_runner_v2_the_vexact_state():
     returns the vexact sampler over vLLM's states."""
     from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 
-    from vexact_vllm.models import VllmVexactForCausalLM
+    from vexact_vllm.vllm_wrapper import VllmVexactForCausalLM
     from vexact_vllm.sampler.v2 import VexactModelState, VexactSamplerV2
 
     state_cls = VllmVexactForCausalLM.get_model_state_cls()
