@@ -9,6 +9,9 @@ model vLLM built is ours). Every patch acts only for `--model-impl vexact`.
 """
 
 __version__ = "0.1.0"
+# The `--model-impl` / `model_impl=` value that selects vexact models; every check of it imports this
+# name (defined here, where importing it costs no torch or vLLM import).
+MODEL_IMPL = "vexact"
 
 
 def register() -> None:

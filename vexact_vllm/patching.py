@@ -1,11 +1,11 @@
-"""Every patch of another library is a row of a table (STYLE 16).
+"""Every patch of another library is a row of a table.
 
 A `Patch` names its target as "package.module:Owner.attr" (an attribute of a class or of any object
 reached from the module), "package.module:attr" (a module attribute) or "package.module:Owner[key]"
 (an entry of a mapping), a factory `replace(original) -> replacement`, the parameter names of the
 original it was written against and the library versions it was written for. A `PatchTable` holds
-one library's rows (vLLM: vexact_vllm/vllm_patches.py; verl: model_patches/verl_hooks.py; VeOmni:
-model_patches/veomni_hooks.py) and drives them:
+one library's rows (vLLM: vexact_vllm/vllm_patches.py; verl: model_patches/trainers/verl_hooks.py;
+VeOmni: model_patches/trainers/veomni_hooks.py) and drives them:
 
 - `install()` checks each row before it touches anything: the target must exist and its parameter
   names must be the expected ones, else a `PatchError` that names the target, what differs, the
@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-_MISSING = object()
+MISSING = object()  # the value of an absent attribute or mapping entry
 
 
 class PatchError(RuntimeError):
@@ -56,11 +56,12 @@ class _Applied:
     replacement: Any
 
 
-def _lookup(mapping, key):
+def lookup(mapping, key):
+    """mapping[key], or MISSING when the mapping has no such key."""
     try:
         return mapping[key]
     except (KeyError, ValueError):  # VeOmni's Registry raises ValueError for an unknown key
-        return _MISSING
+        return MISSING
 
 
 def installed_version(library: str) -> str:
@@ -111,8 +112,8 @@ class PatchTable:
         except ImportError as e:
             raise self._error(row, f"module {module_name} cannot be imported ({e})") from None
         for part in filter(None, path.split(".")):
-            owner = getattr(owner, part, _MISSING)
-            if owner is _MISSING:
+            owner = getattr(owner, part, MISSING)
+            if owner is MISSING:
                 raise self._error(row, f"{module_name} has no {path}")
         return owner, key, is_item
 
@@ -120,13 +121,13 @@ class PatchTable:
         owner, name, is_item = self.locate(row)
         inherited = False
         if is_item:
-            original = _lookup(owner, name)
+            original = lookup(owner, name)
         else:
-            original = vars(owner).get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
-            if original is _MISSING:
-                original = getattr(owner, name, _MISSING)
-                inherited = original is not _MISSING
-        if original is _MISSING:
+            original = vars(owner).get(name, MISSING) if hasattr(owner, "__dict__") else MISSING
+            if original is MISSING:
+                original = getattr(owner, name, MISSING)
+                inherited = original is not MISSING
+        if original is MISSING:
             raise self._error(row, "the target does not exist")
         if getattr(original, "_vexact", False):
             raise self._error(row, "it is patched already, by another copy of this table")
@@ -161,7 +162,7 @@ class PatchTable:
         """Put every original back and undo the entries written through `set_item`."""
         for target in reversed(list(self._applied)):
             a = self._applied.pop(target)
-            current = _lookup(a.owner, a.name) if a.is_item else getattr(a.owner, a.name, _MISSING)
+            current = lookup(a.owner, a.name) if a.is_item else getattr(a.owner, a.name, MISSING)
             if current is not a.replacement:
                 warnings.warn(
                     f"{target} was replaced again after vexact-vllm patched it; leaving it as it is",
@@ -169,15 +170,15 @@ class PatchTable:
                 )
             elif a.is_item:
                 del a.owner[a.name]
-                if _lookup(a.owner, a.name) is not a.original:
+                if lookup(a.owner, a.name) is not a.original:
                     a.owner[a.name] = a.original
             elif a.inherited:
                 delattr(a.owner, a.name)
             else:
                 setattr(a.owner, a.name, a.original)
         for mapping, key, previous, value in reversed(list(self._writes.values())):
-            if _lookup(mapping, key) is value:  # still ours: someone else's later write stays
-                if previous is _MISSING:
+            if lookup(mapping, key) is value:  # still ours: someone else's later write stays
+                if previous is MISSING:
                     del mapping[key]
                 else:
                     mapping[key] = previous
@@ -198,7 +199,7 @@ class PatchTable:
 
     def set_item(self, mapping, key, value) -> None:
         """`mapping[key] = value`, written by a replacement at run time; `uninstall()` undoes it."""
-        slot, current = (id(mapping), key), _lookup(mapping, key)
+        slot, current = (id(mapping), key), lookup(mapping, key)
         entry = self._writes.get(slot)
         previous = entry[2] if entry is not None and current is entry[3] else current
         self._writes[slot] = (mapping, key, previous, value)

@@ -2,8 +2,8 @@
 
 vLLM resolves a model class through `ModelRegistry.inspect_model_cls` / `resolve_model_cls`. The
 vexact class is registered lazily once per family of the family table (`VllmVexactQwen3ForCausalLM`,
-..., all naming `vexact_vllm.vllm_wrapper.VllmVexactForCausalLM`), and the
-two lookups are wrapped (`wrap_lookup`, rows of vllm_patches.py): with `model_impl == "vexact"` the
+..., all naming `vexact_vllm.vllm_wrapper.VllmVexactForCausalLM`), and the two lookups are wrapped
+(`wrap_lookup`, rows of vllm_patches.py): with `model_impl == MODEL_IMPL` ("vexact") the
 checkpoint's architecture is mapped to its vexact class (or refused, naming the supported ones);
 with any other model_impl the original lookups run untouched. Each vexact architecture also gets
 vLLM's per-architecture config hooks (`MODELS_CONFIG_MAP`, engine_checks.py), which refuse
@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import functools
 
+from vexact_vllm import MODEL_IMPL
 from vexact_vllm.model_patches.config import SUPPORTED_ARCHITECTURES
 from vexact_vllm.model_patches.families import FAMILIES
 
-MODEL_IMPL = "vexact"
 # Hugging Face architecture -> the name vLLM resolves it to under --model-impl vexact.
 VEXACT_ARCHITECTURES = {f.architecture: f.vllm_name for f in FAMILIES}
 

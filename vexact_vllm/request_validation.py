@@ -6,7 +6,7 @@ point for extra checks is a custom logits processor's `validate_params`, but vLL
 runner v2 refuses to run with any custom logits processor configured (it falls back to the V1
 runner), so that one method is wrapped instead (`wrap_validate_params`, a row of vllm_patches.py,
 installed in every process by `register()`).
-The wrap acts only for model configs with `model_impl == "vexact"`; every other model gets vLLM's
+The wrap acts only for model configs with `model_impl == MODEL_IMPL` ("vexact"); every other model gets vLLM's
 validation unchanged.
 
 Refused: sampling options that change the distribution the trainer's log-probs describe
@@ -22,9 +22,9 @@ import functools
 
 from vllm.exceptions import VLLMValidationError
 
-from .sampler.rules import refuse_unsupported
+from vexact_vllm import MODEL_IMPL
 
-MODEL_IMPL = "vexact"
+from .sampler.rules import refuse_unsupported
 
 
 class RequestRefusedError(VLLMValidationError, ValueError):

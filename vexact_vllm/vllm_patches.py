@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import functools
 
+from vexact_vllm import MODEL_IMPL
 from vexact_vllm.patching import Patch, PatchTable
 
-from .registry import MODEL_IMPL, wrap_lookup, wrap_worker_load_model
+from .registry import wrap_lookup, wrap_worker_load_model
 from .request_validation import wrap_validate_params
 from .sampler.v1 import wrap_sample
 

@@ -133,7 +133,7 @@ class VllmVexactForCausalLM(nn.Module):
         return weight if self.tp is None else self.tp.take(weight)
 
     @property
-    def _lm_head_config_n(self) -> int | None:
+    def lm_head_config_n(self) -> int | None:
         return None if self.tp is None else self.config.vocab_size
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -160,7 +160,7 @@ class VllmVexactForCausalLM(nn.Module):
                 warm_up_linear(m.weight, m.bias, config_n=m.config_n)
             elif isinstance(m, Router):  # an MoE router: fp32 logits
                 warm_up_linear(m.weight, out_dtype=torch.float32)
-        warm_up_linear(self.lm_head_weight, out_dtype=torch.float32, config_n=self._lm_head_config_n)
+        warm_up_linear(self.lm_head_weight, out_dtype=torch.float32, config_n=self.lm_head_config_n)
         self._kernels_warm = True
 
     # The lm_head's CUDA graphs, set by the vexact sampler once captured (sampler/graphs.py).
@@ -174,7 +174,7 @@ class VllmVexactForCausalLM(nn.Module):
             if logits is not None:
                 return logits
         logits = linear(
-            hidden_states, self.lm_head_weight, out_dtype=torch.float32, config_n=self._lm_head_config_n
+            hidden_states, self.lm_head_weight, out_dtype=torch.float32, config_n=self.lm_head_config_n
         )
         return logits if self.tp is None else self.tp.gather(logits, self.config.vocab_size)  # [N, V] fp32
 

@@ -13,6 +13,7 @@ import shutil
 import pytest
 import torch
 
+from vexact_vllm import MODEL_IMPL
 from vexact_vllm.cli.rollout import Rollout
 from vexact_vllm.cli.score import compare, load_trainer, trainer_log_probs
 
@@ -39,7 +40,7 @@ def _engine(model, **kwargs):
     # engine processes must be spawned, not forked.
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
-    return LLM(model, model_impl="vexact", dtype="bfloat16", max_model_len=256, block_size=32,
+    return LLM(model, model_impl=MODEL_IMPL, dtype="bfloat16", max_model_len=256, block_size=32,
                kv_cache_memory_bytes=64 << 20, **kwargs)  # fmt: skip
 
 

@@ -21,6 +21,7 @@ import pytest
 import requests
 import torch
 
+from vexact_vllm import MODEL_IMPL
 from vexact_vllm.cli.rollout import Rollout
 from vexact_vllm.cli.score import compare, load_trainer, trainer_log_probs
 
@@ -47,7 +48,7 @@ def server(tiny_model, tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [
-        *_server_command(), model, "--model-impl", "vexact", "--host", "127.0.0.1", "--port", str(port),
+        *_server_command(), model, "--model-impl", MODEL_IMPL, "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "bfloat16", "--max-model-len", "512", "--block-size", "32",
         "--kv-cache-memory-bytes", str(64 << 20),
     ]  # fmt: skip

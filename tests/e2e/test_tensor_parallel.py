@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from vexact_vllm import MODEL_IMPL
 from vexact_vllm.cli import main
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -63,5 +64,5 @@ def test_a_split_the_heads_cannot_take_is_refused(tiny_model):
     from vllm import LLM
 
     with pytest.raises(Exception, match="does not divide the 4 attention heads"):
-        LLM(model=tiny_model("qwen3"), model_impl="vexact", tensor_parallel_size=3, max_model_len=256,
+        LLM(model=tiny_model("qwen3"), model_impl=MODEL_IMPL, tensor_parallel_size=3, max_model_len=256,
             kv_cache_memory_bytes=32 << 20)  # fmt: skip

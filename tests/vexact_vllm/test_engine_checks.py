@@ -9,6 +9,8 @@ import shutil
 
 import pytest
 
+from vexact_vllm import MODEL_IMPL
+
 pytestmark = pytest.mark.vllm
 
 
@@ -53,7 +55,7 @@ REFUSED = {
 def test_refused_at_configuration(tiny_model, case):
     kwargs, message = REFUSED[case]
     with pytest.raises(ValueError, match=message):
-        _engine_config(tiny_model("qwen3"), model_impl="vexact", **kwargs)
+        _engine_config(tiny_model("qwen3"), model_impl=MODEL_IMPL, **kwargs)
     _engine_config(tiny_model("qwen3"), model_impl="auto", **kwargs)  # stock vLLM: not refused by us
 
 
@@ -61,11 +63,11 @@ def test_float16_checkpoint_refused_under_dtype_auto(float16_model):
     from vllm.engine.arg_utils import EngineArgs
 
     with pytest.raises(ValueError, match="dtype torch.float16 is not supported by vexact-vllm"):
-        _engine_config(float16_model, model_impl="vexact")
+        _engine_config(float16_model, model_impl=MODEL_IMPL)
     with pytest.raises(ValueError, match="dtype torch.float16"):  # the model config alone already refuses
-        EngineArgs(model=str(float16_model), model_impl="vexact").create_model_config()
+        EngineArgs(model=str(float16_model), model_impl=MODEL_IMPL).create_model_config()
     assert _engine_config(float16_model, model_impl="auto").model_config.dtype.is_floating_point
-    assert _engine_config(float16_model, model_impl="vexact", dtype="bfloat16").model_config.architecture == (
+    assert _engine_config(float16_model, model_impl=MODEL_IMPL, dtype="bfloat16").model_config.architecture == (
         "VllmVexactQwen3ForCausalLM"
     )
 
@@ -75,7 +77,7 @@ def test_installed_logits_processor_plugins_are_refused(tiny_model, monkeypatch)
 
     monkeypatch.setattr(engine_checks, "_logits_processor_plugins", lambda: ["dummy (pkg.mod:Processor)"])
     with pytest.raises(ValueError, match=r"vllm.logits_processors entry points dummy \(pkg.mod:Processor\)"):
-        _engine_config(tiny_model("qwen3"), model_impl="vexact")
+        _engine_config(tiny_model("qwen3"), model_impl=MODEL_IMPL)
 
 
 def test_llm_refuses_before_any_engine_starts(tiny_model):
@@ -85,13 +87,13 @@ def test_llm_refuses_before_any_engine_starts(tiny_model):
 
     vexact_vllm.register()
     with pytest.raises(ValueError, match="pipeline parallelism is not supported yet"):
-        LLM(model=tiny_model("qwen3"), model_impl="vexact", pipeline_parallel_size=2)
+        LLM(model=tiny_model("qwen3"), model_impl=MODEL_IMPL, pipeline_parallel_size=2)
 
 
 def test_tensor_parallel_sizes_the_heads_take_are_accepted(tiny_model):
     """The tiny Qwen3 has 4 heads and 2 kv heads: 2 and 4 split them (4: kv heads replicated)."""
     for size in (2, 4):
-        config = _engine_config(tiny_model("qwen3"), model_impl="vexact", tensor_parallel_size=size)
+        config = _engine_config(tiny_model("qwen3"), model_impl=MODEL_IMPL, tensor_parallel_size=size)
         assert config.parallel_config.tensor_parallel_size == size
 
 
@@ -113,7 +115,7 @@ def test_the_model_checks_again_in_the_worker(tiny_model):
 
     from vexact_vllm.vllm_wrapper import VllmVexactForCausalLM
 
-    cfg = _engine_config(tiny_model("qwen3"), model_impl="vexact", block_size=32)
+    cfg = _engine_config(tiny_model("qwen3"), model_impl=MODEL_IMPL, block_size=32)
     cfg.cache_config.cache_dtype = "fp8_e4m3"
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)

@@ -9,6 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from vexact_vllm import MODEL_IMPL
+
 pytestmark = pytest.mark.vllm
 
 
@@ -23,7 +25,7 @@ def build_vllm_model():
     vexact_vllm.register()
 
     def build(path: str) -> VllmVexactForCausalLM:
-        cfg = EngineArgs(model=path, model_impl="vexact", block_size=32).create_engine_config()
+        cfg = EngineArgs(model=path, model_impl=MODEL_IMPL, block_size=32).create_engine_config()
         old = torch.get_default_dtype()
         torch.set_default_dtype(torch.bfloat16)
         try:

@@ -15,7 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from vexact_vllm.patching import _MISSING, Patch, PatchError, PatchTable, _lookup
+from vexact_vllm import MODEL_IMPL
+from vexact_vllm.patching import MISSING, Patch, PatchError, PatchTable, lookup
 
 # --- the mechanism, on a fake library ------------------------------------------------------------
 
@@ -182,7 +183,7 @@ TABLES = {"vllm": _vllm_table, "verl": _verl_table, "veomni": _veomni_table}
 
 
 def _current(owner, name, is_item):
-    return _lookup(owner, name) if is_item else vars(owner).get(name, _MISSING)
+    return lookup(owner, name) if is_item else vars(owner).get(name, MISSING)
 
 
 @contextlib.contextmanager
@@ -290,11 +291,11 @@ def test_post_condition_refuses_a_model_that_is_not_vexact(fake_worker_module):
     row = next(r for r in TABLE.rows if r.replace is wrap_worker_load_model)
     fake = PatchTable("vllm", (Patch("fake_gpu_worker:Worker.load_model", row.replace, row.params, row.written_for),))
     with fake.installed():
-        stock = _FakeWorker("vexact", torch.nn.Linear(2, 2))
+        stock = _FakeWorker(MODEL_IMPL, torch.nn.Linear(2, 2))
         with pytest.raises(NotAVexactModelError, match=r"--model-impl vexact, but vLLM .* built torch\.nn\.modules"):
             stock.load_model()
         assert stock.loads == 1  # checked after vLLM's own load
-        for worker in (_FakeWorker("vexact", _VexactStub()), _FakeWorker("auto", torch.nn.Linear(2, 2))):
+        for worker in (_FakeWorker(MODEL_IMPL, _VexactStub()), _FakeWorker("auto", torch.nn.Linear(2, 2))):
             worker.load_model(load_dummy_weights=True)
             assert worker.loads == 1
 
@@ -315,9 +316,9 @@ def test_post_condition_is_installed_on_vllms_worker():
 
 
 @pytest.mark.parametrize(("model_impl", "runner_type", "is_moe", "expected"), [
-    ("vexact", "generate", True, True),  # 0.26's rule would say V1 (MoE)
-    ("vexact", "generate", False, True),
-    ("vexact", "pooling", True, False),
+    (MODEL_IMPL, "generate", True, True),  # 0.26's rule would say V1 (MoE)
+    (MODEL_IMPL, "generate", False, True),
+    (MODEL_IMPL, "pooling", True, False),
     ("auto", "generate", True, "original"),
     ("vllm", "generate", False, "original"),
 ])  # fmt: skip

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from vexact_vllm import MODEL_IMPL
 from vexact_vllm.model_patches.config import SUPPORTED_ARCHITECTURES
 from vexact_vllm.registry import UnsupportedArchitectureError, vexact_architectures
 
@@ -45,7 +46,7 @@ def test_register_is_idempotent():
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
 def test_vexact_resolves_and_other_impls_are_untouched(tiny_model, arch):
     path = tiny_model(arch)
-    vexact = _model_config(path, model_impl="vexact")
+    vexact = _model_config(path, model_impl=MODEL_IMPL)
     assert vexact._architecture.startswith("VllmVexact")
     assert not vexact.logits_processors  # runner v2 (vLLM 0.26) would refuse any
     for impl in ("auto", "vllm"):
@@ -59,12 +60,12 @@ def test_unsupported_architecture_fails_at_startup(tmp_path):
 
     GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64).save_pretrained(tmp_path)
     with pytest.raises(Exception, match="does not support architecture GPT2"):
-        _model_config(tmp_path, model_impl="vexact")
+        _model_config(tmp_path, model_impl=MODEL_IMPL)
 
 
 def test_float16_is_refused(tiny_model):
     with pytest.raises(Exception, match="use bfloat16 or float32"):
-        _model_config(tiny_model("qwen3"), model_impl="vexact", dtype="float16")
+        _model_config(tiny_model("qwen3"), model_impl=MODEL_IMPL, dtype="float16")
 
 
 def test_quantized_checkpoint_is_refused(tiny_model, tmp_path):
@@ -77,4 +78,4 @@ def test_quantized_checkpoint_is_refused(tiny_model, tmp_path):
     cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(Exception, match="quantized checkpoints are not supported"):
-        _model_config(tmp_path / "q", model_impl="vexact")
+        _model_config(tmp_path / "q", model_impl=MODEL_IMPL)

@@ -6,9 +6,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from vexact_vllm import MODEL_IMPL
+
 pytestmark = pytest.mark.vllm
 
-VEXACT = SimpleNamespace(model_impl="vexact")
+VEXACT = SimpleNamespace(model_impl=MODEL_IMPL)
 STOCK = SimpleNamespace(model_impl="auto")
 
 

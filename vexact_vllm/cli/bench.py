@@ -41,6 +41,8 @@ import sys
 import time
 from collections.abc import Callable
 
+from vexact_vllm import MODEL_IMPL
+
 from .bench_interleave import run_interleaved, serve, shared_engine_kwargs
 from .bench_report import git_commit, markdown_report, summarize, summary_table, to_table
 from .bench_workloads import (
@@ -55,17 +57,17 @@ from .bench_workloads import (
 CONFIGS = {
     "stock": {"model_impl": "vllm", "env": {}},
     "stock-batch-invariant": {"model_impl": "vllm", "env": {"VLLM_BATCH_INVARIANT": "1"}},
-    "vexact": {"model_impl": "vexact", "env": {}},
+    "vexact": {"model_impl": MODEL_IMPL, "env": {}},
     # Asked for by name only (--configs): vexact with one user setting changed.
     # Shared-prompt decode groups (the same bits; they take no key split).
-    "vexact-shared-prefix": {"model_impl": "vexact", "env": {"VEXACT_SHARED_PREFIX": "1", "VEXACT_KEY_SPLIT": "0"}},
+    "vexact-shared-prefix": {"model_impl": MODEL_IMPL, "env": {"VEXACT_SHARED_PREFIX": "1", "VEXACT_KEY_SPLIT": "0"}},
     # Another attention (other bits: the trainer must run it too), on SM90 with flash-attn-4 installed.
-    "vexact-fa4": {"model_impl": "vexact", "env": {"VEXACT_ATTENTION": "fa4"}},
+    "vexact-fa4": {"model_impl": MODEL_IMPL, "env": {"VEXACT_ATTENTION": "fa4"}},
     # Key splits: none, every 1,024 / 2,048 keys (2,048 is the default; other bits past the first
     # split: the trainer must read the same setting).
-    "vexact-nosplit": {"model_impl": "vexact", "env": {"VEXACT_KEY_SPLIT": "0"}},
-    "vexact-split1024": {"model_impl": "vexact", "env": {"VEXACT_KEY_SPLIT": "1024"}},
-    "vexact-split2048": {"model_impl": "vexact", "env": {"VEXACT_KEY_SPLIT": "2048"}},
+    "vexact-nosplit": {"model_impl": MODEL_IMPL, "env": {"VEXACT_KEY_SPLIT": "0"}},
+    "vexact-split1024": {"model_impl": MODEL_IMPL, "env": {"VEXACT_KEY_SPLIT": "1024"}},
+    "vexact-split2048": {"model_impl": MODEL_IMPL, "env": {"VEXACT_KEY_SPLIT": "2048"}},
 }
 DEFAULT_CONFIGS = ("stock", "stock-batch-invariant", "vexact")
 

@@ -19,6 +19,8 @@ import gc
 import random
 from dataclasses import dataclass, field
 
+from vexact_vllm import MODEL_IMPL
+
 
 @dataclass
 class Rollout:
@@ -42,7 +44,7 @@ class CompositionResult:
 @dataclass
 class RolloutSettings:
     model: str
-    model_impl: str = "vexact"
+    model_impl: str = MODEL_IMPL
     dtype: str = "bfloat16"
     max_model_len: int = 1024
     max_tokens: int = 32

@@ -78,7 +78,7 @@ class VexactSamplerV2(Sampler):
         if not self.use_graphs or model is None or device.type != "cuda" or getattr(model, "tp", None) is not None:
             return
         graphs = SamplerGraphs(
-            model.lm_head_weight, self.sampling_states.max_num_reqs, config_n=model._lm_head_config_n
+            model.lm_head_weight, self.sampling_states.max_num_reqs, config_n=model.lm_head_config_n
         )
         graphs.capture()
         self.graphs = model.sampler_graphs = graphs

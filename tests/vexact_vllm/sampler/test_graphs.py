@@ -276,7 +276,7 @@ def test_compute_logits_replays_where_a_bucket_fits():
     from vexact_vllm.vllm_wrapper import VllmVexactForCausalLM
 
     graphs = _graphs("cpu", 90, 16, 4)
-    model = SimpleNamespace(sampler_graphs=graphs, lm_head_weight=graphs.weight, _lm_head_config_n=None, tp=None)
+    model = SimpleNamespace(sampler_graphs=graphs, lm_head_weight=graphs.weight, lm_head_config_n=None, tp=None)
     for rows, graphed in ((3, True), (4, True), (5, False)):
         hidden = torch.randn(rows, 16).to(torch.bfloat16)
         logits = VllmVexactForCausalLM.compute_logits(model, hidden)

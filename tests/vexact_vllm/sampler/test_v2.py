@@ -159,8 +159,8 @@ def test_the_model_gives_runner_v2_the_vexact_state():
     returns the vexact sampler over vLLM's states."""
     from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 
-    from vexact_vllm.vllm_wrapper import VllmVexactForCausalLM
     from vexact_vllm.sampler.v2 import VexactModelState, VexactSamplerV2
+    from vexact_vllm.vllm_wrapper import VllmVexactForCausalLM
 
     state_cls = VllmVexactForCausalLM.get_model_state_cls()
     assert state_cls is VexactModelState and issubclass(state_cls, DefaultModelState)
