@@ -20,9 +20,10 @@ class _DeviceOnly(__import__("torch").Tensor):
 
 
 def test_v1_sampler_keeps_positions_on_the_device():
-    """vLLM 0.26's V1 runner keeps `seq_lens` on the GPU: `.tolist()` there made every step wait for
-    the GPU (the MoE rollouts on runner V1 ran at 0.63x stock). The positions keying the Gumbel noise
-    are read on the device; the tokens are the ones the noise of those positions gives."""
+    """vLLM 0.26's V1 runner keeps `seq_lens` on the GPU: reading them on the host (`.tolist()`)
+    would make every step wait for the GPU (MoE rollouts on runner V1 at 0.63x stock). The positions
+    keying the Gumbel noise are read on the device; the tokens are the ones the noise of those
+    positions gives."""
     import numpy as np
     import torch
     from vllm import SamplingParams
