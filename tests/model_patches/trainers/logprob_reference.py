@@ -1,0 +1,115 @@
+"""A float64 reference of the trainer's per-token log-probs and entropy, from plain torch ops, and the
+bounds the gradient tests hold the vexact ops to (test_ppo_outputs, test_veomni_loss,
+test_verl_actor_logprobs).
+
+Reference, for hidden h [M, H], lm_head W [V, H], targets t [M] (< 0: ignored), requested
+temperatures tau [M] and the allowed ids A (the vocabulary mask; all ids without one):
+    z = h @ W[A]^T (fp64), s = z / eff(tau), log p = log_softmax(s), H = -sum p log p,
+    eff(tau) = 1 where tau == 0, 0.01 where 0 < tau < 0.01, tau elsewhere (logit_rules.py),
+and (log p[t], H) set to 0 on ignored rows. Restricting the softmax to A is what -inf logits do: a
+masked id has p = 0, adds nothing and gets gradient exactly 0.
+
+Bounds (fp64 reference; the ops compute in fp32 and return gradients in the inputs' dtype):
+- forward, any input dtype: each log-prob and entropy within 1e-5 relative plus 4 fp32 ulps of its
+  row's largest |scaled logit| (tau = 0.01 scales the logits 100x, and s - logsumexp keeps their
+  ulps); measured ~1e-7 relative.
+- fp32 inputs: gradients w.r.t. hidden and weight within a norm-wise relative error of 1e-5
+  (measured <= 2e-6).
+- bf16 inputs: each output's backward rounds its gradient to bf16 and autograd adds them in bf16.
+  With u = 2^-8 (bf16's unit roundoff), a and b the reference gradients through the log-probs and
+  through the entropy: elementwise |g - (a + b)| <= u (|a| + |b| + |a + b|) + 1e-5 max |a + b|
+  (three roundings, plus the fp32 arithmetic), and norm-wise relative error < 4e-3 (measured
+  1.5e-3 to 2.7e-3, the roundings' average: a 1% error in a backward exceeds it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vexact_vllm.kernels.logit_rules import MIN_TEMPERATURE
+
+FP32_REL = 1e-5
+FP32_EPS = torch.finfo(torch.float32).eps  # 2^-23
+BF16_ROUNDOFF = 2.0**-8  # bf16 unit roundoff: |round(x) - x| <= 2^-8 |x|
+BF16_REL = 4e-3
+
+
+def _allowed_or_all(allowed, vocab):
+    return torch.ones(vocab, dtype=torch.bool) if allowed is None else allowed.cpu()
+
+
+def scaled_logits(hidden, weight, tau, allowed=None):
+    """fp64 s = (h @ W[A]^T) / eff(tau) [M, A]."""
+    hidden, weight, tau = (
+        t.detach().cpu().double() if not t.requires_grad else t for t in (hidden, weight, tau)
+    )
+    allowed = _allowed_or_all(allowed, weight.shape[0])
+    eff = torch.where(tau == 0, torch.ones_like(tau), tau.clamp(min=MIN_TEMPERATURE))  # [M]
+    return (hidden @ weight[allowed.nonzero()[:, 0]].t()) / eff[:, None]
+
+
+def reference(hidden, weight, targets, tau, allowed=None):
+    """fp64 (log p(target), entropy) [M] of the module docstring's formula; differentiable w.r.t.
+    fp64 `hidden` and `weight`."""
+    allowed = _allowed_or_all(allowed, weight.shape[0])
+    ids = allowed.nonzero()[:, 0]  # [A]
+    log_p = torch.log_softmax(scaled_logits(hidden, weight, tau.double(), allowed), dim=-1)  # [M, A]
+    entropy = -(log_p.exp() * log_p).sum(-1)  # [M]
+    column = allowed.long().cumsum(0) - 1  # id -> its column among the allowed ids
+    targets = targets.cpu()
+    valid = targets >= 0
+    safe = torch.where(valid, targets, ids[0])  # an ignored row reads any allowed id, then gets 0
+    target_log_p = log_p.gather(1, column[safe][:, None])[:, 0]
+    zero = torch.zeros_like(entropy)
+    return torch.where(valid, target_log_p, zero), torch.where(valid, entropy, zero)
+
+
+def reference_gradients(hidden, weight, targets, tau, allowed, upstream, parts=(0, 1)):
+    """fp64 (log-probs, entropy, dL/dhidden, dL/dweight) for L = sum_i <upstream[i], output i> over
+    the outputs in `parts` (0: log-probs, 1: entropy)."""
+    h, w = (t.detach().cpu().double().requires_grad_() for t in (hidden, weight))
+    outputs = reference(h, w, targets, tau, allowed)
+    torch.stack([(outputs[i] * upstream[i].detach().cpu().double()).sum() for i in parts]).sum().backward()
+    return outputs[0].detach(), outputs[1].detach(), h.grad, w.grad
+
+
+def relative_error(got, want) -> float:
+    """Norm-wise ||got - want|| / ||want|| in fp64."""
+    return float((got.detach().cpu().double() - want).norm() / want.norm())
+
+
+def assert_forward_close(got, hidden, weight, targets, tau, allowed, label):
+    """`got` = (log-probs, entropy) within the forward bound of the fp64 reference."""
+    want = reference(hidden.detach().cpu().double(), weight.detach().cpu().double(), targets, tau, allowed)
+    scale = scaled_logits(hidden, weight, tau, allowed).abs().amax(-1)  # [M]
+    for name, g, w in zip(("log-probs", "entropy"), got, want):
+        bound = 1e-5 * w.abs() + 4 * FP32_EPS * (1 + scale)
+        excess = float(((g.detach().cpu().double() - w).abs() / bound).max())
+        assert excess <= 1.0, f"{name}: error {excess:.2f}x the fp32 bound ({label})"
+
+
+def assert_gradients_close(grads, hidden, weight, targets, tau, allowed, upstream, label):
+    """grads = (dL/dhidden, dL/dweight) of the op for L = <upstream[0], log-probs> + <upstream[1],
+    entropy> (upstream[1] may be None: no entropy), within the module docstring's bound for the
+    inputs' dtype; masked vocabulary rows get exactly 0."""
+    parts = (0,) if upstream[1] is None else (0, 1)
+    want = reference_gradients(hidden, weight, targets, tau, allowed, upstream, parts)[2:]
+    if hidden.dtype == torch.bfloat16:
+        split = [
+            reference_gradients(hidden, weight, targets, tau, allowed, upstream, (i,))[2:] for i in parts
+        ]
+    for i, (name, g) in enumerate(zip(("hidden", "weight"), grads)):
+        err = relative_error(g, want[i])
+        assert g.dtype == hidden.dtype, f"d/d{name}: {g.dtype} for {hidden.dtype} inputs ({label})"
+        if hidden.dtype == torch.float32:
+            assert err < FP32_REL, f"d/d{name}: relative error {err:.2e} (bound {FP32_REL}; {label})"
+            continue
+        magnitude = sum(s[i].abs() for s in split) + want[i].abs()
+        bound = BF16_ROUNDOFF * magnitude + 1e-5 * want[i].abs().max()
+        excess = float(((g.detach().cpu().double() - want[i]).abs() / bound).max())
+        assert excess <= 1.0 and err < BF16_REL, (
+            f"d/d{name}: error {excess:.2f}x the rounding bound, norm-wise {err:.2e} (bound {BF16_REL}; {label})"
+        )
+    if allowed is not None:
+        blocked = ~allowed.cpu()
+        assert bool((grads[1].cpu()[blocked] == 0).all()), f"masked ids got a gradient ({label})"
