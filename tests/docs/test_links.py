@@ -99,6 +99,26 @@ def test_docs_name_real_paths():
     assert any(p.startswith("kernels/") for p in _named_paths(ROOT / "docs" / "architecture.md"))
 
 
+def test_docs_named_anywhere_exist():
+    """A `docs/<file>` (and `#anchor`) named in any tracked file, code comments included, exists."""
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    named = re.compile(r"docs/([\w.-]+\.(?:md|jsonl))(?:#([\w-]+))?")
+    missing = []
+    for name in files:
+        path = ROOT / name
+        if path.suffix not in (".py", ".sh", ".md", ".toml", ".txt", "") or not path.is_file() or "tests/docs" in name:
+            continue
+        for doc, anchor in named.findall(path.read_text(errors="ignore")):
+            target = ROOT / "docs" / doc
+            if not target.exists():
+                missing.append(f"{name}: docs/{doc}")
+            elif anchor and target.suffix == ".md" and anchor not in _anchors(target):
+                missing.append(f"{name}: docs/{doc}#{anchor}")
+    assert not missing, "named but missing: " + "; ".join(sorted(set(missing)))
+
+
 @pytest.mark.parametrize("doc", [*DOCS, ROOT / "docs" / "results.jsonl"], ids=_relative)
 def test_no_history_labels(doc):
     found = sorted({m.group(0) for m in HISTORY.finditer(doc.read_text())})
