@@ -1,4 +1,4 @@
-"""One launch that gathers the sampler's per-row inputs (`sampler_graphs.SamplerGraphs.sample`):
+"""One launch that gathers the sampler's per-row inputs (`sampler.graphs.SamplerGraphs.sample`):
 up to three 1-D gathers out_j[i] = src_j[index_j[i]], i < n, optionally with out_0's values below a
 threshold set to 0 (vLLM's tiny temperatures meaning greedy).
 
