@@ -2,7 +2,7 @@
 does a query at position p get the same bits from the training varlen call (with and without the
 log-sum-exp the backward needs), paged prefill (pages of 16 and 128 slots), chunked prefill from
 unaligned starts, and per-token decode? Then its speed against vexact's Triton kernels.
-docs/FA4_SM90.md says why and what to force; needs CUDA and flash-attn-4 importable.
+docs/architecture.md#flashattention-4 says why and what it needs; needs CUDA and flash-attn-4 importable.
 
     python3 benchmarks/fa4_bits.py [--trials 3] [--no-timing]
 

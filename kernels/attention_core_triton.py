@@ -378,6 +378,6 @@ def key_split_tiles(reach: int) -> int:
     kernel without the fold runs with one accumulator instead of two: on an H100 the fold's kernel
     took 1.15 ms for 8 x 1,024 tokens' forward+backward against 0.93 without it, and rollouts where
     no row reaches C run within the spread of the unsplit kernel with this rule (6-12% slower
-    without it; see docs/results.md)."""
+    without it; see docs/results.md#key-split)."""
     keys = key_split()
     return keys // KEY_TILE if keys and reach > keys else 0

@@ -3,7 +3,7 @@
 Chosen with VEXACT_ATTENTION=fa4 (`dispatch.attention_backend_for`), in the trainer and the rollout
 alike: it replaces the Triton kernels for `varlen_attention` (training, forward and deterministic
 backward) and `paged_attention` (prefill, chunked prefill, decode), so every query reduces its keys
-in FA4's order on either side. docs/FA4_SM90.md reads its SM90 source: at head dim 128 one 128 x 128
+in FA4's order on either side. docs/architecture.md#flashattention-4 reads its SM90 source: at head dim 128 one 128 x 128
 tile configuration whatever the shapes, key blocks anchored at key 0 taken in descending order from the
 row's own block, a per-row online softmax. `benchmarks/fa4_bits.py` compares bits per row (H100,
 4.0.0b36: 0 rows differ between the training call, paged prefill at pages of 16 and 128, chunked

@@ -64,7 +64,7 @@ THIN_STAGES: dict[int, tuple[tuple[int, int], ...]] = {128: ((1, 7), (2, 5))}
 THIN_CAPABILITIES = ((9, 0),)
 # head_dim -> num_stages of split decode's chunk launch (a key split; Hopper only, as above): at
 # C = 2,048, 5 stages against 3 / 7 ran an 8B uneven step in 73.8 / 77.1 / 87.1 us on the H200 and
-# 16 x 5,200 keys in 132.3 / 137.3 / 137.5 us on the H100 (see docs/results.md).
+# 16 x 5,200 keys in 132.3 / 137.3 / 137.5 us on the H100 (see docs/results.md#split-decode-program).
 SPLIT_STAGES: dict[int, int] = {128: 5}
 
 
@@ -439,7 +439,7 @@ def paged_attention(
 # program and folds the chunks in a second launch; others fold in one program. Same bits either way
 # (speed only). Every such step splits, however many programs it has: one that folded in one program
 # would hold two accumulators (255 registers on the H100 against split decode's 219), and grpo's
-# 256-row decode steps ran faster split than with a limit of one program an SM (see docs/results.md).
+# 256-row decode steps ran faster split than with a limit of one program an SM (see docs/results.md#key-split).
 _SPLIT_MAX_TOKENS = 256
 # Heads a fold program takes (speed only): a decode step has few tokens, so one program a token left
 # most SMs idle (H200: 16 programs took 7.7 us of an 84 us step).
@@ -457,7 +457,7 @@ def _split_decode(q, out, grid, chunks, args, meta, start_loc, n_seqs):
     """The chunks of each row as separate programs (fp32 workspaces), then `_fold_kernel`; `args` and
     `meta`: `paged_attention`'s launch of `_paged_fwd_kernel`. One chunk a program: chunk 0's program
     taking a prefix of the chunks (folded in registers, or through its workspace entry) compiled to
-    255 registers and ran the 16-sequence steps 7-40% slower (see docs/results.md)."""
+    255 registers and ran the 16-sequence steps 7-40% slower (see docs/results.md#split-decode-program)."""
     n_tokens, n_heads, head_dim = q.shape
     part_acc = torch.empty((n_tokens, n_heads, chunks, head_dim), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((n_tokens, n_heads, chunks, 2), dtype=torch.float32, device=q.device)

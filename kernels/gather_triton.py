@@ -4,7 +4,7 @@ threshold set to 0 (vLLM's tiny temperatures meaning greedy).
 
 Why: torch.index_select on 16 rows or fewer runs its small-index kernel, one thread walking the rows
 in turn: 13-21 us of GPU time for 16 scalars, three of them before every sampler replay (Qwen3-8B
-`decode-small` profile; see docs/results.md). Here one program per 1,024 rows loads them
+`decode-small` profile; see docs/results.md#logits-gather). Here one program per 1,024 rows loads them
 in parallel. A gather copies values (cast to out's dtype, as `copy_` would): no arithmetic, so the
 same bits as index_select, and `where(v < threshold, 0, v)` is masked_fill's own comparison.
 """

@@ -48,7 +48,7 @@ DRAW_CODES = {"greedy": 0, "sampled": 1, "mixed": 2}
 # Warps of the chunk-sampling and rank programs: speed only (a first maximum with ties to the lowest id
 # and an integer count are the same whatever the tree). The chunk lse keeps logprob_triton's 16, which
 # shape its sums. H200, 256 x 151,936: sampling 56 / 61 / 88 us at 4 / 8 / 16 warps without noise,
-# 182 / 179 / 191 with it; 8 is the best or near it at 16 and 256 rows (see docs/results.md).
+# 182 / 179 / 191 with it; 8 is the best or near it at 16 and 256 rows (see docs/results.md#sampler-warps).
 _SAMPLE_WARPS = 8
 
 

@@ -28,7 +28,7 @@ from .attention_tiles import KEY_TILE
 # FlashAttention-4 on Hopper, kernels/attention_fa4.py).
 ATTENTION_BACKENDS = ("triton", "fa4")
 # Keys per split of the Triton attention when VEXACT_KEY_SPLIT is unset: a step of few long rows then
-# uses every SM (see docs/results.md); a row before key 2,048 keeps the unsplit bits.
+# uses every SM (see docs/results.md#key-split); a row before key 2,048 keeps the unsplit bits.
 DEFAULT_KEY_SPLIT = 2048
 
 ENV_VARS: dict[str, str] = {
