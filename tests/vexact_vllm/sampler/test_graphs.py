@@ -213,6 +213,7 @@ def test_kernels_write_through_out():
     """`out=` of linear, log_softmax and gumbel_argmax: the same bits, and clear errors."""
     from vexact_vllm.kernels import gumbel_argmax, linear, log_softmax
 
+    torch.manual_seed(9)
     x, w = torch.randn(5, 32).to(torch.bfloat16), torch.randn(70, 32).to(torch.bfloat16)
     out = torch.empty(5, 70)
     assert linear(x, w, out_dtype=torch.float32, out=out) is out
@@ -275,6 +276,7 @@ def test_compute_logits_replays_where_a_bucket_fits():
     from vexact_vllm.kernels import linear
     from vexact_vllm.vllm_wrapper import VllmVexactForCausalLM
 
+    torch.manual_seed(10)
     graphs = _graphs("cpu", 90, 16, 4)
     model = SimpleNamespace(sampler_graphs=graphs, lm_head_weight=graphs.weight, lm_head_config_n=None, tp=None)
     for rows, graphed in ((3, True), (4, True), (5, False)):

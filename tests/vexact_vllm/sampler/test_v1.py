@@ -38,7 +38,7 @@ def test_v1_sampler_keeps_positions_on_the_device():
         requests={"a": SimpleNamespace(sampling_params=params[0]), "b": SimpleNamespace(sampling_params=params[1])},
         seq_lens=torch.tensor([17, 40, 0], dtype=torch.int32).as_subclass(_DeviceOnly),
     )
-    logits = torch.randn(2, 50)
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0))
     meta = SimpleNamespace(max_num_logprobs=0)
     out = VexactSampler(runner).forward(logits, meta)
     temps = torch.tensor([0.8, 1.0])

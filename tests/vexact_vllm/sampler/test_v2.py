@@ -54,7 +54,7 @@ def test_rows_launch_nothing_for_the_temperature_on_a_usual_batch():
     sampler = _sampler(temperatures, [11, 22, 33, 44])
     tau, _, _ = sampler.rows(_batch(), np.array(temperatures, np.float32)[[2, 0, 1, 3]])
     assert torch.equal(tau, torch.tensor([1.0, 0.0, 0.7, 0.01]))
-    logits = torch.randn(4, 300)
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(0))
     ones = log_softmax(logits, 1.0)
     assert torch.equal(log_softmax(logits, tau)[1], ones[1])  # the greedy row: scored at 1
 
@@ -132,7 +132,7 @@ def test_a_step_returns_the_log_probs_the_batch_asks_for(monkeypatch, num_logpro
     host_t = sampler.sampling_states.temperature.np[batch.idx_mapping_np]
     assert sampler.output_for(batch.idx_mapping_np) == ("token_log_probs" if output == "log_probs" and top_p < 1
                                                         else output)  # fmt: skip
-    logits = torch.randn(4, 700) * 3
+    logits = torch.randn(4, 700, generator=torch.Generator().manual_seed(1)) * 3
     result = sampler(logits.clone(), batch)
     tau, seeds, positions = sampler.rows(batch, host_t)
     log_probs = log_softmax(logits, tau)
