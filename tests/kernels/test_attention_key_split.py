@@ -12,12 +12,12 @@ import torch
 
 from tests.kernels.test_attention_triton import (
     TOL,
-    _check_invariance,
-    _Engine,
-    _mixed_steps,
-    _packed,
-    _reference,
+    PagedEngine,
+    check_invariance,
     compiled_attention,
+    mixed_steps,
+    packed_inputs,
+    reference_attention,
 )
 from vexact_vllm.kernels.settings import clear_settings
 
@@ -54,9 +54,9 @@ def split(interpreted_attention, monkeypatch):
 def _before_last_tokens(ops, lens, n_heads, n_kv, head_dim, scale, device="cpu"):
     """Sequences of `lens` in a paged engine holding every token but the last: (q, k, v, the training
     bits, the engine, the last tokens' packed rows); `_write_last` then writes the last K/V."""
-    q, k, v, cu = _packed(lens, n_heads, n_kv, head_dim, torch.bfloat16, device)
+    q, k, v, cu = packed_inputs(lens, n_heads, n_kv, head_dim, torch.bfloat16, device)
     train = ops.varlen_attention(q, k, v, cu, scale)
-    engine = _Engine(ops, k, v, cu, 16)
+    engine = PagedEngine(ops, k, v, cu, 16)
     engine.step(q, {b: (0, n - 1) for b, n in enumerate(lens)}, scale)
     return q, k, v, train, engine, [cu[b + 1].item() - 1 for b in range(len(lens))]
 
@@ -71,7 +71,7 @@ def _write_last(ops, engine, k, v, lens, last):
 def test_split_paged_equals_varlen_interpreted(split):
     """GQA 4/2, bf16, pages of 16: whole prefill, chunks of 64 and 9, decodes around every split."""
     decodes = _decodes_near_splits(64, max(LENS), torch.Generator().manual_seed(3))
-    _check_invariance(split, LENS, 4, 2, 16, 16, torch.bfloat16, chunks=(max(LENS), 64, 9, decodes))
+    check_invariance(split, LENS, 4, 2, 16, 16, torch.bfloat16, chunks=(max(LENS), 64, 9, decodes))
 
 
 @pytest.mark.parametrize("seed", [11, 12])
@@ -89,7 +89,7 @@ def test_split_random_shapes_interpreted(interpreted_attention, monkeypatch, see
     monkeypatch.setattr(interpreted_attention.paged, "_SPLIT_MAX_TOKENS", int(torch.randint(1, 60, (1,), generator=rng)))
     lens = torch.randint(1, 230, (int(torch.randint(2, 5, (1,), generator=rng)),), generator=rng).tolist()
     chunk = int(torch.randint(2, 40, (1,), generator=rng))
-    _check_invariance(
+    check_invariance(
         interpreted_attention, lens, n_kv * group, n_kv, head_dim, pick(16, 32), pick(torch.bfloat16, torch.float32),
         chunks=(max(lens), chunk, _decodes_near_splits(keys, max(lens), rng)),
     )  # fmt: skip
@@ -97,10 +97,10 @@ def test_split_random_shapes_interpreted(interpreted_attention, monkeypatch, see
 
 def test_split_mixed_steps_interpreted(split):
     """Steps mixing decodes, prefill chunks and fresh prompts, MHA fp32, pages of 32."""
-    q, k, v, cu = _packed(LENS, 2, 2, 16, torch.float32)
+    q, k, v, cu = packed_inputs(LENS, 2, 2, 16, torch.float32)
     scale = 1 / math.sqrt(16)
     train = split.varlen_attention(q, k, v, cu, scale)
-    assert torch.equal(_mixed_steps(split, q, k, v, cu, 32, scale), train)
+    assert torch.equal(mixed_steps(split, q, k, v, cu, 32, scale), train)
 
 
 @pytest.mark.parametrize("fold_heads", [1, 4, 64])
@@ -136,7 +136,7 @@ def test_split_decode_with_padding_and_junk_workspaces(split, monkeypatch, fold_
 def test_split_keeps_short_rows_and_stays_accurate(interpreted_attention, monkeypatch):
     """Rows before key 64 have the unsplit bits; later rows go through the fold (some bits differ)
     and match an fp64 reference to bf16 rounding."""
-    q, k, v, cu = _packed(LENS, 4, 2, 16, torch.bfloat16)
+    q, k, v, cu = packed_inputs(LENS, 4, 2, 16, torch.bfloat16)
     scale = 1 / math.sqrt(16)
     monkeypatch.setenv("VEXACT_KEY_SPLIT", "0")
     clear_settings()
@@ -147,20 +147,20 @@ def test_split_keeps_short_rows_and_stays_accurate(interpreted_attention, monkey
     pos = torch.cat([torch.arange(n) for n in LENS])
     assert torch.equal(split[pos < 64], plain[pos < 64])
     assert not torch.equal(split[pos >= 64], plain[pos >= 64])
-    torch.testing.assert_close(split.double(), _reference(q, k, v, cu, scale), atol=TOL[torch.bfloat16], rtol=0)
+    torch.testing.assert_close(split.double(), reference_attention(q, k, v, cu, scale), atol=TOL[torch.bfloat16], rtol=0)
 
 
 def test_split_gradients_interpreted(interpreted_attention, monkeypatch):
     """The backward reads the folded log-sum-exp: gradients match the fp64 reference's."""
     monkeypatch.setenv("VEXACT_KEY_SPLIT", "64")
     clear_settings()
-    q, k, v, cu = _packed((70, 150), 2, 1, 16, torch.float32)
+    q, k, v, cu = packed_inputs((70, 150), 2, 1, 16, torch.float32)
     scale = 1 / math.sqrt(16)
     g = torch.randn_like(q)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     got = torch.autograd.grad(interpreted_attention.varlen_attention(*leaves, cu, scale), leaves, g)
     ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
-    want = torch.autograd.grad(_reference(*ref_leaves, cu, scale), ref_leaves, g.double())
+    want = torch.autograd.grad(reference_attention(*ref_leaves, cu, scale), ref_leaves, g.double())
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a.double(), b, atol=1e-4, rtol=1e-4)
 
@@ -243,11 +243,11 @@ def test_split_paged_equals_varlen_cuda(monkeypatch, keys, head_dim, n_heads, n_
     lens = (*CUDA_LENS, *extra)
     monkeypatch.setenv("VEXACT_KEY_SPLIT", str(keys))
     clear_settings()
-    q, k, v, cu, scale, train = _check_invariance(
+    q, k, v, cu, scale, train = check_invariance(
         compiled, lens, n_heads, n_kv, head_dim, 16, torch.bfloat16, chunks=(max(lens), 300, 1), device="cuda"
     )  # the decode steps (few rows) split; the others fold in one program
-    assert torch.equal(_mixed_steps(compiled, q, k, v, cu, 16, scale), train)
-    torch.testing.assert_close(train.double(), _reference(q, k, v, cu, scale), atol=TOL[torch.bfloat16], rtol=0)
+    assert torch.equal(mixed_steps(compiled, q, k, v, cu, 16, scale), train)
+    torch.testing.assert_close(train.double(), reference_attention(q, k, v, cu, scale), atol=TOL[torch.bfloat16], rtol=0)
     monkeypatch.setenv("VEXACT_KEY_SPLIT", "0")
     clear_settings()
     plain = compiled.varlen_attention(q, k, v, cu, scale)  # the same inputs, unsplit

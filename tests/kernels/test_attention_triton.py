@@ -47,7 +47,7 @@ def compiled():
     return compiled_attention()
 
 
-def _reference(q, k, v, cu_seqlens, scale, dtype=torch.float64):
+def reference_attention(q, k, v, cu_seqlens, scale, dtype=torch.float64):
     """Causal softmax attention in `dtype`, sequence by sequence (no TF32)."""
     outs = []
     group = q.shape[1] // k.shape[1]
@@ -62,7 +62,7 @@ def _reference(q, k, v, cu_seqlens, scale, dtype=torch.float64):
     return torch.cat(outs)
 
 
-def _packed(seq_lens, n_heads, n_kv, head_dim, dtype, device="cpu"):
+def packed_inputs(seq_lens, n_heads, n_kv, head_dim, dtype, device="cpu"):
     total = sum(seq_lens)
     q = torch.randn(total, n_heads, head_dim, device=device).to(dtype)
     k = torch.randn(total, n_kv, head_dim, device=device).to(dtype)
@@ -71,7 +71,7 @@ def _packed(seq_lens, n_heads, n_kv, head_dim, dtype, device="cpu"):
     return q, k, v, cu
 
 
-class _Engine:
+class PagedEngine:
     """A paged KV cache in vLLM's layout: one [num_blocks, Hkv, block_size, 2D] tensor whose K and V
     halves are seen as strided [num_blocks, block_size, Hkv, D] views, NaN-filled, each sequence on
     shuffled blocks. `step` plays one engine step: write the new K/V (plus padding slots -1), attend."""
@@ -137,7 +137,7 @@ def _run_chunked(ops, q, k, v, cu, block_size, chunk, scale):
     (chunk 1: every position decoded); `chunk` may be a function of the position a step starts at
     (the sequences advance in lockstep, so a step of size 1 is a decode step for all of them)."""
     size = chunk if callable(chunk) else lambda position: chunk
-    engine = _Engine(ops, k, v, cu, block_size)
+    engine = PagedEngine(ops, k, v, cu, block_size)
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
     done = [0] * len(engine.lens)
     while any(d < n for d, n in zip(done, engine.lens)):
@@ -148,8 +148,8 @@ def _run_chunked(ops, q, k, v, cu, block_size, chunk, scale):
     return out
 
 
-def _check_invariance(ops, seq_lens, n_heads, n_kv, head_dim, block_size, dtype, chunks, device="cpu"):
-    q, k, v, cu = _packed(seq_lens, n_heads, n_kv, head_dim, dtype, device)
+def check_invariance(ops, seq_lens, n_heads, n_kv, head_dim, block_size, dtype, chunks, device="cpu"):
+    q, k, v, cu = packed_inputs(seq_lens, n_heads, n_kv, head_dim, dtype, device)
     scale = 1 / math.sqrt(head_dim)
     train = ops.varlen_attention(q, k, v, cu, scale)
     assert torch.isfinite(train).all()
@@ -158,10 +158,10 @@ def _check_invariance(ops, seq_lens, n_heads, n_kv, head_dim, block_size, dtype,
     return q, k, v, cu, scale, train
 
 
-def _mixed_steps(ops, q, k, v, cu, block_size, scale):
+def mixed_steps(ops, q, k, v, cu, block_size, scale):
     """Steps mixing decodes, prefill chunks and fresh prompts, sequences in a shuffled order."""
     lens = (cu[1:] - cu[:-1]).tolist()
-    engine = _Engine(ops, k, v, cu, block_size)
+    engine = PagedEngine(ops, k, v, cu, block_size)
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
     done = [0] * len(lens)
     rng = torch.Generator().manual_seed(1)
@@ -191,7 +191,7 @@ INTERP_LENS = (1, 63, 64, 65, 70)
 
 def test_paged_equals_varlen_interpreted_gqa(interp):
     """GQA 4/2, bf16, block_size 16: whole prefill, chunks of 64 and 7, decode of every position."""
-    q, k, v, cu, scale, train = _check_invariance(
+    q, k, v, cu, scale, train = check_invariance(
         interp, INTERP_LENS, 4, 2, 16, 16, torch.bfloat16, chunks=(max(INTERP_LENS), 64, 7, 1)
     )
     for b in range(len(INTERP_LENS)):  # each sequence alone in the training layout
@@ -202,18 +202,18 @@ def test_paged_equals_varlen_interpreted_gqa(interp):
 
 def test_paged_equals_varlen_interpreted_mha(interp):
     """MHA, fp32, head_dim 32, block_size 32, mixed decode/prefill steps."""
-    q, k, v, cu, scale, train = _check_invariance(
+    q, k, v, cu, scale, train = check_invariance(
         interp, INTERP_LENS, 2, 2, 32, 32, torch.float32, chunks=(max(INTERP_LENS), 64)
     )
-    assert torch.equal(_mixed_steps(interp, q, k, v, cu, 32, scale), train)
+    assert torch.equal(mixed_steps(interp, q, k, v, cu, 32, scale), train)
 
 
 def test_mixed_steps_with_multi_tile_chunks_interpreted(interp):
     """Steps mixing decodes with multi-tile prefill chunks (GQA 2: 32 tokens a tile): the training bits."""
-    q, k, v, cu = _packed((1, 63, 64, 65, 70, 3, 40), 4, 2, 16, torch.bfloat16)
+    q, k, v, cu = packed_inputs((1, 63, 64, 65, 70, 3, 40), 4, 2, 16, torch.bfloat16)
     scale = 0.25
     train = interp.varlen_attention(q, k, v, cu, scale)
-    assert torch.equal(_mixed_steps(interp, q, k, v, cu, 16, scale), train)
+    assert torch.equal(mixed_steps(interp, q, k, v, cu, 16, scale), train)
 
 
 def test_paged_stages_follow_the_step(monkeypatch, compiled):
@@ -244,22 +244,22 @@ def test_thin_step_depths_only_on_the_gpus_they_were_measured_on(monkeypatch, co
 @pytest.mark.parametrize("n_heads,dtype", [(4, torch.bfloat16), (6, torch.float32)])
 def test_accuracy_interpreted(interp, n_heads, dtype):
     """GQA 2 and 3 (3 leaves a row of the 64-row tile unused); the paged whole prefill agrees."""
-    q, k, v, cu = _packed((1, 70, 65), n_heads, 2, 32, dtype)
+    q, k, v, cu = packed_inputs((1, 70, 65), n_heads, 2, 32, dtype)
     out = interp.varlen_attention(q, k, v, cu, 0.25)
     assert out.dtype == dtype and out.shape == q.shape
-    torch.testing.assert_close(out.double(), _reference(q, k, v, cu, 0.25), rtol=TOL[dtype], atol=TOL[dtype])
+    torch.testing.assert_close(out.double(), reference_attention(q, k, v, cu, 0.25), rtol=TOL[dtype], atol=TOL[dtype])
     assert torch.equal(_run_chunked(interp, q, k, v, cu, 16, 70, 0.25), out)
 
 
 def test_gradients_interpreted(interp):
-    q, k, v, cu = _packed((5, KEY_TILE + 6), 4, 2, 16, torch.float32)
+    q, k, v, cu = packed_inputs((5, KEY_TILE + 6), 4, 2, 16, torch.float32)
     for t in (q, k, v):
         t.requires_grad_()
     g = torch.randn(q.shape)
     out = interp.varlen_attention(q, k, v, cu, 0.3)
     (out * g).sum().backward()
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
-    want = _reference(qd, kd, vd, cu, 0.3)
+    want = reference_attention(qd, kd, vd, cu, 0.3)
     (want * g.double()).sum().backward()
     torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-5)
     for got, ref in ((q.grad, qd.grad), (k.grad, kd.grad), (v.grad, vd.grad)):
@@ -269,8 +269,8 @@ def test_gradients_interpreted(interp):
 
 def test_paged_padding_sequences_interpreted(interp):
     """Padded batch (CUDA graphs): trailing sequences with no queries and seq_len 0 change nothing."""
-    q, k, v, cu = _packed((65,), 4, 2, 16, torch.bfloat16)
-    engine = _Engine(interp, k, v, cu, 16)
+    q, k, v, cu = packed_inputs((65,), 4, 2, 16, torch.bfloat16)
+    engine = PagedEngine(interp, k, v, cu, 16)
     want = engine.step(q, {0: (0, 65)}, 0.25)[0]
     table = torch.cat([engine.block_table, torch.zeros(2, engine.block_table.shape[1], dtype=torch.int32)])
     qsl = torch.tensor([0, 65, 65, 65], dtype=torch.int32)
@@ -290,13 +290,13 @@ def test_write_kv_cache_interpreted(interp):
 
 
 def test_bad_input_interpreted(interp):
-    q, k, v, cu = _packed((4,), 4, 2, 48, torch.float32)
+    q, k, v, cu = packed_inputs((4,), 4, 2, 48, torch.float32)
     with pytest.raises(ValueError, match="head_dim"):
         interp.varlen_attention(q, k, v, cu, 0.1)
     kv = torch.zeros(2, 4, 2, 48)
     with pytest.raises(ValueError, match="head_dim"):
         interp.paged_attention(q, kv, kv, torch.tensor([[0]]), torch.tensor([4]), torch.tensor([0, 4]), 0.1)
-    q, k, v, cu = _packed((4,), 65, 1, 16, torch.float32)
+    q, k, v, cu = packed_inputs((4,), 65, 1, 16, torch.float32)
     with pytest.raises(ValueError, match="Hq / Hkv"):
         interp.varlen_attention(q, k, v, cu, 0.1)
 
@@ -312,11 +312,11 @@ CUDA_LENS = (1, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1000, 4097)
     "head_dim,n_heads,n_kv,block_size", [(128, 16, 8, 16), (64, 8, 2, 32), (128, 8, 1, 16)]
 )
 def test_paged_equals_varlen_cuda(compiled, head_dim, n_heads, n_kv, block_size):
-    q, k, v, cu, scale, train = _check_invariance(
+    q, k, v, cu, scale, train = check_invariance(
         compiled, CUDA_LENS, n_heads, n_kv, head_dim, block_size, torch.bfloat16,
         chunks=(max(CUDA_LENS), 1000, 100, 64, 7, 1), device="cuda",
     )  # fmt: skip
-    assert torch.equal(_mixed_steps(compiled, q, k, v, cu, block_size, scale), train)
+    assert torch.equal(mixed_steps(compiled, q, k, v, cu, block_size, scale), train)
     for b in range(len(CUDA_LENS)):  # each sequence alone: training layout and a one-sequence prefill
         lo, hi = cu[b].item(), cu[b + 1].item()
         one = torch.tensor([0, hi - lo], dtype=torch.int32, device="cuda")
@@ -331,9 +331,9 @@ def test_large_batch_decode_cuda(compiled):
     """300 sequences (more than one 128-sequence chunk of the program -> sequence search): one step
     prefills all but the last token of each, the next decodes all the last tokens."""
     lens = torch.randint(1, 400, (300,)).tolist()
-    q, k, v, cu = _packed(lens, 16, 8, 128, torch.bfloat16, device="cuda")
+    q, k, v, cu = packed_inputs(lens, 16, 8, 128, torch.bfloat16, device="cuda")
     train = compiled.varlen_attention(q, k, v, cu, 0.1)
-    engine = _Engine(compiled, k, v, cu, 16)
+    engine = PagedEngine(compiled, k, v, cu, 16)
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
     for step in ({b: (0, n - 1) for b, n in enumerate(lens)}, {b: (n - 1, n) for b, n in enumerate(lens)}):
         for b, o in engine.step(q, step, 0.1).items():
@@ -348,19 +348,19 @@ def test_paged_pipelining_depth_changes_no_bit_cuda(compiled, monkeypatch, stage
     """PAGED_STAGES (how many K/V tiles a program has in flight) at 2, 5 and 7: decode and prefill
     chunks equal to training, bit for bit."""
     monkeypatch.setitem(compiled.paged.PAGED_STAGES, 128, stages)
-    q, k, v, cu = _packed((1, 64, 129, 1000, 4097), 16, 8, 128, torch.bfloat16, device="cuda")
+    q, k, v, cu = packed_inputs((1, 64, 129, 1000, 4097), 16, 8, 128, torch.bfloat16, device="cuda")
     train = compiled.varlen_attention(q, k, v, cu, 0.1)
-    assert torch.equal(_mixed_steps(compiled, q, k, v, cu, 16, 0.1), train)
+    assert torch.equal(mixed_steps(compiled, q, k, v, cu, 16, 0.1), train)
 
 
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("head_dim,dtype", [(64, torch.bfloat16), (128, torch.bfloat16), (64, torch.float32)])
 def test_accuracy_cuda(compiled, head_dim, dtype):
-    q, k, v, cu = _packed(CUDA_LENS, 8, 2, head_dim, dtype, device="cuda")
+    q, k, v, cu = packed_inputs(CUDA_LENS, 8, 2, head_dim, dtype, device="cuda")
     scale = 1 / math.sqrt(head_dim)
     out = compiled.varlen_attention(q, k, v, cu, scale)
-    want = _reference(q, k, v, cu, scale, dtype=torch.float32)
+    want = reference_attention(q, k, v, cu, scale, dtype=torch.float32)
     torch.testing.assert_close(out.float(), want, rtol=TOL[dtype], atol=TOL[dtype])
     # fp32 inputs also exercise the paged kernel's ieee dots
     assert torch.equal(_run_chunked(compiled, q, k, v, cu, 16, 777, scale), out)
@@ -373,7 +373,7 @@ def test_accuracy_cuda(compiled, head_dim, dtype):
     [(64, 8, 2, torch.bfloat16), (128, 16, 8, torch.bfloat16), (64, 8, 2, torch.float32)],
 )
 def test_gradients_cuda(compiled, head_dim, n_heads, n_kv, dtype):
-    q, k, v, cu = _packed((1, 63, 64, 65, 129, 300, 1000), n_heads, n_kv, head_dim, dtype, device="cuda")
+    q, k, v, cu = packed_inputs((1, 63, 64, 65, 129, 300, 1000), n_heads, n_kv, head_dim, dtype, device="cuda")
     scale = 1 / math.sqrt(head_dim)
     g = torch.randn(q.shape, device="cuda").to(dtype)
     grads = []
@@ -384,7 +384,7 @@ def test_gradients_cuda(compiled, head_dim, n_heads, n_kv, dtype):
     for a, b in zip(*grads):  # deterministic: no atomics
         assert torch.equal(a, b)
     ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    (_reference(*ref_leaves, cu, scale) * g.double()).sum().backward()
+    (reference_attention(*ref_leaves, cu, scale) * g.double()).sum().backward()
     tol = {torch.bfloat16: 5e-2, torch.float32: 1e-3}[dtype]
     for got, ref in zip(grads[0], ref_leaves):
         assert torch.isfinite(got).all()
@@ -396,10 +396,10 @@ def test_gradients_cuda(compiled, head_dim, n_heads, n_kv, dtype):
 @needs_cuda
 def test_paged_cuda_graph_replay(compiled):
     """write_kv_cache + paged_attention captured once in a CUDA graph, replayed with new metadata."""
-    q, k, v, cu = _packed((300, 5, 129), 16, 8, 128, torch.bfloat16, device="cuda")
+    q, k, v, cu = packed_inputs((300, 5, 129), 16, 8, 128, torch.bfloat16, device="cuda")
     scale = 0.1
     train = compiled.varlen_attention(q, k, v, cu, scale)
-    engine = _Engine(compiled, k, v, cu, 16)
+    engine = PagedEngine(compiled, k, v, cu, 16)
     engine.step(q, {0: (0, 299), 1: (0, 4), 2: (0, 128)}, scale)  # prefill all but the last token
     n = 3
     static = {
@@ -446,7 +446,7 @@ def test_public_api_dispatches_to_triton_cuda(compiled, monkeypatch):
     from vexact_vllm.kernels import dispatch, varlen_attention, write_kv_cache
 
     monkeypatch.setattr(dispatch, "_CUDA_BACKEND", "triton")
-    q, k, v, cu = _packed((70, 1, 130), 4, 2, 64, torch.bfloat16, device="cuda")
+    q, k, v, cu = packed_inputs((70, 1, 130), 4, 2, 64, torch.bfloat16, device="cuda")
     out = varlen_attention(q, k, v, cu, 0.125)
     assert torch.equal(out, compiled.varlen_attention(q, k, v, cu, 0.125))
 
@@ -460,8 +460,8 @@ def test_public_api_dispatches_to_triton_cuda(compiled, monkeypatch):
 
 def test_paged_out_buffer_interpreted(interp):
     """`out=` writes into a strided view of a caller's buffer (vLLM's [T, Hq * D] output): same bits."""
-    q, k, v, cu = _packed((9, 5), 4, 2, 16, torch.bfloat16)
-    engine = _Engine(interp, k, v, cu, 16)
+    q, k, v, cu = packed_inputs((9, 5), 4, 2, 16, torch.bfloat16)
+    engine = PagedEngine(interp, k, v, cu, 16)
     want = engine.step(q, {0: (0, 9), 1: (0, 5)}, 0.25)
     buffer = torch.full((16, 4 * 16), 7.0, dtype=torch.bfloat16)  # 2 rows past T stay untouched
     args = (q, engine.k_cache, engine.v_cache, engine.block_table, torch.tensor([9, 5], dtype=torch.int32),
@@ -485,7 +485,7 @@ def test_empty_sequences_amid_a_batch_interpreted(interp):
     """Sequences with no tokens between others (training's packed batches), and decode steps of more
     sequences than a tile holds tokens (GQA 2: 32), where one program a sequence is the whole grid: each
     sequence gets its own bits, in the packed (training) and the paged (decode) layout."""
-    q, k, v, cu = _packed((5, 0, 40, 0, 0, 1, 33) + (3,) * 36, 4, 2, 16, torch.bfloat16)
+    q, k, v, cu = packed_inputs((5, 0, 40, 0, 0, 1, 33) + (3,) * 36, 4, 2, 16, torch.bfloat16)
     scale = 0.25
     train = interp.varlen_attention(q, k, v, cu, scale)
     for b in range(len(cu) - 1):

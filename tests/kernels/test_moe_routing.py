@@ -10,7 +10,7 @@ from vexact_vllm.kernels.moe_routing import route
 SHAPES = [(1, 4, 1), (5, 8, 2), (17, 128, 8), (33, 60, 3), (123, 16, 16), (129, 5, 5)]  # (T, E, k)
 
 
-def _reference(logits, top_k, norm):
+def reference_routing(logits, top_k, norm):
     """float64 (weights, ids) of the same definition: softmax, stable descending sort, optional norm."""
     probs = torch.softmax(logits.double(), dim=-1)
     ids = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :top_k]
@@ -20,7 +20,7 @@ def _reference(logits, top_k, norm):
     return weights, ids
 
 
-def _reference_grad(logits, ids, g, norm):
+def reference_routing_grad(logits, ids, g, norm):
     """float64 d/d logits of sum(weights * g) for the given ids (the definition's weights)."""
     ld = logits.detach().double().requires_grad_()
     probs = torch.softmax(ld, dim=-1).gather(1, ids)
@@ -41,7 +41,7 @@ def test_matches_float64_reference(n_tokens, n_experts, top_k, norm):
     assert weights.dtype == torch.float32 and ids.dtype == torch.int64
     assert weights.shape == ids.shape == (n_tokens, top_k)
     assert ids.is_contiguous() and weights.is_contiguous()
-    ref_w, ref_ids = _reference(logits, top_k, norm)
+    ref_w, ref_ids = reference_routing(logits, top_k, norm)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(weights.double(), ref_w, rtol=2e-6, atol=1e-7)
 
@@ -126,7 +126,7 @@ def test_gradient_matches_float64_reference(n_tokens, n_experts, top_k, norm):
     g = torch.randn(n_tokens, top_k)
     weights, ids = route(logits, top_k, norm)
     (weights * g).sum().backward()
-    torch.testing.assert_close(logits.grad.double(), _reference_grad(logits, ids, g, norm), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits.grad.double(), reference_routing_grad(logits, ids, g, norm), rtol=1e-5, atol=1e-6)
     first = logits.grad.clone()
     logits.grad = None  # deterministic: a second run gives the same bits
     route(logits, top_k, norm)[0].mul(g).sum().backward()
@@ -172,7 +172,7 @@ def test_random_shapes(seed):
     top_k, norm = draw(1, n_experts), bool(seed % 2)
     logits = torch.randn(n_tokens, n_experts, generator=gen) * 3
     weights, ids = route(logits, top_k, norm)
-    ref_w, ref_ids = _reference(logits, top_k, norm)
+    ref_w, ref_ids = reference_routing(logits, top_k, norm)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(weights.double(), ref_w, rtol=2e-6, atol=1e-7)
     i = draw(0, n_tokens - 1)

@@ -9,7 +9,7 @@ pytest.importorskip("triton")  # imported here, in compiled mode, before any int
 
 from vexact_vllm.kernels import route  # noqa: E402
 
-from .test_moe_routing import _reference, _reference_grad  # noqa: E402  (the float64 definition)
+from .test_moe_routing import reference_routing, reference_routing_grad  # noqa: E402  (the float64 definition)
 
 MODULE = "vexact_vllm.kernels.moe_routing_triton"
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -34,7 +34,7 @@ def test_interpreted_matches_float64_and_torch_ids(rt, seed):
     weights, ids = rt.route_triton(logits, top_k, norm)
     assert weights.dtype == torch.float32 and ids.dtype == torch.int64
     assert weights.shape == ids.shape == (logits.shape[0], top_k)
-    ref_w, ref_ids = _reference(logits, top_k, norm)
+    ref_w, ref_ids = reference_routing(logits, top_k, norm)
     assert torch.equal(ids, ref_ids)
     assert torch.equal(ids, route(logits, top_k, norm)[1])  # the torch path's ids
     torch.testing.assert_close(weights.double(), ref_w, rtol=2e-6, atol=1e-7)
@@ -83,7 +83,7 @@ def test_interpreted_gradient_matches_float64(rt, n_tokens, n_experts, top_k, no
     no_grad_w, _ = rt.route_triton(logits.detach(), top_k, norm)
     assert torch.equal(weights.detach(), no_grad_w)  # storing p changes no bit of the weights
     (weights * g).sum().backward()
-    torch.testing.assert_close(logits.grad.double(), _reference_grad(logits, ids, g, norm), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits.grad.double(), reference_routing_grad(logits, ids, g, norm), rtol=1e-5, atol=1e-6)
 
 
 def test_interpreted_empty_batch(rt):
@@ -98,7 +98,7 @@ def test_cuda_route_is_batch_invariant_and_accurate(n_experts, top_k):
     logits = torch.randn(3000, n_experts, device="cuda") * 3
     for norm in (False, True):
         weights, ids = route(logits, top_k, norm)
-        ref_w, ref_ids = _reference(logits.cpu(), top_k, norm)
+        ref_w, ref_ids = reference_routing(logits.cpu(), top_k, norm)
         assert torch.equal(ids.cpu(), ref_ids)
         torch.testing.assert_close(weights.double().cpu(), ref_w, rtol=2e-6, atol=1e-7)
         for start, size in ((0, 1), (5, 7), (100, 1000), (2999, 1)):

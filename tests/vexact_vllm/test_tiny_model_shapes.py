@@ -16,11 +16,11 @@ from vexact_vllm.tiny_model import (
     BUILTIN_MODELS,
     QWEN3_1_7B_SHAPE,
     SHAPES,
-    _qwen3_shapes,
-    _qwen3_state_dict,
     build_qwen3_shape,
     builtin_model,
     qwen3_shape_config,
+    qwen3_shapes,
+    qwen3_state_dict,
 )
 
 SMALL = dict(QWEN3_1_7B_SHAPE, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -47,7 +47,7 @@ def _check_1_7b(cfg) -> None:
 def test_qwen3_1_7b_config():
     cfg = qwen3_shape_config(QWEN3_1_7B_SHAPE, special_id=0)
     _check_1_7b(cfg)
-    shapes = _qwen3_shapes(cfg)
+    shapes = qwen3_shapes(cfg)
     params = sum(math.prod(s) for s in shapes.values())
     assert "lm_head.weight" not in shapes  # tied
     assert 1.70e9 < params < 1.73e9  # Qwen3-1.7B: 1.72B with the tied embedding counted once
@@ -78,7 +78,7 @@ def test_small_shape_weights_deterministic(tmp_path):
     sd = load_file(a / "model.safetensors")
     with safe_open(a / "model.safetensors", "pt") as f:
         assert f.metadata() == {"format": "pt"}
-    ref = _qwen3_state_dict(qwen3_shape_config(SMALL, 0), 3, torch.bfloat16)
+    ref = qwen3_state_dict(qwen3_shape_config(SMALL, 0), 3, torch.bfloat16)
     assert sd.keys() == ref.keys() and all(torch.equal(sd[k], ref[k]) for k in sd)
     for name, t in sd.items():
         assert t.dtype == torch.bfloat16

@@ -105,7 +105,7 @@ def refusal_message(err: BaseException) -> str | None:
     return None
 
 
-def _engine(settings: RolloutSettings, **overrides):
+def start_engine(settings: RolloutSettings, **overrides):
     from vllm import LLM
 
     kwargs = dict(
@@ -130,7 +130,7 @@ def _engine(settings: RolloutSettings, **overrides):
         raise EngineRefused(message) from None
 
 
-def _shutdown(llm) -> None:
+def shutdown_engine(llm) -> None:
     engine = getattr(llm, "llm_engine", None)
     core = getattr(engine, "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):
@@ -139,7 +139,7 @@ def _shutdown(llm) -> None:
     gc.collect()
 
 
-def _generate(llm, requests: list[tuple[list[int], int]], settings: RolloutSettings) -> list[Rollout]:
+def generate(llm, requests: list[tuple[list[int], int]], settings: RolloutSettings) -> list[Rollout]:
     """Submit `requests`, (prompt ids, seed index) each, in one call; results in the same order."""
     prompts = [{"prompt_token_ids": ids} for ids, _ in requests]
     params = [sampling_params(settings, index) for _, index in requests]
@@ -155,12 +155,12 @@ def _generate(llm, requests: list[tuple[list[int], int]], settings: RolloutSetti
 
 def _generate_all(llm, prompt_ids, settings, order) -> list[Rollout]:
     """Request i = (prompt i, seed index i), submitted in `order`; results in index order."""
-    outs = _generate(llm, [(prompt_ids[i], i) for i in order], settings)
+    outs = generate(llm, [(prompt_ids[i], i) for i in order], settings)
     by_index = dict(zip(order, outs))
     return [by_index[i] for i in range(len(prompt_ids))]
 
 
-def _counter(llm, name: str) -> int | None:
+def metric_counter(llm, name: str) -> int | None:
     """The sum of vLLM's metric `name` over its label sets; None if vLLM does not expose it."""
     try:
         metrics = [m for m in llm.get_metrics() if getattr(m, "name", None) == name]
@@ -180,16 +180,16 @@ def _prefix_cache(llm, prompt_ids: list[list[int]], settings: RolloutSettings) -
     if not settings.shared_prefix:
         raise ValueError("the prefix-cache composition needs RolloutSettings.shared_prefix")
     n, prefix = len(prompt_ids), list(settings.shared_prefix)
-    before = _counter(llm, PREFIX_CACHE_HITS)
+    before = metric_counter(llm, PREFIX_CACHE_HITS)
     # 1. shared prefix + prompt i (seed index i): requests the scheduler takes after the first read
     #    the prefix's full blocks from the cache (vLLM caches a block as soon as it is allocated).
-    first = _generate(llm, [(prefix + p, i) for i, p in enumerate(prompt_ids)], settings)
+    first = generate(llm, [(prefix + p, i) for i, p in enumerate(prompt_ids)], settings)
     # 2. the same prompts again (seeds n + i: other samples) and each first rollout continued
     #    (seeds 2n + i): whole prompts, and blocks filled by decode, hit.
     again = [(prefix + p, n + i) for i, p in enumerate(prompt_ids)]
     continued = [(r.prompt_ids + r.output_ids, 2 * n + i) for i, r in enumerate(first)]
-    second = _generate(llm, again + continued, settings)
-    after = _counter(llm, PREFIX_CACHE_HITS)
+    second = generate(llm, again + continued, settings)
+    after = metric_counter(llm, PREFIX_CACHE_HITS)
     hits = None if before is None or after is None else after - before
     name = f"prefix-cache ({len(prefix)}-token prefix)"
     notes = {"prefix-cache hits": "n/a" if hits is None else f"{hits} tok"}
@@ -223,7 +223,7 @@ def _shared_engine_round(llm, prompt_ids, settings, names, suffix, steps: Steps)
     n = len(prompt_ids)
     if "alone" in names:
         steps.start(f"vLLM: alone{suffix} ({n} requests one by one)")
-        rollouts = [_generate(llm, [(prompt_ids[i], i)], settings)[0] for i in range(n)]
+        rollouts = [generate(llm, [(prompt_ids[i], i)], settings)[0] for i in range(n)]
         results.append(CompositionResult("alone" + suffix, rollouts))
         steps.done()
     if "batch" in names:
@@ -258,17 +258,17 @@ def run_compositions(
 
     if set(SHARED_ENGINE) & set(names):
         steps.start("vLLM: starting an engine")
-        llm = _engine(settings)
+        llm = start_engine(settings)
         try:
             for r in range(rounds):
                 shifted = dataclasses.replace(settings, seed=settings.seed + r * ROUND_SEED_STRIDE)
                 results += _shared_engine_round(llm, prompt_ids, shifted, names, f" #{r}" if rounds > 1 else "", steps)
         finally:
-            _shutdown(llm)
+            shutdown_engine(llm)
 
     if "chunked-prefill" in names:
         steps.start(f"vLLM: chunked-prefill (starting an engine with a {settings.chunk_tokens}-token budget)")
-        llm = _engine(
+        llm = start_engine(
             settings,
             enable_chunked_prefill=True,
             max_num_batched_tokens=settings.chunk_tokens,
@@ -280,20 +280,20 @@ def run_compositions(
             results.append(CompositionResult(f"chunked-prefill ({settings.chunk_tokens} tok)", rollouts))
             steps.done()
         finally:
-            _shutdown(llm)
+            shutdown_engine(llm)
 
     if "preemption" in names:
         results.append(_preemption(prompt_ids, settings, steps))
 
     if "eager" in names:  # batch's requests with CUDA graphs (and torch.compile) off
         steps.start("vLLM: eager (starting an engine without CUDA graphs)")
-        llm = _engine(settings, enforce_eager=True)
+        llm = start_engine(settings, enforce_eager=True)
         try:
             steps.start("vLLM: eager")
             results.append(CompositionResult("eager", _generate_all(llm, prompt_ids, settings, list(range(n)))))
             steps.done()
         finally:
-            _shutdown(llm)
+            shutdown_engine(llm)
     return results
 
 
@@ -315,13 +315,13 @@ def _preemption(prompt_ids: list[list[int]], settings: RolloutSettings, steps: S
     # vLLM refuses a max_model_len its cache cannot hold (the null block aside); every request fits.
     max_model_len = min((blocks - 1) * settings.block_size, max(settings.max_model_len, longest))
     steps.start(f"vLLM: preemption (starting an engine with {blocks} KV blocks)")
-    llm = _engine(grow, num_gpu_blocks_override=blocks, max_model_len=max_model_len)
+    llm = start_engine(grow, num_gpu_blocks_override=blocks, max_model_len=max_model_len)
     try:
         steps.start(f"vLLM: preemption ({blocks} KV blocks)")
         rollouts = _generate_all(llm, prompt_ids, grow, order)
-        count = _counter(llm, "vllm:num_preemptions")
+        count = metric_counter(llm, "vllm:num_preemptions")
     finally:
-        _shutdown(llm)
+        shutdown_engine(llm)
     problem = None
     if count == 0:
         problem = (

@@ -21,22 +21,22 @@ def main(model: str, out: str, temperatures: list[float], prepare=None, tp: int 
     import os
 
     from vexact_vllm.cli.check import cpu_thread_binding, tokenize
-    from vexact_vllm.cli.rollout import RolloutSettings, _engine, _generate, _shutdown
+    from vexact_vllm.cli.rollout import RolloutSettings, generate, shutdown_engine, start_engine
 
     if tp > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tp))
     extra = {"tensor_parallel_size": tp} if tp > 1 else {}
     settings = RolloutSettings(model=model, max_model_len=256, max_tokens=12, extra=extra)
     prompt_ids = tokenize(model, list(PROMPTS), settings.max_model_len, settings.max_tokens)
-    llm = _engine(settings)
+    llm = start_engine(settings)
     if prepare is not None:
         prepare(llm)
     result = {}
     for t in temperatures:
         settings.temperature = t
-        rollouts = _generate(llm, [(ids, i) for i, ids in enumerate(prompt_ids)], settings)
+        rollouts = generate(llm, [(ids, i) for i, ids in enumerate(prompt_ids)], settings)
         result[str(t)] = [r.__dict__ for r in rollouts]
-    _shutdown(llm)
+    shutdown_engine(llm)
     with open(out, "w") as f:
         json.dump(result, f)
 

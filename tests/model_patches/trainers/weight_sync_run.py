@@ -202,7 +202,7 @@ def main(model: str, out: Path, tp: int = 1) -> None:
     import torch
 
     from vexact_vllm.cli.check import tokenize
-    from vexact_vllm.cli.rollout import RolloutSettings, _engine, _generate, _shutdown
+    from vexact_vllm.cli.rollout import RolloutSettings, generate, shutdown_engine, start_engine
     from vexact_vllm.cli.score import load_trainer
 
     if tp > 1:
@@ -213,16 +213,16 @@ def main(model: str, out: Path, tp: int = 1) -> None:
     settings = RolloutSettings(model=model, max_model_len=256, max_tokens=12, extra=extra)
     prompt_ids = tokenize(model, list(PROMPTS), settings.max_model_len, settings.max_tokens)
     requests = [(ids, i) for i, ids in enumerate(prompt_ids)]  # (prompt, seed index)
-    llm = _engine(settings, worker_extension_cls=EXTENSION, load_format="dummy")
+    llm = start_engine(settings, worker_extension_cls=EXTENSION, load_format="dummy")
     result = {}
     try:
         trainer = load_trainer(model, torch.bfloat16, torch.device("cpu"))
         sync_weights(llm, list(fp32_state(trainer).items()), tp)  # verl syncs before the first rollout
-        result["pre"] = _generate(llm, requests, settings)
+        result["pre"] = generate(llm, requests, settings)
         weights = perturb(trainer)
         trainer.save_pretrained(out / "perturbed")
         sync_weights(llm, weights, tp)
-        result["post"] = _generate(llm, requests, settings)
+        result["post"] = generate(llm, requests, settings)
         states = llm.collective_rpc(model_state)
         assert [s["rank"] for s in states] == list(range(tp)), [s["rank"] for s in states]
         trainer_params = {n: p.detach().float().flatten().tolist() for n, p in trainer.named_parameters()}
@@ -242,9 +242,9 @@ def main(model: str, out: Path, tp: int = 1) -> None:
         sync_weights(llm, weights, tp)
         llm.wake_up(tags=["kv_cache"])
         llm.reset_prefix_cache()
-        result["woken"] = _generate(llm, requests, settings)
+        result["woken"] = generate(llm, requests, settings)
     finally:
-        _shutdown(llm)
+        shutdown_engine(llm)
     data = {k: (v if k == "params" else [r.__dict__ for r in v]) for k, v in result.items()}
     data["perturbed"] = list(perturbed(trainer))
     (out / "rollouts.json").write_text(json.dumps(data))

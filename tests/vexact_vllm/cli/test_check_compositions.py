@@ -13,7 +13,7 @@ import torch
 from vexact_vllm.cli import check
 from vexact_vllm.cli.bench import to_table as bench_table
 from vexact_vllm.cli.report import Row, to_json, to_table, verdict
-from vexact_vllm.cli.rollout import PREFIX_CACHE_HITS, Rollout, _counter
+from vexact_vllm.cli.rollout import PREFIX_CACHE_HITS, Rollout, metric_counter
 from vexact_vllm.cli.score import compare
 from vexact_vllm.tiny_model import QWEN3_1_7B_SHAPE, qwen3_shape_config
 
@@ -45,14 +45,14 @@ def test_counter_reads_metrics_defensively():
         return SimpleNamespace(get_metrics=lambda: metrics)
 
     hits = [SimpleNamespace(name=PREFIX_CACHE_HITS, value=v) for v in (5, 7)]
-    assert _counter(llm(hits), PREFIX_CACHE_HITS) == 12  # summed over label sets
-    assert _counter(llm([]), PREFIX_CACHE_HITS) is None
-    assert _counter(llm([SimpleNamespace(name=PREFIX_CACHE_HITS)]), PREFIX_CACHE_HITS) is None
+    assert metric_counter(llm(hits), PREFIX_CACHE_HITS) == 12  # summed over label sets
+    assert metric_counter(llm([]), PREFIX_CACHE_HITS) is None
+    assert metric_counter(llm([SimpleNamespace(name=PREFIX_CACHE_HITS)]), PREFIX_CACHE_HITS) is None
 
     def broken():
         raise AttributeError("no metrics here")
 
-    assert _counter(SimpleNamespace(get_metrics=broken), PREFIX_CACHE_HITS) is None
+    assert metric_counter(SimpleNamespace(get_metrics=broken), PREFIX_CACHE_HITS) is None
 
 
 def test_a_composition_that_tested_nothing_fails():
