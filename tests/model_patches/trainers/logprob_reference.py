@@ -59,6 +59,8 @@ def reference(hidden, weight, targets, tau, allowed=None):
     targets = targets.cpu()
     valid = targets >= 0
     safe = torch.where(valid, targets, ids[0])  # an ignored row reads any allowed id, then gets 0
+    if not bool(allowed[safe].all()):
+        raise ValueError("a target is a masked id (log-prob -inf): the reference has no gradient for it")
     target_log_p = log_p.gather(1, column[safe][:, None])[:, 0]
     zero = torch.zeros_like(entropy)
     return torch.where(valid, target_log_p, zero), torch.where(valid, entropy, zero)
@@ -113,3 +115,42 @@ def assert_gradients_close(grads, hidden, weight, targets, tau, allowed, upstrea
     if allowed is not None:
         blocked = ~allowed.cpu()
         assert bool((grads[1].cpu()[blocked] == 0).all()), f"masked ids got a gradient ({label})"
+
+
+def record_ppo_outputs(monkeypatch, module) -> list[dict]:
+    """Wrap `module.token_log_probs_and_entropy` (where a training class calls the PPO op) so each
+    call is recorded: its inputs (detached copies), the gradients the backward sends to its outputs
+    ("upstream": what the trainer's loss asks of them) and the gradients it returns for hidden and
+    weight (from hooks on views of both, so the weight's gradient is this call's alone, not the
+    parameter's accumulated .grad). The op runs on the same tensors: the bits are unchanged."""
+    original = module.token_log_probs_and_entropy
+    calls: list[dict] = []
+
+    def recorded(hidden, weight, targets, temperature, vocab_mask=None, with_entropy=True):
+        call = {
+            "hidden": hidden.detach().clone(), "weight": weight.detach().clone(), "targets": targets.clone(),
+            "temperature": temperature, "vocab_mask": vocab_mask,
+        }  # fmt: skip
+        hidden, weight = hidden.view_as(hidden), weight.view_as(weight)
+        for name, t in (("grad_hidden", hidden), ("grad_weight", weight)):
+            t.register_hook(lambda g, name=name: call.__setitem__(name, g.detach().clone()))
+        log_p, entropy = original(hidden, weight, targets, temperature, vocab_mask, with_entropy)
+        for name, t in (("upstream_log_p", log_p), ("upstream_entropy", entropy)):
+            if t is not None and t.requires_grad:
+                t.register_hook(lambda g, name=name: call.__setitem__(name, g.detach().clone()))
+        calls.append(call)
+        return log_p, entropy
+
+    monkeypatch.setattr(module, "token_log_probs_and_entropy", recorded)
+    return calls
+
+
+def assert_recorded_gradients(call, label):
+    """A recorded call's gradients w.r.t. hidden and weight equal the fp64 reference's for the
+    upstream gradients the call received (`assert_gradients_close`)."""
+    rows = call["hidden"].shape[0]
+    temperature = call["temperature"]
+    tau = temperature.float().cpu() if isinstance(temperature, torch.Tensor) else torch.full((rows,), float(temperature))
+    upstream = call.get("upstream_log_p", torch.zeros(rows)), call.get("upstream_entropy")
+    grads = call["grad_hidden"], call["grad_weight"]
+    assert_gradients_close(grads, call["hidden"], call["weight"], call["targets"], tau, call["vocab_mask"], upstream, label)

@@ -18,10 +18,11 @@ import torch
 pytest.importorskip("verl")
 sys.path.insert(0, str(Path(__file__).parent))  # the sibling helper module (importlib import mode)
 
+from logprob_reference import assert_recorded_gradients, record_ppo_outputs  # noqa: E402
 from verl_engine import build_engine, cpu_verl, response_outputs, rollout_batch  # noqa: E402
 
 from vexact_vllm.model_patches import VexactForCausalLM, enabled  # noqa: E402
-from vexact_vllm.model_patches.trainers import transformers_hooks, verl_hooks  # noqa: E402
+from vexact_vllm.model_patches.trainers import hf_causal_lm, transformers_hooks, verl_hooks  # noqa: E402
 
 TEMPERATURES = (1.0, 0.7)
 
@@ -92,16 +93,32 @@ def _loss(model_output, data, dp_group=None):
     return loss, {"loss": loss.detach().item()}
 
 
-def test_gradient_flows_through_the_shared_log_prob(hooks, vllm_rollouts, tiny_model):
+def test_gradient_flows_through_the_shared_log_prob(hooks, unmasked, vllm_rollouts, tiny_model, monkeypatch):
+    """verl's forward_backward_batch with `_loss` (temperature 0.7): each micro-batch's loss asks
+    -0.5/N of each of its N packed tokens' log-probs and -0.01/N of their entropies (verl's model
+    output covers every token, prompt and response), and the gradients the PPO op returns for the
+    hidden states and the lm_head equal the fp64 reference's for that upstream
+    (logprob_reference.py: within bf16 rounding; the entropy's share, weighted 0.01, is below that
+    rounding, so test_ppo_outputs pins the entropy backward). The gradient reaches the decoder."""
+    calls = record_ppo_outputs(monkeypatch, hf_causal_lm)
     engine = build_engine(tiny_model("qwen3"), forward_only=False)
     model = engine.module
     model.train()
-    data = rollout_batch(vllm_rollouts[0.7], 0.7, engine.model_config.tokenizer.pad_token_id)
+    rollouts = vllm_rollouts[0.7]
+    data = rollout_batch(rollouts, 0.7, engine.model_config.tokenizer.pad_token_id)
     engine.forward_backward_batch(data, _loss, forward_only=False)  # verl calls loss.backward()
     for name in ("lm_head.weight", "model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.o_proj.weight"):
         grad = model.get_parameter(name).grad
         assert grad is not None, name
         assert torch.isfinite(grad).all() and grad.abs().sum() > 0, name
+    assert len(calls) == -(-len(rollouts) // 2)  # one op call per micro-batch of 2
+    for i, call in enumerate(calls):
+        assert call["vocab_mask"] is None and call["temperature"] == 0.7
+        n = call["hidden"].shape[0]
+        torch.testing.assert_close(call["upstream_log_p"], torch.full((n,), -0.5 / n), rtol=1e-6, atol=0)
+        torch.testing.assert_close(call["upstream_entropy"], torch.full((n,), -0.01 / n), rtol=1e-6, atol=0)
+        assert_recorded_gradients(call, f"micro-batch {i}")
+    assert sum(c["hidden"].shape[0] for c in calls) == sum(len(r.prompt_ids) + len(r.output_ids) for r in rollouts)
 
 
 def test_verl_divides_nothing(hooks, unmasked, vllm_rollouts, tiny_model, monkeypatch):
