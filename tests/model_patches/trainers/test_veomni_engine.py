@@ -37,6 +37,7 @@ import torch
 pytest.importorskip("veomni")
 pytest.importorskip("verl")
 
+from .logprob_reference import assert_recorded_gradients, record_ppo_outputs  # noqa: E402
 from .veomni_cpu import (  # noqa: E402
     PlatformCPU,
     actor_batch,
@@ -124,8 +125,14 @@ def test_engine_with_fp32_master_weights_equals_vllm(veomni_engine, masked_rollo
         veomni_engine.module = module
 
 
-def test_engine_backward_through_log_probs(veomni_engine, masked_rollouts):
-    """forward_only=False: verl's engine calls loss.backward() on a policy-gradient-shaped loss."""
+def test_engine_backward_through_log_probs(veomni_engine, masked_rollouts, monkeypatch):
+    """forward_only=False: verl's engine calls loss.backward() on a policy-gradient-shaped loss. The
+    loss asks -1 of each generated token's log-prob and +0.01 of its entropy (rows scoring prompt
+    tokens: 0), and the gradients the PPO op returns for the hidden states and the lm_head equal the
+    fp64 reference's for that upstream (logprob_reference.py: within bf16 rounding)."""
+    from vexact_vllm.model_patches.trainers import veomni_classes
+
+    calls = record_ppo_outputs(monkeypatch, veomni_classes)
     rollouts = masked_rollouts[0.7]
     model = veomni_engine.module
     model.zero_grad(set_to_none=True)
@@ -147,4 +154,16 @@ def test_engine_backward_through_log_probs(veomni_engine, masked_rollouts):
     )  # MoE layer 0
     for name, p in [("lm_head", model.lm_head.weight), ("q_proj", layer.self_attn.q_proj.weight), *mlp]:
         assert float(p.grad.float().abs().sum()) > 0, name
+    assert len(calls) == -(-len(rollouts) // 2)  # one op call per micro-batch of 2
+    scored = []
+    for i, call in enumerate(calls):
+        assert call["vocab_mask"] is not None and call["temperature"] == 0.7
+        generated = call["upstream_log_p"] != 0
+        n = int(generated.sum())
+        assert torch.equal(call["upstream_entropy"] != 0, generated), i
+        torch.testing.assert_close(call["upstream_log_p"][generated], torch.full((n,), -1.0), rtol=1e-6, atol=0)
+        torch.testing.assert_close(call["upstream_entropy"][generated], torch.full((n,), 0.01), rtol=1e-6, atol=0)
+        scored += call["targets"][generated].tolist()
+        assert_recorded_gradients(call, f"{veomni_engine.vexact_arch}, micro-batch {i}")
+    assert sorted(scored) == sorted(t for r in rollouts for t in r.output_ids)
     model.zero_grad(set_to_none=True)
