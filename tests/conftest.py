@@ -1,12 +1,25 @@
-"""Shared fixtures: tiny checkpoints built once per session in a temporary cache."""
+"""Shared fixtures: tiny checkpoints built once per session in a temporary cache, and a seed for
+every test's random draws.
+
+Random draws: before every test, torch (CPU and CUDA), `random` and numpy's global generator are
+seeded from the test's node id (`_seeded`; crc32 of e.g.
+"tests/kernels/test_gemm.py::test_linear[bf16-17]"), so each parametrized case draws its own values
+and draws the same ones whether it runs alone or in the whole suite. To rerun a failing case, run
+that node id: `.venv/bin/python -m pytest "tests/kernels/test_gemm.py::test_linear[bf16-17]"`; a
+failing test's report shows its seed ("random seed" section). A directory's conftest or a test may
+seed again (tests/kernels seeds torch with 0; tests that draw many cases keep their own seeded
+`torch.Generator` / `random.Random` and name the seed or case in their messages).
+"""
 
 from __future__ import annotations
 
 import importlib
 import os
+import random
 import shutil
 import sys
 import types
+import zlib
 
 import numpy as np
 import pytest
@@ -43,6 +56,18 @@ KERNEL_COMPANIONS = {
         "vexact_vllm.kernels.gumbel_triton",
     ),
 }
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request):
+    """Seed torch, random and numpy from the test's node id (see the module docstring)."""
+    import torch
+
+    seed = zlib.crc32(request.node.nodeid.encode())
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+    request.node.add_report_section("setup", "random seed", f"{seed} = crc32({request.node.nodeid!r})")
 
 
 @pytest.fixture(autouse=True)
