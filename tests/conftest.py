@@ -2,13 +2,14 @@
 every test's random draws.
 
 Random draws: before every test, torch (CPU and CUDA), `random` and numpy's global generator are
-seeded from the test's node id (`_seeded`; crc32 of e.g.
-"tests/kernels/test_gemm.py::test_linear[bf16-17]"), so each parametrized case draws its own values
-and draws the same ones whether it runs alone or in the whole suite. To rerun a failing case, run
-that node id: `.venv/bin/python -m pytest "tests/kernels/test_gemm.py::test_linear[bf16-17]"`; a
-failing test's report shows its seed ("random seed" section). A directory's conftest or a test may
-seed again (tests/kernels seeds torch with 0; tests that draw many cases keep their own seeded
-`torch.Generator` / `random.Random` and name the seed or case in their messages).
+seeded from the test's node id (`_seeded`: crc32 of the id), so each parametrized case draws its
+own values, and the same ones whether it runs alone or in the whole suite. To rerun a failing case,
+run its node id as pytest printed it, e.g.
+    .venv/bin/python -m pytest -p no:cacheprovider \
+        "tests/model_patches/trainers/test_ppo_outputs.py::test_fp32_gradients_match_fp64_autograd[5-0.7-full]"
+A failing test's report shows its seed (the "random seed" section). A directory's conftest or a
+test may seed again (tests/kernels seeds torch with 0); tests that draw many cases from their own
+seeded `torch.Generator` / `random.Random` name the seed or the case in their messages.
 """
 
 from __future__ import annotations
