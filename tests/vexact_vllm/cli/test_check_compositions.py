@@ -133,8 +133,8 @@ def test_preemption_plan_forces_two_requests_to_collide(caching):
     fits alone; the first two are admitted side by side and cannot both run to the first's end."""
     from vexact_vllm.cli.rollout import RolloutSettings, preemption_plan, shared_blocks
 
-    rng = random.Random(13)
-    for _ in range(300):
+    for case in range(300):  # case i draws from random.Random(i): a failing case names its seed
+        rng = random.Random(case)
         bs = rng.choice([16, 32, 64])
         settings = RolloutSettings(model="m", max_tokens=rng.randint(bs + 1, 4 * bs), block_size=bs,
                                    extra={} if caching else {"enable_prefix_caching": False})  # fmt: skip
@@ -145,11 +145,12 @@ def test_preemption_plan_forces_two_requests_to_collide(caching):
         blocks, order = preemption_plan(prompts, settings)
         usable = blocks - 1  # vLLM's null block
         a, b = order[:2]
-        assert sorted(order) == list(range(len(prompts)))
+        assert sorted(order) == list(range(len(prompts))), f"seed {case}"
         full = [_need(len(p) + settings.max_tokens, bs) for p in prompts]
-        assert usable >= max(full) == full[a]  # every request finishes alone; A is the longest
+        assert usable >= max(full) == full[a], f"seed {case}"  # every request finishes alone; A is the longest
         shared = shared_blocks(prompts[a], prompts[b], bs) if caching else 0
-        assert usable >= _need(len(prompts[a]) + 1, bs) + _need(len(prompts[b]) + 1, bs) - shared  # admitted together
-        assert full[a] + _need(len(prompts[b]) + 1, bs) - shared > usable  # ...cannot both run to A's end
+        together = _need(len(prompts[a]) + 1, bs) + _need(len(prompts[b]) + 1, bs) - shared
+        assert usable >= together, f"seed {case}"  # admitted together
+        assert full[a] + _need(len(prompts[b]) + 1, bs) - shared > usable, f"seed {case}"  # ...cannot both run to A's end
         if caching and any(shared_blocks(prompts[a], p, bs) == 0 for i, p in enumerate(prompts) if i != a):
-            assert shared == 0  # B's admission does not hang on a cache hit when it can be avoided
+            assert shared == 0, f"seed {case}"  # B's admission does not hang on a cache hit when it can be avoided
