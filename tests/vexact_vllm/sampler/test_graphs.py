@@ -45,7 +45,9 @@ def _eager(graphs, hidden, temperature, seeds, positions, greedy_tiny=False):
 
 
 def _step(graphs, n, draw, output, device, rng, tiny=False):
-    """One random step through the graphs, checked against the composition."""
+    """One random step through the graphs, checked against the composition (draws from torch's
+    global generator, seeded by the test, and `rng`; messages name the step)."""
+    case = f"n={n} draw={draw} output={output} device={device} tiny={tiny}"
     slots = 3 * graphs.buckets[-1]
     temperature = torch.rand(slots, device=device) + 0.3
     if draw == "greedy":
@@ -67,7 +69,7 @@ def _step(graphs, n, draw, output, device, rng, tiny=False):
     graphs.hidden[n:] = float("nan")
     graphs.tau[n:] = 1e-3
     logits = graphs.lm_head(hidden)
-    assert graphs.owns(logits) and logits.shape == (n, graphs.weight.shape[0])
+    assert graphs.owns(logits) and logits.shape == (n, graphs.weight.shape[0]), case
     logits = logits.clone()  # the "log_probs" output writes over the static logits
     got = graphs.sample(
         n, draw, output, temperature=temperature, seeds=seeds, req_index=req_index, positions=positions,
@@ -76,20 +78,20 @@ def _step(graphs, n, draw, output, device, rng, tiny=False):
     ref_logits, ref = _eager(
         graphs, hidden, temperature[req_index.long()], seeds[req_index.long()], positions[logits_index], tiny
     )
-    assert torch.equal(logits, ref_logits)
-    assert torch.equal(got.tokens, ref.tokens)
+    assert torch.equal(logits, ref_logits), case
+    assert torch.equal(got.tokens, ref.tokens), case
     with_lp = output == "token_log_probs"
-    assert (got.token_log_probs is not None, got.ranks is not None) == (with_lp, with_lp)
+    assert (got.token_log_probs is not None, got.ranks is not None) == (with_lp, with_lp), case
     if with_lp:
-        assert torch.equal(got.token_log_probs, ref.token_log_probs) and torch.equal(got.ranks, ref.ranks)
-    assert (got.log_probs is not None) == (output == "log_probs")
+        assert torch.equal(got.token_log_probs, ref.token_log_probs) and torch.equal(got.ranks, ref.ranks), case
+    assert (got.log_probs is not None) == (output == "log_probs"), case
     if output == "log_probs":
-        assert torch.equal(got.log_probs, ref.log_probs)
+        assert torch.equal(got.log_probs, ref.log_probs), case
     for static in (graphs.tokens, graphs.token_log_probs, graphs.ranks):
         static.fill_(-7)  # the next replay writes here: the returned tokens, log-probs and ranks are clones
-    assert torch.equal(got.tokens, ref.tokens)
+    assert torch.equal(got.tokens, ref.tokens), case
     if with_lp:
-        assert torch.equal(got.token_log_probs, ref.token_log_probs) and torch.equal(got.ranks, ref.ranks)
+        assert torch.equal(got.token_log_probs, ref.token_log_probs) and torch.equal(got.ranks, ref.ranks), case
     return got.tokens
 
 
