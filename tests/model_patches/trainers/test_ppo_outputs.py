@@ -75,7 +75,7 @@ def test_chunked_rows_row_temperatures_and_ignored_targets(monkeypatch):
 
 @pytest.mark.parametrize("masked", [False, True], ids=["full", "masked"])
 @pytest.mark.parametrize("rows", [5, 127])
-def test_bf16_gradients_within_three_roundings_of_fp64(rows, masked):
+def test_bf16_gradients_within_rounding_bound_of_fp64(rows, masked):
     _check(seed=100 + rows, rows=rows, vocab=VOCAB, dtype=torch.bfloat16, temperature=0.7, masked=masked)
 
 
