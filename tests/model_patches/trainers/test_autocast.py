@@ -33,7 +33,7 @@ def test_bf16_autocast_over_fp32_weights_equals_the_bf16_model(load_model):
 @pytest.mark.parametrize("backward_in_autocast", [False, True])
 def test_gradients_reach_the_fp32_weights_as_the_bf16_models(load_model, backward_in_autocast):
     """The fp32 masters get the bf16 model's gradients, exactly, wherever the caller calls backward
-    (the kernels' backwards turn autocast off as their forwards do: kernels/_autograd.py)."""
+    (the kernels' backwards turn autocast off as their forwards do: kernels/autograd_utils.py)."""
     bf16 = load_model("qwen3", torch.bfloat16, True)
     fp32 = load_model("qwen3", torch.float32, True)
     ids = random_ids((2, 7), seed=2)
