@@ -13,6 +13,7 @@ views of one persistent tensor, so no concatenation happens per step.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import islice
 
 import torch
 from torch import nn
@@ -31,6 +32,7 @@ from vexact_vllm.kernels.gemm import linear_grads
 
 from .attention_context import AttentionContext
 from .config import DecoderConfig
+from .pipeline_parallel import PipelineStage, placed, stage_layers
 from .tensor_parallel import TensorParallel, kv_heads, mark_shard
 
 
@@ -351,16 +353,23 @@ class Decoder(nn.Module):
 
     A family file subclasses this and chooses each layer's feed-forward block in `mlp` (built with
     `self.tp`). `tp`: this rank of a tensor-parallel group (vLLM only; tensor_parallel.py); None in
-    every trainer."""
+    every trainer. `stage`: the layers and parts this pipeline stage builds (vLLM only;
+    pipeline_parallel.py); the whole decoder by default, and in every trainer."""
 
-    def __init__(self, config: DecoderConfig, tp: TensorParallel | None = None):
+    def __init__(
+        self, config: DecoderConfig, tp: TensorParallel | None = None, stage: PipelineStage | None = None
+    ):
         super().__init__()
         self.config, self.tp = config, tp
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, self.mlp(config, i), tp) for i in range(config.num_layers)
+        self.stage = stage = stage or PipelineStage.whole(config.num_layers)
+        self.embed_tokens = placed(
+            stage.has_embedding(config.tie_word_embeddings),
+            lambda: Embedding(config.vocab_size, config.hidden_size),
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = stage_layers(
+            stage, config.num_layers, lambda i: DecoderLayer(config, i, self.mlp(config, i), tp)
+        )
+        self.norm = placed(stage.is_last, lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
         self.rotary = RotaryCache(config)
 
     def mlp(self, config: DecoderConfig, layer_idx: int) -> nn.Module:
@@ -373,18 +382,30 @@ class Decoder(nn.Module):
     gradient_checkpointing = False
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
-    ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, H]
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        attn: AttentionContext,
+        handed_over: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The normalised hidden states [T, H] (the whole decoder, the last pipeline stage); a stage
+        before the last returns (x, residual) [T, H] each, which the next stage takes as `handed_over`
+        in place of input_ids (pipeline_parallel.py: both, never their sum)."""
+        stage = self.stage
+        if stage.is_first:
+            x, residual = self.embed_tokens(input_ids), None  # [T, H]
+        else:
+            x, residual = handed_over
         rope = self.rotary  # the object: see RotaryCache
-        residual = None
         checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
-        for layer in self.layers:
+        for layer in islice(self.layers, stage.start, stage.stop):  # the stage's layers, no copy
             if checkpointing:
                 x, residual = self._gradient_checkpointing_func(
                     layer.__call__, x, residual, positions, rope, attn
                 )
             else:
                 x, residual = layer(x, residual, positions, rope, attn)
+        if not stage.is_last:
+            return x, residual
         x, _ = self.norm.add(x, residual)
         return x  # [T, H]
