@@ -9,6 +9,7 @@ from .activation import silu_and_mul
 from .attention import paged_attention, varlen_attention, write_kv_cache
 from .attention_prefix import SharedPrefix, max_group_members, shared_prefix_groups
 from .attention_tiles import KEY_TILE
+from .causal_conv1d import causal_conv1d
 from .dispatch import (
     backend_for,
     disable_reference_mode,
@@ -16,6 +17,7 @@ from .dispatch import (
     is_reference_mode_enabled,
     reference_mode,
 )
+from .gated_delta import gated_delta_rule, gated_delta_rule_cached
 from .gemm import linear
 from .logprob import TORCH_VOCAB_BLOCK, linear_token_log_probs, log_softmax, token_log_probs
 from .mkl_vml import warm_up_vml
@@ -38,9 +40,12 @@ __all__ = [
     "add_rms_norm",
     "apply_rope",
     "backend_for",
+    "causal_conv1d",
     "disable_reference_mode",
     "enable_reference_mode",
     "fused_moe",
+    "gated_delta_rule",
+    "gated_delta_rule_cached",
     "gumbel_argmax",
     "is_reference_mode_enabled",
     "linear",
