@@ -41,9 +41,17 @@ def gdn_inputs(lengths, hk, hv, dk, dv, dtype=torch.float32, seed=0, device="cpu
     return out
 
 
-def gdn_reference(q, k, v, a, b, A_log, dt_bias, cu_seqlens, initial_state=None):
+def truncate_to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to bf16 toward zero, as the Triton interpreter converts fp32 to bf16 (the GPU and
+    torch round to nearest even)."""
+    bits = x.float().view(torch.int32) & -65536
+    return bits.view(torch.float32).double()
+
+
+def gdn_reference(q, k, v, a, b, A_log, dt_bias, cu_seqlens, initial_state=None, beta_rounding=None):
     """float64 (o [T, HV, DV], final states [N, HV, DV, DK]) from the formulas, one sequence and one
-    token at a time; initial_state in the kernels' [N, HV, DV, DK] layout."""
+    token at a time; initial_state in the kernels' [N, HV, DV, DK] layout. beta_rounding: how beta
+    is rounded to b's dtype (default: to nearest, as torch and the GPU)."""
     hk, d_k = q.shape[1], q.shape[2]
     hv = v.shape[1]
     q, k, v = q.double(), k.double(), v.double()
@@ -52,7 +60,8 @@ def gdn_reference(q, k, v, a, b, A_log, dt_bias, cu_seqlens, initial_state=None)
     heads = torch.arange(hv) // (hv // hk)
     q, k = q[:, heads], k[:, heads]  # [T, HV, DK]
     g = -A_log.double().exp() * F.softplus(a.double() + dt_bias.double())
-    beta = torch.sigmoid(b.double()).to(b.dtype).double()
+    beta = torch.sigmoid(b.double())
+    beta = beta.to(b.dtype).double() if beta_rounding is None or b.dtype != torch.bfloat16 else beta_rounding(beta)
     cu = cu_seqlens.tolist()
     o = torch.zeros(v.shape, dtype=torch.float64)
     finals = []
@@ -166,3 +175,52 @@ def first_difference(got: torch.Tensor, want: torch.Tensor) -> str:
     a, b = got[idx].item(), want[idx].item()
     count = int(diff.sum())
     return f"{count} of {got.numel()} elements differ; first at {idx}: {a!r} vs {b!r} (diff {a - b:.3e})"
+
+
+GDN_ROWS = ("q", "k", "v", "a", "b")
+
+
+def check_gdn_schedules(forward, cached, inputs: dict, seeds=(0, 1, 2)):
+    """`cached` (the inference op) over random schedules of decode and prefill steps (one seed
+    decodes only, the others mix) gives the bits of `forward` (the training op) on the packed
+    sequences: outputs and the states left in the slots. Returns the training (o, final states)."""
+    cu = inputs["cu_seqlens"]
+    lengths = (cu[1:] - cu[:-1]).tolist()
+    o, final = forward(**inputs)
+    v, k = inputs["v"], inputs["k"]
+    slots = [(3 * n + 2) % (len(lengths) + 3) for n in range(len(lengths))]  # distinct, out of order
+    for seed in seeds:
+        cache = torch.full((len(lengths) + 3, v.shape[1], v.shape[2], k.shape[2]), float("nan"), device=v.device)
+        steps = random_schedule(lengths, seed, decode_share=1.0 if seed == 0 else 0.5)
+
+        def step(q, k, v, a, b, step_cu, step_slots, has_state, cache=cache):
+            return cached(q, k, v, a, b, inputs["A_log"], inputs["dt_bias"], step_cu, cache, step_slots, has_state)
+
+        got = run_schedule(step, inputs, GDN_ROWS, steps, slots)
+        assert torch.equal(got, o), f"schedule seed {seed}: outputs: {first_difference(got, o)}"
+        states = cache[torch.tensor(slots, device=v.device)]
+        assert torch.equal(states, final), f"schedule seed {seed}: states: {first_difference(states, final)}"
+    return o, final
+
+
+def check_continuation(forward, inputs: dict, seed: int = 0):
+    """Training each sequence in two parts, the second from the first's final state, gives the bits
+    of one pass (prefill from a cached state through the training entry point)."""
+    cu = inputs["cu_seqlens"].tolist()
+    rng = random.Random(seed)
+    o, final = forward(**inputs)
+    cuts = [rng.randint(cu[n], cu[n + 1]) for n in range(len(cu) - 1)]
+    first = torch.cat([torch.arange(cu[n], cuts[n]) for n in range(len(cu) - 1)])
+    second = torch.cat([torch.arange(cuts[n], cu[n + 1]) for n in range(len(cu) - 1)])
+    device = inputs["v"].device
+    part = {name: inputs[name] for name in ("A_log", "dt_bias")}
+    part1 = {**part, **{name: inputs[name][first.to(device)] for name in GDN_ROWS}}
+    part1["cu_seqlens"] = packed_cu([cuts[n] - cu[n] for n in range(len(cu) - 1)], device)
+    o1, mid = forward(**part1)
+    part2 = {**part, **{name: inputs[name][second.to(device)] for name in GDN_ROWS}}
+    part2["cu_seqlens"] = packed_cu([cu[n + 1] - cuts[n] for n in range(len(cu) - 1)], device)
+    o2, end = forward(**part2, initial_state=mid)
+    got = torch.empty_like(o)
+    got[first.to(device)], got[second.to(device)] = o1, o2
+    assert torch.equal(got, o), f"continuation: outputs: {first_difference(got, o)}"
+    assert torch.equal(end, final), f"continuation: states: {first_difference(end, final)}"
