@@ -17,13 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import gated_delta_chunked_triton as kernels  # Triton only (the interpreter on CPU tensors)
 from .gated_delta_checks import check_gated_delta_inputs, check_slots, check_state
-
-
-def _kernels():
-    from . import gated_delta_chunked_triton  # imported on first use: Triton only (interpreter on CPU)
-
-    return gated_delta_chunked_triton
 
 
 @dataclass
@@ -40,8 +35,7 @@ class ChunkAnchoredCache:
 
     @classmethod
     def empty(cls, slots: int, hk: int, hv: int, d_k: int, d_v: int, dtype: torch.dtype, device) -> "ChunkAnchoredCache":
-        chunk = _kernels().CHUNK
-        rows = chunk - 1
+        rows = kernels.CHUNK - 1
         return cls(
             state=torch.zeros(slots, hv, d_v, d_k, dtype=torch.float32, device=device),
             q=torch.zeros(slots, rows, hk, d_k, dtype=dtype, device=device),
@@ -61,7 +55,7 @@ def chunked_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, cu_seqlens) -> torch
         raise ValueError("the chunk-anchored candidate has no backward: call it under torch.no_grad()")
     none = torch.full((n_seqs,), -1, dtype=torch.int64, device=v.device)
     dummy = torch.empty(1, v.shape[1], v.shape[2], q.shape[2], dtype=torch.float32, device=v.device)
-    return _kernels().chunked_forward(q, k, v, a, b, A_log, dt_bias, cu_seqlens, dummy, none, dummy, none)
+    return kernels.chunked_forward(q, k, v, a, b, A_log, dt_bias, cu_seqlens, dummy, none, dummy, none)
 
 
 def assemble_step(q, k, v, a, b, cu_seqlens, cache, slots, has_state):
@@ -86,10 +80,11 @@ def chunk_anchored_step(q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache: ChunkA
     n_seqs = check_gated_delta_inputs(q, k, v, a, b, A_log, dt_bias, cu_seqlens)
     check_state("cache.state", cache.state, None, v, k)
     check_slots(slots, has_state, n_seqs, cache.state.shape[0])
-    kernels = _kernels()
     aq, ak, av, aa, ab, acu, held = assemble_step(q, k, v, a, b, cu_seqlens, cache, slots, has_state)
     idx = slots.long().to(v.device)
-    read = torch.where(has_state.to(v.device), idx, -1)
+    starts = ~has_state.to(v.device)
+    cache.state[idx[starts]] = 0.0  # a sequence's first boundary is position 0, its state zero
+    read = torch.where(starts, -1, idx)
     o_all = kernels.chunked_forward(aq, ak, av, aa, ab, A_log, dt_bias, acu, cache.state, read, cache.state, idx)
     bounds = acu.tolist()
     keep = torch.cat([torch.arange(bounds[n] + held[n], bounds[n + 1]) for n in range(n_seqs)])

@@ -34,6 +34,15 @@ BLOCK_V = 64
 
 
 @triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    """tl.dot(a, b) in fp32 accumulation. DOT_FP32, interpreter only: its tl.dot reads bf16 operands as
+    raw bits, so there the products are summed over the last axis of a broadcast fp32 product."""
+    if DOT_FP32:
+        return tl.reduce(a.to(tl.float32)[:, None, :] * tl.trans(b.to(tl.float32))[None, :, :], 2, _sum_combine)
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
 def _chunk_rows(Q, K, V, A, B, A_LOG, DT_BIAS, rows, valid, hk, hv, ok, ov, stride_qt, stride_qh,
                 stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt, scale, eps,
                 DK: tl.constexpr, DV: tl.constexpr, SOFTPLUS_MAX: tl.constexpr):  # fmt: skip
@@ -61,7 +70,7 @@ def _chunk_prepare_kernel(
     n_chunks, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
     HV, RATIO, scale, eps,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr,
-    CHUNK: tl.constexpr, SOFTPLUS_MAX: tl.constexpr, PRECISION: tl.constexpr,
+    CHUNK: tl.constexpr, SOFTPLUS_MAX: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
     """Program (chunk, v head): 1. cumulative decay G; 2. A; 3. Tm by forward substitution; 4. W, U, G stored."""
     c = tl.program_id(0)
@@ -80,7 +89,7 @@ def _chunk_prepare_kernel(
     )  # fmt: skip
     gc = tl.associative_scan(g, 0, _sum_combine)  # [C]: row i depends on rows <= i only
     lower = r[:, None] > r[None, :]
-    kk = tl.dot(k, tl.trans(k), input_precision=PRECISION)  # [C, C] fp32
+    kk = _dot(k, tl.trans(k), PRECISION, DOT_FP32)  # [C, C] fp32
     a = tl.where(lower, beta[:, None] * kk * tl.exp(tl.where(lower, gc[:, None] - gc[None, :], 0.0)), 0.0)
     tm = -a  # rows < i hold Tm - I once row i is reached
     for i in range(1, CHUNK):
@@ -89,8 +98,8 @@ def _chunk_prepare_kernel(
         tm = tl.where(r[:, None] == i, row[None, :], tm)
     tm = tm + tl.where(r[:, None] == r[None, :], 1.0, 0.0)
     dt = Q.dtype.element_ty
-    w = tl.dot(tm.to(dt), (k.to(tl.float32) * (beta * tl.exp(gc))[:, None]).to(dt), input_precision=PRECISION)
-    u = tl.dot(tm.to(dt), (v * beta[:, None]).to(dt), input_precision=PRECISION)
+    w = _dot(tm.to(dt), (k.to(tl.float32) * (beta * tl.exp(gc))[:, None]).to(dt), PRECISION, DOT_FP32)
+    u = _dot(tm.to(dt), (v * beta[:, None]).to(dt), PRECISION, DOT_FP32)
     tl.store(W + (rows[:, None] * HV + hv) * DK + ok[None, :], w, mask=valid[:, None] & (ok < DK)[None, :])
     tl.store(U + (rows[:, None] * HV + hv) * DV + ov[None, :], u, mask=valid[:, None] & (ov < DV)[None, :])
     tl.store(GC + rows * HV + hv, gc, mask=valid)
@@ -102,7 +111,7 @@ def _chunk_state_kernel(
     n_seqs, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
     stride_ot, stride_oh, HV, RATIO, scale, eps,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    CHUNK: tl.constexpr, SOFTPLUS_MAX: tl.constexpr, PRECISION: tl.constexpr,
+    CHUNK: tl.constexpr, SOFTPLUS_MAX: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
     """Program (v tile, sequence x v head): the chunks in order: V', o, the state update; the state
     after the last full chunk to HT[WRITE[n]]."""
@@ -138,15 +147,15 @@ def _chunk_state_kernel(
         last = tl.minimum(eos - bos - c * CHUNK, CHUNK) - 1  # the chunk's last row (CHUNK - 1 if full)
         g_last = tl.reduce(tl.where(r == last, gc, 0.0), 0, _sum_combine)  # the decay across the chunk
         s_t = tl.trans(s).to(dt)  # [BK, BV]
-        v_new = u - tl.dot(w.to(dt), s_t, input_precision=PRECISION)  # [C, BV]
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [C, C]
+        v_new = u - _dot(w.to(dt), s_t, PRECISION, DOT_FP32)  # [C, BV]
+        qk = _dot(q, tl.trans(k), PRECISION, DOT_FP32)  # [C, C]
         p = tl.where(causal, qk * tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0)), 0.0)
-        o = tl.dot((q.to(tl.float32) * tl.exp(gc)[:, None]).to(dt), s_t, input_precision=PRECISION)
-        o += tl.dot(p.to(dt), v_new.to(dt), input_precision=PRECISION)
+        o = _dot((q.to(tl.float32) * tl.exp(gc)[:, None]).to(dt), s_t, PRECISION, DOT_FP32)
+        o += _dot(p.to(dt), v_new.to(dt), PRECISION, DOT_FP32)
         tl.store(OUT + rows[:, None] * stride_ot + hv * stride_oh + ov[None, :], o.to(OUT.dtype.element_ty),
                  mask=valid[:, None] & mv[None, :])  # fmt: skip
         k_decayed = (k.to(tl.float32) * tl.exp(g_last - gc)[:, None]).to(dt)
-        s = s * tl.exp(g_last) + tl.dot(tl.trans(v_new.to(dt)), k_decayed, input_precision=PRECISION)
+        s = s * tl.exp(g_last) + _dot(tl.trans(v_new.to(dt)), k_decayed, PRECISION, DOT_FP32)
         if c == full - 1:
             write = tl.load(WRITE + n).to(tl.int64)
             tl.debug_barrier()  # every thread has read its tile of the slot before any writes
@@ -180,6 +189,7 @@ def chunked_forward(q, k, v, a, b, A_log, dt_bias, cu_seqlens, h0, read, ht, wri
     u = torch.empty(n_tokens, hv, d_v, dtype=torch.float32, device=v.device)
     gc = torch.empty(n_tokens, hv, dtype=torch.float32, device=v.device)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    dot_fp32 = type(_chunk_state_kernel).__name__ == "InterpretedFunction" and q.dtype != torch.float32
     block_k, block_dv = triton.next_power_of_2(d_k), triton.next_power_of_2(d_v)
     block_v = min(BLOCK_V, block_dv)
     common = (
@@ -189,12 +199,12 @@ def chunked_forward(q, k, v, a, b, A_log, dt_bias, cu_seqlens, h0, read, ht, wri
         q, k, v, a, b, A_log, dt_bias, w, u, gc, cu_seqlens, seq, first, seq.shape[0], *common,
         hv, hv // hk, qk_scale(d_k), L2NORM_EPS,
         DK=d_k, DV=d_v, BLOCK_K=block_k, BLOCK_DV=block_dv, CHUNK=CHUNK, SOFTPLUS_MAX=SOFTPLUS_THRESHOLD,
-        PRECISION=precision, num_warps=4,
+        PRECISION=precision, DOT_FP32=dot_fp32, num_warps=4,
     )  # fmt: skip
     _chunk_state_kernel[(triton.cdiv(d_v, block_v), n_seqs * hv)](
         q, k, v, a, b, A_log, dt_bias, w, u, gc, o, h0, ht, cu_seqlens, read, write, n_seqs, *common,
         o.stride(0), o.stride(1), hv, hv // hk, qk_scale(d_k), L2NORM_EPS,
         DK=d_k, DV=d_v, BLOCK_K=block_k, BLOCK_V=block_v, CHUNK=CHUNK, SOFTPLUS_MAX=SOFTPLUS_THRESHOLD,
-        PRECISION=precision, num_warps=4,
+        PRECISION=precision, DOT_FP32=dot_fp32, num_warps=4,
     )  # fmt: skip
     return o
