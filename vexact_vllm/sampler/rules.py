@@ -10,10 +10,9 @@
   defaults) narrow only WHICH tokens Gumbel-max may draw, by a per-row log-prob threshold computed
   batch-invariantly (`kernels.truncation`); the returned log-prob stays the full-vocabulary tempered
   one, the value the trainer computes.
-- Refusals: options that would change the distribution itself, or that the trainer cannot see
-  (penalties, logit bias, bad words, allowed token ids, min_tokens, structured outputs / guided
-  decoding), are refused, never ignored (`refuse_unsupported`, called at admission by
-  request_validation.py and again per row by the V1 sampler).
+- Refusals: every other sampling option is classified by the allow-list of option_policy.py
+  (checked at admission by request_validation.py and again per row by the V1 sampler): options that
+  would change the distribution itself, or that the trainer cannot see, are refused, never ignored.
 """
 
 from __future__ import annotations
@@ -33,29 +32,6 @@ def request_seed(req_id: str, seed: int | None) -> int:
     if seed is not None:
         return int(seed)
     return int.from_bytes(hashlib.blake2b(req_id.encode(), digest_size=7).digest(), "little")
-
-
-def refuse_unsupported(params) -> None:
-    """Raise for sampling options the bitwise contract cannot keep (top-k, top-p, min-p are kept:
-    see the module docstring)."""
-    checks = {
-        "presence_penalty": bool(params.presence_penalty),
-        "frequency_penalty": bool(params.frequency_penalty),
-        "repetition_penalty": params.repetition_penalty not in (None, 1.0),
-        "logit_bias": bool(params.logit_bias),
-        "bad_words": bool(params.bad_words),
-        "allowed_token_ids": bool(params.allowed_token_ids),
-        "min_tokens": bool(params.min_tokens),
-        "structured_outputs (guided decoding, response_format)": getattr(params, "structured_outputs", None)
-        is not None,
-    }
-    bad = [name for name, on in checks.items() if on]
-    if bad:
-        raise ValueError(
-            f"sampling options {', '.join(bad)} are not supported with --model-impl vexact: they change "
-            "the sampling distribution that the trainer's log-probs describe; drop them from the request "
-            "(temperature, seed, top_k, top_p and min_p are supported)"
-        )
 
 
 def draw_tokens(

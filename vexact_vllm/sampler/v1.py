@@ -30,9 +30,10 @@ from vllm.v1.outputs import SamplerOutput
 from vllm.v1.sample.sampler import Sampler
 
 from vexact_vllm.kernels import log_softmax
+from vexact_vllm.option_policy import refuse_request_options
 from vexact_vllm.registry import is_vexact_model
 
-from .rules import GREEDY_EPS, draw_tokens, refuse_unsupported, request_seed, truncation
+from .rules import GREEDY_EPS, draw_tokens, request_seed, truncation
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -71,7 +72,7 @@ class VexactSampler(Sampler):
             if state is None or state.sampling_params is None:
                 continue
             params = state.sampling_params
-            refuse_unsupported(params)
+            refuse_request_options(params, use_v2_model_runner=False)  # the admission check, again
             greedy = params.temperature < GREEDY_EPS
             rows["greedy"][i] = greedy
             rows["temperature"][i] = 1.0 if greedy else params.temperature

@@ -1,4 +1,4 @@
-"""The vexact sampler for vLLM's model runner v2 (the default GPU runner of vLLM 0.26), and its hook.
+"""The vexact sampler for vLLM's model runner v2 (the default GPU runner of vLLM 0.26 and 0.33), and its hook.
 
 The hook: runner v2 asks the model for its state class (`get_model_state_cls`: `VexactModelState`,
 vLLM's default state with one change) and, after loading, offers the state its freshly built
@@ -27,10 +27,12 @@ captured per padded batch size and replayed on the usual decode step (no truncat
 rows, no tensor parallelism, CUDA graphs on): the same kernels on the same inputs, so the same bits,
 without their host time.
 
-Nothing else of vLLM's sampling runs: no penalties, logit bias, bad words, structured outputs.
-Requests asking for them are refused at admission (request_validation.py: `LLM.generate`, the
-OpenAI server and AsyncLLM all admit requests there), so none reaches this sampler; the runner's own
-warm-up requests, which set every option to exercise vLLM's kernels, are sampled here like any other.
+Nothing else of vLLM's sampling runs: no penalties, logit bias, bad words, structured outputs,
+thinking budget, trace replay, watermark or sampling mask. Every request option is classified by the
+allow-list of option_policy.py and the ones this sampler does not serve are refused at admission
+(request_validation.py: `LLM.generate`, the OpenAI server and AsyncLLM all admit requests there),
+the engine options at configuration time, so none reaches this sampler; the runner's own warm-up
+requests, which set every option to exercise vLLM's kernels, are sampled here like any other.
 """
 
 from __future__ import annotations
@@ -211,7 +213,11 @@ class VexactSamplerV2(Sampler):
 
 class VexactModelState(DefaultModelState):
     """Runner v2's model state for vexact models (the model's `get_model_state_cls`): vLLM's default
-    state, whose `custom_sampler` hands back the vexact sampler over vLLM's."""
+    state, whose `custom_sampler` hands back the vexact sampler over vLLM's. Prompt embeddings are
+    not supported (vexact models embed the token ids themselves, as the trainer does): vLLM 0.32+
+    refuses `--enable-prompt-embeds` for a state that says so, behind option_policy's refusal."""
+
+    supports_prompt_embeds = False
 
     def custom_sampler(self, sampler):
         if self.vllm_config.speculative_config is not None:  # the model refuses it at build time

@@ -53,13 +53,3 @@ def test_no_truncation_launches_nothing():
     assert not truncates(50, top_k, top_p, min_p)  # k == vocab keeps every token
     assert truncation(torch.zeros(2, 50), device_rows, top_k, top_p, min_p) is None
     assert truncates(50, np.array([0, 49]), top_p, min_p)
-
-
-def test_refusals_name_every_unsupported_option():
-    from vllm import SamplingParams
-
-    from vexact_vllm.sampler.rules import refuse_unsupported
-
-    refuse_unsupported(SamplingParams(temperature=0.7, seed=1, top_k=20, top_p=0.9, min_p=0.05))
-    with pytest.raises(ValueError, match="presence_penalty, min_tokens are not supported"):
-        refuse_unsupported(SamplingParams(presence_penalty=0.5, min_tokens=2))
