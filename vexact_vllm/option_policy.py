@@ -68,10 +68,6 @@ class Refusal:
     what: str | None = None  # how the message names the option (default: its flag)
 
 
-def _given(value) -> bool:
-    return value is not None
-
-
 def _true(value) -> bool:
     return value is True
 
