@@ -9,9 +9,9 @@ Three checks, each called from two places:
 - `refuse_unsupported_model(model_config)`: the checkpoint (`DecoderConfig.from_hf`), the resolved
   dtype, `--quantization`, custom logits processors;
 - `refuse_unsupported_engine(vllm_config)`: the above plus the attention backend, the KV cache
-  dtype, pipeline parallelism, the tensor-parallel split of the heads, quantization, speculative
-  decoding and LoRA (what needs the resolved configuration), plus option_policy's refusals read
-  back from the configuration (`refuse_engine_config`).
+  dtype, a pipeline partition that leaves a stage without a layer, the tensor-parallel split of the
+  heads, quantization, speculative decoding and LoRA (what needs the resolved configuration), plus
+  option_policy's refusals read back from the configuration (`refuse_engine_config`).
 
 Where they run:
 1. In the front-end, while vLLM builds its configuration: the patched `create_engine_config`, then
@@ -40,6 +40,7 @@ from vllm.model_executor.models.config import VerifyAndUpdateConfig
 from vexact_vllm import MODEL_IMPL
 from vexact_vllm.model_patches.config import DecoderConfig, UnsupportedModelError, check_dtype
 from vexact_vllm.model_patches.families import BY_MODEL_TYPE
+from vexact_vllm.model_patches.pipeline_parallel import pipeline_stages
 from vexact_vllm.model_patches.tensor_parallel import check_tensor_parallel
 
 from .option_policy import refuse_engine_args, refuse_engine_config
@@ -125,12 +126,11 @@ def refuse_unsupported_engine(vllm_config) -> None:
             f"round the keys and values the trainer keeps in {model_dtype}); use --kv-cache-dtype auto"
         )
     parallel = vllm_config.parallel_config
-    if parallel.pipeline_parallel_size > 1:
-        raise UnsupportedModelError(
-            "pipeline parallelism is not supported yet with --model-impl vexact; use "
-            "--pipeline-parallel-size 1 (tensor parallelism and data parallel replicas are fine)"
-        )
     config = DecoderConfig.from_hf(model_config.hf_config)
+    if parallel.pipeline_parallel_size > 1:  # every stage must own a layer (vLLM's split or VLLM_PP_LAYER_PARTITION)
+        from vllm.distributed.utils import get_pp_indices
+
+        pipeline_stages(config.num_layers, parallel.pipeline_parallel_size, get_pp_indices)
     check_tensor_parallel(config.num_heads, config.num_kv_heads, parallel.tensor_parallel_size)
     if getattr(parallel, "enable_expert_parallel", False):
         raise UnsupportedModelError(

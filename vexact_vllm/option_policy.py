@@ -192,9 +192,11 @@ HONOURED_ENGINE = (
            "distributed_executor_backend", "master_addr", "master_port", "nnodes", "node_rank",
            "distributed_timeout_seconds", "cpu_distributed_timeout_seconds", "device_ids", "numa_bind",
            "numa_bind_nodes", "numa_bind_cpus", "disable_custom_all_reduce", "ray_workers_use_nsight",
-           "enable_shm_tensor_arena", "_api_process_count", "_api_process_rank"),
+           "enable_shm_tensor_arena", "_api_process_count", "_api_process_rank", "pipeline_parallel_size"),
           "tensor parallelism (its split of the heads is checked; vexact layers all-gather, they never "
-          "all-reduce), data-parallel replicas, and where their processes run"),
+          "all-reduce), pipeline parallelism (whole layers per stage, the hidden states and the residual "
+          "handed over; a partition that leaves a stage without a layer is refused on the resolved "
+          "configuration), data-parallel replicas, and where their processes run"),
     Group(("enable_sleep_mode", "sleep_mode_backend", "sleep_mode_offload_cudagraph",
            "sleep_preserve_parameter_names", "enable_cumem_allocator", "enable_nccl_comm_suspend",
            "worker_extension_cls"),
@@ -322,10 +324,10 @@ REFUSED_ENGINE = (
     Refusal(("worker_cls",), "a worker class of yours replaces vLLM's: " + _NOT_VERIFIED, "drop it"),
     Refusal(("quantization", "quantization_config"), "the trainer computes in bf16/fp32",
             "serve the unquantized checkpoint without --quantization and --quantization-config"),
-    Refusal(("kv_cache_dtype", "attention_backend", "pipeline_parallel_size", "enable_expert_parallel",
+    Refusal(("kv_cache_dtype", "attention_backend", "enable_expert_parallel",
              "speculative_config", "spec_method", "spec_model", "spec_tokens", "enable_lora", "logits_processors"),
             "decided on the resolved configuration (the KV cache dtype must be the model's, the attention "
-            "backend vexact's; pipeline and expert parallelism, a checkpoint's own quantization, speculative "
+            "backend vexact's; expert parallelism, a checkpoint's own quantization, speculative "
             "decoding, LoRA and custom logits processors are refused)", "see the message", where=CONFIG_HOOK),
 )  # fmt: skip
 

@@ -44,7 +44,7 @@ REFUSED = {
         {"dtype": "float32", "kv_cache_dtype": "bfloat16"},
         "round the keys and values the trainer keeps in float32",
     ),
-    "pipeline_parallel": ({"pipeline_parallel_size": 2}, "pipeline parallelism is not supported yet"),
+    "pipeline_stage_without_layer": ({"pipeline_parallel_size": 5}, "pipeline stage 4 of 5 would own layers .* no layer"),
     "logits_processors": ({"logits_processors": [_CustomProcessor]}, "custom logits processors .*_CustomProcessor"),
     "attention_backend": ({"attention_backend": "FLASH_ATTN"}, "--attention-backend FLASH_ATTN .* drop --attention-backend"),
     "dtype": ({"dtype": "float16"}, "dtype torch.float16 is not supported by vexact-vllm; use bfloat16 or float32"),
@@ -86,8 +86,21 @@ def test_llm_refuses_before_any_engine_starts(tiny_model):
     import vexact_vllm
 
     vexact_vllm.register()
-    with pytest.raises(ValueError, match="pipeline parallelism is not supported yet"):
-        LLM(model=tiny_model("qwen3"), model_impl=MODEL_IMPL, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="Every stage must own at least one layer"):
+        LLM(model=tiny_model("qwen3"), model_impl=MODEL_IMPL, pipeline_parallel_size=5)  # 4 layers
+
+
+def test_pipeline_partitions_giving_every_stage_a_layer_are_accepted(tiny_model, monkeypatch):
+    """The tiny Qwen3 has 4 layers: vLLM's split over 2 or 4 stages, an uneven partition, and PP x TP."""
+    for kwargs in ({"pipeline_parallel_size": 2}, {"pipeline_parallel_size": 4},
+                   {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}):  # fmt: skip
+        config = _engine_config(tiny_model("qwen3"), model_impl=MODEL_IMPL, **kwargs)
+        assert config.parallel_config.pipeline_parallel_size == kwargs["pipeline_parallel_size"]
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "3,1")
+    _engine_config(tiny_model("qwen3"), model_impl=MODEL_IMPL, pipeline_parallel_size=2)
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "4,0")
+    with pytest.raises(ValueError, match="pipeline stage 1 of 2 would own layers .* no layer"):
+        _engine_config(tiny_model("qwen3"), model_impl=MODEL_IMPL, pipeline_parallel_size=2)
 
 
 def test_tensor_parallel_sizes_the_heads_take_are_accepted(tiny_model):

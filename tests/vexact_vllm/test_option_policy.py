@@ -177,7 +177,7 @@ REFUSED_ENGINE = {
     "kv_offloading_size": 1.0, "cpu_offload_gb": 1, "offload_group_size": 2,
     "weight_transfer_config": {"backend": "nccl"}, "worker_cls": "pkg.mod:Worker",
     # decided on the resolved configuration (engine_checks.py), with its messages
-    "kv_cache_dtype": "fp8", "attention_backend": "FLASH_ATTN", "pipeline_parallel_size": 2,
+    "kv_cache_dtype": "fp8", "attention_backend": "FLASH_ATTN",
     "enable_expert_parallel": True, "quantization": "fp8", "quantization_config": {"ignore": ["lm_head"]},
     "speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2},
     "spec_method": "ngram", "spec_model": "[ngram]", "spec_tokens": 2, "enable_lora": True,
@@ -221,6 +221,7 @@ def test_honoured_engine_options_are_accepted(tiny_model):
                     {"runner": "generate", "convert": "none"}, {"hf_overrides": {}}, {"enable_dbo": False},
                     {"ubatch_size": 1}, {"decode_context_parallel_size": 1}, {"enable_batch_sharded_sampling": False},
                     {"worker_extension_cls": "pkg.mod:Extension"}, {"async_scheduling": True},
+                    {"pipeline_parallel_size": 2},
                     {"enable_prefix_caching": True, "enable_chunked_prefill": True, "max_num_batched_tokens": 64}):  # fmt: skip
         config = _engine_args(tiny_model("qwen3"), model_impl=MODEL_IMPL, **options).create_engine_config()
         assert config.model_config.architecture == "VllmVexactQwen3ForCausalLM", options
