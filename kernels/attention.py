@@ -1,12 +1,13 @@
 """Causal attention with one position-anchored reduction order, shared by training and inference.
 
 Math, for a query q at absolute position p of a sequence with keys/values k_j, v_j (j = 0..p),
-query head h reading kv head h // (Hq / Hkv) (grouped-query attention):
-    s_j = (sum_d fp32(q[d]) * fp32(k_j[d])) * scale                    fp32 scores
+query head h reading kv head h // (Hq / Hkv) (grouped-query attention), D = the query/key head
+size and Dv = the value head size (Dv = D for most models; DeepSeek's MLA: D = 192, Dv = 128):
+    s_j = (sum_{d < D} fp32(q[d]) * fp32(k_j[d])) * scale              fp32 scores
     m   = max_{j <= p} s_j                                               exact, order-free
     e_j = exp(s_j - m) for j <= p, else 0
     keys in tiles of KEY_TILE = 64 anchored at position 0: tile t = positions 64t .. 64t + 63
-    l_t = sum_{j in t} e_j,   o_t[d] = sum_{j in t} e_j * fp32(v_j[d])    (64-long sums, zero-padded)
+    l_t = sum_{j in t} e_j,   o_t[d] = sum_{j in t} e_j * fp32(v_j[d])    (64-long sums, zero-padded; d < Dv)
     l = o = 0; for t = 0, 1, ..., p // 64:  l = l + l_t,  o = o + o_t    (sequential, in tile order)
     out = (o / l).to(q.dtype)
 
@@ -48,10 +49,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, s
 
     C = queries, at absolute positions first_pos .. first_pos + C - 1; L = keys of the sequence
     given (positions 0 .. L - 1, L >= first_pos + C); G = Hq / Hkv; NT = key tiles up to the last
-    query's tile. q: [C, Hq, D]; k, v: [L, Hkv, D] -> [C, Hq, D] in q.dtype.
+    query's tile. q: [C, Hq, D]; k: [L, Hkv, D]; v: [L, Hkv, Dv] -> [C, Hq, Dv] in q.dtype.
     """
     n_q, n_heads, head_dim = q.shape
-    n_kv = k.shape[1]
+    n_kv, head_dim_v = k.shape[1], v.shape[2]
     group = n_heads // n_kv
     q_pos = torch.arange(n_q, device=q.device) + first_pos  # [C]
     n_tiles = (first_pos + n_q - 1) // KEY_TILE + 1
@@ -59,15 +60,15 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, s
     kf = k[:n_keys].float()
     vf = v[:n_keys].float()
     if kf.shape[0] < n_keys:  # zero-pad the last tile
-        pad = kf.new_zeros(n_keys - kf.shape[0], n_kv, head_dim)
-        kf, vf = torch.cat([kf, pad]), torch.cat([vf, pad])  # [NT * 64, Hkv, D]
+        kf = torch.cat([kf, kf.new_zeros(n_keys - kf.shape[0], n_kv, head_dim)])  # [NT * 64, Hkv, D]
+        vf = torch.cat([vf, vf.new_zeros(n_keys - vf.shape[0], n_kv, head_dim_v)])  # [NT * 64, Hkv, Dv]
     qf = q.float().reshape(n_q, n_kv, group, 1, head_dim)  # [C, Hkv, G, 1, D]
     k_t = kf.permute(1, 0, 2)  # [Hkv, NT * 64, D]
-    v_t = vf.reshape(n_tiles, KEY_TILE, n_kv, head_dim).permute(2, 0, 3, 1)  # [Hkv, NT, D, 64]
+    v_t = vf.reshape(n_tiles, KEY_TILE, n_kv, head_dim_v).permute(2, 0, 3, 1)  # [Hkv, NT, Dv, 64]
     key_pos = torch.arange(n_keys, device=q.device)
     mask = (key_pos[None, :] <= q_pos[:, None]).reshape(n_q, 1, 1, n_tiles, KEY_TILE)  # [C, 1, 1, NT, 64]
-    # Tiles per group of the [C, Hkv, G, tiles, 64, D] product; only bounds memory.
-    step = max(1, _PRODUCT_BUDGET // (n_q * n_heads * KEY_TILE * head_dim))
+    # Tiles per group of the [C, Hkv, G, tiles, 64, max(D, Dv)] product; only bounds memory.
+    step = max(1, _PRODUCT_BUDGET // (n_q * n_heads * KEY_TILE * max(head_dim, head_dim_v)))
 
     # 1. Scores (D-long dot products), -inf past each query's position (padding included).
     dots = torch.cat(
@@ -93,34 +94,40 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, s
                     e[:, :, :, t0 : t0 + step, None, :] * v_t[None, :, None, t0 : t0 + step],
                     0.0,
                 )
-            )  # [C, Hkv, G, tiles, D]
+            )  # [C, Hkv, G, tiles, Dv]
             for t0 in range(0, n_tiles, step)
         ],
         dim=3,
-    )  # [C, Hkv, G, NT, D]
+    )  # [C, Hkv, G, NT, Dv]
 
     # 4. Tiles added one by one in absolute order; a tile past the query's own tile is skipped.
     l_acc = torch.zeros(n_q, n_kv, group, device=q.device)  # [C, Hkv, G]
-    o_acc = torch.zeros(n_q, n_kv, group, head_dim, device=q.device)  # [C, Hkv, G, D]
+    o_acc = torch.zeros(n_q, n_kv, group, head_dim_v, device=q.device)  # [C, Hkv, G, Dv]
     for t in range(n_tiles):
         in_range = (t * KEY_TILE <= q_pos)[:, None, None]  # [C, 1, 1]
         l_acc = torch.where(in_range, l_acc + l_tiles[..., t], l_acc)
         o_acc = torch.where(in_range[..., None], o_acc + o_tiles[..., t, :], o_acc)
 
     # 5. Normalise and cast.
-    out = o_acc / l_acc[..., None]  # [C, Hkv, G, D]
-    return out.reshape(n_q, n_heads, head_dim).to(q.dtype)
+    out = o_acc / l_acc[..., None]  # [C, Hkv, G, Dv]
+    return out.reshape(n_q, n_heads, head_dim_v).to(q.dtype)
+
+
+def _out_shape(q: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int]:
+    """[T, Hq, Dv]: the output of queries q [T, Hq, D] over values v [..., Hkv, Dv]."""
+    return (q.shape[0], q.shape[1], v.shape[-1])
 
 
 def _attend_sequence(q, k, v, q_start_pos: int, scale: float) -> torch.Tensor:
     """Queries q [Q, Hq, D] at positions q_start_pos .. q_start_pos + Q - 1 of a sequence whose keys
-    k, v [L, Hkv, D] hold positions 0 .. L - 1 (L >= q_start_pos + Q), in query chunks."""
+    k [L, Hkv, D] and values v [L, Hkv, Dv] hold positions 0 .. L - 1 (L >= q_start_pos + Q), in
+    query chunks."""
     outs = [
         _attend(q[c0 : c0 + _QUERY_CHUNK], k, v, q_start_pos + c0, scale)
         for c0 in range(0, q.shape[0], _QUERY_CHUNK)
     ]
     if not outs:
-        return q.new_empty(q.shape)
+        return q.new_empty(_out_shape(q, v))
     return torch.cat(outs)
 
 
@@ -131,7 +138,7 @@ def _varlen_attention_torch(q, k, v, cu_seqlens, scale, longest=None):  # longes
         lo, hi = bounds[b], bounds[b + 1]
         outs.append(_attend_sequence(q[lo:hi], k[lo:hi], v[lo:hi], 0, scale))
     if not outs:
-        return q.new_empty(q.shape)
+        return q.new_empty(_out_shape(q, v))
     return torch.cat(outs)
 
 
@@ -154,7 +161,7 @@ def _paged_attention_torch(
     block_size = k_cache.shape[1]
     lens = [int(n) for n in seq_lens.tolist()]
     starts = [int(s) for s in query_start_loc.tolist()]
-    out = q.new_empty(q.shape) if out is None else out
+    out = q.new_empty(_out_shape(q, v_cache)) if out is None else out
     for b, seq_len in enumerate(lens):
         lo, hi = starts[b], starts[b + 1]
         if hi == lo:
@@ -168,7 +175,7 @@ def _paged_attention_torch(
             )
         pos = torch.arange(seq_len, device=q.device)  # [L]
         blocks, offsets = block_table[b, pos // block_size].long(), pos % block_size  # [L]
-        keys, values = k_cache[blocks, offsets], v_cache[blocks, offsets]  # [L, Hkv, D]
+        keys, values = k_cache[blocks, offsets], v_cache[blocks, offsets]  # [L, Hkv, D], [L, Hkv, Dv]
         out[lo:hi] = _attend_sequence(q[lo:hi], keys, values, seq_len - (hi - lo), scale)
     return out
 
@@ -207,12 +214,17 @@ def _check_qkv(
     check_dim(k_name, k, legend.count(",") + 1, legend)
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, {k_name}, {v_name} must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(f"{k_name} {tuple(k.shape)} and {v_name} {tuple(v.shape)} must have the same shape")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(
+            f"{k_name} {tuple(k.shape)} and {v_name} {tuple(v.shape)} must have the same shape but for the last "
+            "dim (the value head size may differ from the query/key head size)"
+        )
     n_heads, head_dim = q.shape[1], q.shape[2]
     n_kv = k.shape[-2]
     if k.shape[-1] != head_dim:
         raise ValueError(f"{k_name} head_dim {k.shape[-1]} differs from q head_dim {head_dim}")
+    if v.shape[-1] < 1:
+        raise ValueError(f"{v_name} must have a positive value head size, got {tuple(v.shape)}")
     if n_kv == 0 or n_heads % n_kv != 0:
         raise ValueError(f"Hq = {n_heads} must be a multiple of Hkv = {n_kv}")
     check_last_dim_contiguous("q", q)
@@ -228,9 +240,9 @@ def varlen_attention(
 ) -> torch.Tensor:
     """Causal attention over packed sequences (training layout).
 
-    q: [T, Hq, D], k, v: [T, Hkv, D] (bf16/fp32, one dtype), cu_seqlens: int [B + 1] with
-    cu_seqlens[0] = 0 and cu_seqlens[B] = T; token i of sequence b (row cu[b] + i) sits at
-    absolute position i. Returns [T, Hq, D] in q.dtype. Differentiable.
+    q: [T, Hq, D], k: [T, Hkv, D], v: [T, Hkv, Dv] (bf16/fp32, one dtype; Dv may differ from D),
+    cu_seqlens: int [B + 1] with cu_seqlens[0] = 0 and cu_seqlens[B] = T; token i of sequence b
+    (row cu[b] + i) sits at absolute position i. Returns [T, Hq, Dv] in q.dtype. Differentiable.
     """
     _check_qkv(q, k, v, ("k", "v"), "[T, Hkv, D]")
     if k.shape[0] != q.shape[0]:
@@ -256,7 +268,8 @@ def varlen_attention(
 def write_kv_cache(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store k, v [T, Hkv, D] in k_cache, v_cache [num_blocks, block_size, Hkv, D] (in place).
+    """Store k [T, Hkv, D], v [T, Hkv, Dv] in k_cache [num_blocks, block_size, Hkv, D], v_cache
+    [num_blocks, block_size, Hkv, Dv] (in place; Dv may differ from D).
 
     slot_mapping: int [T], slot = block * block_size + offset; negative slots (padding) are skipped.
     """
@@ -265,11 +278,18 @@ def write_kv_cache(
     check_dtype("k_cache", k_cache)
     check_dtype("v_cache", v_cache)
     check_dim("k", k, 3, "[T, Hkv, D]")
+    check_dim("v", v, 3, "[T, Hkv, Dv]")
     check_dim("k_cache", k_cache, 4, "[num_blocks, block_size, Hkv, D]")
-    if k.shape != v.shape or k_cache.shape != v_cache.shape or tuple(k.shape[1:]) != tuple(k_cache.shape[2:]):
+    check_dim("v_cache", v_cache, 4, "[num_blocks, block_size, Hkv, Dv]")
+    if (
+        k.shape[:-1] != v.shape[:-1]
+        or k_cache.shape[:-1] != v_cache.shape[:-1]
+        or tuple(k.shape[1:]) != tuple(k_cache.shape[2:])
+        or tuple(v.shape[1:]) != tuple(v_cache.shape[2:])
+    ):
         raise ValueError(
-            f"k {tuple(k.shape)}, v {tuple(v.shape)} must be [T, Hkv, D] matching caches "
-            f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)} [num_blocks, block_size, Hkv, D]"
+            f"k {tuple(k.shape)}, v {tuple(v.shape)} must be [T, Hkv, D], [T, Hkv, Dv] matching caches "
+            f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)} [num_blocks, block_size, Hkv, D or Dv]"
         )
     if len({k.dtype, v.dtype, k_cache.dtype, v_cache.dtype}) != 1:
         raise ValueError(
@@ -298,11 +318,12 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of packed new queries over a paged KV cache (inference; no gradient).
 
-    q: [T, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] already holding the new keys;
+    q: [T, Hq, D]; k_cache: [num_blocks, block_size, Hkv, D], v_cache: [num_blocks, block_size,
+    Hkv, Dv] (Dv may differ from D) already holding the new keys and values;
     block_table: int [B, max_blocks]; seq_lens: int [B] (keys per sequence, new ones included);
     query_start_loc: int [B + 1]. The queries of sequence b are its LAST q_len tokens, so query i
-    sits at absolute position seq_lens[b] - q_len + i. Returns [T, Hq, D] in q.dtype, bitwise equal
-    to `varlen_attention` on the same values. `out`: an optional [T, Hq, D] tensor of q's dtype and
+    sits at absolute position seq_lens[b] - q_len + i. Returns [T, Hq, Dv] in q.dtype, bitwise equal
+    to `varlen_attention` on the same values. `out`: an optional [T, Hq, Dv] tensor of q's dtype and
     device (last dim contiguous, rows and heads may be strided, e.g. a view of the caller's output
     buffer) written in place and returned instead of a new tensor. `shared`:
     `attention_prefix.shared_prefix_groups` of this step's block_table, seq_lens and query_start_loc
@@ -345,9 +366,10 @@ def paged_attention(
                     f"{t.dtype} {tuple(t.shape)} on {t.device}"
                 )
     if out is not None:
-        if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        shape = _out_shape(q, v_cache)
+        if tuple(out.shape) != shape or out.dtype != q.dtype or out.device != q.device:
             raise ValueError(
-                f"out must be {tuple(q.shape)} {q.dtype} on {q.device} like q, got "
+                f"out must be {shape} {q.dtype} on {q.device} ([T, Hq, Dv], q's dtype), got "
                 f"{tuple(out.shape)} {out.dtype} on {out.device}"
             )
         check_last_dim_contiguous("out", out)

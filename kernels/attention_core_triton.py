@@ -14,8 +14,8 @@ c = scale * log2(e) (folded once, on the host, identically for every entry point
 
 Invariant: every query runs this loop in ONE @triton.jit routine, `attend_rows`, called by both entry
 kernels (`attention_triton._varlen_fwd_kernel` for training, `attention_paged_triton._paged_fwd_kernel`
-for prefill, chunked prefill and decode) with the same BLOCK_M x BLOCK_N x HEAD_DIM dot shapes,
-num_warps and num_stages (one config per head_dim, `FWD_CONFIGS`), so the MMA shape never depends on
+for prefill, chunked prefill and decode) with the same BLOCK_M x BLOCK_N x BLOCK_D dot shapes,
+num_warps and num_stages (one config per head size, `FWD_CONFIGS`), so the MMA shape never depends on
 the batch. The entry kernels differ only in where the K/V rows come from (packed rows vs
 block_table-resolved cache slots) and in which (token, head) pairs fill the BLOCK_M rows; rows of a
 dot are independent, so neither changes a row's bits. No split-KV unless asked for (below): tiles
@@ -49,6 +49,13 @@ is. A split lets a step of few long rows use every SM, as FlashAttention's split
 boundaries anchored to key positions instead of chosen by the load. The shared-prompt groups and
 FA4 refuse it.
 
+Head sizes: the queries and keys have HEAD_DIM dims, the values HEAD_DIM_V (equal for most models;
+DeepSeek's MLA: 192 and 128). Each is any multiple of 8 up to 256, held in a power-of-two tile
+(BLOCK_D, BLOCK_DV = `head_block`: the next power of two, at least 16, which tl.dot needs); the dims
+past the head size are loaded as 0 (so the q.k dot adds exact zeros) and never stored. Where a size is
+a power of two (BLOCK_D == HEAD_DIM) the loads carry no such mask: the kernel of a model with equal
+power-of-two head sizes is the one it always was.
+
 The entry modules: `attention_triton.py` (training, and its autograd; backward in
 `attention_triton_bwd.py`), `attention_paged_triton.py` (the paged cache: prefill, chunked prefill,
 decode, split decode), `attention_prefix_triton.py` (the shared-prompt groups' prefix). Each imports
@@ -67,9 +74,10 @@ from .dispatch import key_split
 
 LOG2E = math.log2(math.e)
 
-# head_dim -> (BLOCK_M rows, num_warps, num_stages) of every forward launch, varlen and paged alike.
-# Keyed by head_dim only: the dot shapes (and so the MMA instructions and their summation order)
-# must never change with the batch, the entry point or the number of queries.
+# BLOCK_D (the query/key head size's tile, `head_block`) -> (BLOCK_M rows, num_warps, num_stages) of
+# every forward launch, varlen and paged alike. Keyed by the head size only: the dot shapes (and so
+# the MMA instructions and their summation order) must never change with the batch, the entry point
+# or the number of queries. DeepSeek's 192/128 heads take the 256 row (a speed choice only).
 FWD_CONFIGS = {
     16: (64, 4, 2),
     32: (64, 4, 2),
@@ -99,6 +107,38 @@ def tile_dot(a, b, acc, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
     else:
         out = tl.dot(a, b, acc, input_precision=PRECISION)
     return out
+
+
+@triton.jit
+def load_tile(ptrs, rows_ok, cols, DIM: tl.constexpr, BLOCK: tl.constexpr, ROWS_MASKED: tl.constexpr):
+    """tl.load of a [R, BLOCK] tile of rows whose last DIM columns are data (cols = arange(BLOCK)):
+    rows where not rows_ok (read only if ROWS_MASKED) and columns past DIM read as 0. With
+    BLOCK == DIM the load carries no column mask: the load of the equal power-of-two head sizes."""
+    if BLOCK == DIM:
+        if ROWS_MASKED:
+            x = tl.load(ptrs, mask=rows_ok[:, None], other=0.0)
+        else:
+            x = tl.load(ptrs)
+    else:
+        if ROWS_MASKED:
+            x = tl.load(ptrs, mask=rows_ok[:, None] & (cols < DIM)[None, :], other=0.0)
+        else:
+            x = tl.load(ptrs, mask=(cols < DIM)[None, :], other=0.0)
+    return x
+
+
+@triton.jit
+def store_tile(ptrs, x, rows_ok, cols, DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """tl.store of a [R, BLOCK] tile's rows where rows_ok, columns below DIM only."""
+    if BLOCK == DIM:
+        tl.store(ptrs, x, mask=rows_ok[:, None])
+    else:
+        tl.store(ptrs, x, mask=rows_ok[:, None] & (cols < DIM)[None, :])
+
+
+def head_block(head_dim: int) -> int:
+    """The power-of-two tile width holding a head of `head_dim` dims (at least 16: tl.dot's minimum)."""
+    return max(16, triton.next_power_of_2(head_dim))
 
 
 def tile_count(n_tokens: int, n_seqs: int, tokens: int) -> int:
@@ -170,6 +210,9 @@ def attend_tile(
     PAGED: tl.constexpr,
     PAGE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -185,8 +228,9 @@ def attend_tile(
     same arithmetic as without SAFE.
     """
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    # 1. K/V rows of tile t (positions past the sequence read as 0).
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    # 1. K/V rows of tile t (positions past the sequence, and dims past the head sizes, read as 0).
     pos = t * BLOCK_N + offs_n
     in_seq = pos < seq_len
     if PAGED:
@@ -203,13 +247,9 @@ def attend_tile(
         k_rows = row * stride_k_row
         v_rows = row * stride_v_row
     k_ptrs = k_base + k_rows[:, None] + offs_d[None, :]
-    v_ptrs = v_base + v_rows[:, None] + offs_d[None, :]
-    if MASKED:
-        k = tl.load(k_ptrs, mask=in_seq[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=in_seq[:, None], other=0.0)
-    else:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
+    v_ptrs = v_base + v_rows[:, None] + offs_dv[None, :]
+    k = load_tile(k_ptrs, in_seq, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+    v = load_tile(v_ptrs, in_seq, offs_dv, HEAD_DIM_V, BLOCK_DV, MASKED)
     # 2. Scores, -inf past each row's position.
     s = tile_dot(q, tl.trans(k), None, PRECISION, DOT_FP32)  # [BLOCK_M, BLOCK_N] fp32
     if MASKED:
@@ -245,8 +285,11 @@ def attend_rows(
     qk_scale,
     PAGED: tl.constexpr,  # K/V rows from cache slots through the block table (else packed rows)
     PAGE: tl.constexpr,  # cache block size (slots per block); a power of two in practice
-    HEAD_DIM: tl.constexpr,  # the dot's reduction length for the scores
-    BLOCK_M: tl.constexpr,  # rows of the tile: fixed per head_dim (sets the MMA shape)
+    HEAD_DIM: tl.constexpr,  # the query/key head size: the scores' reduction length
+    HEAD_DIM_V: tl.constexpr,  # the value head size: the output's width
+    BLOCK_D: tl.constexpr,  # HEAD_DIM's power-of-two tile (`head_block`): the dot's reduction length
+    BLOCK_DV: tl.constexpr,  # HEAD_DIM_V's power-of-two tile
+    BLOCK_M: tl.constexpr,  # rows of the tile: fixed per head size (sets the MMA shape)
     BLOCK_N: tl.constexpr,  # = KEY_TILE: sets which keys are summed together, anchored at 0
     PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32), default otherwise
     DOT_FP32: tl.constexpr,  # interpreter only (see `tile_dot`)
@@ -254,33 +297,34 @@ def attend_rows(
 ):
     """The per-tile attention shared by every entry point (module docstring: math and invariant).
 
-    q: [BLOCK_M, HEAD_DIM]; q_pos: [BLOCK_M] absolute positions, from min_pos to max_pos over the
+    q: [BLOCK_M, BLOCK_D] (0 past HEAD_DIM); q_pos: [BLOCK_M] absolute positions, from min_pos to max_pos over the
     valid rows; keys at positions >= seq_len are never read. K/V row of position j: packed row
     kv_row0 + j, or cache slot (block_table_row[j // PAGE], j % PAGE). Tiles 0 .. max_pos // BLOCK_N
     in order: those wholly at or below min_pos without masks, the rest with them. Returns
-    (out fp32 [BLOCK_M, HEAD_DIM], lse [BLOCK_M] in log2 units).
+    (out fp32 [BLOCK_M, BLOCK_DV], 0 past HEAD_DIM_V; lse [BLOCK_M] in log2 units).
     """
     last = max_pos // BLOCK_N + 1  # tiles 0 .. last - 1
     if SPLIT_TILES == 0:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.full([BLOCK_M], 0, dtype=tl.float32)
-        acc = tl.full([BLOCK_M, HEAD_DIM], 0, dtype=tl.float32)
+        acc = tl.full([BLOCK_M, BLOCK_DV], 0, dtype=tl.float32)
         m_i, l_i, acc = attend_span(
             0, last, m_i, l_i, acc, q, q_pos, min_pos, seq_len, k_base, v_base, kv_row0, stride_k_row,
             stride_v_row, block_table_row, stride_k_block, stride_v_block, qk_scale,
-            PAGED, PAGE, HEAD_DIM, BLOCK_N, PRECISION, DOT_FP32,
+            PAGED, PAGE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, PRECISION, DOT_FP32,
         )  # fmt: skip
     else:  # chunk 0, then each later chunk from a fresh state, folded in (module docstring)
         m_i, l_i, acc = attend_chunk(
             0, last, q, q_pos, min_pos, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
             block_table_row, stride_k_block, stride_v_block, qk_scale,
-            SPLIT_TILES, PAGED, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
+            SPLIT_TILES, PAGED, PAGE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
         )  # fmt: skip
         for j in range(1, (last + SPLIT_TILES - 1) // SPLIT_TILES):
             m_j, l_j, acc_j = attend_chunk(
                 j, last, q, q_pos, min_pos, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
                 block_table_row, stride_k_block, stride_v_block, qk_scale,
-                SPLIT_TILES, PAGED, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
+                SPLIT_TILES, PAGED, PAGE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, PRECISION,
+                DOT_FP32,
             )  # fmt: skip
             m_i, l_i, acc = fold_chunk(m_i, l_i, acc, m_j, l_j, acc_j, q_pos >= j * SPLIT_TILES * BLOCK_N)
     # 4. Normalise.
@@ -291,8 +335,8 @@ def attend_rows(
 def attend_span(
     t_lo, t_hi, m_i, l_i, acc, q, q_pos, min_pos, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
     block_table_row, stride_k_block, stride_v_block, qk_scale, PAGED: tl.constexpr, PAGE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-    SAFE: tl.constexpr = False,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SAFE: tl.constexpr = False,
 ):  # fmt: skip
     """Key tiles t_lo .. t_hi - 1 into the online softmax's state (m_i, l_i, acc), in order: those
     wholly at or below min_pos (the tiles' rows' least position) without masks, the rest with them.
@@ -303,13 +347,13 @@ def attend_span(
         m_i, l_i, acc = attend_tile(
             t, q, q_pos, m_i, l_i, acc, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
             block_table_row, stride_k_block, stride_v_block, qk_scale,
-            False, PAGED, PAGE, HEAD_DIM, BLOCK_N, PRECISION, DOT_FP32, SAFE,
+            False, PAGED, PAGE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, PRECISION, DOT_FP32, SAFE,
         )  # fmt: skip
     for t in range(tl.maximum(t_lo, n_full), t_hi):
         m_i, l_i, acc = attend_tile(
             t, q, q_pos, m_i, l_i, acc, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
             block_table_row, stride_k_block, stride_v_block, qk_scale,
-            True, PAGED, PAGE, HEAD_DIM, BLOCK_N, PRECISION, DOT_FP32, SAFE,
+            True, PAGED, PAGE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, PRECISION, DOT_FP32, SAFE,
         )  # fmt: skip
     return m_i, l_i, acc
 
@@ -318,19 +362,20 @@ def attend_span(
 def attend_chunk(
     j, last, q, q_pos, min_pos, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row, block_table_row,
     stride_k_block, stride_v_block, qk_scale, SPLIT_TILES: tl.constexpr, PAGED: tl.constexpr,
-    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
 ):  # fmt: skip
     """Key split j's state (m, l, acc), unnormalised: its tiles (those below `last`) from a fresh
     state, SAFE. The one routine for a chunk, in one program (`attend_rows`) and in split decode
     (`_partial_rows`)."""
     m_j = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_j = tl.full([BLOCK_M], 0, dtype=tl.float32)
-    acc_j = tl.full([BLOCK_M, HEAD_DIM], 0, dtype=tl.float32)
+    acc_j = tl.full([BLOCK_M, BLOCK_DV], 0, dtype=tl.float32)
     return attend_span(
         j * SPLIT_TILES, tl.minimum((j + 1) * SPLIT_TILES, last), m_j, l_j, acc_j, q, q_pos, min_pos, seq_len,
         k_base, v_base, kv_row0, stride_k_row, stride_v_row, block_table_row, stride_k_block, stride_v_block,
-        qk_scale, PAGED, PAGE, HEAD_DIM, BLOCK_N, PRECISION, DOT_FP32, True,
+        qk_scale, PAGED, PAGE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, PRECISION, DOT_FP32, True,
     )  # fmt: skip
 
 
@@ -351,14 +396,22 @@ def fold_chunk(m_i, l_i, acc, m_j, l_j, acc_j, reach):
     )
 
 
-def forward_config(head_dim: int, group: int) -> tuple[int, int, int]:
-    """(BLOCK_M, num_warps, num_stages) of every forward launch for this head_dim; ValueError if none."""
-    if head_dim not in FWD_CONFIGS:
-        raise ValueError(
-            f"Triton attention supports head_dim in {sorted(FWD_CONFIGS)}, got {head_dim}; "
-            "use the torch backend (dispatch.reference_mode) for other sizes"
-        )
-    block_m, num_warps, num_stages = FWD_CONFIGS[head_dim]
+def check_head_dims(head_dim: int, head_dim_v: int | None = None) -> None:
+    """ValueError unless the Triton attention takes these head sizes: each a multiple of 8 up to 256."""
+    for name, size in (("head_dim", head_dim), ("value head_dim", head_dim_v)):
+        if size is not None and (size % 8 or not 8 <= size <= max(FWD_CONFIGS)):
+            raise ValueError(
+                f"Triton attention supports a {name} that is a multiple of 8 up to {max(FWD_CONFIGS)}, got "
+                f"{size}; use the torch backend (dispatch.reference_mode) for other sizes"
+            )
+
+
+def forward_config(head_dim: int, group: int, head_dim_v: int | None = None) -> tuple[int, int, int]:
+    """(BLOCK_M, num_warps, num_stages) of every forward launch for these head sizes (`head_dim_v`:
+    the value head size, None for head_dim), from the query/key tile's row of FWD_CONFIGS;
+    ValueError if none."""
+    check_head_dims(head_dim, head_dim_v)
+    block_m, num_warps, num_stages = FWD_CONFIGS[head_block(head_dim)]
     if group > block_m:
         raise ValueError(f"Triton attention needs Hq / Hkv <= {block_m} for head_dim {head_dim}, got {group}")
     return block_m, num_warps, num_stages

@@ -45,6 +45,17 @@ def _capability(device_index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
+def check_value_head_size(q: torch.Tensor, head_dim_v: int) -> None:
+    """ValueError where the values' head size differs from the queries' (DeepSeek's MLA: 192 and 128):
+    FA4 has a kernel for that shape, but its bits are not tested against the contract."""
+    if head_dim_v != q.shape[-1]:
+        raise ValueError(
+            f"VEXACT_ATTENTION=fa4 takes equal query/key and value head sizes; this model has {q.shape[-1]} and "
+            f"{head_dim_v} (MLA): FA4's path for different head sizes is not tested bitwise. Unset "
+            "VEXACT_ATTENTION (the Triton attention) on both the trainer and the rollout"
+        )
+
+
 def check_usable(q: torch.Tensor) -> None:
     """ValueError, saying what to do, where VEXACT_ATTENTION=fa4 cannot keep the contract for q."""
     hint = "or unset VEXACT_ATTENTION (the Triton attention) on both the trainer and the rollout"
@@ -80,6 +91,7 @@ def varlen_attention(q, k, v, cu_seqlens, scale, longest=None):
     """`attention.varlen_attention` on FA4 (inputs already checked there); differentiable, with FA4's
     deterministic backward. `longest`: the longest sequence, if the caller has it (else read here)."""
     check_usable(q)
+    check_value_head_size(q, v.shape[-1])
     cu = cu_seqlens.to(torch.int32)
     if longest is None:
         longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
@@ -105,6 +117,7 @@ def paged_attention(
         raise ValueError(
             "VEXACT_ATTENTION=fa4 does not take shared-prompt groups: unset VEXACT_SHARED_PREFIX with it"
         )
+    check_value_head_size(q, v_cache.shape[-1])
     n_tokens = q.shape[0]
     result = torch.zeros_like(q) if out is None else out
     if n_tokens == 0 or seq_lens.shape[0] == 0:

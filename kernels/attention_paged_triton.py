@@ -30,10 +30,13 @@ from .attention_core_triton import (
     dot_precision,
     fold_chunk,
     forward_config,
+    head_block,
     interpreted,
     key_split_tiles,
+    load_tile,
     query_rows,
     seq_of_tile,
+    store_tile,
     tile_count,
     tile_start,
 )
@@ -125,7 +128,10 @@ def _paged_fwd_kernel(
     stride_vh,
     stride_bt,
     GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr,  # query/key head size
+    HEAD_DIM_V: tl.constexpr,  # value head size
+    BLOCK_D: tl.constexpr,  # their power-of-two tiles (attention_core_triton.head_block)
+    BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr,
@@ -133,13 +139,13 @@ def _paged_fwd_kernel(
     DOT_FP32: tl.constexpr,
     SHARED: tl.constexpr = False,  # resume sequences whose first key tiles the shared-prefix kernel did
     resume_ptr=None,  # SHARED: int32 [B], key tiles already attended per sequence (0: none)
-    ws_acc_ptr=None,  # SHARED: fp32 [B, Hq, HEAD_DIM], their unnormalised accumulators (by sequence)
+    ws_acc_ptr=None,  # SHARED: fp32 [B, Hq, HEAD_DIM_V], their unnormalised accumulators (by sequence)
     ws_ml_ptr=None,  # SHARED: fp32 [B, Hq, 2], their running max and sum
-    stride_wt=0,  # SHARED: ws_acc's sequence stride (Hq * HEAD_DIM)
+    stride_wt=0,  # SHARED: ws_acc's sequence stride (Hq * HEAD_DIM_V)
     stride_mt=0,  # SHARED: ws_ml's sequence stride (Hq * 2)
     SPLIT_TILES: tl.constexpr = 0,  # key tiles per split (0: none)
     PARTIAL: tl.constexpr = False,  # split decode: program (tile, kv head, chunk) -> that chunk's state
-    part_acc_ptr=None,  # PARTIAL: fp32 [T, Hq, chunks, HEAD_DIM], each chunk's unnormalised accumulator
+    part_acc_ptr=None,  # PARTIAL: fp32 [T, Hq, chunks, HEAD_DIM_V], each chunk's unnormalised accumulator
     part_ml_ptr=None,  # PARTIAL: fp32 [T, Hq, chunks, 2], its max and sum
     part_n_ptr=None,  # PARTIAL: int32 [T], chunks of each token's row (written for every sequence's token)
     stride_pt=0,  # PARTIAL: entries a token (Hq * chunks): entry (t, h, j) = t * stride_pt + h * chunks + j
@@ -162,18 +168,17 @@ def _paged_fwd_kernel(
     pos0 = seq_len - q_end + first  # absolute position of token `first`
     token, head, valid, q_pos = query_rows(first, q_end, pos0, kv_head, GROUP, BLOCK_M)
     max_pos = pos0 + tl.minimum(q_end - first, TOKENS) - 1
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=valid[:, None],
-        other=0.0,
-    )
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_ptrs = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = load_tile(q_ptrs, valid, offs_d, HEAD_DIM, BLOCK_D, True)
     if PARTIAL:
         _partial_rows(
             q, q_pos, pos0, max_pos, seq_len, token, head, valid, k_ptr + kv_head * stride_kh,
             v_ptr + kv_head * stride_vh, stride_ks, stride_vs, block_table_ptr + b.to(tl.int64) * stride_bt,
             stride_kb, stride_vb, qk_scale, o_ptr, stride_ot, stride_oh, part_acc_ptr, part_ml_ptr, part_n_ptr,
-            stride_pt, SPLIT_TILES, CHUNKS, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
+            stride_pt, SPLIT_TILES, CHUNKS, PAGE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N,
+            PRECISION, DOT_FP32,
         )  # fmt: skip
         return
     if SHARED:
@@ -181,23 +186,24 @@ def _paged_fwd_kernel(
             q, q_pos, pos0, max_pos, seq_len, head, valid, b, resume_ptr, ws_acc_ptr, ws_ml_ptr,
             stride_wt, stride_mt, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh, stride_ks, stride_vs,
             block_table_ptr + b.to(tl.int64) * stride_bt, stride_kb, stride_vb, qk_scale,
-            PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
+            PAGE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
         )  # fmt: skip
     else:
         out = _attend_paged(
             q, q_pos, pos0, max_pos, seq_len, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh,
             stride_ks, stride_vs, block_table_ptr + b.to(tl.int64) * stride_bt, stride_kb, stride_vb, qk_scale,
-            PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32, SPLIT_TILES,
+            PAGE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32, SPLIT_TILES,
         )  # fmt: skip
-    o_ptrs = o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
+    o_ptrs = o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :]
+    store_tile(o_ptrs, out.to(o_ptr.dtype.element_ty), valid, offs_dv, HEAD_DIM_V, BLOCK_DV)
 
 
 @triton.jit
 def _attend_paged(
     q, q_pos, pos0, max_pos, seq_len, k_base, v_base, stride_ks, stride_vs, block_table_row, stride_kb,
-    stride_vb, qk_scale, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT_TILES: tl.constexpr = 0,
+    stride_vb, qk_scale, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT_TILES: tl.constexpr = 0,
 ):  # fmt: skip
     """A paged tile's rows from key tile 0: `attend_rows` normalised."""
     out, _ = attend_rows(
@@ -218,6 +224,9 @@ def _attend_paged(
         True,
         PAGE,
         HEAD_DIM,
+        HEAD_DIM_V,
+        BLOCK_D,
+        BLOCK_DV,
         BLOCK_M,
         BLOCK_N,
         PRECISION,
@@ -232,7 +241,8 @@ def _partial_rows(
     q, q_pos, pos0, max_pos, seq_len, token, head, valid, k_base, v_base, stride_ks, stride_vs, block_table_row,
     stride_kb, stride_vb, qk_scale, o_ptr, stride_ot, stride_oh, part_acc_ptr, part_ml_ptr, part_n_ptr, stride_pt,
     SPLIT_TILES: tl.constexpr, CHUNKS: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
     """Split decode: this program's chunk (program_id 2) of its rows' keys, from a fresh state, as
     `attend_rows` computes each chunk, stored unnormalised for `_fold_kernel` (rows whose position
@@ -245,18 +255,20 @@ def _partial_rows(
         return
     m_j, l_j, acc_j = attend_chunk(
         j, last, q, q_pos, pos0, seq_len, k_base, v_base, 0, stride_ks, stride_vs, block_table_row, stride_kb,
-        stride_vb, qk_scale, SPLIT_TILES, True, PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
+        stride_vb, qk_scale, SPLIT_TILES, True, PAGE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N,
+        PRECISION, DOT_FP32,
     )  # fmt: skip
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, BLOCK_DV)
     n = q_pos // (SPLIT_TILES * BLOCK_N) + 1  # the row's chunks
     if j == 0:  # each of the token's G rows stores the same count
         tl.store(part_n_ptr + token, n, mask=valid)
         alone = valid & (n == 1)
-        o_ptrs = o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, (acc_j / l_j[:, None]).to(o_ptr.dtype.element_ty), mask=alone[:, None])
+        o_ptrs = o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :]
+        store_tile(o_ptrs, (acc_j / l_j[:, None]).to(o_ptr.dtype.element_ty), alone, offs_dv, HEAD_DIM_V, BLOCK_DV)
     stored = valid & (n > 1) & (q_pos >= j * SPLIT_TILES * BLOCK_N)
     part = token.to(tl.int64) * stride_pt + (head * CHUNKS + j).to(tl.int64)  # the (token, head, chunk) entry
-    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc_j, mask=stored[:, None])
+    acc_ptrs = part_acc_ptr + part[:, None] * HEAD_DIM_V + offs_dv[None, :]
+    store_tile(acc_ptrs, acc_j, stored, offs_dv, HEAD_DIM_V, BLOCK_DV)
     tl.store(part_ml_ptr + part * 2, m_j, mask=stored)
     tl.store(part_ml_ptr + part * 2 + 1, l_j, mask=stored)
 
@@ -264,11 +276,11 @@ def _partial_rows(
 @triton.jit(do_not_specialize=["n_seqs"])  # the batch size must not select another kernel
 def _fold_kernel(
     part_acc_ptr, part_ml_ptr, part_n_ptr, o_ptr, start_loc_ptr, n_seqs, stride_pt, stride_ot, stride_oh, n_heads,
-    CHUNKS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS: tl.constexpr,
+    CHUNKS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Split decode's second launch: program (token, head block) folds each of its HEADS heads' chunk
     states 0, 1, ... in order with `fold_chunk` (the routine `attend_rows` folds with; a head is a row of
-    the [HEADS, HEAD_DIM] tile: element-wise, so the block size changes no bit) and normalises.
+    the [HEADS, BLOCK_D] tile of HEAD_DIM (the value head size) columns: element-wise, so the block size changes no bit) and normalises.
     Tokens past the sequences' (padding: their chunk count is unwritten) and rows of one chunk
     (already stored by `_partial_rows`) exit at once."""
     token = tl.program_id(0).to(tl.int64)
@@ -277,46 +289,48 @@ def _fold_kernel(
     n = tl.load(part_n_ptr + token)
     if n == 1:
         return
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     real = heads < n_heads
     part = token * stride_pt + (heads * CHUNKS).to(tl.int64)  # chunk 0's (token, head, chunk) entries
     m_i = tl.load(part_ml_ptr + part * 2, mask=real, other=0.0)
     l_i = tl.load(part_ml_ptr + part * 2 + 1, mask=real, other=1.0)
-    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=real[:, None], other=0.0)
+    acc = load_tile(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], real, offs_d, HEAD_DIM, BLOCK_D, True)
     for j in range(1, n):
         m_j = tl.load(part_ml_ptr + (part + j) * 2, mask=real, other=0.0)
         l_j = tl.load(part_ml_ptr + (part + j) * 2 + 1, mask=real, other=1.0)
-        acc_j = tl.load(part_acc_ptr + (part + j)[:, None] * HEAD_DIM + offs_d[None, :], mask=real[:, None], other=0.0)
+        acc_ptrs = part_acc_ptr + (part + j)[:, None] * HEAD_DIM + offs_d[None, :]
+        acc_j = load_tile(acc_ptrs, real, offs_d, HEAD_DIM, BLOCK_D, True)
         m_i, l_i, acc = fold_chunk(m_i, l_i, acc, m_j, l_j, acc_j, real)
     out = acc / l_i[:, None]
     o_ptrs = o_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=real[:, None])
+    store_tile(o_ptrs, out.to(o_ptr.dtype.element_ty), real, offs_d, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
 def _resume_rows(
     q, q_pos, pos0, max_pos, seq_len, head, valid, b, resume_ptr, ws_acc_ptr, ws_ml_ptr,
     stride_wt, stride_mt, k_base, v_base, stride_ks, stride_vs, block_table_row, stride_kb, stride_vb, qk_scale,
-    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
 ):  # fmt: skip
     """A paged tile's rows, resumed after the key tiles the shared-prefix kernel attended for its
     sequence (attention_prefix_triton.py; none: from tile 0). Its state was stored in fp32 and is
     read back unchanged, so each row's arithmetic is the same as without the split."""
     t0 = tl.load(resume_ptr + b)
     resumed = valid.to(tl.int32) * t0 > 0  # rows of a sequence its group began
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, BLOCK_DV)
     seq = b.to(tl.int64)  # resumed rows are a decode's: one query, workspace row b
     ml = ws_ml_ptr + seq * stride_mt + head * 2
     m_i = tl.load(ml, mask=resumed, other=float("-inf"))
     l_i = tl.load(ml + 1, mask=resumed, other=0.0)
-    acc_ptrs = ws_acc_ptr + seq * stride_wt + head[:, None] * HEAD_DIM + offs_d[None, :]
-    acc = tl.load(acc_ptrs, mask=resumed[:, None], other=0.0)
+    acc_ptrs = ws_acc_ptr + seq * stride_wt + head[:, None] * HEAD_DIM_V + offs_dv[None, :]
+    acc = load_tile(acc_ptrs, resumed, offs_dv, HEAD_DIM_V, BLOCK_DV, True)
     m_i, l_i, acc = attend_span(
         t0, max_pos // BLOCK_N + 1, m_i, l_i, acc, q, q_pos, pos0, seq_len, k_base, v_base, 0, stride_ks,
-        stride_vs, block_table_row, stride_kb, stride_vb, qk_scale, True, PAGE, HEAD_DIM, BLOCK_N, PRECISION,
-        DOT_FP32,
+        stride_vs, block_table_row, stride_kb, stride_vb, qk_scale, True, PAGE, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+        BLOCK_DV, BLOCK_N, PRECISION, DOT_FP32,
     )  # fmt: skip
     return acc / l_i[:, None]
 
@@ -343,29 +357,38 @@ def _write_kv_kernel(
     stride_vch,
     BLOCK_T: tl.constexpr,  # tokens per program (a copy: any value gives the same cache)
     N_KV: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr,  # key head size
     COLS: tl.constexpr,  # next power of two of N_KV * HEAD_DIM_P (tl.arange)
     HEAD_DIM_P: tl.constexpr,  # HEAD_DIM rounded up to a power of two
+    HEAD_DIM_V: tl.constexpr,  # value head size, and its COLS and power of two
+    COLS_V: tl.constexpr,
+    HEAD_DIM_VP: tl.constexpr,
 ):
-    """Copy token t's k, v rows [N_KV, HEAD_DIM] to cache slot slot_mapping[t]; slots < 0 (padding)
-    and slots past the cache are skipped (no host-side check: CUDA-graph safe)."""
+    """Copy token t's k [N_KV, HEAD_DIM] and v [N_KV, HEAD_DIM_V] rows to cache slot slot_mapping[t];
+    slots < 0 (padding) and slots past the cache are skipped (no host-side check: CUDA-graph safe)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
-    col = tl.arange(0, COLS)
-    h = col // HEAD_DIM_P
-    d = col % HEAD_DIM_P
     slot = tl.load(slot_ptr + t, mask=t < n_tokens, other=-1).to(tl.int64)
     ok = (slot >= 0) & (slot < n_slots)
-    mask = ok[:, None] & ((h < N_KV) & (d < HEAD_DIM))[None, :]  # [BLOCK_T, COLS]
     slot = tl.where(ok, slot, 0)
     block = slot // block_size
     offset = slot % block_size
     t = t.to(tl.int64)
-    k = tl.load(k_ptr + t[:, None] * stride_kt + (h * stride_kh + d)[None, :], mask=mask)
-    v = tl.load(v_ptr + t[:, None] * stride_vt + (h * stride_vh + d)[None, :], mask=mask)
-    k_rows = (block * stride_kcb + offset * stride_kcs)[:, None]
-    v_rows = (block * stride_vcb + offset * stride_vcs)[:, None]
-    tl.store(k_cache_ptr + k_rows + (h * stride_kch + d)[None, :], k, mask=mask)
-    tl.store(v_cache_ptr + v_rows + (h * stride_vch + d)[None, :], v, mask=mask)
+    _copy_rows(k_ptr + t[:, None] * stride_kt, k_cache_ptr + (block * stride_kcb + offset * stride_kcs)[:, None],
+               ok, stride_kh, stride_kch, N_KV, HEAD_DIM, COLS, HEAD_DIM_P)  # fmt: skip
+    _copy_rows(v_ptr + t[:, None] * stride_vt, v_cache_ptr + (block * stride_vcb + offset * stride_vcs)[:, None],
+               ok, stride_vh, stride_vch, N_KV, HEAD_DIM_V, COLS_V, HEAD_DIM_VP)  # fmt: skip
+
+
+@triton.jit
+def _copy_rows(src, dst, ok, stride_h, stride_ch, N_KV: tl.constexpr, DIM: tl.constexpr, COLS: tl.constexpr,
+               DIM_P: tl.constexpr):  # fmt: skip
+    """Rows [BLOCK_T] of [N_KV, DIM] heads from src (token rows) to dst (cache slot rows) where ok."""
+    col = tl.arange(0, COLS)
+    h = col // DIM_P
+    d = col % DIM_P
+    mask = ok[:, None] & ((h < N_KV) & (d < DIM))[None, :]  # [BLOCK_T, COLS]
+    x = tl.load(src + (h * stride_h + d)[None, :], mask=mask)
+    tl.store(dst + (h * stride_ch + d)[None, :], x, mask=mask)
 
 
 def paged_attention(
@@ -380,10 +403,11 @@ def paged_attention(
     `max_query_len` is not read: the grid follows the shapes alone.
     """
     n_tokens, n_heads, head_dim = q.shape
-    n_kv = k_cache.shape[2]
+    n_kv, head_dim_v = k_cache.shape[2], v_cache.shape[3]
     group = n_heads // n_kv
-    block_m, num_warps, num_stages = forward_config(head_dim, group)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out  # [T, Hq, D]
+    block_m, num_warps, num_stages = forward_config(head_dim, group, head_dim_v)
+    if out is None:
+        out = torch.empty((n_tokens, n_heads, head_dim_v), dtype=q.dtype, device=q.device)  # [T, Hq, Dv]
     n_seqs = seq_lens.shape[0]
     if n_tokens == 0 or n_seqs == 0:
         return out
@@ -410,7 +434,8 @@ def paged_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
     )  # fmt: skip
     meta = dict(
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=KEY_TILE, PAGE=k_cache.shape[1],
+        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=head_block(head_dim),
+        BLOCK_DV=head_block(head_dim_v), BLOCK_M=block_m, BLOCK_N=KEY_TILE, PAGE=k_cache.shape[1],
         PRECISION=dot_precision(q.dtype), DOT_FP32=interpreted(), enable_fp_fusion=False, num_warps=num_warps,
         num_stages=num_stages, SPLIT_TILES=split_tiles,
     )  # fmt: skip
@@ -458,8 +483,8 @@ def _split_decode(q, out, grid, chunks, args, meta, start_loc, n_seqs):
     `meta`: `paged_attention`'s launch of `_paged_fwd_kernel`. One chunk a program: chunk 0's program
     taking a prefix of the chunks (folded in registers, or through its workspace entry) compiled to
     255 registers and ran the 16-sequence steps 7-40% slower (see docs/results.md#split-decode-program)."""
-    n_tokens, n_heads, head_dim = q.shape
-    part_acc = torch.empty((n_tokens, n_heads, chunks, head_dim), dtype=torch.float32, device=q.device)
+    n_tokens, n_heads, head_dim_v = out.shape
+    part_acc = torch.empty((n_tokens, n_heads, chunks, head_dim_v), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((n_tokens, n_heads, chunks, 2), dtype=torch.float32, device=q.device)
     part_n = torch.empty(n_tokens, dtype=torch.int32, device=q.device)  # written for every sequence's token
     _paged_fwd_kernel[(*grid, chunks)](
@@ -469,7 +494,7 @@ def _split_decode(q, out, grid, chunks, args, meta, start_loc, n_seqs):
     heads = min(_FOLD_HEADS, triton.next_power_of_2(n_heads))
     _fold_kernel[(n_tokens, triton.cdiv(n_heads, heads))](
         part_acc, part_ml, part_n, out, start_loc, n_seqs, n_heads * chunks, out.stride(0), out.stride(1), n_heads,
-        CHUNKS=chunks, HEAD_DIM=head_dim, HEADS=heads, enable_fp_fusion=False,
+        CHUNKS=chunks, HEAD_DIM=head_dim_v, HEADS=heads, BLOCK_D=head_block(head_dim_v), enable_fp_fusion=False,
     )  # fmt: skip
 
 
@@ -479,18 +504,20 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
     Slots < 0 are skipped; slots past the cache are skipped too (checking them would need a host sync).
     """
     n_tokens, n_kv, head_dim = k.shape
+    head_dim_v = v.shape[2]
     if n_tokens == 0:
         return
     n_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         k, v = k.contiguous(), v.contiguous()
-    head_dim_p = triton.next_power_of_2(head_dim)
-    cols = triton.next_power_of_2(n_kv * head_dim_p)
-    block_t = max(1, 4096 // cols)
+    head_dim_p, head_dim_vp = triton.next_power_of_2(head_dim), triton.next_power_of_2(head_dim_v)
+    cols, cols_v = triton.next_power_of_2(n_kv * head_dim_p), triton.next_power_of_2(n_kv * head_dim_vp)
+    block_t = max(1, 4096 // max(cols, cols_v))
     _write_kv_kernel[(triton.cdiv(n_tokens, block_t),)](
         k, v, k_cache, v_cache, slot_mapping, n_tokens, n_blocks * block_size, block_size,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        BLOCK_T=block_t, N_KV=n_kv, HEAD_DIM=head_dim, COLS=cols, HEAD_DIM_P=head_dim_p,
+        BLOCK_T=block_t, N_KV=n_kv, HEAD_DIM=head_dim, COLS=cols, HEAD_DIM_P=head_dim_p, HEAD_DIM_V=head_dim_v,
+        COLS_V=cols_v, HEAD_DIM_VP=head_dim_vp,
     )  # fmt: skip

@@ -22,7 +22,7 @@ unnormalised fp32 accumulator) goes through fp32 memory unchanged to the resumin
 import triton
 import triton.language as tl
 
-from .attention_core_triton import attend_tile
+from .attention_core_triton import attend_tile, head_block, load_tile, store_tile
 from .attention_tiles import KEY_TILE
 
 
@@ -31,7 +31,7 @@ def _shared_prefix_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
-    ws_acc_ptr,  # fp32 [B, Hq, HEAD_DIM] out: each member row's unnormalised accumulator (by sequence)
+    ws_acc_ptr,  # fp32 [B, Hq, HEAD_DIM_V] out: each member row's unnormalised accumulator (by sequence)
     ws_ml_ptr,  # fp32 [B, Hq, 2] out: its running max and sum
     block_table_ptr,
     start_loc_ptr,
@@ -53,7 +53,10 @@ def _shared_prefix_kernel(
     stride_wt,
     stride_mt,
     GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr,  # query/key head size
+    HEAD_DIM_V: tl.constexpr,  # value head size
+    BLOCK_D: tl.constexpr,  # their power-of-two tiles (attention_core_triton.head_block)
+    BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr,
@@ -69,7 +72,7 @@ def _shared_prefix_kernel(
             p, kv_head, q_ptr, k_ptr, v_ptr, ws_acc_ptr, ws_ml_ptr, block_table_ptr, start_loc_ptr, order_ptr,
             members_ptr, tiles_ptr, qk_scale, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
             stride_kb, stride_vb, stride_bt, stride_wt, stride_mt,
-            GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, PAGE, PRECISION, DOT_FP32,
+            GROUP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, PAGE, PRECISION, DOT_FP32,
         )  # fmt: skip
 
 
@@ -78,8 +81,9 @@ def _attend_group(
     p, kv_head, q_ptr, k_ptr, v_ptr, ws_acc_ptr, ws_ml_ptr, block_table_ptr, start_loc_ptr, order_ptr,
     members_ptr, tiles_ptr, qk_scale, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
     stride_kb, stride_vb, stride_bt, stride_wt, stride_mt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
     """The group whose first member sits at position p of order: its shared tiles for one kv head."""
     count = tl.load(members_ptr + p)
@@ -90,29 +94,27 @@ def _attend_group(
     member = tl.load(order_ptr + p + rows // GROUP, mask=valid, other=0)
     token = tl.load(start_loc_ptr + member, mask=valid, other=0).to(tl.int64)  # a decode: one query
     head = kv_head * GROUP + rows % GROUP
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=valid[:, None],
-        other=0.0,
-    )
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_ptrs = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = load_tile(q_ptrs, valid, offs_d, HEAD_DIM, BLOCK_D, True)
     q_pos = tl.full([BLOCK_M], 0, dtype=tl.int32)  # unread: the tiles are unmasked
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0, dtype=tl.float32)
-    acc = tl.full([BLOCK_M, HEAD_DIM], 0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_DV], 0, dtype=tl.float32)
     block_table_row = block_table_ptr + leader.to(tl.int64) * stride_bt  # the members' blocks there
     for t in range(0, n_tiles):
         m_i, l_i, acc = attend_tile(
             t, q, q_pos, m_i, l_i, acc, 0, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh, 0,
             stride_ks, stride_vs, block_table_row, stride_kb, stride_vb, qk_scale,
-            False, True, PAGE, HEAD_DIM, BLOCK_N, PRECISION, DOT_FP32,
+            False, True, PAGE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, PRECISION, DOT_FP32,
         )  # fmt: skip
     seq = member.to(tl.int64)  # the workspace rows: one query a member
     ml = ws_ml_ptr + seq * stride_mt + head * 2
     tl.store(ml, m_i, mask=valid)
     tl.store(ml + 1, l_i, mask=valid)
-    tl.store(ws_acc_ptr + seq[:, None] * stride_wt + head[:, None] * HEAD_DIM + offs_d[None, :], acc,
-             mask=valid[:, None])  # fmt: skip
+    acc_ptrs = ws_acc_ptr + seq[:, None] * stride_wt + head[:, None] * HEAD_DIM_V + offs_dv[None, :]
+    store_tile(acc_ptrs, acc, valid, offs_dv, HEAD_DIM_V, BLOCK_DV)
 
 
 _PROGRAMS_PER_SM = 2  # the prefix launch's 5-stage pipeline fits two programs an SM
@@ -133,9 +135,9 @@ def shared_prefix_forward(q, k_cache, v_cache, block_table, query_start_loc, sca
     import torch
 
     block_m, num_warps, num_stages, group, precision, interpreted = cfg
-    n_heads, head_dim = q.shape[1], q.shape[2]
+    n_heads, head_dim, head_dim_v = q.shape[1], q.shape[2], v_cache.shape[3]
     n_seqs, n_kv = shared.order.shape[0], k_cache.shape[2]
-    ws_acc = torch.empty((n_seqs, n_heads, head_dim), dtype=torch.float32, device=q.device)  # by sequence:
+    ws_acc = torch.empty((n_seqs, n_heads, head_dim_v), dtype=torch.float32, device=q.device)  # by sequence:
     ws_ml = torch.empty((n_seqs, n_heads, 2), dtype=torch.float32, device=q.device)  # a member has one query
     _shared_prefix_kernel[(prefix_programs(n_seqs, n_kv, sms), n_kv)](
         q, k_cache, v_cache, ws_acc, ws_ml, block_table, query_start_loc, shared.order, shared.members,
@@ -143,7 +145,8 @@ def shared_prefix_forward(q, k_cache, v_cache, block_table, query_start_loc, sca
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         ws_acc.stride(0), ws_ml.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=KEY_TILE, PAGE=k_cache.shape[1],
+        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=head_block(head_dim),
+        BLOCK_DV=head_block(head_dim_v), BLOCK_M=block_m, BLOCK_N=KEY_TILE, PAGE=k_cache.shape[1],
         PRECISION=precision, DOT_FP32=interpreted, enable_fp_fusion=False, num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip

@@ -16,10 +16,13 @@ from .attention_core_triton import (
     attend_rows,
     dot_precision,
     forward_config,
+    head_block,
     interpreted,
     key_split_tiles,
+    load_tile,
     query_rows,
     seq_of_tile,
+    store_tile,
     tile_count,
     tile_start,
 )
@@ -48,7 +51,10 @@ def _varlen_fwd_kernel(
     stride_oh,
     stride_lt,
     GROUP: tl.constexpr,  # Hq // Hkv: query heads packed along the rows of one kv head's tile
-    HEAD_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr,  # query/key head size
+    HEAD_DIM_V: tl.constexpr,  # value head size
+    BLOCK_D: tl.constexpr,  # their power-of-two tiles (attention_core_triton.head_block)
+    BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -68,12 +74,10 @@ def _varlen_fwd_kernel(
         return
     token, head, valid, q_pos = query_rows(first, seq_end, first - seq_start, kv_head, GROUP, BLOCK_M)
     max_pos = first - seq_start + tl.minimum(seq_end - first, TOKENS) - 1
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=valid[:, None],
-        other=0.0,
-    )
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_ptrs = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = load_tile(q_ptrs, valid, offs_d, HEAD_DIM, BLOCK_D, True)
     out, lse = attend_rows(
         q,
         q_pos,
@@ -92,26 +96,29 @@ def _varlen_fwd_kernel(
         False,
         1,
         HEAD_DIM,
+        HEAD_DIM_V,
+        BLOCK_D,
+        BLOCK_DV,
         BLOCK_M,
         BLOCK_N,
         PRECISION,
         DOT_FP32,
         SPLIT_TILES,
     )
-    o_ptrs = o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
+    o_ptrs = o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :]
+    store_tile(o_ptrs, out.to(o_ptr.dtype.element_ty), valid, offs_dv, HEAD_DIM_V, BLOCK_DV)
     if STORE_LSE:
         tl.store(lse_ptr + token * stride_lt + head, lse, mask=valid)
 
 
 def _varlen_forward(q, k, v, cu_seqlens, scale, store_lse, split_tiles):
-    """out [T, Hq, D] (q.dtype) and, if store_lse, lse [T, Hq] fp32 in log2 units; `split_tiles`:
+    """out [T, Hq, Dv] (q.dtype) and, if store_lse, lse [T, Hq] fp32 in log2 units; `split_tiles`:
     `key_split_tiles`'."""
     n_tokens, n_heads, head_dim = q.shape
-    n_kv = k.shape[1]
+    n_kv, head_dim_v = k.shape[1], v.shape[2]
     group = n_heads // n_kv
-    block_m, num_warps, num_stages = forward_config(head_dim, group)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    block_m, num_warps, num_stages = forward_config(head_dim, group, head_dim_v)
+    out = torch.empty((n_tokens, n_heads, head_dim_v), dtype=q.dtype, device=q.device)
     lse = torch.empty((n_tokens, n_heads) if store_lse else (1, 1), dtype=torch.float32, device=q.device)
     n_seqs = cu_seqlens.shape[0] - 1
     if n_tokens == 0:
@@ -122,7 +129,8 @@ def _varlen_forward(q, k, v, cu_seqlens, scale, store_lse, split_tiles):
         q, k, v, out, lse, cu, n_seqs, scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=KEY_TILE,
+        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=head_block(head_dim),
+        BLOCK_DV=head_block(head_dim_v), BLOCK_M=block_m, BLOCK_N=KEY_TILE,
         PRECISION=dot_precision(q.dtype), DOT_FP32=interpreted(), STORE_LSE=store_lse, enable_fp_fusion=False,
         num_warps=num_warps, num_stages=num_stages, SPLIT_TILES=split_tiles,
     )  # fmt: skip
@@ -150,7 +158,7 @@ class _VarlenAttention(torch.autograd.Function):
 def varlen_attention(q, k, v, cu_seqlens, scale, longest=None):
     """Triton implementation of `attention.varlen_attention` (inputs already checked there);
     `longest`: the longest sequence, if the caller has it (`key_split_tiles`)."""
-    forward_config(q.shape[2], q.shape[1] // k.shape[1])
+    forward_config(q.shape[2], q.shape[1] // k.shape[1], v.shape[2])
     split_tiles = key_split_tiles(q.shape[0] if longest is None else longest)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return _VarlenAttention.apply(q, k, v, cu_seqlens, scale, split_tiles)

@@ -7,6 +7,8 @@ its sequence, c = scale * log2(e), lse_i the forward's log-sum-exp in log2 units
     dV_j  = sum_i P_ij dO_i        dP_ij = dO_i . v_j        dS_ij = P_ij (dP_ij - delta_i)
     dK_j  = scale * sum_i dS_ij q_i                 dQ_i = scale * sum_j dS_ij k_j
 
+Head sizes: q, k, dQ, dK have D dims, v, O, dO, dV have Dv (attention_core_triton: "Head sizes").
+
 Determinism: no atomics. `_dkdv_kernel` owns one key tile of one kv head and loops over the query
 tiles of its sequence in order (the G query heads of the kv head sit along the rows, so the group
 sum happens inside the dots); `_dq_kernel` owns one row tile and loops over the key tiles in order.
@@ -19,10 +21,22 @@ import triton
 import triton.language as tl
 from triton.language.standard import _sum_combine
 
-from .attention_core_triton import LOG2E, query_rows, seq_of_tile, tile_count, tile_dot, tile_start
+from .attention_core_triton import (
+    LOG2E,
+    head_block,
+    load_tile,
+    query_rows,
+    seq_of_tile,
+    store_tile,
+    tile_count,
+    tile_dot,
+    tile_start,
+)
 
-# head_dim -> (BLOCK_M rows, BLOCK_N keys, num_warps, num_stages) of `_dkdv_kernel` and of `_dq_kernel`;
-# only speed depends on these (the backward need not be batch-invariant, only deterministic).
+# BLOCK_D (the query/key head size's tile) -> (BLOCK_M rows, BLOCK_N keys, num_warps, num_stages) of
+# `_dkdv_kernel` and of `_dq_kernel`; only speed depends on these (the backward need not be
+# batch-invariant, only deterministic). Head sizes that are not powers of two (DeepSeek's 192/128)
+# run in their power-of-two tiles, the dims past the head size loaded as 0 and never stored.
 BWD_CONFIGS = {
     16: ((64, 64, 4, 2), (64, 64, 4, 2)),
     32: ((64, 64, 4, 2), (64, 64, 4, 2)),
@@ -43,7 +57,8 @@ def _delta_kernel(
     stride_oh,
     stride_dot,
     stride_doh,
-    HEAD_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr,  # the value head size (O's and dO's)
+    BLOCK_DV: tl.constexpr,  # its power-of-two tile
     BLOCK_R: tl.constexpr,  # (token, head) rows per program; each row's sum is one fixed tree
 ):
     """delta[t, h] = sum_d fp32(dO[t, h, d]) * fp32(O[t, h, d]) for BLOCK_R rows r = t * Hq + h."""
@@ -51,11 +66,9 @@ def _delta_kernel(
     ok = r < n_rows
     t = (r // n_heads).to(tl.int64)
     h = r % n_heads
-    d = tl.arange(0, HEAD_DIM)
-    o = tl.load(o_ptr + (t * stride_ot + h * stride_oh)[:, None] + d[None, :], mask=ok[:, None], other=0.0)
-    do = tl.load(
-        do_ptr + (t * stride_dot + h * stride_doh)[:, None] + d[None, :], mask=ok[:, None], other=0.0
-    )
+    d = tl.arange(0, BLOCK_DV)
+    o = load_tile(o_ptr + (t * stride_ot + h * stride_oh)[:, None] + d[None, :], ok, d, HEAD_DIM, BLOCK_DV, True)
+    do = load_tile(do_ptr + (t * stride_dot + h * stride_doh)[:, None] + d[None, :], ok, d, HEAD_DIM, BLOCK_DV, True)
     tl.store(delta_ptr + r, tl.reduce(o.to(tl.float32) * do.to(tl.float32), 1, _sum_combine), mask=ok)
 
 
@@ -84,8 +97,13 @@ def _dkdv_kernel(
     stride_lt,
     stride_dkt,
     stride_dkh,
+    stride_dvt,
+    stride_dvh,
     GROUP: tl.constexpr,  # Hq // Hkv: query heads of this kv head along the rows
-    HEAD_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr,  # query/key head size
+    HEAD_DIM_V: tl.constexpr,  # value head size
+    BLOCK_D: tl.constexpr,  # their power-of-two tiles
+    BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,  # "ieee" for fp32 inputs
@@ -102,38 +120,27 @@ def _dkdv_kernel(
     if first >= seq_end:
         return
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     key = first + offs_n
     k_valid = key < seq_end
     k_pos = key - seq_start
     key = key.to(tl.int64)
-    k = tl.load(
-        k_ptr + key[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-        mask=k_valid[:, None],
-        other=0.0,
-    )
-    v = tl.load(
-        v_ptr + key[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-        mask=k_valid[:, None],
-        other=0.0,
-    )
-    dk = tl.full([BLOCK_N, HEAD_DIM], 0, dtype=tl.float32)
-    dv = tl.full([BLOCK_N, HEAD_DIM], 0, dtype=tl.float32)
+    k_ptrs = k_ptr + key[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
+    k = load_tile(k_ptrs, k_valid, offs_d, HEAD_DIM, BLOCK_D, True)
+    v_ptrs = v_ptr + key[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :]
+    v = load_tile(v_ptrs, k_valid, offs_dv, HEAD_DIM_V, BLOCK_DV, True)
+    dk = tl.full([BLOCK_N, BLOCK_D], 0, dtype=tl.float32)
+    dv = tl.full([BLOCK_N, BLOCK_DV], 0, dtype=tl.float32)
     # Queries before the tile's first key see none of it: start there, walk to the sequence end.
     for q_first in range(first, seq_end, TOKENS):
         token, head, valid, q_pos = query_rows(
             q_first, seq_end, q_first - seq_start, kv_head, GROUP, BLOCK_M
         )
-        q = tl.load(
-            q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-            mask=valid[:, None],
-            other=0.0,
-        )
-        do = tl.load(
-            do_ptr + token[:, None] * stride_dot + head[:, None] * stride_doh + offs_d[None, :],
-            mask=valid[:, None],
-            other=0.0,
-        )
+        q = load_tile(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :], valid,
+                      offs_d, HEAD_DIM, BLOCK_D, True)  # fmt: skip
+        do = load_tile(do_ptr + token[:, None] * stride_dot + head[:, None] * stride_doh + offs_dv[None, :], valid,
+                       offs_dv, HEAD_DIM_V, BLOCK_DV, True)  # fmt: skip
         lse = tl.load(lse_ptr + token * stride_lt + head, mask=valid, other=0.0)
         delta = tl.load(delta_ptr + token * stride_lt + head, mask=valid, other=0.0)
         # 1. Recompute P (zero where masked), 2. dV += P^T dO, 3. dS = P (dO V^T - delta), dK += dS^T Q.
@@ -145,9 +152,10 @@ def _dkdv_kernel(
         ds = p * (dp - delta[:, None])
         dk = tile_dot(tl.trans(ds.to(q.dtype)), q, dk, PRECISION, DOT_FP32)
     dk = dk * scale
-    out_rows = key[:, None] * stride_dkt + kv_head * stride_dkh + offs_d[None, :]
-    tl.store(dk_ptr + out_rows, dk.to(dk_ptr.dtype.element_ty), mask=k_valid[:, None])
-    tl.store(dv_ptr + out_rows, dv.to(dv_ptr.dtype.element_ty), mask=k_valid[:, None])
+    dk_ptrs = dk_ptr + key[:, None] * stride_dkt + kv_head * stride_dkh + offs_d[None, :]
+    store_tile(dk_ptrs, dk.to(dk_ptr.dtype.element_ty), k_valid, offs_d, HEAD_DIM, BLOCK_D)
+    dv_ptrs = dv_ptr + key[:, None] * stride_dvt + kv_head * stride_dvh + offs_dv[None, :]
+    store_tile(dv_ptrs, dv.to(dv_ptr.dtype.element_ty), k_valid, offs_dv, HEAD_DIM_V, BLOCK_DV)
 
 
 @triton.jit
@@ -176,6 +184,9 @@ def _dq_kernel(
     stride_dqh,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -192,36 +203,25 @@ def _dq_kernel(
     if first >= seq_end:
         return
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     token, head, valid, q_pos = query_rows(first, seq_end, first - seq_start, kv_head, GROUP, BLOCK_M)
-    q = tl.load(
-        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=valid[:, None],
-        other=0.0,
-    )
-    do = tl.load(
-        do_ptr + token[:, None] * stride_dot + head[:, None] * stride_doh + offs_d[None, :],
-        mask=valid[:, None],
-        other=0.0,
-    )
+    q = load_tile(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :], valid, offs_d,
+                  HEAD_DIM, BLOCK_D, True)  # fmt: skip
+    do = load_tile(do_ptr + token[:, None] * stride_dot + head[:, None] * stride_doh + offs_dv[None, :], valid,
+                   offs_dv, HEAD_DIM_V, BLOCK_DV, True)  # fmt: skip
     lse = tl.load(lse_ptr + token * stride_lt + head, mask=valid, other=0.0)
     delta = tl.load(delta_ptr + token * stride_lt + head, mask=valid, other=0.0)
-    dq = tl.full([BLOCK_M, HEAD_DIM], 0, dtype=tl.float32)
+    dq = tl.full([BLOCK_M, BLOCK_D], 0, dtype=tl.float32)
     max_pos = first - seq_start + tl.minimum(seq_end - first, TOKENS) - 1
     for t in range(0, max_pos // BLOCK_N + 1):
         k_pos = t * BLOCK_N + offs_n
         k_valid = k_pos < seq_end - seq_start
         key = (seq_start + k_pos).to(tl.int64)
-        k = tl.load(
-            k_ptr + key[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-            mask=k_valid[:, None],
-            other=0.0,
-        )
-        v = tl.load(
-            v_ptr + key[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-            mask=k_valid[:, None],
-            other=0.0,
-        )
+        k = load_tile(k_ptr + key[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :], k_valid, offs_d,
+                      HEAD_DIM, BLOCK_D, True)  # fmt: skip
+        v = load_tile(v_ptr + key[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :], k_valid, offs_dv,
+                      HEAD_DIM_V, BLOCK_DV, True)  # fmt: skip
         # 1. Recompute P, 2. dS = P (dO V^T - delta), 3. dQ += dS K.
         s = tile_dot(q, tl.trans(k), None, PRECISION, DOT_FP32)
         p = tl.exp2(tl.fma(s, qk_scale, -lse[:, None]))
@@ -231,12 +231,12 @@ def _dq_kernel(
         dq = tile_dot(ds.to(k.dtype), k, dq, PRECISION, DOT_FP32)
     dq = dq * scale
     dq_ptrs = dq_ptr + token[:, None] * stride_dqt + head[:, None] * stride_dqh + offs_d[None, :]
-    tl.store(dq_ptrs, dq.to(dq_ptr.dtype.element_ty), mask=valid[:, None])
+    store_tile(dq_ptrs, dq.to(dq_ptr.dtype.element_ty), valid, offs_d, HEAD_DIM, BLOCK_D)
 
 
 def varlen_attention_backward(grad_out, q, k, v, out, lse, cu_seqlens, scale):
-    """(dq, dk, dv) of `attention_triton.varlen_attention`; lse [T, Hq] fp32 in log2 units; cu_seqlens
-    int32 [B + 1]. No host synchronisation."""
+    """(dq, dk, dv) of `attention_triton.varlen_attention`; q, k [T, H, D], v, out, grad_out [T, H, Dv];
+    lse [T, Hq] fp32 in log2 units; cu_seqlens int32 [B + 1]. No host synchronisation."""
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
     n_tokens, n_heads, head_dim = q.shape
@@ -250,7 +250,7 @@ def varlen_attention_backward(grad_out, q, k, v, out, lse, cu_seqlens, scale):
     _delta_kernel[(triton.cdiv(n_tokens * n_heads, block_r),)](
         out, grad_out, delta, n_tokens * n_heads, n_heads,
         out.stride(0), out.stride(1), grad_out.stride(0), grad_out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_R=block_r,
+        HEAD_DIM=v.shape[2], BLOCK_DV=head_block(v.shape[2]), BLOCK_R=block_r,
     )  # fmt: skip
     args = (grad_out, q, k, v, lse.contiguous(), delta, cu_seqlens, scale)
     _launch_dkdv(*args, dk, dv)
@@ -258,12 +258,15 @@ def varlen_attention_backward(grad_out, q, k, v, out, lse, cu_seqlens, scale):
     return dq, dk, dv
 
 
-def _launch_meta(q, k, block_m, kernel):
+def _launch_meta(q, k, v, block_m, kernel):
     group = q.shape[1] // k.shape[1]
     block_m = max(block_m, triton.next_power_of_2(group))  # a tile holds at least one token's heads
     meta = {
         "GROUP": group,
         "HEAD_DIM": q.shape[2],
+        "HEAD_DIM_V": v.shape[2],
+        "BLOCK_D": head_block(q.shape[2]),
+        "BLOCK_DV": head_block(v.shape[2]),
         "BLOCK_M": block_m,
         "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
         "DOT_FP32": type(kernel).__name__ == "InterpretedFunction",
@@ -272,20 +275,20 @@ def _launch_meta(q, k, block_m, kernel):
 
 
 def _launch_dkdv(grad_out, q, k, v, lse, delta, cu_seqlens, scale, dk, dv):
-    block_m, block_n, num_warps, num_stages = BWD_CONFIGS[q.shape[2]][0]
-    _, block_m, meta = _launch_meta(q, k, block_m, _dkdv_kernel)
+    block_m, block_n, num_warps, num_stages = BWD_CONFIGS[head_block(q.shape[2])][0]
+    _, block_m, meta = _launch_meta(q, k, v, block_m, _dkdv_kernel)
     n_seqs = cu_seqlens.shape[0] - 1
     _dkdv_kernel[(tile_count(q.shape[0], n_seqs, block_n), k.shape[1])](
         q, k, v, grad_out, lse, delta, dk, dv, cu_seqlens, n_seqs, scale * LOG2E, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        grad_out.stride(0), grad_out.stride(1), lse.stride(0), dk.stride(0), dk.stride(1),
+        grad_out.stride(0), grad_out.stride(1), lse.stride(0), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
         BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **meta,
     )  # fmt: skip
 
 
 def _launch_dq(grad_out, q, k, v, lse, delta, cu_seqlens, scale, dq):
-    block_m, block_n, num_warps, num_stages = BWD_CONFIGS[q.shape[2]][1]
-    group, block_m, meta = _launch_meta(q, k, block_m, _dq_kernel)
+    block_m, block_n, num_warps, num_stages = BWD_CONFIGS[head_block(q.shape[2])][1]
+    group, block_m, meta = _launch_meta(q, k, v, block_m, _dq_kernel)
     n_seqs = cu_seqlens.shape[0] - 1
     _dq_kernel[(tile_count(q.shape[0], n_seqs, block_m // group), k.shape[1])](
         q, k, v, grad_out, lse, delta, dq, cu_seqlens, n_seqs, scale * LOG2E, scale,

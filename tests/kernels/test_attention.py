@@ -191,7 +191,9 @@ def test_bad_input_raises():
     with pytest.raises(ValueError):
         varlen_attention(q[:, :3], k, v, cu, 0.1)  # Hq not a multiple of Hkv
     with pytest.raises(ValueError):
-        varlen_attention(q, k, v[:, :, :4], cu, 0.1)
+        varlen_attention(q, k, v[:, :1], cu, 0.1)  # v's heads differ from k's (its head size may differ)
+    with pytest.raises(ValueError):
+        varlen_attention(q, k, v[:3], cu, 0.1)  # v's tokens differ from k's
     with pytest.raises(ValueError):
         varlen_attention(q, k, v, torch.tensor([0, 3]), 0.1)  # does not end at T
     with pytest.raises(ValueError):

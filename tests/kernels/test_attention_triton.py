@@ -62,18 +62,19 @@ def reference_attention(q, k, v, cu_seqlens, scale, dtype=torch.float64):
     return torch.cat(outs)
 
 
-def packed_inputs(seq_lens, n_heads, n_kv, head_dim, dtype, device="cpu"):
+def packed_inputs(seq_lens, n_heads, n_kv, head_dim, dtype, device="cpu", head_dim_v=None):
+    """q, k [T, H, head_dim], v [T, Hkv, head_dim_v (None: head_dim)], cu_seqlens."""
     total = sum(seq_lens)
     q = torch.randn(total, n_heads, head_dim, device=device).to(dtype)
     k = torch.randn(total, n_kv, head_dim, device=device).to(dtype)
-    v = torch.randn(total, n_kv, head_dim, device=device).to(dtype)
+    v = torch.randn(total, n_kv, head_dim_v or head_dim, device=device).to(dtype)
     cu = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     return q, k, v, cu
 
 
 class PagedEngine:
-    """A paged KV cache in vLLM's layout: one [num_blocks, Hkv, block_size, 2D] tensor whose K and V
-    halves are seen as strided [num_blocks, block_size, Hkv, D] views, NaN-filled, each sequence on
+    """A paged KV cache in vLLM's layout: one [num_blocks, Hkv, block_size, D + Dv] tensor whose K and V
+    parts are seen as strided [num_blocks, block_size, Hkv, D or Dv] views, NaN-filled, each sequence on
     shuffled blocks. `step` plays one engine step: write the new K/V (plus padding slots -1), attend."""
 
     def __init__(self, ops, k, v, cu, block_size):
@@ -84,7 +85,7 @@ class PagedEngine:
         n_blocks = sum(per_seq) + 3
         n_kv, head_dim = k.shape[1], k.shape[2]
         kv = torch.full(
-            (n_blocks, n_kv, block_size, 2 * head_dim), float("nan"), dtype=k.dtype, device=k.device
+            (n_blocks, n_kv, block_size, head_dim + v.shape[2]), float("nan"), dtype=k.dtype, device=k.device
         )
         self.k_cache = kv[..., :head_dim].transpose(1, 2)
         self.v_cache = kv[..., head_dim:].transpose(1, 2)
@@ -109,10 +110,11 @@ class PagedEngine:
         pad = torch.full((2,), -1, dtype=torch.int64)
         dev = q.device
         zeros = torch.zeros(2, *self.k.shape[1:], dtype=self.k.dtype, device=dev)
+        zeros_v = torch.zeros(2, *self.v.shape[1:], dtype=self.v.dtype, device=dev)
         rows_dev = rows.to(dev)
         self.ops.write_kv_cache(
             torch.cat([self.k[rows_dev], zeros]),
-            torch.cat([self.v[rows_dev], zeros]),
+            torch.cat([self.v[rows_dev], zeros_v]),
             self.k_cache,
             self.v_cache,
             torch.cat([slots, pad]).to(dev),
@@ -138,7 +140,7 @@ def _run_chunked(ops, q, k, v, cu, block_size, chunk, scale):
     (the sequences advance in lockstep, so a step of size 1 is a decode step for all of them)."""
     size = chunk if callable(chunk) else lambda position: chunk
     engine = PagedEngine(ops, k, v, cu, block_size)
-    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+    out = torch.full((*q.shape[:2], v.shape[2]), float("nan"), dtype=q.dtype, device=q.device)
     done = [0] * len(engine.lens)
     while any(d < n for d, n in zip(done, engine.lens)):
         chunks = {b: (done[b], min(done[b] + size(done[b]), n)) for b, n in enumerate(engine.lens) if done[b] < n}
@@ -148,8 +150,10 @@ def _run_chunked(ops, q, k, v, cu, block_size, chunk, scale):
     return out
 
 
-def check_invariance(ops, seq_lens, n_heads, n_kv, head_dim, block_size, dtype, chunks, device="cpu"):
-    q, k, v, cu = packed_inputs(seq_lens, n_heads, n_kv, head_dim, dtype, device)
+def check_invariance(
+    ops, seq_lens, n_heads, n_kv, head_dim, block_size, dtype, chunks, device="cpu", head_dim_v=None
+):
+    q, k, v, cu = packed_inputs(seq_lens, n_heads, n_kv, head_dim, dtype, device, head_dim_v)
     scale = 1 / math.sqrt(head_dim)
     train = ops.varlen_attention(q, k, v, cu, scale)
     assert torch.isfinite(train).all()
@@ -162,7 +166,7 @@ def mixed_steps(ops, q, k, v, cu, block_size, scale):
     """Steps mixing decodes, prefill chunks and fresh prompts, sequences in a shuffled order."""
     lens = (cu[1:] - cu[:-1]).tolist()
     engine = PagedEngine(ops, k, v, cu, block_size)
-    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+    out = torch.full((*q.shape[:2], v.shape[2]), float("nan"), dtype=q.dtype, device=q.device)
     done = [0] * len(lens)
     rng = torch.Generator().manual_seed(1)
     while any(d < n for d, n in zip(done, lens)):
@@ -290,10 +294,10 @@ def test_write_kv_cache_interpreted(interp):
 
 
 def test_bad_input_interpreted(interp):
-    q, k, v, cu = packed_inputs((4,), 4, 2, 48, torch.float32)
+    q, k, v, cu = packed_inputs((4,), 4, 2, 44, torch.float32)  # not a multiple of 8
     with pytest.raises(ValueError, match="head_dim"):
         interp.varlen_attention(q, k, v, cu, 0.1)
-    kv = torch.zeros(2, 4, 2, 48)
+    kv = torch.zeros(2, 4, 2, 44)
     with pytest.raises(ValueError, match="head_dim"):
         interp.paged_attention(q, kv, kv, torch.tensor([[0]]), torch.tensor([4]), torch.tensor([0, 4]), 0.1)
     q, k, v, cu = packed_inputs((4,), 65, 1, 16, torch.float32)
