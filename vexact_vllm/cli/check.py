@@ -263,8 +263,8 @@ def _run(args, model_path: str, dtype: str, prompts: list[str], console) -> tupl
     packings = args.micro_batches
     sizes = {"tensor_parallel_size": args.tensor_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size}
     ranks = args.tensor_parallel_size * args.pipeline_parallel_size
-    if ranks > 1 and not torch.cuda.is_available():
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(ranks))
+    if ranks > 1 and not torch.cuda.is_available() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(ranks)  # yours, when set, is kept
 
     settings = RolloutSettings(
         model=model_path,
