@@ -37,6 +37,7 @@ ACTOR_LR=${ACTOR_LR:-1e-6}
 ROLLOUT_N=${ROLLOUT_N:-5}
 ROLLOUT_GPU_MEM_UTIL=${ROLLOUT_GPU_MEM_UTIL:-0.6}
 ROLLOUT_TP=${ROLLOUT_TP:-1}  # vLLM tensor-parallel size of each rollout replica (NGPUS_PER_NODE / ROLLOUT_TP replicas)
+ROLLOUT_PP=${ROLLOUT_PP:-1}  # vLLM pipeline-parallel size of each replica (VEXACT=1 only; TP x PP GPUs a replica)
 
 PROJECT_NAME=${PROJECT_NAME:-vexact_grpo_gsm8k}
 EXPERIMENT_NAME=${EXPERIMENT_NAME:-qwen3_$([ "$VEXACT" = 1 ] && echo vexact || echo stock)_${MODEL_ENGINE}}
@@ -51,6 +52,19 @@ case "$VEXACT" in
     0) ROLLOUT_IMPL=() ;;
     *) echo "VEXACT must be 1 (vexact-vllm rollouts) or 0 (stock vLLM), got '$VEXACT'" >&2; exit 1 ;;
 esac
+
+# verl refuses pipeline-parallel vLLM rollouts; the training side lifts that for vexact rollouts only
+# (model_patches/trainers/verl_hooks.py). verl builds the rollout config in its agent-loop workers
+# before it imports external_lib, so a pipelined run turns the training side on in every verl process
+# at `import verl` (verl's VERL_USE_EXTERNAL_MODULES, through Ray's runtime environment).
+PIPELINE=()
+if [ "$ROLLOUT_PP" != 1 ]; then
+    if [ "$VEXACT" != 1 ]; then
+        echo "ROLLOUT_PP=$ROLLOUT_PP needs VEXACT=1: verl refuses pipeline-parallel stock vLLM rollouts" >&2
+        exit 1
+    fi
+    PIPELINE=(+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES=vexact_vllm.model_patches.enable)
+fi
 
 case "$MODEL_ENGINE" in
     fsdp)
@@ -106,6 +120,9 @@ ROLLOUT=(
     "${ROLLOUT_IMPL[@]}"
     # Tensor-parallel rollouts stay bitwise equal to the (FSDP, unsharded) trainer; must divide NGPUS_PER_NODE.
     actor_rollout_ref.rollout.tensor_model_parallel_size="$ROLLOUT_TP"
+    # Pipeline-parallel rollouts too (whole layers per stage, hidden states and residual handed over).
+    actor_rollout_ref.rollout.pipeline_model_parallel_size="$ROLLOUT_PP"
+    "${PIPELINE[@]}"
     actor_rollout_ref.rollout.gpu_memory_utilization="$ROLLOUT_GPU_MEM_UTIL"
     actor_rollout_ref.rollout.n="$ROLLOUT_N"
     actor_rollout_ref.rollout.free_cache_engine=True

@@ -7,7 +7,8 @@
 #   bash examples/verl/smoke_1gpu.sh                 # WORK=./vexact-smoke; extra Hydra overrides may follow
 # Any variable of run_qwen3_grpo_gsm8k.sh / verify_rollout_match.sh may be set (MODEL_ENGINE=veomni,
 # STEPS=5, and on two GPUs NGPUS_PER_NODE=2 for FSDP over two ranks with two rollout replicas, plus
-# ROLLOUT_TP=2 for one tensor-parallel replica). verify fails on a non-zero vexact value at any step.
+# ROLLOUT_TP=2 for one tensor-parallel replica or ROLLOUT_PP=2 for one pipeline-parallel one). verify
+# fails on a non-zero vexact value at any step.
 
 set -euo pipefail
 

@@ -10,6 +10,8 @@
 # The recipe's variables (MODEL_PATH, DATA_DIR, NGPUS_PER_NODE, ...) pass through; so do extra Hydra
 # overrides. DRY_RUN=1 writes each run's overrides to its log instead of training. RUNS picks the
 # runs ("1 0" by default; "1" or "0" for one side, "" to only compare the logs already in LOG_DIR).
+# ROLLOUT_PP=N pipelines the vexact side's rollouts; verl refuses pipelined stock vLLM rollouts, so the
+# stock side then runs unpipelined (ROLLOUT_PP=1, more replicas on the same GPUs).
 
 set -euo pipefail
 
@@ -30,8 +32,10 @@ SHORT=(
 
 for vexact in $RUNS; do
     log="$LOG_DIR/vexact$vexact.log"
-    echo "== VEXACT=$vexact -> $log"
-    VEXACT=$vexact bash "$HERE/run_qwen3_grpo_gsm8k.sh" "${SHORT[@]}" "$@" 2>&1 | tee "$log"
+    pp=${ROLLOUT_PP:-1}
+    [ "$vexact" = 0 ] && pp=1  # verl refuses pipelined stock vLLM rollouts
+    echo "== VEXACT=$vexact ROLLOUT_PP=$pp -> $log"
+    VEXACT=$vexact ROLLOUT_PP=$pp bash "$HERE/run_qwen3_grpo_gsm8k.sh" "${SHORT[@]}" "$@" 2>&1 | tee "$log"
 done
 
 [ -n "${DRY_RUN:-}" ] && exit 0

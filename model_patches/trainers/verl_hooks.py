@@ -24,6 +24,14 @@ verl's code untouched):
    them by the temperature and never runs its own log-softmax.
 2. `monkey_patch.patch_forward_with_backends`: leaves vexact classes alone (with
    `use_fused_kernels=True` verl would otherwise replace their forward with its own).
+3. `RolloutConfig.__post_init__`: verl refuses `rollout.pipeline_model_parallel_size > 1` for every
+   vLLM rollout and never passes a pipeline size to its vLLM server (its replicas already count the
+   pipeline's GPUs: TP x DP x PP per replica). For a vLLM rollout with `--model-impl vexact`
+   (`engine_kwargs.vllm.model_impl`) the row lets the size through verl's check and writes it into
+   `engine_kwargs.vllm.pipeline_parallel_size`, which the server spreads into the vLLM arguments it
+   builds (`vLLMHttpServer.launch_server`); any other rollout meets verl's refusal unchanged. verl
+   builds this config in its agent-loop workers before it imports `external_lib`, so a pipelined run
+   turns the training side on in every verl process (`VERL_USE_EXTERNAL_MODULES`, see the recipe).
 
 Temperature (one definition, kernels/logprob.py's, as the rollout): the lm_head GEMM writes fp32
 logits z; scaled = z / tau by fp32 true division with tau an fp32 tensor, applied exactly once,
@@ -52,6 +60,7 @@ import inspect
 
 import torch
 
+from vexact_vllm import MODEL_IMPL
 from vexact_vllm.patching import Patch, PatchTable
 
 from .hf_causal_lm import VexactForCausalLM
@@ -159,6 +168,36 @@ def _wrap_patch_forward_with_backends(original):
     return patch_forward_with_backends
 
 
+def vexact_vllm_rollout(config) -> bool:
+    """Whether verl's rollout config asks for vLLM with `--model-impl vexact`."""
+    engine_kwargs = getattr(config, "engine_kwargs", None) or {}
+    return config.name == "vllm" and (engine_kwargs.get("vllm") or {}).get("model_impl") == MODEL_IMPL
+
+
+def _wrap_rollout_post_init(original):
+    def __post_init__(self):
+        size = self.pipeline_model_parallel_size
+        if size <= 1 or not vexact_vllm_rollout(self):
+            return original(self)
+        vllm_kwargs = self.engine_kwargs["vllm"]
+        asked = vllm_kwargs.get("pipeline_parallel_size")
+        if asked not in (None, size):
+            raise ValueError(
+                f"actor_rollout_ref.rollout.pipeline_model_parallel_size={size} but "
+                f"engine_kwargs.vllm.pipeline_parallel_size={asked}; set only the first (verl sizes each "
+                "rollout replica from it)"
+            )
+        object.__setattr__(self, "pipeline_model_parallel_size", 1)  # past verl's refusal of any vLLM pipeline
+        try:
+            original(self)
+        finally:
+            object.__setattr__(self, "pipeline_model_parallel_size", size)
+        vllm_kwargs["pipeline_parallel_size"] = size  # the vLLM server's --pipeline-parallel-size
+        return None
+
+    return __post_init__
+
+
 WRITTEN_FOR = "verl 0.9.1"
 
 # The whole patch set, one row per target (vexact_vllm.patching).
@@ -169,6 +208,8 @@ PATCHES = PatchTable(
               _wrap_prepare_model_inputs, ("self", "micro_batch"), WRITTEN_FOR),
         Patch("verl.models.transformers.monkey_patch:patch_forward_with_backends",
               _wrap_patch_forward_with_backends, ("model", "use_fused_kernels", "fused_kernels_backend"),
+              WRITTEN_FOR),
+        Patch("verl.workers.config.rollout:RolloutConfig.__post_init__", _wrap_rollout_post_init, ("self",),
               WRITTEN_FOR),
     ),
 )  # fmt: skip

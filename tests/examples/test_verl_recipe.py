@@ -97,3 +97,38 @@ def test_rollout_tp_reaches_verl_and_its_checks_accept_it():
     assert rollout.engine_kwargs.vllm.get("model_impl") == "vexact"
     validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
     omega_conf_to_dataclass(rollout)
+
+
+def test_rollout_pp_reaches_verl_and_the_hooks_accept_it():
+    """ROLLOUT_PP=2 on two GPUs: verl's rollout pipeline_model_parallel_size, the training side on at
+    `import verl` in every Ray process; verl refuses the rollout config alone, the training side's
+    hooks accept it and pass the size to the vLLM server's arguments."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+
+    from vexact_vllm.model_patches.trainers import verl_hooks
+
+    cfg = compose(_overrides(RECIPE, ROLLOUT_PP="2", NGPUS_PER_NODE="2"))
+    rollout = cfg.actor_rollout_ref.rollout
+    assert rollout.pipeline_model_parallel_size == 2 and rollout.tensor_model_parallel_size == 1
+    assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES == cfg.actor_rollout_ref.model.external_lib
+    validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    assert not verl_hooks.is_installed()
+    with pytest.raises(Exception, match="pipeline_model_parallel_size > 1"):
+        omega_conf_to_dataclass(rollout)
+    with verl_hooks.installed():
+        assert omega_conf_to_dataclass(rollout).engine_kwargs["vllm"]["pipeline_parallel_size"] == 2
+
+
+def test_rollout_pp_is_vexact_only(tmp_path):
+    """Stock vLLM with ROLLOUT_PP > 1 is refused by the recipe; the verify pair runs its stock side at 1."""
+    proc = subprocess.run(["bash", str(RECIPE)], env={**os.environ, "DRY_RUN": "1", "VEXACT": "0", "ROLLOUT_PP": "2"},
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 1 and "needs VEXACT=1" in proc.stderr
+    _overrides(VERIFY, LOG_DIR=str(tmp_path), ROLLOUT_PP="2")
+    runs = {v: (tmp_path / f"vexact{v}.log").read_text().splitlines() for v in ("1", "0")}
+    assert "actor_rollout_ref.rollout.pipeline_model_parallel_size=2" in runs["1"]
+    assert "actor_rollout_ref.rollout.pipeline_model_parallel_size=1" in runs["0"]
+    assert not any("VERL_USE_EXTERNAL_MODULES" in line for line in runs["0"])
+    compose(runs["1"])
+    compose(runs["0"])
