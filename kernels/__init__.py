@@ -22,7 +22,7 @@ from .gemm import linear
 from .logprob import TORCH_VOCAB_BLOCK, linear_token_log_probs, log_softmax, token_log_probs
 from .mkl_vml import warm_up_vml
 from .moe import fused_moe
-from .moe_routing import route
+from .moe_routing import route, route_grouped
 from .rms_norm import add_rms_norm, rms_norm
 from .rope import apply_rope, rope_cache
 from .sample import Sampled, gumbel_argmax, sample_tokens
@@ -59,6 +59,7 @@ __all__ = [
     "rms_norm",
     "rope_cache",
     "route",
+    "route_grouped",
     "Sampled",
     "sample_tokens",
     "silu_and_mul",
