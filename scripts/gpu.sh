@@ -5,11 +5,15 @@
 #   bash scripts/gpu.sh check [MODEL ...]     vexact-vllm check --against-stock on each built-in model (default:
 #                                             tiny-qwen3 tiny-qwen2 tiny-llama tiny-qwen3-moe qwen3-1.7b-shape),
 #                                             then on qwen3-1.7b-shape with four 2,700-3,300-token prompts (past
-#                                             the attention's 2,048-key split), and at tensor-parallel size 2 on
-#                                             tiny-llama and tiny-qwen3-moe when there are two GPUs
+#                                             the attention's 2,048-key split); on two GPUs at tensor-parallel size
+#                                             2 (tiny-llama, tiny-qwen3-moe) and pipeline-parallel size 2 (every
+#                                             tiny model, the Qwen3-1.7B shape, an uneven VLLM_PP_LAYER_PARTITION),
+#                                             on four GPUs at PP=2 x TP=2 as well
 #   bash scripts/gpu.sh bench [BENCH ARGS]    vexact-vllm bench on the Qwen3-1.7B shape (dummy weights): stock vLLM,
 #                                             stock batch-invariant and vexact, workloads default and grpo:32, side
-#                                             by side on the GPU; BENCH ARGS override (e.g. --model qwen3-8b-shape)
+#                                             by side on the GPU; BENCH ARGS override (e.g. --model qwen3-8b-shape).
+#                                             On two GPUs also vexact at PP=2 against stock at PP=2 (Qwen3-8B and
+#                                             Qwen3-30B-A3B shapes; BENCH ARGS apply there too)
 #   bash scripts/gpu.sh all                   tests, check, bench
 #
 # PYTHON picks the interpreter (default python3). With OUT=DIR each step's output is also kept in
@@ -47,6 +51,8 @@ with open(sys.argv[1], "w") as f:
 PY
 }
 
+gpus() { nvidia-smi -L 2>/dev/null | wc -l; }
+
 tests() {
   run tests "$py" -m pytest -q -m cuda tests "$@"
 }
@@ -62,21 +68,41 @@ check() {
   run check-long "$py" -m vexact_vllm.cli check --model qwen3-1.7b-shape --prompts "$prompts" --num-prompts 4 \
     --max-tokens 48 --max-model-len 4096 --quiet
   rm -f "$prompts"
-  if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
+  if [ "$(gpus)" -ge 2 ]; then
     for model in tiny-llama tiny-qwen3-moe; do
       run "check-tp2-$model" "$py" -m vexact_vllm.cli check --model "$model" --tensor-parallel-size 2 --quiet
+    done
+    # Pipeline parallelism: every composition on each family (tied Qwen3/Qwen2: the last stage holds the
+    # embedding as its lm_head), stock vLLM at PP=2 beside it; then the 28-layer shape split unevenly.
+    for model in tiny-qwen3 tiny-qwen2 tiny-llama tiny-qwen3-moe qwen3-1.7b-shape; do
+      run "check-pp2-$model" "$py" -m vexact_vllm.cli check --model "$model" --pipeline-parallel-size 2 \
+        --against-stock --quiet
+    done
+    VLLM_PP_LAYER_PARTITION=20,8 run check-pp2-uneven "$py" -m vexact_vllm.cli check --model qwen3-1.7b-shape \
+      --pipeline-parallel-size 2 --compositions batch,chunked-prefill,preemption --quiet
+  fi
+  if [ "$(gpus)" -ge 4 ]; then
+    for model in tiny-qwen3-moe qwen3-1.7b-shape; do
+      run "check-pp2-tp2-$model" "$py" -m vexact_vllm.cli check --model "$model" --pipeline-parallel-size 2 \
+        --tensor-parallel-size 2 --quiet
     done
   fi
 }
 
 bench() {
   run bench "$py" -m vexact_vllm.cli bench --model qwen3-1.7b-shape --workload default,grpo:32 --interleave "$@"
+  if [ "$(gpus)" -ge 2 ]; then  # vexact at PP=2 against stock at PP=2 (the target: >= 0.95x)
+    for model in qwen3-8b-shape qwen3-30b-a3b-shape; do
+      run "bench-pp2-$model" "$py" -m vexact_vllm.cli bench --model "$model" --pipeline-parallel-size 2 \
+        --configs stock,vexact --workload default,grpo:32 --interleave "$@"
+    done
+  fi
 }
 
 case "${1:-}" in
   tests|check|bench) step=$1; shift; "$step" "$@" ;;
   all) tests; check; bench ;;
-  *) sed -n '2,16p' "$0" | cut -c3-; exit 2 ;;
+  *) sed -n '2,20p' "$0" | cut -c3-; exit 2 ;;
 esac
 printf '%s\n' "${results[@]}"
 [ ${#failed[@]} = 0 ]

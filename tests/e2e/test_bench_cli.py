@@ -332,18 +332,21 @@ def test_git_commit(monkeypatch):
     assert bench_report.git_commit() == "unknown"
 
 
-def test_tensor_parallel_size_reaches_every_child():
-    """`--tensor-parallel-size` is forwarded to each configuration's process (stock and vexact alike)."""
+@pytest.mark.parametrize("name", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_parallel_sizes_reach_every_child(name):
+    """`--tensor-parallel-size` and `--pipeline-parallel-size` are forwarded to each configuration's
+    process (stock and vexact alike)."""
     import argparse
 
     from vexact_vllm.cli.bench import add_arguments, forward_args
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    forwarded = forward_args(parser.parse_args(["--tensor-parallel-size", "2"]))
-    assert forwarded[forwarded.index("--tensor-parallel-size") + 1] == "2"
-    assert parser.parse_args(forwarded).tensor_parallel_size == 2
-    assert parser.parse_args([]).tensor_parallel_size == 1
+    flag = "--" + name.replace("_", "-")
+    forwarded = forward_args(parser.parse_args([flag, "2"]))
+    assert forwarded[forwarded.index(flag) + 1] == "2"
+    assert getattr(parser.parse_args(forwarded), name) == 2
+    assert getattr(parser.parse_args([]), name) == 1
 
 
 def test_settings_line_names_what_each_configuration_sets_itself(monkeypatch):

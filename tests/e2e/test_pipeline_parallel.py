@@ -28,7 +28,8 @@ def _check(tmp_path, model: str, *args: str) -> dict:
     return report
 
 
-# The tiny Qwen3 runs every composition in CI's main job (check --pipeline-parallel-size 2).
+# One composition per family keeps it short; the tiny Qwen3 runs every composition at PP=2 in `vexact-vllm
+# check --pipeline-parallel-size 2` (scripts/gpu.sh on two GPUs, by hand on CPU).
 @pytest.mark.parametrize(
     ("arch", "compositions", "partition"),
     [("llama", "chunked-prefill", None), ("qwen3_moe", "preemption", "3,1"), ("qwen2", "prefix-cache", "1,3")],

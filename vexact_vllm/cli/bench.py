@@ -99,6 +99,7 @@ class EngineRun:
             args.model, model_impl=CONFIGS[args.config]["model_impl"], dtype=args.dtype, seed=args.seed,
             load_format=args.load_format, skip_tokenizer_init=True, max_model_len=args.max_model_len,
             enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
             **profiler_kwargs(args), **json.loads(args.engine_kwargs),
         )  # fmt: skip
         self.startup_s = time.perf_counter() - t0
@@ -414,6 +415,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="CUDA graphs off")
     parser.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                         help="vLLM's tensor-parallel size, every configuration (one GPU per rank)")
+    parser.add_argument("--pipeline-parallel-size", type=positive_int, default=1,
+                        help="vLLM's pipeline-parallel size, every configuration (with --tensor-parallel-size T, "
+                        "T x this many GPUs)")
     parser.add_argument("--engine-kwargs", default="{}", help="JSON of extra LLM(...) arguments")
     parser.add_argument("--duration", type=float, default=20.0,
                         help="seconds of timed generation per run: passes of the workload (same requests and "
@@ -443,7 +447,8 @@ def add_arguments(parser) -> None:
 
 
 FORWARDED = ("model", "workload", "num_prompts", "input_len", "output_len", "samples", "temperature", "seed", "dtype", "max_model_len",
-             "load_format", "vocab_limit", "enforce_eager", "tensor_parallel_size", "engine_kwargs", "duration", "warmup_passes", "profile",
+             "load_format", "vocab_limit", "enforce_eager", "tensor_parallel_size",
+             "pipeline_parallel_size", "engine_kwargs", "duration", "warmup_passes", "profile",
              "profile_steps")
 
 
