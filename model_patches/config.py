@@ -20,6 +20,8 @@ SUPPORTED_MODEL_TYPES = {f.model_type: f.architecture for f in FAMILIES}
 SUPPORTED_ARCHITECTURES = tuple(SUPPORTED_MODEL_TYPES.values())
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# YaRN: the rope of DeepSeek's checkpoints, checked against transformers for the MLA families only.
+MLA_ROPE_TYPES = ("yarn",)
 
 
 class UnsupportedModelError(ValueError):
@@ -28,13 +30,19 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """The mixture-of-experts part of a decoder (Qwen3-MoE)."""
+    """The mixture-of-experts part of a decoder (Qwen3-MoE; DeepSeek's with the routing fields below)."""
 
     num_experts: int
     top_k: int  # experts per token (num_experts_per_tok)
     intermediate_size: int  # of each expert (moe_intermediate_size)
     norm_topk_prob: bool  # renormalise the k routing weights to sum to 1
     sparse_layers: tuple[int, ...]  # layers with an MoE block; the others have the dense MLP
+    scoring: str = "softmax"  # "softmax" (kernels.route) or "sigmoid" (DeepSeek-V3: kernels.route_grouped)
+    n_group: int = 1  # sigmoid routing: expert groups, of which the best topk_group are kept
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # times the routing weights (after norm_topk_prob)
+    correction_bias: bool = False  # the router holds an fp32 e_score_correction_bias (choice only)
+    shared_intermediate_size: int = 0  # DeepSeek's shared experts, one SwiGLU MLP (0: none)
 
     def __post_init__(self):
         if not 1 <= self.top_k <= self.num_experts:
@@ -43,6 +51,43 @@ class MoeConfig:
             )
         if self.intermediate_size < 1:
             raise UnsupportedModelError(f"moe_intermediate_size must be positive, got {self.intermediate_size}")
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise UnsupportedModelError(f"scoring_func {self.scoring!r} is not supported (softmax or sigmoid)")
+        if self.scoring == "softmax" and (self.n_group, self.topk_group, self.correction_bias) != (1, 1, False):
+            raise UnsupportedModelError("softmax routing takes no expert groups and no correction bias")
+        if self.scoring == "sigmoid":
+            from vexact_vllm.kernels.moe_routing import check_grouping
+
+            try:
+                check_grouping(self.num_experts, self.top_k, self.n_group, self.topk_group)
+            except ValueError as e:
+                raise UnsupportedModelError(f"{e}; the checkpoint's routing cannot be reproduced") from None
+        if not self.routed_scaling_factor > 0:
+            raise UnsupportedModelError(f"routed_scaling_factor must be positive, got {self.routed_scaling_factor}")
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """DeepSeek's multi-head latent attention (MLA): the projections' sizes. The attention itself runs
+    over K and V decompressed per head: q/k heads of qk_nope_head_dim + qk_rope_head_dim, v heads of
+    v_head_dim (mla.py)."""
+
+    q_lora_rank: int | None  # None: q_proj; else q_a_proj -> q_a_layernorm -> q_b_proj
+    kv_lora_rank: int  # the latent kv_a_proj_with_mqa compresses K and V to
+    qk_nope_head_dim: int  # the per-head key/query part without rotation
+    qk_rope_head_dim: int  # the rotated part (the key's is one head shared by all)
+    v_head_dim: int
+    rope_interleave: bool  # the rotated dims come in (even, odd) pairs, de-interleaved before the rotation
+    attention_bias: bool = False  # biases on q_a_proj (or q_proj), kv_a_proj_with_mqa and o_proj
+
+    def __post_init__(self):
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise UnsupportedModelError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.qk_rope_head_dim % 2:
+            raise UnsupportedModelError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise UnsupportedModelError(f"q_lora_rank must be positive or null, got {self.q_lora_rank}")
 
 
 @dataclass
@@ -66,6 +111,8 @@ class DecoderConfig:
     mlp_bias: bool = False  # Llama's mlp_bias
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
     moe: MoeConfig | None = None  # the experts of an MoE family; None for dense families
+    mla: MlaConfig | None = None  # DeepSeek's latent attention; head_dim is then its q/k head size
+    softmax_scale: float | None = None  # the attention's scale; None: head_dim ** -0.5
     extra: dict[str, Any] = field(default_factory=dict)  # informational only
 
     def __post_init__(self):
@@ -77,11 +124,29 @@ class DecoderConfig:
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
-        if rope_type not in SUPPORTED_ROPE_TYPES:
+        supported = SUPPORTED_ROPE_TYPES + (MLA_ROPE_TYPES if self.mla is not None else ())
+        if rope_type not in supported:
             raise UnsupportedModelError(
                 f"rope_type {rope_type!r} is not supported by vexact-vllm (supported: "
-                f"{', '.join(SUPPORTED_ROPE_TYPES)}); use a checkpoint without this RoPE scaling"
+                f"{', '.join(supported)}); use a checkpoint without this RoPE scaling"
             )
+        if self.mla is not None and self.head_dim != self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim:
+            raise UnsupportedModelError("an MLA decoder's head_dim is qk_nope_head_dim + qk_rope_head_dim")
+
+    @property
+    def value_head_dim(self) -> int:
+        """The values' (and the attention output's) head size: MLA's v_head_dim, else head_dim."""
+        return self.mla.v_head_dim if self.mla is not None else self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims each head's rotation covers: MLA's qk_rope_head_dim, else head_dim."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale both sides attend with."""
+        return self.softmax_scale if self.softmax_scale is not None else self.head_dim**-0.5
 
     @property
     def architecture(self) -> str:
@@ -98,7 +163,7 @@ class DecoderConfig:
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         rope = _rope_parameters(hf_config)
-        return cls(
+        fields = dict(
             model_type=model_type,
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
@@ -112,8 +177,9 @@ class DecoderConfig:
             rope_theta=float(rope.get("rope_theta", 10000.0)),
             rope_scaling=None if rope.get("rope_type", "default") == "default" else rope,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            **BY_MODEL_TYPE[model_type].load().decoder_fields(hf_config),
         )
+        fields.update(BY_MODEL_TYPE[model_type].load().decoder_fields(hf_config))  # a family may set head_dim
+        return cls(**fields)
 
 
 def _unsupported_type_message(model_type) -> str:
@@ -141,7 +207,15 @@ def _rope_parameters(hf_config) -> dict[str, Any]:
 
 
 def _refuse_unsupported_features(hf_config) -> None:
-    if getattr(hf_config, "quantization_config", None):
+    quantization = getattr(hf_config, "quantization_config", None)
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization, "quant_method", None)
+    if method == "fp8":
+        raise UnsupportedModelError(
+            "FP8 (block-quantized) checkpoints, such as DeepSeek-V3's official release, are not supported by "
+            "vexact-vllm (the trainer computes in bf16): convert the checkpoint to bf16 first (DeepSeek's "
+            "inference/fp8_cast_bf16.py, or VeOmni's scripts/deepseek_v3/fp8_cast_bf16.py) and serve that"
+        )
+    if quantization:
         raise UnsupportedModelError(
             "quantized checkpoints are not supported by vexact-vllm (the trainer computes in "
             "bf16/fp32); use the unquantized checkpoint"

@@ -29,6 +29,8 @@ class Family:
     module: str  # the family file, model_patches/models/<module>.py: its decoder_fields(hf_config)
     decoder_name: str  # the decoder class in the family file (a subclass of layers.Decoder)
     tiny: dict = field(default_factory=dict)  # config fields of the built-in `tiny-<tiny_name>` checkpoint
+    tiny_suffix: str = ""  # appended to the built-in's name (`tiny-deepseek-v2-lite`: V2-Lite's shape)
+    veomni: bool = True  # VeOmni's modeling registry has this model type (its builds become ours)
 
     @property
     def vllm_name(self) -> str:
@@ -40,7 +42,7 @@ class Family:
 
     @property
     def tiny_name(self) -> str:
-        return "tiny-" + self.model_type.replace("_", "-")
+        return "tiny-" + self.model_type.replace("_", "-") + self.tiny_suffix
 
     def load(self):
         """The family file (its decoder class and `decoder_fields(hf_config)`)."""
@@ -61,6 +63,15 @@ _ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 256}  # fmt: skip
 
+# DeepSeek's MLA decoder at the tiny size: q/k heads of 32 + 16, values of 32 (Dv != D), 8 experts top-2,
+# one shared expert, a dense first layer, YaRN.
+_DEEPSEEK = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                 kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8,
+                 num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1)  # fmt: skip
+_DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 512,
+                  "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
+
 FAMILIES: tuple[Family, ...] = (
     Family("qwen3", "Qwen3ForCausalLM", "Qwen3Config", "qwen3", "Qwen3Decoder",
            {**_TINY, "head_dim": 32, "tie_word_embeddings": True, "rope_parameters": _ROPE}),
@@ -72,6 +83,19 @@ FAMILIES: tuple[Family, ...] = (
            {**_TINY, "head_dim": 32, "tie_word_embeddings": False, "rope_parameters": _ROPE, "num_experts": 8,
             "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True,
             "decoder_sparse_step": 1, "mlp_only_layers": [1]}),
+    # DeepSeek-V3 (Moonlight, Kimi-K2 shapes): q LoRA, grouped sigmoid routing with a correction bias
+    # (drawn non-zero by the tiny builder), interleaved rotary pairs.
+    Family("deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3Config", "deepseek_v3", "DeepseekV3Decoder",
+           {**_DEEPSEEK, "q_lora_rank": 48, "n_shared_experts": 1, "n_group": 4, "topk_group": 2,
+            "norm_topk_prob": True, "routed_scaling_factor": 2.5, "rope_interleave": True,
+            "rope_parameters": _DEEPSEEK_YARN}),
+    # DeepSeek-V2-Lite's layout: no q LoRA, softmax greedy routing, two shared experts, q/k heads of
+    # 24 + 16 and values of 24, YaRN with V2-Lite's mscale 0.707 (a softmax scale above D^-0.5).
+    Family("deepseek_v2", "DeepseekV2ForCausalLM", "DeepseekV2Config", "deepseek_v3", "DeepseekV3Decoder",
+           {**_DEEPSEEK, "q_lora_rank": None, "qk_nope_head_dim": 24, "v_head_dim": 24, "n_shared_experts": 2,
+            "topk_method": "greedy", "norm_topk_prob": False, "routed_scaling_factor": 1.0,
+            "rope_parameters": {**_DEEPSEEK_YARN, "mscale": 0.707, "mscale_all_dim": 0.707}},
+           tiny_suffix="-lite", veomni=False),
 )  # fmt: skip
 
 BY_MODEL_TYPE: dict[str, Family] = {f.model_type: f for f in FAMILIES}

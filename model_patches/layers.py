@@ -228,14 +228,14 @@ class Embedding(nn.Module):
 
 
 class RotaryCache:
-    """cos|sin table [max_positions, head_dim] (fp32), built once per device, never a buffer, so
+    """cos|sin table [max_positions, rotary_dim] (fp32), built once per device, never a buffer, so
     meta-device construction and FSDP leave it alone. The layers receive this object, not the table:
     FSDP2 with `cast_forward_inputs` (VeOmni's and verl's mixed precision) casts every floating-point
     tensor argument of a wrapped layer to the parameter dtype, which would hand the rotation a bf16
     table."""
 
     def __init__(self, config: DecoderConfig):
-        self.args = (config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
+        self.args = (config.rotary_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
         self._by_device: dict[torch.device, torch.Tensor] = {}
 
     def get(self, device: torch.device) -> torch.Tensor:
@@ -245,12 +245,13 @@ class RotaryCache:
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP. With `tp`: the rank's I / T gate/up columns, the activation gathered, the rank's
-    H / T down_proj columns, the output gathered (tensor_parallel.py)."""
+    """SwiGLU MLP of `intermediate_size` (None: the config's; DeepSeek's shared experts have their
+    own). With `tp`: the rank's I / T gate/up columns, the activation gathered, the rank's H / T
+    down_proj columns, the output gathered (tensor_parallel.py)."""
 
-    def __init__(self, config: DecoderConfig, tp: TensorParallel | None = None):
+    def __init__(self, config: DecoderConfig, tp: TensorParallel | None = None, intermediate_size: int | None = None):
         super().__init__()
-        h, i, b = config.hidden_size, config.intermediate_size, config.mlp_bias
+        h, i, b = config.hidden_size, intermediate_size or config.intermediate_size, config.mlp_bias
         self.tp, self.sizes = tp, (i, h)
         self.gate_proj = Linear(h, i, b, tp)
         self.up_proj = Linear(h, i, b, tp)
@@ -327,14 +328,20 @@ class SelfAttention(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm block; the residual stream is carried separately so each norm fuses the add. The
-    feed-forward block (`mlp`: the dense MLP, or a family's MoE block) is the family's choice."""
+    feed-forward block (`mlp`: the dense MLP, or a family's MoE block) and the attention block
+    (`attention`: `SelfAttention` unless given, e.g. DeepSeek's MLA) are the family's choice."""
 
     def __init__(
-        self, config: DecoderConfig, layer_idx: int, mlp: nn.Module, tp: TensorParallel | None = None
+        self,
+        config: DecoderConfig,
+        layer_idx: int,
+        mlp: nn.Module,
+        tp: TensorParallel | None = None,
+        attention: nn.Module | None = None,
     ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = SelfAttention(config, layer_idx, tp)
+        self.self_attn = attention if attention is not None else SelfAttention(config, layer_idx, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
 
@@ -351,8 +358,9 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     """embed_tokens -> layers -> norm. Inputs are packed: input_ids [T], positions [T].
 
-    A family file subclasses this and chooses each layer's feed-forward block in `mlp` (built with
-    `self.tp`). `tp`: this rank of a tensor-parallel group (vLLM only; tensor_parallel.py); None in
+    A family file subclasses this and chooses each layer's feed-forward block in `mlp` and its
+    attention block in `attention` (built with `self.tp`). `tp`: this rank of a tensor-parallel group
+    (vLLM only; tensor_parallel.py); None in
     every trainer. `stage`: the layers and parts this pipeline stage builds (vLLM only;
     pipeline_parallel.py); the whole decoder by default, and in every trainer."""
 
@@ -367,7 +375,8 @@ class Decoder(nn.Module):
             lambda: Embedding(config.vocab_size, config.hidden_size),
         )
         self.layers = stage_layers(
-            stage, config.num_layers, lambda i: DecoderLayer(config, i, self.mlp(config, i), tp)
+            stage, config.num_layers,
+            lambda i: DecoderLayer(config, i, self.mlp(config, i), tp, self.attention(config, i)),
         )
         self.norm = placed(stage.is_last, lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
         self.rotary = RotaryCache(config)
@@ -375,6 +384,10 @@ class Decoder(nn.Module):
     def mlp(self, config: DecoderConfig, layer_idx: int) -> nn.Module:
         """Layer `layer_idx`'s feed-forward block: the dense SwiGLU MLP unless a family says otherwise."""
         return MLP(config, self.tp)
+
+    def attention(self, config: DecoderConfig, layer_idx: int) -> nn.Module:
+        """Layer `layer_idx`'s attention block: grouped-query `SelfAttention` unless a family says otherwise."""
+        return SelfAttention(config, layer_idx, self.tp)
 
     # Gradient checkpointing: set by Hugging Face's `gradient_checkpointing_enable` (with the
     # checkpoint function in `_gradient_checkpointing_func`); training only. The recomputation runs

@@ -1,4 +1,5 @@
-"""The mixture-of-experts block of the shared vocabulary (Qwen3-MoE's `mlp` on its sparse layers).
+"""The mixture-of-experts blocks of the shared vocabulary: `SparseMoeBlock` (Qwen3-MoE's `mlp` on its sparse
+layers) and `SharedExpertsMoeBlock` (DeepSeek-V2/V3's: routed experts plus always-on shared experts).
 
 Parameters carry Hugging Face transformers 5's in-memory names and layouts (what its Qwen3-MoE
 holds after loading a checkpoint, what VeOmni's Qwen3-MoE holds, what a trainer's state_dict and
@@ -23,6 +24,16 @@ the model dtype before its fp32 softmax, rounds the routing weights to the model
 each expert's bf16 output by them in bf16 and accumulates with `index_add_` in bf16 in expert order;
 here the logits are fp32 out of the GEMM, the weights stay fp32 and the k products are summed in fp32
 in slot order, rounded once.
+
+DeepSeek's block (`SharedExpertsMoeBlock`), with names `mlp.gate.e_score_correction_bias` [E] (fp32, a
+buffer: V3's router only) and `mlp.shared_experts.{gate,up,down}_proj.weight` besides the above:
+    (w, ids) = kernels.route_grouped(logits, bias, ...)      sigmoid routing (V3), or
+               kernels.route(logits, k, False) * scaling      softmax greedy routing (V2)
+    out = fused_moe(x, ..., ids, w) + shared_experts(x)       the routed sum rounded once to the model
+                                                              dtype, then ONE add of the shared experts'
+                                                              output (a SwiGLU MLP), in that order
+transformers adds the same two terms in the same order (`experts(...) + shared_experts(residuals)`);
+its routed term is the bf16 index_add_ of the experts' bf16 outputs times their weights.
 """
 
 from __future__ import annotations
@@ -34,18 +45,34 @@ from torch import nn
 
 from vexact_vllm.kernels import linear
 from vexact_vllm.kernels.moe import fused_moe, fused_moe_sharded
-from vexact_vllm.kernels.moe_routing import route
+from vexact_vllm.kernels.moe_routing import route, route_grouped
 
-from .config import DecoderConfig
+from .config import DecoderConfig, UnsupportedModelError
+from .layers import MLP
 from .tensor_parallel import TensorParallel, mark_shard
 
 
 class Router(nn.Module):
-    """`mlp.gate`: fp32 router logits [T, E] from the shared GEMM."""
+    """`mlp.gate`: fp32 router logits [T, E] from the shared GEMM. With `correction_bias` (DeepSeek-V3)
+    it also holds `e_score_correction_bias` [E], an fp32 buffer whatever the model dtype (as in
+    transformers)."""
 
-    def __init__(self, num_experts: int, hidden_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, correction_bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        if correction_bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+
+    def _apply(self, fn, recurse=True):
+        """`Module.to`, `.cuda()`, `.bfloat16()`...: the correction bias follows the device, never the
+        dtype (transformers keeps it in fp32 the same way, `_keep_in_fp32_modules_strict`)."""
+        bias = self.e_score_correction_bias
+        out = super()._apply(fn, recurse)
+        if bias is not None:
+            self._buffers["e_score_correction_bias"] = bias.to(device=self.e_score_correction_bias.device)
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, out_dtype=torch.float32)  # [T, E] fp32
@@ -114,3 +141,62 @@ def expert_rows(stacked: torch.Tensor, expert: int, part: str) -> torch.Tensor:
         return stacked[expert]
     half = stacked.shape[1] // 2
     return stacked[expert, :half] if part == "gate_proj" else stacked[expert, half:]
+
+
+class SharedExpertsMoeBlock(nn.Module):
+    """DeepSeek-V2/V3's MoE block: router + routed experts + shared experts (module docstring). With `tp`
+    the experts and the shared experts are sharded as `SparseMoeBlock`'s and `MLP`'s; routing runs on
+    the full x on every rank."""
+
+    def __init__(self, config: DecoderConfig, tp: TensorParallel | None = None):
+        super().__init__()
+        moe = self.moe = config.moe
+        self.tp, self.sizes = tp, (moe.intermediate_size, config.hidden_size)
+        self.gate = Router(moe.num_experts, config.hidden_size, moe.correction_bias)
+        self.experts = Experts(moe.num_experts, config.hidden_size, moe.intermediate_size, tp)
+        self.shared_experts = MLP(config, tp, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights fp32 [T, k], ids int64 [T, k]) of the router's fp32 logits [T, E]."""
+        moe = self.moe
+        if moe.scoring == "sigmoid":
+            bias = self.gate.e_score_correction_bias
+            if bias is None:
+                bias = torch.zeros(moe.num_experts, dtype=torch.float32, device=logits.device)
+            return route_grouped(logits, bias, moe.top_k, moe.n_group, moe.topk_group, moe.norm_topk_prob,
+                                 moe.routed_scaling_factor)  # fmt: skip
+        weights, ids = route(logits, moe.top_k, moe.norm_topk_prob)
+        if moe.routed_scaling_factor != 1.0:
+            weights = weights * moe.routed_scaling_factor
+        return weights, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(self.gate(x))  # [T, k] fp32, [T, k] int64
+        w_gate_up, w_down = self.experts.gate_up_proj, self.experts.down_proj
+        if self.tp is None:
+            out = fused_moe(x, w_gate_up, w_down, ids, weights)  # [T, H]
+        else:
+            inter, hidden = self.sizes
+            out = fused_moe_sharded(x, w_gate_up, w_down, ids, weights, lambda a: self.tp.gather(a, inter), inter,
+                                    hidden)  # fmt: skip
+            out = self.tp.gather(out, hidden)  # [T, H]
+        if self.shared_experts is None:
+            return out
+        return out + self.shared_experts(x)  # [T, H]: one add, routed + shared
+
+
+def check_expert_tensors(names: set[str], config: DecoderConfig) -> None:
+    """A checkpoint that names experts one by one must hold every expert's three tensors on every
+    sparse layer; the first one missing is named (stacked `gate_up_proj`/`down_proj` also do)."""
+    for layer in config.moe.sparse_layers:
+        base = f"model.layers.{layer}.mlp.experts"
+        if f"{base}.gate_up_proj" in names and f"{base}.down_proj" in names:
+            continue
+        for expert in range(config.moe.num_experts):
+            for part in EXPERT_PARTS:
+                name = f"{base}.{expert}.{part}.weight"
+                if name not in names:
+                    raise UnsupportedModelError(
+                        f"the checkpoint has no {name}: expert {expert} of layer {layer} is missing its "
+                        f"{part} (config.json says {config.moe.num_experts} experts); the checkpoint is incomplete"
+                    )

@@ -58,6 +58,9 @@ EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")
 TOKENIZER_VOCAB_SIZE = 384
 INIT_STD = 0.02  # Hugging Face's initializer_range
+# The tiny DeepSeek-V3's router correction bias: the size of its sigmoid scores' spread, so it changes
+# which experts win (and with groups, which groups) without deciding every choice alone.
+CORRECTION_BIAS_STD = 0.01
 # Random-weight stand-ins for real models: same architecture and shapes, the tiny tokenizer.
 QWEN3_1_7B_SHAPE = dict(
     hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
@@ -232,7 +235,9 @@ def _stream_safetensors(path: Path, config: Qwen3Config, seed: int, dtype: torch
 def _save_with_transformers(
     config: PretrainedConfig, path: Path, seed: int, dtype: torch.dtype, std: float = INIT_STD
 ) -> None:
-    """Instantiate with transformers, re-initialise every tensor explicitly, `save_pretrained`."""
+    """Instantiate with transformers, re-initialise every tensor explicitly, `save_pretrained`. DeepSeek-V3's
+    routers' `e_score_correction_bias` (a buffer, zero at init) is drawn ~ N(0, CORRECTION_BIAS_STD) and
+    saved in fp32, as DeepSeek's checkpoints keep it."""
     gen = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -243,7 +248,14 @@ def _save_with_transformers(
                 param.fill_(1.0)
             else:  # Linear/Embedding weights and biases
                 param.normal_(0.0, std, generator=gen)
-    model.to(dtype).save_pretrained(str(path), safe_serialization=True)
+        biases = {name: torch.randn(buf.shape, generator=gen) * CORRECTION_BIAS_STD
+                  for name, buf in sorted(model.named_buffers()) if name.endswith("e_score_correction_bias")}  # fmt: skip
+    model.to(dtype)
+    for module_name, module in model.named_modules():
+        name = f"{module_name}.e_score_correction_bias"
+        if name in biases:
+            module.e_score_correction_bias = biases[name]  # fp32 after the cast, as on disk
+    model.save_pretrained(str(path), safe_serialization=True)
 
 
 def _is_complete(path: Path, weights: bool = True) -> bool:

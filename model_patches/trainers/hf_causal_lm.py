@@ -152,6 +152,7 @@ class VexactPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True  # Decoder.forward checkpoints each layer
     _supports_attention_backend = False
     hf_architecture = ""  # the Hugging Face class this one stands in for, written to saved configs
+    _keep_in_fp32_modules_strict = ["e_score_correction_bias"]  # DeepSeek-V3's router bias, as transformers
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """A checkpoint names Hugging Face's architecture (e.g. Qwen3ForCausalLM), not this class, so
@@ -180,6 +181,8 @@ class VexactPreTrainedModel(PreTrainedModel):
             module.weight.data.normal_(0.0, std)
             if getattr(module, "bias", None) is not None:
                 module.bias.data.zero_()
+            if getattr(module, "e_score_correction_bias", None) is not None:
+                module.e_score_correction_bias.data.zero_()
         elif isinstance(module, RMSNorm):
             module.weight.data.fill_(1.0)
 
@@ -238,6 +241,8 @@ class VexactForCausalLM(VexactPreTrainedModel):
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
         if not router:
             return CausalLMOutputWithPast(loss=loss, logits=logits)
+        if not hasattr(self.config, "router_aux_loss_coef"):  # DeepSeek: transformers returns the logits, no aux loss
+            return MoeCausalLMOutputWithPast(loss=loss, logits=logits, router_logits=tuple(router_logits))
         aux_loss = self._load_balancing_loss(router_logits)
         if loss is not None:
             loss = loss + self.config.router_aux_loss_coef * aux_loss

@@ -1,10 +1,11 @@
-"""VeOmni side of the training switch: VeOmni builds and scores Qwen3, Qwen2 and Llama with the
+"""VeOmni side of the training switch: VeOmni builds and scores the families of the table with the
 shared model. Symmetric and idempotent: `install()`, `uninstall()`, `is_installed()` and the
 `installed()` context manager. The patches are rows of `PATCHES` (vexact_vllm.patching: checked
 against VeOmni's signatures at install, undone by `uninstall()`):
 
 1. Modeling registry (`veomni.models.loader.MODELING_REGISTRY`, read by `build_foundation_model`
-   through `get_model_class`): a local override per supported model type returns the vexact class
+   through `get_model_class`): a local override per supported model type VeOmni registers
+   (`VEOMNI_MODEL_TYPES`: every family but DeepSeek-V2) returns the vexact class
    of `veomni_classes` wherever VeOmni's own entry would return its `*ForCausalLM`; other heads of
    these types (the value model's `ForTokenClassification`, `ForSequenceClassification`) and every
    other model type stay VeOmni's. Under `MODELING_BACKEND=hf` VeOmni skips this registry and asks
@@ -36,7 +37,7 @@ from functools import partial
 
 from vexact_vllm.patching import Patch, PatchTable
 
-from ..config import SUPPORTED_MODEL_TYPES
+from ..families import FAMILIES
 from .veomni_classes import VEOMNI_CLASSES, VEXACT_KERNEL_NAME, vexact_causal_lm_loss
 
 # What VeOmni's registry entries attach to its own classes for loading (Qwen3-MoE: the converter that
@@ -106,6 +107,9 @@ def _loss_mapping_installer(veomni_install):
 
 
 WRITTEN_FOR = "VeOmni 0.1.12"
+# The families whose model type VeOmni's modeling registry has (DeepSeek-V2 has no VeOmni model: VeOmni
+# builds it through transformers, MODELING_BACKEND=hf, where transformers_hooks gives it ours).
+VEOMNI_MODEL_TYPES = tuple(f.model_type for f in FAMILIES if f.veomni)
 
 # The whole patch set, one row per target (vexact_vllm.patching).
 PATCHES = PatchTable(
@@ -114,7 +118,7 @@ PATCHES = PatchTable(
         *(
             Patch(f"veomni.models.loader:MODELING_REGISTRY[{model_type}]", partial(_modeling_entry, model_type),
                   ("architecture",), WRITTEN_FOR)
-            for model_type in SUPPORTED_MODEL_TYPES
+            for model_type in VEOMNI_MODEL_TYPES
         ),
         Patch("veomni.ops.kernels.cross_entropy:install_loss_mapping", _loss_mapping_installer, ("impl",),
               WRITTEN_FOR),

@@ -70,7 +70,7 @@ def _stage_model(config, stage, state, tp=None):
     takes them (names under a missing part skipped, every built parameter loaded)."""
     model = build_decoder(config, tp, stage).to(torch.bfloat16).eval()
     pack_projections(model)
-    params, skipped = dict(model.named_parameters()), missing_prefixes(model)
+    params, skipped = {**dict(model.named_parameters()), **dict(model.named_buffers())}, missing_prefixes(model)
     loaded = set()
     for name, full in state.items():
         if name.startswith(skipped):

@@ -121,7 +121,7 @@ def _rank_model(config, tp, state, per_expert):
     """This rank's decoder with the whole model's tensors cut as `VllmVexactForCausalLM.load_weights` does."""
     model = build_decoder(config, tp).to(torch.bfloat16).eval()
     pack_projections(model)
-    params = dict(model.named_parameters())
+    params = {**dict(model.named_parameters()), **dict(model.named_buffers())}  # buffers: DeepSeek's router bias
     for name, full in (_per_expert(state) if per_expert else state).items():
         target = expert_tensor(name)
         if target is None:
@@ -157,7 +157,8 @@ def test_every_rank_reproduces_the_unsharded_decoder(model_type, seed):
     for r, out in enumerate(outs):
         assert torch.equal(out, want), (model_type, tp, r, config)
     per_layer = 4  # attention: heads, o_proj; MLP or MoE: activation, down_proj
-    assert group.calls == per_layer * config.num_layers
+    shared = sum(getattr(layer.mlp, "shared_experts", None) is not None for layer in whole.layers)
+    assert group.calls == per_layer * config.num_layers + 2 * shared  # DeepSeek's shared experts: the same two
 
 
 @pytest.mark.parametrize("n,size", [(7, 2), (8, 4), (130, 8), (3, 4)])

@@ -75,7 +75,7 @@ def test_auto_tokenizer_matches_tokenizer_json(arch, built):
         assert tok.encode(s, add_special_tokens=False) == raw.encode(s, add_special_tokens=False).ids, s
 
 
-@pytest.mark.parametrize("arch", TINY_ARCHS)
+@pytest.mark.parametrize("arch", [a for a in TINY_ARCHS if not a.startswith("deepseek")])  # test_tiny_deepseek.py
 def test_arch_loads(arch, built):
     path = built[arch]
     cfg = AutoConfig.from_pretrained(path)

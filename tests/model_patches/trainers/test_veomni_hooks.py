@@ -61,20 +61,20 @@ def test_install_is_idempotent_and_reversible():
 
     was = veomni_hooks.is_installed()  # enable() may have installed them
     veomni_hooks.uninstall()
-    before = {t: MODELING_REGISTRY[t] for t in VEOMNI_CLASSES}
+    before = {t: MODELING_REGISTRY[t] for t in veomni_hooks.VEOMNI_MODEL_TYPES}
     local = dict(MODELING_REGISTRY._local_mapping)
     installer = cross_entropy.install_loss_mapping
     mapping = dict(LOSS_MAPPING)
     with veomni_hooks.installed():
-        entries = {t: MODELING_REGISTRY[t] for t in VEOMNI_CLASSES}
+        entries = {t: MODELING_REGISTRY[t] for t in veomni_hooks.VEOMNI_MODEL_TYPES}
         veomni_hooks.install()
-        assert {t: MODELING_REGISTRY[t] for t in VEOMNI_CLASSES} == entries
-        assert all(entries[t] is not before[t] for t in VEOMNI_CLASSES)
+        assert {t: MODELING_REGISTRY[t] for t in veomni_hooks.VEOMNI_MODEL_TYPES} == entries
+        assert all(entries[t] is not before[t] for t in veomni_hooks.VEOMNI_MODEL_TYPES)
         cross_entropy.install_loss_mapping("vexact")  # what apply_ops_config does for the selection
         assert LOSS_MAPPING["ForCausalLM"] is vexact_causal_lm_loss
         assert LOSS_MAPPING["ForConditionalGeneration"] is vexact_causal_lm_loss
     assert not veomni_hooks.is_installed()
-    assert {t: MODELING_REGISTRY[t] for t in VEOMNI_CLASSES} == before
+    assert {t: MODELING_REGISTRY[t] for t in veomni_hooks.VEOMNI_MODEL_TYPES} == before
     assert MODELING_REGISTRY._local_mapping == local
     assert cross_entropy.install_loss_mapping is installer
     assert LOSS_MAPPING.keys() == mapping.keys() and all(LOSS_MAPPING[k] is v for k, v in mapping.items())
@@ -95,7 +95,7 @@ def test_other_heads_and_types_stay_veomni(hooks, tiny_model):
     assert value_head.__module__.startswith("veomni.") and value_head.__name__ == "Qwen3ForTokenClassification"
     moe = AutoConfig.for_model("qwen3_moe", architectures=["Qwen3MoeForCausalLM"])
     assert get_model_class(moe).__name__ == "VeOmniVexactQwen3MoeForCausalLM"  # a family of the table
-    other = AutoConfig.for_model("deepseek_v3", architectures=["DeepseekV3ForCausalLM"])
+    other = AutoConfig.for_model("gpt_oss", architectures=["GptOssForCausalLM"])
     assert get_model_class(other).__module__.startswith("veomni.")  # not one: VeOmni's own
 
 
