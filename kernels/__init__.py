@@ -20,6 +20,7 @@ from .dispatch import (
 from .gated_delta import gated_delta_rule, gated_delta_rule_cached
 from .gemm import linear
 from .logprob import TORCH_VOCAB_BLOCK, linear_token_log_probs, log_softmax, token_log_probs
+from .logprob_topk import TokenScores, score_tokens, token_ranks, top_k_ids
 from .mkl_vml import warm_up_vml
 from .moe import fused_moe
 from .moe_routing import route, route_grouped
@@ -62,8 +63,12 @@ __all__ = [
     "route_grouped",
     "Sampled",
     "sample_tokens",
+    "score_tokens",
     "silu_and_mul",
     "token_log_probs",
+    "token_ranks",
+    "TokenScores",
+    "top_k_ids",
     "truncation_threshold",
     "varlen_attention",
     "write_kv_cache",
