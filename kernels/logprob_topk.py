@@ -60,7 +60,8 @@ def order_keys(log_probs: torch.Tensor) -> torch.Tensor:
     vocab = log_probs.shape[1]
     bits = (log_probs + 0.0).view(torch.int32)  # -0.0 + 0.0 = +0.0: equal floats, equal keys
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # int32 in the floats' order
-    low = (vocab - 1) - torch.arange(vocab, dtype=torch.int64, device=log_probs.device)  # [V], lower id: larger
+    ids = torch.arange(vocab, dtype=torch.int64, device=log_probs.device)  # [V]
+    low = (vocab - 1) - ids  # the lower id, the larger key
     return ordered.to(torch.int64) * (1 << 32) + low
 
 
