@@ -8,7 +8,12 @@ For each request row (the rules: rules.py):
    (request seed, position of the new token, token id): the same request samples the same tokens
    alone, in any batch, after preemption or with chunked prefill. Top-k, top-p and min-p narrow
    which tokens may be drawn (`rules.truncation`), never the returned log-prob.
-3. the sampled token's log-prob (and the top-k when asked) is gathered from those log-probs.
+3. the sampled token's log-prob (and the top-k when asked) is gathered from those log-probs
+   (logprobs.py: ties to the lower id, vLLM's rank).
+Prompt log-probs: the V1 runner scores each prefill chunk's prompt rows with this sampler's
+`compute_logprobs` (the one log-prob function at temperature 1, the trainer's
+`packed_log_probs(batch, temperature=1.0)`) and `gather_logprobs` (logprobs.py), as runner v2 does
+(prompt_logprobs.py).
 
 The hook: the V1 runner builds its `Sampler` before the model exists and offers no hook to replace
 it (runner v2 does: `ModelState.custom_sampler`, v2.py). So `GPUModelRunner._sample` is wrapped
@@ -33,6 +38,7 @@ from vexact_vllm.kernels import log_softmax
 from vexact_vllm.option_policy import refuse_request_options
 from vexact_vllm.registry import is_vexact_model
 
+from .logprobs import gather_logprobs
 from .rules import GREEDY_EPS, draw_tokens, request_seed, truncation
 
 
@@ -56,6 +62,8 @@ class VexactSampler(Sampler):
     @staticmethod
     def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:  # prompt log-probs: temperature 1
         return log_softmax(logits.float(), 1.0)
+
+    gather_logprobs = staticmethod(gather_logprobs)  # sampled and prompt tokens: logprobs.py
 
     def _rows(self, num_rows: int) -> dict[str, np.ndarray]:
         """Per row (host arrays): temperature, seed, greedy, top_k, top_p, min_p; warm-up rows (no

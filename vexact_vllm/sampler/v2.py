@@ -15,8 +15,10 @@ sampled and discarded, as in stock vLLM), `kernels.sample_tokens` computes:
    samples the same tokens alone, in any batch, chunked or after preemption.
 3. when the batch asks for log-probs: the sampled token's log-prob and rank (vLLM's `>=` count), from
    the same expression without writing the [B, V] log-probs (output "token_log_probs"), or, for top-k
-   log-probs or `logprob_token_ids`, the log-probs themselves (output "log_probs"), gathered by vLLM's
-   own `compute_topk_scores` in logits mode (a gather, no arithmetic).
+   log-probs or `logprob_token_ids`, the log-probs themselves (output "log_probs"), gathered as vLLM's
+   `compute_topk_scores` lays them out, with a top-k whose ties go to the lower id
+   (`logprobs.topk_scores`: a gather, no arithmetic).
+Prompt log-probs: prompt_logprobs.py (the same function at temperature 1, the same top-k and rank).
 Top-k, top-p and min-p (vLLM's per-request states, filled from the request or the checkpoint's
 generation_config) narrow which tokens Gumbel-max may draw through the batch-invariant threshold of
 `kernels.truncation` (`rules.truncation`, on the log-probs of step 1 written out); the
@@ -42,7 +44,6 @@ from vllm.v1.outputs import LogprobsTensors
 from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
 from vllm.v1.worker.gpu.metrics.logits import get_num_nans
 from vllm.v1.worker.gpu.model_states.default import DefaultModelState
-from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.sample.sampler import Sampler
 from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
@@ -51,6 +52,7 @@ from vexact_vllm.kernels import Sampled, gumbel_argmax, log_softmax, sample_toke
 from vexact_vllm.kernels.sample import DRAWS, OUTPUTS
 
 from .graphs import SamplerGraphs
+from .logprobs import topk_scores
 from .rules import GREEDY_EPS, draw_tokens, truncates, truncation
 
 
@@ -173,16 +175,9 @@ class VexactSamplerV2(Sampler):
             )
         elif output == "log_probs":
             num_logprobs = self.sampling_states.max_num_logprobs(idx_np)
-            logprobs_tensors = compute_topk_scores(
-                result.log_probs,
-                num_logprobs if num_logprobs != NO_LOGPROBS else 0,
-                sampled,
-                cu_num_logits,
-                logprob_token_ids_state=self.logprob_token_ids_state,
-                expanded_idx_mapping=input_batch.expanded_idx_mapping,
-                max_per_req_token_ids=self.logprob_token_ids_state.max_num_token_ids(idx_np),
-                logits_mode=True,  # gather our log-probs as they are
-            )
+            custom = self._logprob_token_ids(input_batch, idx_np)
+            k = num_logprobs if num_logprobs != NO_LOGPROBS else 0
+            logprobs_tensors = topk_scores(result.log_probs, k, sampled, cu_num_logits, *custom)
 
         num_sampled, num_rejected = get_num_sampled_and_rejected(
             input_batch.seq_lens.new_ones(input_batch.num_reqs),
@@ -198,6 +193,16 @@ class VexactSamplerV2(Sampler):
             num_sampled=num_sampled,
             num_rejected=num_rejected,
         )
+
+    def _logprob_token_ids(self, input_batch, idx_np) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(ids [B, W], counts [B]) of the rows' `logprob_token_ids` (vLLM's per-request state; W the
+        batch's largest count), or (None, None) when no row of the batch asks for them."""
+        state = self.logprob_token_ids_state
+        width = state.max_num_token_ids(idx_np)
+        if width == 0:
+            return None, None
+        idx = input_batch.expanded_idx_mapping
+        return state.token_ids.gpu[idx, :width], state.num_token_ids.gpu[idx]
 
     def _sample_truncated(self, logits, input_batch, host_temperature, host_greedy, host_truncation) -> Sampled:
         """Top-k / top-p / min-p in the batch: the log-probs written out, the threshold from them,

@@ -59,28 +59,21 @@ def test_rows_launch_nothing_for_the_temperature_on_a_usual_batch():
     assert torch.equal(log_softmax(logits, tau)[1], ones[1])  # the greedy row: scored at 1
 
 
+# Per request slot: its logprob_token_ids (vLLM's LogprobTokenIdsState, padded to 4 columns).
+CUSTOM_IDS = [[9, 8, 7, 0], [0, 0, 0, 0], [4, 0, 0, 0], [650, 3, 2, 1], [0, 0, 0, 0], [0, 0, 0, 0]]
+CUSTOM_COUNTS = [3, 0, 1, 4, 0, 0]
+
+
 def _step_sampler(monkeypatch, num_logprobs, token_ids=0, top_p=1.0):
     """A VexactSamplerV2 over fake runner-v2 states (6 request slots, a batch of 4 rows), with
-    vLLM's two Triton helpers replaced: `get_num_sampled_and_rejected` (not what is tested) and
-    `compute_topk_scores` (its logits-mode fast path restated in torch, recording its calls)."""
-    from vllm.v1.outputs import LogprobsTensors
-
+    vLLM's Triton helper `get_num_sampled_and_rejected` (not what is tested) replaced."""
     from vexact_vllm.sampler import v2
 
     def state(values, dtype):
         t = torch.tensor(values, dtype=dtype)
         return SimpleNamespace(gpu=t, np=t.numpy())
 
-    calls = []
-
-    def topk_scores(log_probs, k, sampled, cu, **kwargs):
-        calls.append(k)
-        ids = sampled.unsqueeze(-1)
-        token_lp = log_probs.gather(-1, ids)
-        return LogprobsTensors(ids, token_lp, (log_probs >= token_lp).sum(-1), cu)
-
     monkeypatch.setattr(v2, "get_num_sampled_and_rejected", lambda *args: (None, None))
-    monkeypatch.setattr(v2, "compute_topk_scores", topk_scores)
     slots = 6
     base = SimpleNamespace(
         sampling_states=SimpleNamespace(
@@ -91,7 +84,11 @@ def _step_sampler(monkeypatch, num_logprobs, token_ids=0, top_p=1.0):
             min_p=state([0.0] * slots, torch.float32),
             max_num_logprobs=lambda idx: num_logprobs,
         ),
-        logprob_token_ids_state=SimpleNamespace(max_num_token_ids=lambda idx: token_ids),
+        logprob_token_ids_state=SimpleNamespace(
+            max_num_token_ids=lambda idx: token_ids,
+            token_ids=state(CUSTOM_IDS, torch.int32),
+            num_token_ids=state(CUSTOM_COUNTS if token_ids else [0] * slots, torch.int32),
+        ),
         req_states=SimpleNamespace(prefill_len=SimpleNamespace(gpu=None)),
         compute_nans=False,
     )
@@ -108,7 +105,7 @@ def _step_sampler(monkeypatch, num_logprobs, token_ids=0, top_p=1.0):
         cu_num_logits=None,
         idx_mapping=None,
     )
-    return sampler, batch, calls
+    return sampler, batch
 
 
 @pytest.mark.parametrize(
@@ -117,18 +114,20 @@ def _step_sampler(monkeypatch, num_logprobs, token_ids=0, top_p=1.0):
         (-1, 0, 1.0, "tokens"),  # NO_LOGPROBS: nothing asked
         (0, 0, 1.0, "token_log_probs"),  # the sampled token's log-prob: RL's case
         (2, 0, 1.0, "log_probs"),  # top-k log-probs
-        (-1, 3, 1.0, "log_probs"),  # logprob_token_ids
+        (-1, 4, 1.0, "log_probs"),  # logprob_token_ids (rows of slots 3, 0, 1, 4: 4, 3, 0 and 0 ids)
+        (2, 4, 1.0, "log_probs"),  # logprob_token_ids beside top-k: a row without ids gets the top-k
         (0, 0, 0.9, "log_probs"),  # top-p: the truncated path writes the log-probs
     ],
 )
 def test_a_step_returns_the_log_probs_the_batch_asks_for(monkeypatch, num_logprobs, token_ids, top_p, output):
     """The step's tokens are the composition's (log_softmax, draw_tokens), whichever path runs; its
-    LogprobsTensors are what vLLM's compute_topk_scores gives for the token, without [B, V]
-    log-probs in the token-only case."""
-    from vexact_vllm.kernels import log_softmax, truncation_threshold
+    LogprobsTensors are laid out as vLLM's compute_topk_scores lays them out (the token, then the
+    row's logprob_token_ids or its top-k, ties to the lower id; 0 and -inf in empty columns), with
+    vLLM's rank, without [B, V] log-probs in the token-only case."""
+    from vexact_vllm.kernels import log_softmax, top_k_ids, truncation_threshold
     from vexact_vllm.sampler.rules import draw_tokens
 
-    sampler, batch, calls = _step_sampler(monkeypatch, num_logprobs, token_ids, top_p)
+    sampler, batch = _step_sampler(monkeypatch, num_logprobs, token_ids, top_p)
     host_t = sampler.sampling_states.temperature.np[batch.idx_mapping_np]
     assert sampler.output_for(batch.idx_mapping_np) == ("token_log_probs" if output == "log_probs" and top_p < 1
                                                         else output)  # fmt: skip
@@ -144,14 +143,27 @@ def test_a_step_returns_the_log_probs_the_batch_asks_for(monkeypatch, num_logpro
     assert torch.equal(result.sampled_token_ids, tokens.view(-1, 1))
     lt = result.logprobs_tensors
     if output == "tokens":
-        assert lt is None and calls == []
+        assert lt is None
         return
     token_lp = log_probs.gather(1, tokens[:, None])
-    assert torch.equal(lt.logprob_token_ids, tokens[:, None])
-    assert torch.equal(lt.logprobs, token_lp)
+    k = max(num_logprobs, 0)
+    rest = top_k_ids(log_probs, k)  # [4, k]
+    if token_ids:  # rows of slots 3, 0, 1, 4: their own ids where they have some, else the top-k
+        cols = max(k, token_ids)
+        rest = torch.nn.functional.pad(rest, (0, cols - k))
+        counts = torch.tensor(CUSTOM_COUNTS)[[3, 0, 1, 4]]
+        custom = torch.tensor(CUSTOM_IDS)[[3, 0, 1, 4], :cols]
+        valid = torch.where(counts[:, None] > 0, torch.arange(cols) < counts[:, None], torch.arange(cols) < k)
+        rest = torch.where(counts[:, None] > 0, custom, rest) * valid
+    ids = torch.cat((tokens[:, None], rest), dim=1)
+    expected_lp = log_probs.gather(1, ids)
+    if token_ids:
+        expected_lp[:, 1:] = expected_lp[:, 1:].masked_fill(~valid, float("-inf"))
+    assert torch.equal(lt.logprob_token_ids, ids)
+    assert torch.equal(lt.logprobs, expected_lp)
+    assert torch.equal(lt.logprobs[:, :1], token_lp)
     assert torch.equal(lt.selected_token_ranks, (log_probs >= token_lp).sum(-1))
     assert lt.cu_num_generated_tokens is None
-    assert calls == ([] if output == "token_log_probs" else [max(num_logprobs, 0)])
 
 
 def test_the_model_gives_runner_v2_the_vexact_state():
