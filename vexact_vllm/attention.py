@@ -19,8 +19,12 @@ groups against 1.022 without, `grpo:32` 0.921 against 0.877; see docs/results.md
 no key split: VEXACT_SHARED_PREFIX=1 needs VEXACT_KEY_SPLIT=0 (kernels/settings.py refuses it else).
 
 Cache layout (one tensor per layer, allocated by vLLM from `get_kv_cache_spec`): the logical view
-[num_blocks, num_kv_heads, block_size, 2 * head_size], keys in the first half of the last axis and
-values in the second.
+[num_blocks, num_kv_heads, block_size, head_size + head_size_v], keys in the first head_size cells of
+the last axis and values in the rest. head_size_v is the values' head size: head_size for most
+models, DeepSeek's MLA v_head_dim (its K and V decompressed per head: 192 + 128). vLLM's own
+full-attention spec carries it (`FullAttentionSpec(head_size_v=...)`, from the layer's `head_size_v`);
+vLLM 0.26 shapes the cache with `get_kv_cache_shape`, which gets no head_size_v, so a backend class
+per value head size holds it (`backend_for`).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ BACKEND_NAME = "CUSTOM"  # vLLM's registry slot for out-of-tree backends
 
 class VexactAttentionBackend(AttentionBackend):
     forward_includes_kv_cache_update: bool = True  # rule 3: write K/V, then attend, in one place
+    head_size_v: ClassVar[int | None] = None  # the values' head size where it is not head_size (`backend_for`)
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float32]
     supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "bfloat16", "float32"]
 
@@ -68,11 +73,11 @@ class VexactAttentionBackend(AttentionBackend):
     def get_builder_cls() -> type[VexactAttentionMetadataBuilder]:
         return VexactAttentionMetadataBuilder
 
-    @staticmethod
-    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
+    @classmethod
+    def get_kv_cache_shape(cls, num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
         """vLLM <= 0.26 asks the backend for the per-layer cache shape (newer ones derive it from
-        the KV cache spec and layout): the same [num_blocks, Hkv, block_size, 2D] view."""
-        return (num_blocks, num_kv_heads, block_size, 2 * head_size)
+        the KV cache spec and layout): the same [num_blocks, Hkv, block_size, D + Dv] view."""
+        return (num_blocks, num_kv_heads, block_size, head_size + (cls.head_size_v or head_size))
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
@@ -87,6 +92,33 @@ class VexactAttentionBackend(AttentionBackend):
         from vllm.v1.kv_cache_layout import KVCacheLayout
 
         return (KVCacheLayout.LBHNC,)
+
+
+_BY_VALUE_HEAD_SIZE: dict[int, type[VexactAttentionBackend]] = {}
+
+
+def backend_for(head_size: int, head_size_v: int) -> type[VexactAttentionBackend]:
+    """The backend class of layers with these key and value head sizes: `VexactAttentionBackend` where
+    they are equal, else its subclass `VexactAttentionBackendV<Dv>` (a module attribute, found by name)
+    whose `get_kv_cache_shape` gives the [num_blocks, Hkv, block_size, D + Dv] cache."""
+    return VexactAttentionBackend if head_size_v == head_size else _value_backend(head_size_v)
+
+
+def _value_backend(head_size_v: int) -> type[VexactAttentionBackend]:
+    if head_size_v not in _BY_VALUE_HEAD_SIZE:
+        name = f"VexactAttentionBackendV{head_size_v}"
+        cls = type(name, (VexactAttentionBackend,), {"head_size_v": head_size_v, "__module__": __name__,
+                                                      "__qualname__": name})  # fmt: skip
+        globals()[name] = _BY_VALUE_HEAD_SIZE[head_size_v] = cls
+    return _BY_VALUE_HEAD_SIZE[head_size_v]
+
+
+def __getattr__(name: str):
+    """`VexactAttentionBackendV<Dv>` by name in a process that has not built it yet (unpickling)."""
+    prefix = "VexactAttentionBackendV"
+    if name.startswith(prefix) and name[len(prefix) :].isdigit():
+        return _value_backend(int(name[len(prefix) :]))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass
@@ -176,14 +208,18 @@ def _query_heads_per_kv_head(vllm_config, kv_cache_spec) -> int | None:
     return n_heads // n_kv if n_heads % n_kv == 0 else None
 
 
-def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[num_blocks, Hkv, block_size, 2D] -> key and value views [num_blocks, block_size, Hkv, D]."""
-    if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_size:
+def split_kv_cache(
+    kv_cache: torch.Tensor, head_size: int, head_size_v: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[num_blocks, Hkv, block_size, D + Dv] -> key and value views [num_blocks, block_size, Hkv, D or Dv]
+    (`head_size_v`: Dv, None for D)."""
+    head_size_v = head_size if head_size_v is None else head_size_v
+    if kv_cache.dim() != 4 or kv_cache.shape[-1] != head_size + head_size_v:
         raise ValueError(
-            f"unexpected KV cache shape {tuple(kv_cache.shape)} for head_size {head_size}; this vLLM "
-            "version's cache layout is not supported by vexact-vllm"
+            f"unexpected KV cache shape {tuple(kv_cache.shape)} for head sizes {head_size} (keys) and {head_size_v} "
+            "(values); this vLLM version's cache layout is not supported by vexact-vllm"
         )
-    kv = kv_cache.transpose(1, 2)  # [num_blocks, block_size, Hkv, 2D]
+    kv = kv_cache.transpose(1, 2)  # [num_blocks, block_size, Hkv, D + Dv]
     return kv[..., :head_size], kv[..., head_size:]
 
 
@@ -228,7 +264,8 @@ class VexactAttentionImpl(AttentionImpl):
         if attn_metadata is None:  # profiling / warm-up run without a cache
             return output.fill_(0)
         n = attn_metadata.num_actual_tokens
-        k_cache, v_cache = split_kv_cache(kv_cache, self.head_size)
+        head_size_v = getattr(layer, "head_size_v", None) or self.head_size  # vLLM's Attention carries it
+        k_cache, v_cache = split_kv_cache(kv_cache, self.head_size, head_size_v)
         write_kv_cache(key[:n], value[:n], k_cache, v_cache, attn_metadata.slot_mapping)
         paged_attention(
             query[:n],
@@ -238,7 +275,7 @@ class VexactAttentionImpl(AttentionImpl):
             attn_metadata.seq_lens,
             attn_metadata.query_start_loc,
             self.scale,
-            out=output[:n].view(n, self.num_heads, self.head_size),  # written in place: no copy
+            out=output[:n].view(n, self.num_heads, head_size_v),  # written in place: no copy
             shared=attn_metadata.shared,
             max_query_len=attn_metadata.max_query_len,
         )

@@ -16,8 +16,9 @@ VeOmni: model_patches/trainers/veomni_hooks.py) and drives them:
   is not it), and undoes the entries the replacements wrote later through `set_item`.
 - `is_installed()`, and `installed()`, a context manager that restores the previous state.
 
-Replacements get `__wrapped__` (the original) and `_vexact = True`. This module imports no library
-it patches: each target is imported when its table is installed.
+Replacements get `__wrapped__` (the original) and `_vexact = True`. A property target is checked by
+its getter's parameters and replaced by a `PatchedProperty`. This module imports no library it
+patches: each target is imported when its table is installed.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ from dataclasses import dataclass
 from typing import Any
 
 MISSING = object()  # the value of an absent attribute or mapping entry
+
+
+class PatchedProperty(property):
+    """The replacement of a property target (a property that takes `__wrapped__` and `_vexact`)."""
 
 
 class PatchError(RuntimeError):
@@ -132,7 +137,7 @@ class PatchTable:
         if getattr(original, "_vexact", False):
             raise self._error(row, "it is patched already, by another copy of this table")
         try:
-            params = tuple(inspect.signature(original).parameters)
+            params = tuple(inspect.signature(original.fget if isinstance(original, property) else original).parameters)
         except (TypeError, ValueError):
             raise self._error(row, f"the target is not a function with a signature ({original!r})") from None
         if params != row.params:

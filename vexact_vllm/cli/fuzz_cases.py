@@ -4,7 +4,8 @@ A case is a pure function of (seed, index, profile, limits): `draw_case` uses on
 `random.Random`, so `vexact-vllm fuzz --seed S --case I` rebuilds exactly the case that failed.
 
 What varies (each within what the kernels and the families support):
-- the family (every row of the family table: Qwen3, Qwen2, Llama, Qwen3-MoE) and its options: hidden size, layers, head_dim (32, 64, 128, and
+- the family (every row of the family table: Qwen3, Qwen2, Llama, Qwen3-MoE, DeepSeek-V3 and V2: their MLA sizes,
+  q LoRA, routing, shared experts, dense first layers, YaRN) and its options: hidden size, layers, head_dim (32, 64, 128, and
   256 on CUDA), query heads and the GQA ratio, experts (2-16), experts per token and dense layers, intermediate size, vocabulary larger than the
   tokenizer by a random amount, tied or untied embeddings, q/k/v, o and MLP biases where the family
   has them, RoPE theta and scaling (default, linear, llama3), weight scale;
@@ -132,8 +133,8 @@ def _model_fields(rng: random.Random, family: str, limits: dict) -> dict:
     head_dim = rng.choice(limits["head_dims"])
     kv_heads = rng.choice((1, 1, 2, 4))
     heads = kv_heads * rng.choice([g for g in (1, 2, 3, 4, 8) if kv_heads * g <= limits["max_heads"]])
-    # Qwen2 has no head_dim field (hidden / heads); Llama's config requires hidden % heads == 0.
-    choices = [h for h in limits["hidden"] if family != "llama" or h % heads == 0]
+    # Qwen2 has no head_dim field (hidden / heads); Llama's and DeepSeek-V2's configs require hidden % heads == 0.
+    choices = [h for h in limits["hidden"] if family not in ("llama", "deepseek_v2") or h % heads == 0]
     hidden = heads * head_dim if family == "qwen2" or not choices else rng.choice(choices)
     fields = dict(
         hidden_size=hidden,
@@ -163,6 +164,8 @@ def _model_fields(rng: random.Random, family: str, limits: dict) -> dict:
         fields["mlp_bias"] = rng.random() < 0.3
     elif family in ("qwen3", "qwen3_moe"):
         fields["attention_bias"] = rng.random() < 0.2
+    if family.startswith("deepseek"):
+        fields.update(_deepseek_fields(rng, family, hidden), num_key_value_heads=heads)  # K and V per head
     if family == "qwen3_moe":
         experts = rng.choice((2, 4, 8, 16))
         fields.update(
@@ -171,6 +174,35 @@ def _model_fields(rng: random.Random, family: str, limits: dict) -> dict:
             decoder_sparse_step=rng.choice((1, 1, 2)),
             mlp_only_layers=[i for i in range(fields["num_hidden_layers"]) if rng.random() < 0.25],
         )  # fmt: skip
+    return fields
+
+
+def _deepseek_fields(rng: random.Random, family: str, hidden: int) -> dict:
+    """MLA sizes (q/k and v head sizes multiples of 8, that need not match), q LoRA or not, the routing
+    (V3: sigmoid with groups and a correction bias; V2: softmax greedy), shared experts, dense first
+    layers, YaRN or not."""
+    experts = rng.choice((4, 8, 16))
+    top_k = rng.randint(1, min(4, experts))
+    fields = dict(
+        kv_lora_rank=rng.choice((32, 64, 96)), q_lora_rank=rng.choice((None, 32, 64)),
+        qk_nope_head_dim=rng.choice((8, 16, 32)), qk_rope_head_dim=rng.choice((8, 16)), v_head_dim=rng.choice((8, 16, 24)),
+        n_routed_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=32 * rng.randint(1, max(1, hidden // 32)),
+        n_shared_experts=rng.choice((1, 2)), first_k_dense_replace=rng.choice((0, 1)),
+        routed_scaling_factor=rng.choice((1.0, 2.5)),
+    )  # fmt: skip
+    if family == "deepseek_v3":
+        groups = [g for g in (1, 2, 4) if experts % g == 0 and experts // g >= 2]
+        n_group = rng.choice(groups)
+        topk_group = rng.choice([t for t in range(1, n_group + 1) if t * (experts // n_group) >= top_k])
+        fields.update(n_group=n_group, topk_group=topk_group, norm_topk_prob=rng.random() < 0.8,
+                      rope_interleave=rng.random() < 0.8, topk_method="noaux_tc", scoring_func="sigmoid")  # fmt: skip
+    else:
+        fields.update(topk_method="greedy", scoring_func="softmax", norm_topk_prob=False)
+    if rng.random() < 0.5:
+        mscale = rng.choice((1.0, 0.707))
+        fields["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32,
+                                     "beta_slow": 1, "original_max_position_embeddings": 8192, "mscale": mscale,
+                                     "mscale_all_dim": mscale}  # fmt: skip
     return fields
 
 

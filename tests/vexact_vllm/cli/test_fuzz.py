@@ -32,7 +32,7 @@ def test_cases_are_reproducible_and_vary(profile):
             assert f["hidden_size"] % f["num_attention_heads"] == 0
     # the draws cover what the fuzzer is for: every family, greedy mixed with sampling, truncation,
     # caching off, a token budget that forces chunked prefill, long and short prompts
-    assert {c.model_type for c in cases} == {"qwen3", "qwen2", "llama", "qwen3_moe"}
+    assert {c.model_type for c in cases} == {"qwen3", "qwen2", "llama", "qwen3_moe", "deepseek_v3", "deepseek_v2"}
     temps = [o["temperature"] for c in cases for o in c.per_request]
     assert 0.0 in temps and 0.005 in temps and max(temps) > 1.0
     assert any("top_p" in o for c in cases for o in c.per_request)
