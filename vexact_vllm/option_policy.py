@@ -105,9 +105,10 @@ HONOURED_REQUEST = (
            "repetition_detection"),
           "how many samples and when each stops: vLLM's scheduler and output processor apply them, "
           "outside the sampler"),
-    Group(("logprobs", "flat_logprobs"),
-          "the sampled token's and the top-k log-probs, gathered from the vexact log-probs (the "
-          "trainer's values); flat_logprobs changes only their container"),
+    Group(("logprobs", "prompt_logprobs", "flat_logprobs"),
+          "the sampled token's, the prompt tokens' and the top-k log-probs, gathered from the vexact "
+          "log-probs (the trainer's values; ties in the top-k go to the lower id) on both runners; "
+          "flat_logprobs changes only their container"),
     Group(("detokenize", "skip_special_tokens", "spaces_between_special_tokens", "output_kind",
            "stream_interval"),
           "how the output is detokenized and streamed"),
@@ -148,10 +149,6 @@ REFUSED_REQUEST = (
     Refusal(("routed_experts_prompt_start",),
             "vexact MoE layers return no routed experts (--enable-return-routed-experts is refused)",
             "drop it from the request"),
-    Refusal(("prompt_logprobs",),
-            "vLLM computes them with its own log-softmax, not the trainer's",
-            "drop prompt_logprobs (score prompts with the trainer) or run with VLLM_USE_V2_MODEL_RUNNER=0",
-            runner="v2"),
     Refusal(("logprob_token_ids",),
             "the V1 runner's vexact sampler returns the sampled token's and the top-k log-probs only",
             "ask for logprobs=N instead, or use model runner v2 (the GPU default)", runner="v1"),

@@ -11,8 +11,8 @@ process by `register()`). The wrap acts only for model configs with `model_impl 
 What is refused is decided by the allow-list of option_policy.py (`refuse_request_options`): every
 `SamplingParams` field is honoured, vLLM-internal, or refused when set (the options that change the
 distribution the trainer's log-probs describe, the ones vLLM applies inside the sampler the vexact
-sampler replaces, prompt log-probs on runner v2, whose prompt log-probs come from vLLM's own
-log-softmax); an unclassified field set to a non-default value is refused too.
+sampler replaces, the prompt-token-id scores vLLM computes with its own log-softmax); an
+unclassified field set to a non-default value is refused too.
 """
 
 from __future__ import annotations

@@ -78,9 +78,7 @@ def test_refused_request_options_get_400_naming_them(server):  # noqa: F811
     body = {"model": model, "prompt": [1, 2, 3], "max_tokens": 2, "seed": 1}
     refused = dict(REFUSED_REQUESTS)
     # the option one runner serves and the other refuses
-    if _runner_v2():
-        refused["prompt_logprobs"] = ({"prompt_logprobs": 1}, "prompt_logprobs")
-    else:
+    if not _runner_v2():
         refused["logprob_token_ids"] = ({"logprob_token_ids": [4, 5], "logprobs": 0}, "logprob_token_ids")
     for case, (option, name) in refused.items():
         r = requests.post(f"{base}/v1/completions", json={**body, **option}, timeout=60)
@@ -102,7 +100,6 @@ def test_honoured_request_options_are_served(server):  # noqa: F811
     for option in ({"stop": ["x"]}, {"watermarking": False}, {"top_k": 5, "top_p": 0.9, "min_p": 0.01},
                    {"repetition_detection": {"max_pattern_size": 2, "min_count": 3}}):  # fmt: skip
         complete(**option)
+    assert complete(prompt_logprobs=1)[0]["prompt_logprobs"] is not None  # both runners (test_server.py: values)
     if _runner_v2():
         complete(logprob_token_ids=[4, 5], logprobs=0)
-    else:
-        assert complete(prompt_logprobs=1)[0]["prompt_logprobs"] is not None

@@ -87,7 +87,7 @@ REFUSED_REQUEST = {
     "min_tokens": (2, None), "structured_outputs": ("json", None), "thinking_token_budget": (16, None),
     "trace_decode_token_ids": ([3, 4], None), "watermarking": (True, None),
     "prompt_logprob_token_ids": ([[1, 2]], None), "prompt_logprob_start": (1, None),
-    "routed_experts_prompt_start": (2, None), "prompt_logprobs": (0, "v2"), "logprob_token_ids": ([3, 4], "v1"),
+    "routed_experts_prompt_start": (2, None), "logprob_token_ids": ([3, 4], "v1"),
 }  # fmt: skip
 
 
@@ -133,7 +133,7 @@ def _honoured_examples():
         "temperature": 0.7, "seed": 3, "top_k": 20, "top_p": 0.95, "min_p": 0.05, "n": 2, "max_tokens": 9,
         "stop": ["\n"], "stop_token_ids": [7], "ignore_eos": True, "include_stop_str_in_output": True,
         "repetition_detection": RepetitionDetectionParams(max_pattern_size=3, min_count=3),
-        "logprobs": 5, "flat_logprobs": True, "skip_special_tokens": False,
+        "logprobs": 5, "prompt_logprobs": 3, "flat_logprobs": True, "skip_special_tokens": False,
         "spaces_between_special_tokens": False, "output_kind": RequestOutputKind.DELTA, "stream_interval": 4,
         "skip_reading_prefix_cache": True, "extra_args": {"note": 1},
         # refused on one runner only: the other serves them
@@ -152,7 +152,6 @@ def test_honoured_request_options_are_accepted():
         for name, value in examples.items():
             validate_request(_params(**{name: value}), VEXACT, use_v2_model_runner=v2)
     validate_request(_params(detokenize=False), VEXACT, use_v2_model_runner=True)  # (stop strings need it)
-    validate_request(_params(prompt_logprobs=0), VEXACT, use_v2_model_runner=False)
     validate_request(_params(logprob_token_ids=[3, 4]), VEXACT, use_v2_model_runner=True)
 
 

@@ -53,15 +53,18 @@ def test_plain_sampling_is_accepted():
         validate_request(params, VEXACT, use_v2_model_runner=True)
 
 
-def test_prompt_logprobs_refused_on_runner_v2_only():
+def test_prompt_logprobs_accepted_on_both_runners_and_prompt_token_ids_refused():
+    """prompt_logprobs (k = 0 and top-k) are the trainer's on both runners (sampler/logprobs.py,
+    sampler/prompt_logprobs.py); vLLM scores prompt_logprob_token_ids with its own log-softmax."""
     from vllm import SamplingParams
 
     from vexact_vllm.request_validation import validate_request
 
-    params = SamplingParams(prompt_logprobs=0)
-    validate_request(params, VEXACT, use_v2_model_runner=False)
-    with pytest.raises(ValueError, match="prompt_logprobs"):
-        validate_request(params, VEXACT, use_v2_model_runner=True)
+    for v2 in (False, True):
+        for k in (0, 5, -1):
+            validate_request(SamplingParams(prompt_logprobs=k), VEXACT, use_v2_model_runner=v2)
+        with pytest.raises(ValueError, match="prompt_logprob_start"):
+            validate_request(SamplingParams(prompt_logprobs=0, prompt_logprob_start=2), VEXACT, use_v2_model_runner=v2)
 
 
 def test_install_wraps_the_frontend_check_once():

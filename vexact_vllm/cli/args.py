@@ -17,6 +17,18 @@ def positive_int(text: str) -> int:
     return value
 
 
+def prompt_top_k(text: str) -> int:
+    """How many top log-probs per prompt position: 0 (the prompt token's only) to 20 (vLLM's default
+    max_logprobs)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value <= 20:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 20 (vLLM's max_logprobs), got {value}")
+    return value
+
+
 def temperature(text: str) -> float:
     """A sampling temperature: finite, 0 (greedy) to 2 (vLLM's own bounds)."""
     try:

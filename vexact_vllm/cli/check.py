@@ -4,7 +4,8 @@
    shapes with random weights), built and cached on first use;
 2. prompts: --prompts FILE (one per line, or JSON lines with a "prompt"), or built-in ones;
 3. generate under each composition (rollout.py), also with stock vLLM when --against-stock;
-4. score every generated token with the training class under several packings (score.py);
+4. score every generated token with the training class under several packings (score.py), and with
+   --prompt-logprobs K every prompt token's log-prob, top-K and rank (prompt_scores.py);
 5. print what ran (model, dtype, device, the settings both sides read), the table (or --json), and
    exit 0 only when every vexact token matches.
 
@@ -25,8 +26,9 @@ import torch
 from vexact_vllm import __version__
 from vexact_vllm.kernels.settings import refresh_settings
 
-from .args import existing_file, micro_batches, positive_int, temperature
+from .args import existing_file, micro_batches, positive_int, prompt_top_k, temperature
 from .console import engine_output, keep_log
+from .prompt_scores import compare_prompts, trainer_prompt_entries
 from .report import Row, to_json, to_table, verdict
 from .rollout import EngineRefused, RolloutSettings, run_compositions
 from .score import compare, load_trainer, trainer_log_probs
@@ -176,7 +178,9 @@ def header(args, model_path: str, dtype: str, n_prompts: int, settings) -> list[
         + (f", tensor-parallel size {args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else "")
         + (f", pipeline-parallel size {args.pipeline_parallel_size}" if args.pipeline_parallel_size > 1 else ""),
         f"settings: {settings.describe()}" + ("" if cuda else " (attention and key split: CUDA kernels only)"),
-    ]
+    ] + ([] if args.prompt_logprobs is None else [
+        f"prompt log-probs: top {args.prompt_logprobs} per prompt token, compared with the trainer's at temperature 1"
+    ])  # fmt: skip
 
 
 def run_check(args) -> int:
@@ -215,7 +219,8 @@ def run_check(args) -> int:
     meta = {"version": __version__, "model": model_path, "dtype": dtype, "prompts": len(prompts),
             "max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed,
             "tensor_parallel_size": args.tensor_parallel_size,
-            "pipeline_parallel_size": args.pipeline_parallel_size, "device": device_name(),
+            "pipeline_parallel_size": args.pipeline_parallel_size, "prompt_logprobs": args.prompt_logprobs,
+            "device": device_name(),
             "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()}}  # fmt: skip
     if dtype_note:
         meta["dtype_note"] = dtype_note
@@ -275,6 +280,7 @@ def _run(args, model_path: str, dtype: str, prompts: list[str], console) -> tupl
         seed=args.seed,
         kv_cache_bytes=kv_cache_bytes(model_path, max_model_len, getattr(torch, dtype).itemsize),
         extra={name: size for name, size in sizes.items() if size > 1},
+        prompt_logprobs=args.prompt_logprobs,
     )
     if "prefix-cache" in names:
         settings.shared_prefix = shared_prefix(model_path, settings.block_size)
@@ -299,7 +305,7 @@ def _run(args, model_path: str, dtype: str, prompts: list[str], console) -> tupl
         progress.set_description_str(f"trainer: loading {Path(model_path).name}")
         trainer = load_trainer(model_path, getattr(torch, dtype))
         progress.update(1)
-        rows = score_rows(trainer, results, packings, progress)
+        rows = score_rows(trainer, results, packings, progress, args.prompt_logprobs)
         progress.set_description_str("trainer: bisect")
         note = bisect_note(trainer, results, rows, args.bisect)
     finally:
@@ -307,25 +313,40 @@ def _run(args, model_path: str, dtype: str, prompts: list[str], console) -> tupl
     return rows, note
 
 
-def score_rows(trainer, results, packings: list[int], progress=None) -> list[Row]:
+def score_rows(trainer, results, packings: list[int], progress=None, prompt_k: int | None = None) -> list[Row]:
     """One row per (engine, composition result): every rollout scored by the trainer in each packing
     (micro-batch size, 0 = all in one) at the rollout's own temperature, the worst packing shown.
-    `progress`: a tqdm-like bar, advanced by one per (result, packing) and described by it."""
+    With `prompt_k` (--prompt-logprobs), then one row per result whose requests asked for prompt
+    log-probs: every prompt position's entries against the trainer's (prompt_scores.py), after all the
+    others (bisect_note reads the first len(results) rows). `progress`: a tqdm-like bar, advanced by
+    one per (result, packing) and described by it."""
     rows: list[Row] = []
+    prompt_rows: list[Row] = []
+    labels = ["all" if mb <= 0 else str(mb) for mb in packings]
     for engine, result in results:
-        labels = ["all" if mb <= 0 else str(mb) for mb in packings]
-        comparisons = {}
+        comparisons, prompts = {}, {}
+        scored = prompt_k is not None and any(r.prompt_logprobs is not None for r in result.rollouts)
         for label, mb in zip(labels, packings):
             if progress is not None:
                 packing = "one micro-batch" if mb <= 0 else f"micro-batches of {mb}"
                 progress.set_description_str(f"trainer: scoring {engine} {result.name}, {packing}")
             comparisons[label] = compare(result.rollouts, trainer_log_probs(trainer, result.rollouts, mb))
+            if scored:
+                want = trainer_prompt_entries(trainer, result.rollouts, mb, prompt_k)
+                prompts[label] = compare_prompts(result.rollouts, want)
             if progress is not None:
                 progress.update(1)
-        worst = max(comparisons.values(), key=lambda c: (c.mismatches, c.max_abs_diff))
-        per_packing = {label: c.mismatches for label, c in comparisons.items()}
-        rows.append(Row(result.name, engine, ",".join(labels), worst, result.notes, result.problem, per_packing))
-    return rows
+        rows.append(_row(engine, result.name, labels, comparisons, result.notes, result.problem))
+        if scored:
+            prompt_rows.append(_row(engine, f"{result.name}: prompt log-probs (top {prompt_k})", labels, prompts))
+    return rows + prompt_rows
+
+
+def _row(engine, name, labels, comparisons, notes=None, problem=None) -> Row:
+    """The worst packing's comparison, with each packing's mismatch count."""
+    worst = max(comparisons.values(), key=lambda c: (c.mismatches, c.max_abs_diff))
+    per_packing = {label: c.mismatches for label, c in comparisons.items()}
+    return Row(name, engine, ",".join(labels), worst, notes or {}, problem, per_packing)
 
 
 def add_arguments(parser) -> None:
@@ -356,6 +377,11 @@ def add_arguments(parser) -> None:
                         help="vLLM's pipeline-parallel size for both engines (vexact and --against-stock): each stage "
                         "runs whole layers; with --tensor-parallel-size T, T x this many ranks (on CPU one group of "
                         "cores each)")
+    parser.add_argument("--prompt-logprobs", type=prompt_top_k, metavar="K",
+                        help="also ask every request for its prompt's log-probs with the top K (0: the prompt "
+                        "token's only) and compare each prompt token's log-prob, top K and rank with the "
+                        "trainer's at temperature 1, bit for bit (a teacher's scores); in prefix-cache, the "
+                        "continued requests do not ask (vLLM reads no cached block for a request that does) (default: none)")
     parser.add_argument("--micro-batches", type=micro_batches, default=[1, 3, 0],
                         help="comma-separated training micro-batch sizes to pack sequences into (0 = all in one)")
     parser.add_argument("--against-stock", action="store_true",

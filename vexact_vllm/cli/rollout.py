@@ -10,6 +10,11 @@ bitwise-invariant engine returns the same tokens and log-probs in all of them.
 blocks: a shared prefix before every prompt, then the same prompts again with other seeds, and each
 first rollout continued (prompt + its output, as in a multi-turn rollout: blocks written by decode).
 It reports the prefix-cache hits (tokens) vLLM counted, and is a failure when there were none.
+
+With `RolloutSettings.prompt_logprobs` (`check --prompt-logprobs K`) every request also asks for its
+prompt's log-probs, except, in `prefix-cache`, the continued rollouts: vLLM never reads cached blocks
+for a request that asks for prompt log-probs (`skip_reading_prefix_cache`), so those requests are the
+ones that hit, beside prompt-scored requests that recompute what is cached.
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ class Rollout:
     output_ids: list[int]
     logprobs: list[float]
     temperature: float = 1.0
+    # Prompt positions 1..P-1: vLLM's (token id, log-prob, rank) entries (cli/prompt_scores.py), or
+    # None when the request did not ask for prompt log-probs.
+    prompt_logprobs: list[list[tuple[int, float, int]]] | None = None
 
 
 @dataclass
@@ -59,6 +67,7 @@ class RolloutSettings:
     # top_k, top_p, min_p, max_tokens (overriding the fields above). Empty: every request the same.
     per_request: list[dict] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
+    prompt_logprobs: int | None = None  # top-k of each request's prompt log-probs (None: not asked)
 
     def request_options(self, index: int) -> dict:
         """temperature, max_tokens (and top_k/top_p/min_p when set) of request `index`."""
@@ -68,15 +77,17 @@ class RolloutSettings:
         return options
 
 
-def sampling_params(settings: RolloutSettings, index: int):
-    """Request `index` samples with seed `settings.seed + index` and its options. No detokenization:
-    the check needs ids and log-probs only, and a model's vocabulary may run past its tokenizer's."""
+def sampling_params(settings: RolloutSettings, index: int, score_prompt: bool = True):
+    """Request `index` samples with seed `settings.seed + index` and its options, and asks for its
+    prompt's log-probs when the settings do and `score_prompt`. No detokenization: the check needs ids
+    and log-probs only, and a model's vocabulary may run past its tokenizer's."""
     from vllm import SamplingParams
 
     return SamplingParams(
         **settings.request_options(index),
         seed=settings.seed + index,
         logprobs=0,
+        prompt_logprobs=settings.prompt_logprobs if score_prompt else None,
         ignore_eos=True,
         detokenize=False,
     )
@@ -139,17 +150,24 @@ def shutdown_engine(llm) -> None:
     gc.collect()
 
 
-def generate(llm, requests: list[tuple[list[int], int]], settings: RolloutSettings) -> list[Rollout]:
-    """Submit `requests`, (prompt ids, seed index) each, in one call; results in the same order."""
+def generate(
+    llm, requests: list[tuple[list[int], int]], settings: RolloutSettings, score_prompts: list[bool] | None = None
+) -> list[Rollout]:
+    """Submit `requests`, (prompt ids, seed index) each, in one call; results in the same order.
+    `score_prompts`: per request, whether it asks for prompt log-probs (when the settings do; default all)."""
+    from .prompt_scores import entries_of
+
     prompts = [{"prompt_token_ids": ids} for ids, _ in requests]
-    params = [sampling_params(settings, index) for _, index in requests]
+    score_prompts = score_prompts or [True] * len(requests)
+    params = [sampling_params(settings, index, score) for (_, index), score in zip(requests, score_prompts)]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     result = []
-    for (ids, index), out in zip(requests, outputs):
+    for (ids, index), out, p in zip(requests, outputs, params):
         completion = out.outputs[0]
         logprobs = [step[tok].logprob for tok, step in zip(completion.token_ids, completion.logprobs)]
         temperature = settings.request_options(index)["temperature"]
-        result.append(Rollout(list(ids), list(completion.token_ids), logprobs, temperature))
+        prompt_logprobs = None if p.prompt_logprobs is None else entries_of(out.prompt_logprobs)
+        result.append(Rollout(list(ids), list(completion.token_ids), logprobs, temperature, prompt_logprobs))
     return result
 
 
@@ -188,7 +206,7 @@ def _prefix_cache(llm, prompt_ids: list[list[int]], settings: RolloutSettings) -
     #    (seeds 2n + i): whole prompts, and blocks filled by decode, hit.
     again = [(prefix + p, n + i) for i, p in enumerate(prompt_ids)]
     continued = [(r.prompt_ids + r.output_ids, 2 * n + i) for i, r in enumerate(first)]
-    second = generate(llm, again + continued, settings)
+    second = generate(llm, again + continued, settings, [True] * n + [False] * n)  # continued: cache hits
     after = metric_counter(llm, PREFIX_CACHE_HITS)
     hits = None if before is None or after is None else after - before
     name = f"prefix-cache ({len(prefix)}-token prefix)"

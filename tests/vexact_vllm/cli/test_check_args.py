@@ -23,6 +23,8 @@ from vexact_vllm.cli.score import compare
         (["--micro-batches", "x"], "not a comma-separated list"),
         (["--micro-batches", "1,-2"], "sizes >= 0"),
         (["--max-model-len", "0"], "--max-model-len: must be at least 1"),
+        (["--prompt-logprobs", "21"], "--prompt-logprobs: must be between 0 and 20"),
+        (["--prompt-logprobs", "-1"], "--prompt-logprobs: must be between 0 and 20"),
     ],
 )
 def test_bad_arguments_are_refused_while_parsing(argv, message, capsys, monkeypatch):
