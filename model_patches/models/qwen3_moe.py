@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ..config import DecoderConfig, MoeConfig, UnsupportedModelError
 from ..layers import MLP, Decoder
-from ..moe import EXPERT_PARTS, SparseMoeBlock
+from ..moe import SparseMoeBlock, check_expert_tensors
 
 # Fields of other MoE routers: present and active, they would change the routing we compute.
 _REFUSED = {
@@ -71,18 +71,5 @@ class Qwen3MoeDecoder(Decoder):
         return MLP(config, self.tp)
 
 
-def check_checkpoint(names: set[str], config: DecoderConfig) -> None:
-    """A checkpoint that names experts one by one must hold every expert's three tensors on every
-    sparse layer; the first one missing is named (stacked `gate_up_proj`/`down_proj` also do)."""
-    for layer in config.moe.sparse_layers:
-        base = f"model.layers.{layer}.mlp.experts"
-        if f"{base}.gate_up_proj" in names and f"{base}.down_proj" in names:
-            continue
-        for expert in range(config.moe.num_experts):
-            for part in EXPERT_PARTS:
-                name = f"{base}.{expert}.{part}.weight"
-                if name not in names:
-                    raise UnsupportedModelError(
-                        f"the checkpoint has no {name}: expert {expert} of layer {layer} is missing its "
-                        f"{part} (config.json says {config.moe.num_experts} experts); the checkpoint is incomplete"
-                    )
+# engine_checks.py looks the checkpoint check up by this name: every expert's tensors on every sparse layer.
+check_checkpoint = check_expert_tensors
