@@ -52,6 +52,20 @@ def test_expert_names():
     assert torch.equal(expert_rows(stacked, 1, "up_proj"), stacked[1, 3:])
 
 
+def test_a_checkpoint_missing_an_expert_tensor_is_refused_by_name():
+    from vexact_vllm.model_patches.models.qwen3_moe import check_checkpoint
+
+    config = DecoderConfig.from_hf(Qwen3MoeConfig(**SMALL))
+    layers, experts = config.moe.sparse_layers, config.moe.num_experts
+    names = {f"model.layers.{i}.mlp.experts.{e}.{p}.weight" for i in layers for e in range(experts)
+             for p in ("gate_proj", "up_proj", "down_proj")}  # fmt: skip
+    check_checkpoint(names, config)
+    check_checkpoint({f"model.layers.{i}.mlp.experts.{p}" for i in layers for p in ("gate_up_proj", "down_proj")}, config)
+    last = max(layers)
+    with pytest.raises(UnsupportedModelError, match=f"expert {experts - 1} of layer {last} is missing its up_proj"):
+        check_checkpoint(names - {f"model.layers.{last}.mlp.experts.{experts - 1}.up_proj.weight"}, config)
+
+
 def test_per_expert_checkpoint_loads_and_saves_through_transformers(tiny_paths, load_model, tmp_path):
     names = set(json.loads((tiny_paths["qwen3_moe"] / "model.safetensors").read_bytes()[8:][
         : int.from_bytes((tiny_paths["qwen3_moe"] / "model.safetensors").read_bytes()[:8], "little")]))
