@@ -65,7 +65,9 @@ def next_conv_state_torch(x, cu_seqlens, conv_state, slots, has_state, width):
     cu = cu_seqlens.long()
     lengths = cu[1:] - cu[:-1]  # [N]
     rows = torch.arange(width - 1, device=x.device)
-    src = lengths[:, None] - (width - 1) + rows[None, :]  # [N, W - 1]: position relative to the call's first row
+    src = (
+        lengths[:, None] - (width - 1) + rows[None, :]
+    )  # [N, W - 1]: position relative to the call's first row
     own = x[(cu[:-1, None] + src).clamp(min=0, max=max(x.shape[0] - 1, 0))]  # [N, W - 1, C]
     old = conv_state[slots.long()[:, None], (width - 1 + src).clamp(min=0, max=width - 2)]
     old = torch.where(has_state[:, None, None], old, torch.zeros_like(old))
@@ -115,8 +117,10 @@ def causal_conv1d(
     x's dtype, slots int [N] (each sequence's slot), has_state bool [N] (False: the sequence starts
     here); the slots are read, then hold the W - 1 last inputs."""
     check_conv_inputs(x, weight, bias, cu_seqlens, conv_state, slots, has_state)
-    if conv_state is not None and torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, weight, bias)
+    if (
+        conv_state is not None
+        and torch.is_grad_enabled()
+        and any(t is not None and t.requires_grad for t in (x, weight, bias))
     ):
         raise ValueError("causal_conv1d with a conv_state is inference only: no input may need a gradient")
     return _IMPLS[backend_for(x)](x, weight, bias, cu_seqlens, conv_state, slots, has_state)

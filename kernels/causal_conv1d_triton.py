@@ -52,7 +52,9 @@ def _conv_fwd_kernel(
         inside = pos_c >= back
         own = tl.load(X + (t - back) * stride_x + cols, mask=cmask & inside, other=0.0)
         row = WIDTH - 1 - back + pos  # the state row holding this tap when pos < back
-        old = tl.load(STATE + (slot * (WIDTH - 1) + row) * C + cols, mask=cmask & ~inside & has_state, other=0.0)
+        old = tl.load(
+            STATE + (slot * (WIDTH - 1) + row) * C + cols, mask=cmask & ~inside & has_state, other=0.0
+        )
         x = tl.where(inside, own, old).to(tl.float32)
         w = tl.load(W + cols * WIDTH + j, mask=cmask, other=0.0).to(tl.float32)
         acc += w * x
@@ -78,7 +80,9 @@ def _conv_state_kernel(
     rows = tl.arange(0, ROWS)
     src = length - (WIDTH - 1) + rows  # [ROWS]: position relative to the call's first row
     live = (rows < WIDTH - 1)[:, None] & cmask[None, :]
-    own = tl.load(X + (bos + src)[:, None] * stride_x + cols[None, :], mask=live & (src >= 0)[:, None], other=0.0)
+    own = tl.load(
+        X + (bos + src)[:, None] * stride_x + cols[None, :], mask=live & (src >= 0)[:, None], other=0.0
+    )
     old_rows = (read * (WIDTH - 1) + WIDTH - 1 + src)[:, None] * C + cols[None, :]
     has_state = (src * 0 + read) >= 0  # [ROWS]: the scalar broadcast first (the interpreter needs it)
     old = tl.load(STATE + old_rows, mask=live & ((src < 0) & has_state)[:, None], other=0.0)
@@ -161,6 +165,8 @@ def causal_conv1d_triton(x, weight, bias, cu_seqlens, conv_state=None, slots=Non
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     if needs_grad:
         if conv_state is not None:
-            raise ValueError("causal_conv1d with a conv_state is inference only: no input may need a gradient")
+            raise ValueError(
+                "causal_conv1d with a conv_state is inference only: no input may need a gradient"
+            )
         return _CausalConvFunction.apply(x, weight, bias, cu_seqlens)
     return _forward(x, weight, bias, cu_seqlens, conv_state, slots, has_state)

@@ -92,7 +92,9 @@ def gated_delta_rule_cached_torch(q, k, v, a, b, A_log, dt_bias, cu_seqlens, sta
 def _gated_delta_rule_cached_triton(q, k, v, a, b, A_log, dt_bias, cu_seqlens, state_cache, slots, has_state):
     from .gated_delta_triton import gated_delta_rule_cached_triton
 
-    return gated_delta_rule_cached_triton(q, k, v, a, b, A_log, dt_bias, cu_seqlens, state_cache, slots, has_state)
+    return gated_delta_rule_cached_triton(
+        q, k, v, a, b, A_log, dt_bias, cu_seqlens, state_cache, slots, has_state
+    )
 
 
 _IMPLS = {"torch": gated_delta_rule_torch, "triton": _gated_delta_rule_triton}

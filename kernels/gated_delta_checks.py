@@ -29,13 +29,19 @@ def check_slots(slots: torch.Tensor, has_state: torch.Tensor, n_seqs: int, n_slo
     check_int("slots", slots)
     if tuple(slots.shape) != (n_seqs,):
         raise ValueError(f"slots must have shape ({n_seqs},), got {tuple(slots.shape)}")
-    if not isinstance(has_state, torch.Tensor) or has_state.dtype != torch.bool or tuple(has_state.shape) != (n_seqs,):
+    if (
+        not isinstance(has_state, torch.Tensor)
+        or has_state.dtype != torch.bool
+        or tuple(has_state.shape) != (n_seqs,)
+    ):
         raise ValueError(f"has_state must be a bool tensor of shape ({n_seqs},)")
     if slots.device.type == "cpu" and n_seqs:
         if int(slots.min()) < 0 or int(slots.max()) >= n_slots:
             raise ValueError(f"slots must lie in [0, {n_slots}), got {slots.tolist()}")
         if slots.unique().numel() != n_seqs:
-            raise ValueError(f"slots must be distinct (each sequence owns its cache slot), got {slots.tolist()}")
+            raise ValueError(
+                f"slots must be distinct (each sequence owns its cache slot), got {slots.tolist()}"
+            )
 
 
 def check_conv_inputs(x, weight, bias, cu_seqlens, conv_state=None, slots=None, has_state=None) -> int:
@@ -65,7 +71,9 @@ def check_conv_inputs(x, weight, bias, cu_seqlens, conv_state=None, slots=None, 
         if not conv_state.is_contiguous():
             raise ValueError("conv_state must be contiguous")
         check_slots(slots, has_state, n_seqs, conv_state.shape[0])
-    check_same_device(x=x, weight=weight, bias=bias, cu_seqlens=cu_seqlens, conv_state=conv_state, slots=slots)
+    check_same_device(
+        x=x, weight=weight, bias=bias, cu_seqlens=cu_seqlens, conv_state=conv_state, slots=slots
+    )
     return n_seqs
 
 
@@ -83,7 +91,9 @@ def check_gated_delta_inputs(q, k, v, a, b, A_log, dt_bias, cu_seqlens) -> int:
     n_tokens, hk, _ = q.shape
     hv = v.shape[1]
     if v.shape[0] != n_tokens or hv % hk != 0:
-        raise ValueError(f"v {tuple(v.shape)} must be [T, HV, DV] with T = {n_tokens} and HV a multiple of HK = {hk}")
+        raise ValueError(
+            f"v {tuple(v.shape)} must be [T, HV, DV] with T = {n_tokens} and HV a multiple of HK = {hk}"
+        )
     for name, t in (("a", a), ("b", b)):
         check_dtype(name, t)
         if tuple(t.shape) != (n_tokens, hv):

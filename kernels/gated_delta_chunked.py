@@ -34,7 +34,9 @@ class ChunkAnchoredCache:
     rows: torch.Tensor  # [S] int64 on the CPU: rows held in the partial chunk
 
     @classmethod
-    def empty(cls, slots: int, hk: int, hv: int, d_k: int, d_v: int, dtype: torch.dtype, device) -> "ChunkAnchoredCache":
+    def empty(
+        cls, slots: int, hk: int, hv: int, d_k: int, d_v: int, dtype: torch.dtype, device
+    ) -> "ChunkAnchoredCache":
         rows = kernels.CHUNK - 1
         return cls(
             state=torch.zeros(slots, hv, d_v, d_k, dtype=torch.float32, device=device),
@@ -66,7 +68,13 @@ def assemble_step(q, k, v, a, b, cu_seqlens, cache, slots, has_state):
     held = [int(cache.rows[s]) if h else 0 for s, h in zip(slots.tolist(), has_state.tolist())]
     parts = {name: [] for name in "qkvab"}
     for n, slot in enumerate(slots.tolist()):
-        for name, new, old in (("q", q, cache.q), ("k", k, cache.k), ("v", v, cache.v), ("a", a, cache.a), ("b", b, cache.b)):
+        for name, new, old in (
+            ("q", q, cache.q),
+            ("k", k, cache.k),
+            ("v", v, cache.v),
+            ("a", a, cache.a),
+            ("b", b, cache.b),
+        ):
             parts[name] += [old[slot, : held[n]], new[cu[n] : cu[n + 1]]]
     lengths = [held[n] + cu[n + 1] - cu[n] for n in range(len(held))]
     new_cu = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(cu_seqlens.device)
@@ -74,7 +82,9 @@ def assemble_step(q, k, v, a, b, cu_seqlens, cache, slots, has_state):
     return (*packed, new_cu, held)
 
 
-def chunk_anchored_step(q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache: ChunkAnchoredCache, slots, has_state):
+def chunk_anchored_step(
+    q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache: ChunkAnchoredCache, slots, has_state
+):
     """o [T, HV, DV] of a prefill, chunked-prefill or decode step under design B; the cache (boundary
     states and partial chunks of the slots) is updated. Inputs as `gated_delta.gated_delta_rule_cached`."""
     n_seqs = check_gated_delta_inputs(q, k, v, a, b, A_log, dt_bias, cu_seqlens)
@@ -85,7 +95,9 @@ def chunk_anchored_step(q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache: ChunkA
     starts = ~has_state.to(v.device)
     cache.state[idx[starts]] = 0.0  # a sequence's first boundary is position 0, its state zero
     read = torch.where(starts, -1, idx)
-    o_all = kernels.chunked_forward(aq, ak, av, aa, ab, A_log, dt_bias, acu, cache.state, read, cache.state, idx)
+    o_all = kernels.chunked_forward(
+        aq, ak, av, aa, ab, A_log, dt_bias, acu, cache.state, read, cache.state, idx
+    )
     bounds = acu.tolist()
     keep = torch.cat([torch.arange(bounds[n] + held[n], bounds[n + 1]) for n in range(n_seqs)])
     for n, slot in enumerate(slots.tolist()):

@@ -38,7 +38,9 @@ def _dot(a, b, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
     """tl.dot(a, b) in fp32 accumulation. DOT_FP32, interpreter only: its tl.dot reads bf16 operands as
     raw bits, so there the products are summed over the last axis of a broadcast fp32 product."""
     if DOT_FP32:
-        return tl.reduce(a.to(tl.float32)[:, None, :] * tl.trans(b.to(tl.float32))[None, :, :], 2, _sum_combine)
+        return tl.reduce(
+            a.to(tl.float32)[:, None, :] * tl.trans(b.to(tl.float32))[None, :, :], 2, _sum_combine
+        )
     return tl.dot(a, b, input_precision=PRECISION)
 
 
@@ -50,13 +52,21 @@ def _chunk_rows(Q, K, V, A, B, A_LOG, DT_BIAS, rows, valid, hk, hv, ok, ov, stri
     rows past the sequence's end are 0 (g and beta too)."""
     mk = ok < DK
     mq = valid[:, None] & mk[None, :]
-    q = tl.load(Q + rows[:, None] * stride_qt + hk * stride_qh + ok[None, :], mask=mq, other=0.0).to(tl.float32)
-    k = tl.load(K + rows[:, None] * stride_kt + hk * stride_kh + ok[None, :], mask=mq, other=0.0).to(tl.float32)
+    q = tl.load(Q + rows[:, None] * stride_qt + hk * stride_qh + ok[None, :], mask=mq, other=0.0).to(
+        tl.float32
+    )
+    k = tl.load(K + rows[:, None] * stride_kt + hk * stride_kh + ok[None, :], mask=mq, other=0.0).to(
+        tl.float32
+    )
     mv = valid[:, None] & (ov < DV)[None, :]
-    v = tl.load(V + rows[:, None] * stride_vt + hv * stride_vh + ov[None, :], mask=mv, other=0.0).to(tl.float32)
+    v = tl.load(V + rows[:, None] * stride_vt + hv * stride_vh + ov[None, :], mask=mv, other=0.0).to(
+        tl.float32
+    )
     q = q * tl.rsqrt(tl.reduce(q * q, 1, _sum_combine) + eps)[:, None] * scale
     k = k * tl.rsqrt(tl.reduce(k * k, 1, _sum_combine) + eps)[:, None]
-    x = tl.load(A + rows * stride_at + hv, mask=valid, other=0.0).to(tl.float32) + tl.load(DT_BIAS + hv).to(tl.float32)
+    x = tl.load(A + rows * stride_at + hv, mask=valid, other=0.0).to(tl.float32) + tl.load(DT_BIAS + hv).to(
+        tl.float32
+    )
     soft = tl.where(x > SOFTPLUS_MAX, x, tl.log(1.0 + tl.exp(tl.minimum(x, SOFTPLUS_MAX))))
     g = tl.where(valid, -tl.exp(tl.load(A_LOG + hv).to(tl.float32)) * soft, 0.0)
     b = tl.load(B + rows * stride_bt + hv, mask=valid, other=0.0).to(tl.float32)
@@ -141,8 +151,12 @@ def _chunk_state_kernel(
             Q, K, V, A, B, A_LOG, DT_BIAS, rows, valid, hk, hv, ok, ov, stride_qt, stride_qh, stride_kt,
             stride_kh, stride_vt, stride_vh, stride_at, stride_bt, scale, eps, DK, DV, SOFTPLUS_MAX,
         )  # fmt: skip
-        w = tl.load(W + (rows[:, None] * HV + hv) * DK + ok[None, :], mask=valid[:, None] & mk[None, :], other=0.0)
-        u = tl.load(U + (rows[:, None] * HV + hv) * DV + ov[None, :], mask=valid[:, None] & mv[None, :], other=0.0)
+        w = tl.load(
+            W + (rows[:, None] * HV + hv) * DK + ok[None, :], mask=valid[:, None] & mk[None, :], other=0.0
+        )
+        u = tl.load(
+            U + (rows[:, None] * HV + hv) * DV + ov[None, :], mask=valid[:, None] & mv[None, :], other=0.0
+        )
         gc = tl.load(GC + rows * HV + hv, mask=valid, other=0.0)
         last = tl.minimum(eos - bos - c * CHUNK, CHUNK) - 1  # the chunk's last row (CHUNK - 1 if full)
         g_last = tl.reduce(tl.where(r == last, gc, 0.0), 0, _sum_combine)  # the decay across the chunk

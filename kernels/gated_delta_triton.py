@@ -154,7 +154,15 @@ class _GatedDeltaFunction(torch.autograd.Function):
             q_hat, k_hat = normalized_qk(leaves[0], leaves[1])
             g, beta = gates(*leaves[2:])
         dq_hat, dk_hat, dv, dg, dbeta, dh0 = recurrence_backward(
-            q_hat.detach(), k_hat.detach(), v, g.detach(), beta.detach(), do, d_final, initial_state, cu_seqlens,
+            q_hat.detach(),
+            k_hat.detach(),
+            v,
+            g.detach(),
+            beta.detach(),
+            do,
+            d_final,
+            initial_state,
+            cu_seqlens,
             recurrent_config(q.shape[2], v.shape[2]),
         )
         torch.autograd.backward([q_hat, k_hat, g, beta], [dq_hat, dk_hat, dg, dbeta])

@@ -99,7 +99,9 @@ def _recurrent_bwd_kernel(
             dh = dh + do[:, None] * q[None, :]
             dd = tl.reduce(dh * k[None, :], 1, _sum_combine)  # [BLOCK_V]
             du = dd * beta
-            dk = tl.reduce(dh * d[:, None], 0, _sum_combine) - tl.reduce(decayed * du[:, None], 0, _sum_combine)
+            dk = tl.reduce(dh * d[:, None], 0, _sum_combine) - tl.reduce(
+                decayed * du[:, None], 0, _sum_combine
+            )
             d_decayed = dh - du[:, None] * k[None, :]
             dg = tl.reduce(tl.reduce(d_decayed * decayed, 1, _sum_combine), 0, _sum_combine)
             dbeta = tl.reduce(dd * u, 0, _sum_combine)

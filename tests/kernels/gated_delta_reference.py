@@ -61,7 +61,11 @@ def gdn_reference(q, k, v, a, b, A_log, dt_bias, cu_seqlens, initial_state=None,
     q, k = q[:, heads], k[:, heads]  # [T, HV, DK]
     g = -A_log.double().exp() * F.softplus(a.double() + dt_bias.double())
     beta = torch.sigmoid(b.double())
-    beta = beta.to(b.dtype).double() if beta_rounding is None or b.dtype != torch.bfloat16 else beta_rounding(beta)
+    beta = (
+        beta.to(b.dtype).double()
+        if beta_rounding is None or b.dtype != torch.bfloat16
+        else beta_rounding(beta)
+    )
     cu = cu_seqlens.tolist()
     o = torch.zeros(v.shape, dtype=torch.float64)
     finals = []
@@ -120,7 +124,9 @@ def check_conv_schedules(conv, x, w, b, cu, seeds=(0, 1, 2)):
         zeros = torch.zeros(width - 1, x.shape[1], dtype=x.dtype, device=x.device)
         for n, slot in enumerate(slots):
             seq = torch.cat([zeros, x[cu[n] : cu[n + 1]]])
-            assert torch.equal(state[slot], seq[-(width - 1) :]), f"schedule seed {seed}: slot of sequence {n}"
+            assert torch.equal(state[slot], seq[-(width - 1) :]), (
+                f"schedule seed {seed}: slot of sequence {n}"
+            )
     return full
 
 
@@ -190,11 +196,15 @@ def check_gdn_schedules(forward, cached, inputs: dict, seeds=(0, 1, 2)):
     v, k = inputs["v"], inputs["k"]
     slots = [(3 * n + 2) % (len(lengths) + 3) for n in range(len(lengths))]  # distinct, out of order
     for seed in seeds:
-        cache = torch.full((len(lengths) + 3, v.shape[1], v.shape[2], k.shape[2]), float("nan"), device=v.device)
+        cache = torch.full(
+            (len(lengths) + 3, v.shape[1], v.shape[2], k.shape[2]), float("nan"), device=v.device
+        )
         steps = random_schedule(lengths, seed, decode_share=1.0 if seed == 0 else 0.5)
 
         def step(q, k, v, a, b, step_cu, step_slots, has_state, cache=cache):
-            return cached(q, k, v, a, b, inputs["A_log"], inputs["dt_bias"], step_cu, cache, step_slots, has_state)
+            return cached(
+                q, k, v, a, b, inputs["A_log"], inputs["dt_bias"], step_cu, cache, step_slots, has_state
+            )
 
         got = run_schedule(step, inputs, GDN_ROWS, steps, slots)
         assert torch.equal(got, o), f"schedule seed {seed}: outputs: {first_difference(got, o)}"

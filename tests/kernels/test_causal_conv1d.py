@@ -36,7 +36,9 @@ def test_matches_transformers_conv():
     """transformers' Qwen3-Next conv (torch fallback, [B, C, L] layout, weight [C, W]) in fp32."""
     modeling = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
     x, w, b, cu = conv_inputs([11], 24, 4, torch.float32, bias=False)
-    theirs = modeling.causal_conv1d_fn.__wrapped__ if hasattr(modeling.causal_conv1d_fn, "__wrapped__") else None
+    theirs = (
+        modeling.causal_conv1d_fn.__wrapped__ if hasattr(modeling.causal_conv1d_fn, "__wrapped__") else None
+    )
     theirs = theirs or modeling.causal_conv1d_fn
     want = theirs(x.T[None], w, None, activation="silu")[0].T
     torch.testing.assert_close(causal_conv1d(x, w, b, cu), want, rtol=1e-5, atol=1e-6)

@@ -61,6 +61,7 @@ def test_gradients_match_float64_autograd(conv, bias):
         torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.cuda
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_schedules_at_qwen3_next_width(dtype):

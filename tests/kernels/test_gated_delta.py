@@ -112,7 +112,9 @@ def test_refusals():
     slots, has = torch.tensor([0, 1]), torch.tensor([False, True])
     rows = {m: inputs[m] for m in ("q", "k", "v", "a", "b", "A_log", "dt_bias", "cu_seqlens")}
     with pytest.raises(ValueError, match="multiple of HK"):
-        gated_delta_rule(**{**rows, "v": inputs["v"][:, :3], "a": inputs["a"][:, :3], "b": inputs["b"][:, :3]})
+        gated_delta_rule(
+            **{**rows, "v": inputs["v"][:, :3], "a": inputs["a"][:, :3], "b": inputs["b"][:, :3]}
+        )
     with pytest.raises(ValueError, match="cu_seqlens"):
         gated_delta_rule(**{**rows, "cu_seqlens": packed_cu([3, 3])})
     with pytest.raises(ValueError, match="initial_state"):

@@ -56,7 +56,9 @@ def _check_gradients(forward, inputs, atol=2e-5, rtol=1e-4):
     hv, dv, dk = inputs["v"].shape[1], inputs["v"].shape[2], inputs["q"].shape[2]
     gen = torch.Generator().manual_seed(4)
     leaves = {n: inputs[n].clone().requires_grad_() for n in NAMES}
-    leaves["initial_state"] = (torch.randn(n_seqs, hv, dv, dk, generator=gen) * 0.5).to(device).requires_grad_()
+    leaves["initial_state"] = (
+        (torch.randn(n_seqs, hv, dv, dk, generator=gen) * 0.5).to(device).requires_grad_()
+    )
     do = torch.randn(inputs["v"].shape, generator=gen).to(device)
     d_final = torch.randn(n_seqs, hv, dv, dk, generator=gen).to(device)
     o, final = forward(**leaves, cu_seqlens=inputs["cu_seqlens"])
@@ -79,7 +81,9 @@ def _check_gradients(forward, inputs, atol=2e-5, rtol=1e-4):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_decode_prefill_and_training_agree_bitwise(gdn, dtype, shape):
     inputs = gdn_inputs(LENGTHS, *shape, dtype=dtype, seed=1)
-    o, final = check_gdn_schedules(gdn.gated_delta_rule_triton, gdn.gated_delta_rule_cached_triton, inputs, seeds=(0, 1))
+    o, final = check_gdn_schedules(
+        gdn.gated_delta_rule_triton, gdn.gated_delta_rule_cached_triton, inputs, seeds=(0, 1)
+    )
     _assert_accuracy(o, final, inputs)
     check_continuation(gdn.gated_delta_rule_triton, inputs)
 
@@ -102,7 +106,11 @@ def test_strided_inputs_read_in_place(gdn):
     inputs = gdn_inputs(LENGTHS, 2, 4, 16, 8)
     n = inputs["q"].shape[0]
     fused = torch.cat([inputs["q"].reshape(n, -1), inputs["k"].reshape(n, -1), inputs["v"].reshape(n, -1)], 1)
-    views = {"q": fused[:, :32].view(n, 2, 16), "k": fused[:, 32:64].view(n, 2, 16), "v": fused[:, 64:].view(n, 4, 8)}
+    views = {
+        "q": fused[:, :32].view(n, 2, 16),
+        "k": fused[:, 32:64].view(n, 2, 16),
+        "v": fused[:, 64:].view(n, 4, 8),
+    }
     o, final = gdn.gated_delta_rule_triton(**{**inputs, **views})
     want_o, want_final = gdn.gated_delta_rule_triton(**inputs)
     assert torch.equal(o, want_o) and torch.equal(final, want_final)
@@ -121,6 +129,7 @@ def test_gradients_match_float64_autograd(modules, shape, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.cuda
 @requires_cuda
 @pytest.mark.parametrize("hv", [32, 48])
 def test_cuda_bitwise_at_qwen3_next_shapes(hv):
@@ -128,14 +137,19 @@ def test_cuda_bitwise_at_qwen3_next_shapes(hv):
     from vexact_vllm.kernels.gated_delta_triton import gated_delta_rule_cached_triton, gated_delta_rule_triton
 
     inputs = gdn_inputs([300, 1, 64, 65, 129, 17], 16, hv, 128, 128, dtype=torch.bfloat16, device="cuda")
-    o, final = check_gdn_schedules(gated_delta_rule_triton, gated_delta_rule_cached_triton, inputs, seeds=(0, 1))
+    o, final = check_gdn_schedules(
+        gated_delta_rule_triton, gated_delta_rule_cached_triton, inputs, seeds=(0, 1)
+    )
     _assert_accuracy(o, final, inputs)
     check_continuation(gated_delta_rule_triton, inputs)
 
 
+@pytest.mark.cuda
 @requires_cuda
-def test_cuda_gradients_match_float64_autograd():
+@pytest.mark.parametrize("hk,hv", [(2, 4), (16, 32)], ids=str)
+def test_cuda_gradients_match_float64_autograd(hk, hv):
+    """The reverse-recurrence backward at d_k = d_v = 128 (several checkpoint chunks a sequence)."""
     from vexact_vllm.kernels.gated_delta_triton import gated_delta_rule_triton
 
-    inputs = gdn_inputs([40, 1, 70], 2, 4, 128, 128, device="cuda")
+    inputs = gdn_inputs([40, 1, 70], hk, hv, 128, 128, device="cuda")
     _check_gradients(gated_delta_rule_triton, inputs, atol=1e-4, rtol=1e-3)
