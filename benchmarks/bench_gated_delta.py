@@ -1,0 +1,537 @@
+"""Time the two Gated DeltaNet designs against flash-linear-attention's and vLLM's kernels, at
+Qwen3-Next / Qwen3.5 GDN shapes, and check on the device that decode == training for each design.
+
+    python benchmarks/bench_gated_delta.py [--v-heads 32,48] [--output F.json] [--jsonl F.jsonl]
+    TRITON_INTERPRET=1 python benchmarks/bench_gated_delta.py --small    # CPU smoke run, tiny shapes
+
+Shapes: 16 k heads, 32 (Qwen3-Next-80B-A3B) or 48 v heads, d_k = d_v = 128, bf16 inputs, fp32 state.
+Cases:
+  train    a packed training batch, TOKENSxSEQLEN (--train): forward and forward+backward
+  prefill  BATCHxPROMPT (--prefill) from empty states: forward (tokens/s)
+  decode   one token for each of BATCH sequences from the state cache (--decode): step latency
+Systems:
+  A              recurrent everywhere: gated_delta_rule (train; its backward is the reverse recurrence)
+                 and gated_delta_rule_cached (prefill, decode)
+  B              chunk-anchored (kernels/gated_delta_chunked*.py): train and prefill forward. No backward
+                 yet: "B fwd+bwd" is an estimate, B's forward plus fla's backward (fla's fwd+bwd - fwd),
+                 printed only where fla runs. Decode "B@p" = a step whose sequences hold p rows of a
+                 partial chunk (p = 0, 31, 63; p = 63 commits a state); kernel time only (the step's
+                 Python assembly of the partial rows is not timed: a production step reads them in-kernel)
+  fla-chunk      flash-linear-attention's chunk_gated_delta_rule (pip fla-core; skipped if absent)
+  fla-recurrent  its fused_recurrent_gated_delta_rule (decode)
+  vllm-chunk     vLLM's vendored chunk_gated_delta_rule (train forward, prefill; skipped without vLLM)
+  vllm-decode    vLLM's fused_recurrent_gated_delta_rule_packed_decode (its decode step)
+fla and vLLM get g and beta precomputed and l2-normalise q, k in their kernels; A and B take the raw
+a, b and compute the gates in-kernel. Timings are medians (triton.testing.do_bench on a GPU, wall
+clock on the CPU). "vs A" is the system's time over A's at the same case (below 1: faster than A).
+"max |o - A|" compares each system's output with A's. The check section runs a decode schedule of
+each design at the benchmark shape and reports whether it equals the training forward bit for bit
+(or the first differing element). The table prints last; --output gets every number, the device,
+the versions, the commit and the command; --jsonl writes docs/results.jsonl rows (one per case kind
+and one for the check; results_page.py's schema) for the lead to paste.
+
+On the CPU the full shapes are refused. With TRITON_INTERPRET=1 the smoke run takes A and B through
+their Triton kernels on the interpreter; without it, A's torch path only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+from gated_delta_report import environment, fmt, results_rows, table
+
+FULL = {"hk": 16, "dk": 128, "dv": 128}
+SMALL = {"hk": 2, "dk": 16, "dv": 16}
+# Sequence lengths of the decode == training check: several chunks of 64, exactly one, one row, one past.
+CHECK_LENGTHS = {"full": [130, 64, 1, 65], "small": [17, 1, 3]}
+# The smoke run (--small): one timed call a case, design B in chunks of 16 (the interpreter is slow).
+CPU_REPS = 3
+SMALL_CHUNK = 16
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _a_ops(device: str):
+    """Design A's (training op, cached op): the dispatched ops on CUDA, the Triton launchers on the
+    interpreter (the dispatch sends CPU tensors to the torch path), else the torch path."""
+    if device == "cpu" and _interpreted():
+        from vexact_vllm.kernels.gated_delta_triton import (
+            gated_delta_rule_cached_triton,
+            gated_delta_rule_triton,
+        )
+
+        return gated_delta_rule_triton, gated_delta_rule_cached_triton
+    from vexact_vllm.kernels import gated_delta_rule, gated_delta_rule_cached
+
+    return gated_delta_rule, gated_delta_rule_cached
+
+
+def _time_ms(fn, device: str) -> float:
+    """Median milliseconds of fn() (CPU: CPU_REPS timed calls)."""
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
+    times = []
+    for _ in range(CPU_REPS):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _inputs(lengths: list[int], shape: dict, hv: int, device: str, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    n = sum(lengths)
+    bf16 = dict(dtype=torch.bfloat16)
+    out = {
+        "q": torch.randn(n, shape["hk"], shape["dk"], generator=g).to(**bf16),
+        "k": torch.randn(n, shape["hk"], shape["dk"], generator=g).to(**bf16),
+        "v": torch.randn(n, hv, shape["dv"], generator=g).to(**bf16),
+        "a": torch.randn(n, hv, generator=g).to(**bf16),
+        "b": torch.randn(n, hv, generator=g).to(**bf16),
+        "A_log": torch.log(torch.rand(hv, generator=g) * 15.99 + 0.01),
+        "dt_bias": torch.randn(hv, generator=g) * 0.5,
+        "cu_seqlens": torch.tensor([0, *lengths]).cumsum(0).to(torch.int32),
+    }
+    return {k: t.to(device) for k, t in out.items()}
+
+
+def _gates(x: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """g (fp32) and beta (bf16) as transformers' GatedDeltaNet computes them, for fla and vLLM."""
+    g = -x["A_log"].float().exp() * F.softplus(x["a"].float() + x["dt_bias"])
+    return g, x["b"].sigmoid()
+
+
+def _rows(x: dict) -> dict:
+    return {k: x[k] for k in ("q", "k", "v", "a", "b", "A_log", "dt_bias", "cu_seqlens")}
+
+
+# ------------------------------------------------------------------------------ systems, per case
+
+
+def _a_train(x, device):
+    gated_delta_rule, _ = _a_ops(device)
+    with torch.no_grad():
+        out, _ = gated_delta_rule(**_rows(x))
+        fwd = _time_ms(lambda: gated_delta_rule(**_rows(x)), device)
+    leaves = {k: (t.clone().requires_grad_() if t.is_floating_point() else t) for k, t in _rows(x).items()}
+    do = torch.randn_like(out)
+
+    def step():
+        o, _ = gated_delta_rule(**leaves)
+        (o.float() * do).sum().backward()
+        for t in leaves.values():
+            t.grad = None
+
+    return {"fwd_ms": fwd, "fwd_bwd_ms": _time_ms(step, device), "out": out}
+
+
+def _b_train(x, device):
+    from vexact_vllm.kernels.gated_delta_chunked import chunked_gated_delta_rule
+
+    with torch.no_grad():
+        out = chunked_gated_delta_rule(**_rows(x))
+        return {"fwd_ms": _time_ms(lambda: chunked_gated_delta_rule(**_rows(x)), device), "out": out}
+
+
+def _fla_chunk_call(x, chunk_fn, final_state=False):
+    """(call, output of one call) for an fla-style chunk_gated_delta_rule; q, k repeated over the v
+    heads when the kernel takes no GQA."""
+    g, beta = _gates(x)
+    hk, hv = x["q"].shape[1], x["v"].shape[1]
+    cu = x["cu_seqlens"].long()
+    q, k = x["q"][None], x["k"][None]
+
+    def run(q=q, k=k):
+        return chunk_fn(q, k, x["v"][None], g[None], beta[None], initial_state=None, output_final_state=final_state,
+                        cu_seqlens=cu, use_qk_l2norm_in_kernel=True)[0]  # fmt: skip
+
+    try:
+        return run, run()[0]
+    except Exception:
+        if hk == hv:
+            raise
+        q, k = (t.repeat_interleave(hv // hk, dim=2) for t in (q, k))
+        return (lambda: run(q, k)), run(q, k)[0]
+
+
+def _fla_train(x, device):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    with torch.no_grad():
+        call, out = _fla_chunk_call(x, chunk_gated_delta_rule)
+        fwd = _time_ms(call, device)
+    leaves = {k: t.clone().requires_grad_() for k, t in x.items() if k in ("q", "k", "v", "a", "b")}
+    leaves.update({k: x[k] for k in ("A_log", "dt_bias", "cu_seqlens")})
+    do = torch.randn_like(out)[None]
+
+    def step():
+        call_grad, _ = _fla_chunk_call(leaves, chunk_gated_delta_rule)
+        (call_grad().float() * do).sum().backward()
+        for t in leaves.values():
+            t.grad = None
+
+    return {"fwd_ms": fwd, "fwd_bwd_ms": _time_ms(step, device), "out": out}
+
+
+def _vllm_chunk():
+    from vllm.third_party.flash_linear_attention.ops import chunk_gated_delta_rule
+
+    return chunk_gated_delta_rule
+
+
+def _vllm_train(x, device):
+    chunk = _vllm_chunk()
+    with torch.no_grad():
+        call, out = _fla_chunk_call(x, chunk)
+        return {"fwd_ms": _time_ms(call, device), "out": out}
+
+
+def _a_prefill(x, device):
+    _, gated_delta_rule_cached = _a_ops(device)
+    n = x["cu_seqlens"].shape[0] - 1
+    cache = torch.zeros(n, x["v"].shape[1], x["v"].shape[2], x["q"].shape[2], device=device)
+    slots = torch.arange(n, device=device)
+    fresh = torch.zeros(n, dtype=torch.bool, device=device)
+    with torch.no_grad():
+        out = gated_delta_rule_cached(**_rows(x), state_cache=cache, slots=slots, has_state=fresh)
+        return {"fwd_ms": _time_ms(lambda: gated_delta_rule_cached(**_rows(x), state_cache=cache, slots=slots,
+                                                                   has_state=fresh), device), "out": out}  # fmt: skip
+
+
+def _b_prefill(x, device):
+    from vexact_vllm.kernels.gated_delta_chunked import kernels
+
+    n = x["cu_seqlens"].shape[0] - 1
+    cache = torch.zeros(n, x["v"].shape[1], x["v"].shape[2], x["q"].shape[2], device=device)
+    ids = torch.arange(n, device=device)
+    none = torch.full_like(ids, -1)
+    with torch.no_grad():
+        out = kernels.chunked_forward(*_rows(x).values(), cache, none, cache, ids)
+        return {"fwd_ms": _time_ms(lambda: kernels.chunked_forward(*_rows(x).values(), cache, none, cache, ids), device),
+                "out": out}  # fmt: skip
+
+
+def _fla_prefill(x, device):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    with torch.no_grad():
+        call, out = _fla_chunk_call(x, chunk_gated_delta_rule, final_state=True)
+        return {"fwd_ms": _time_ms(call, device), "out": out}
+
+
+def _vllm_prefill(x, device):
+    with torch.no_grad():
+        call, out = _fla_chunk_call(x, _vllm_chunk(), final_state=True)
+        return {"fwd_ms": _time_ms(call, device), "out": out}
+
+
+def _decode_start(x, device):
+    """The decode cases' starting states [N, HV, DV, DK] (the same for every system)."""
+    n = x["q"].shape[0]
+    gen = torch.Generator().manual_seed(1)
+    return (torch.randn(n, x["v"].shape[1], x["v"].shape[2], x["q"].shape[2], generator=gen) * 0.1).to(device)
+
+
+def _a_decode(x, device):
+    _, gated_delta_rule_cached = _a_ops(device)
+    n = x["q"].shape[0]
+    cache = _decode_start(x, device)
+    slots = torch.arange(n, device=device)
+    held = torch.ones(n, dtype=torch.bool, device=device)
+    start = cache.clone()
+    with torch.no_grad():
+        out = gated_delta_rule_cached(**_rows(x), state_cache=cache, slots=slots, has_state=held)
+        cache.copy_(start)
+        ms = _time_ms(lambda: gated_delta_rule_cached(**_rows(x), state_cache=cache, slots=slots, has_state=held),
+                      device)  # fmt: skip
+    return {"fwd_ms": ms, "out": out, "start": start}
+
+
+def _b_decode(x, device, held_rows: int):
+    """A decode step of design B whose sequences each hold `held_rows` partial-chunk rows (of a chunk
+    of 64; scaled to the chunk in the smoke run)."""
+    from vexact_vllm.kernels.gated_delta_chunked import kernels
+
+    n = x["q"].shape[0]
+    rows = held_rows * kernels.CHUNK // 64 + 1
+    step = _inputs([rows] * n, {"hk": x["q"].shape[1], "dk": x["q"].shape[2], "dv": x["v"].shape[2]},
+                   x["v"].shape[1], device, seed=2)  # fmt: skip
+    cache = torch.randn(n, x["v"].shape[1], x["v"].shape[2], x["q"].shape[2], device=device) * 0.1
+    ids = torch.arange(n, device=device)
+    with torch.no_grad():
+        call = lambda: kernels.chunked_forward(*_rows(step).values(), cache, ids, cache, ids)  # noqa: E731
+        return {"fwd_ms": _time_ms(call, device)}
+
+
+def _vllm_decode(x, device):
+    from vllm.third_party.flash_linear_attention.ops import fused_recurrent_gated_delta_rule_packed_decode
+
+    n, hv, dv = x["v"].shape
+    dk = x["q"].shape[2]
+    mixed = torch.cat([x["q"].reshape(n, -1), x["k"].reshape(n, -1), x["v"].reshape(n, -1)], dim=1)
+    state = torch.zeros(n + 1, hv, dv, dk, device=device)  # slot 0: vLLM's null block
+    state[1:] = _decode_start(x, device)
+    out = torch.empty(n, 1, hv, dv, dtype=x["v"].dtype, device=device)
+    idx = torch.arange(1, n + 1, device=device)
+    a, b = x["a"].contiguous(), x["b"].contiguous()
+
+    def call():
+        fused_recurrent_gated_delta_rule_packed_decode(mixed, a, b, x["A_log"], x["dt_bias"], dk**-0.5, state, out, idx,
+                                                       use_qk_l2norm_in_kernel=True)  # fmt: skip
+
+    with torch.no_grad():
+        start = state.clone()
+        call()
+        result = out[:, 0].clone()
+        state.copy_(start)
+        return {"fwd_ms": _time_ms(call, device), "out": result}
+
+
+def _fla_decode(x, device):
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    g, beta = _gates(x)
+    n = x["q"].shape[0]
+    hk, hv = x["q"].shape[1], x["v"].shape[1]
+    h0 = _decode_start(x, device).transpose(-1, -2).contiguous()  # fla: [N, HV, DK, DV]
+    cu = torch.arange(n + 1, device=device)
+    q, k = x["q"][None], x["k"][None]
+    if hk != hv:
+        q, k = (t.repeat_interleave(hv // hk, dim=2) for t in (q, k))
+
+    def call():
+        return fused_recurrent_gated_delta_rule(q, k, x["v"][None], g[None], beta[None], initial_state=h0,
+                                                output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)[0]  # fmt: skip
+
+    with torch.no_grad():
+        return {"fwd_ms": _time_ms(call, device), "out": call()[0]}
+
+
+SYSTEMS = {
+    "train": {"A": _a_train, "B": _b_train, "fla-chunk": _fla_train, "vllm-chunk": _vllm_train},
+    "prefill": {"A": _a_prefill, "B": _b_prefill, "fla-chunk": _fla_prefill, "vllm-chunk": _vllm_prefill},
+    "decode": {
+        "A": _a_decode, "B@0": lambda x, d: _b_decode(x, d, 0), "B@31": lambda x, d: _b_decode(x, d, 31),
+        "B@63": lambda x, d: _b_decode(x, d, 63), "fla-recurrent": _fla_decode, "vllm-decode": _vllm_decode,
+    },
+}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ the bitwise check
+
+
+def _first_difference(got: torch.Tensor, want: torch.Tensor) -> str:
+    """'' when equal, else the count of differing elements and the first one (index, both values)."""
+    diff = got != want
+    if not bool(diff.any()):
+        return ""
+    idx = tuple(int(i) for i in diff.nonzero()[0])
+    return f"{int(diff.sum())} of {got.numel()} differ; first at {idx}: {got[idx].item()!r} vs {want[idx].item()!r}"
+
+
+def _check(shape: dict, hv: int, device: str, lengths: list[int]) -> list[dict]:
+    """Each design's decode steps (token by token) against its training forward at the benchmark shape."""
+    forward, cached = _a_ops(device)
+    x = _inputs(lengths, shape, hv, device, seed=3)
+    cu = x["cu_seqlens"].tolist()
+    rows = []
+    designs = {"A": None}
+    if device == "cuda" or _interpreted():
+        from vexact_vllm.kernels import gated_delta_chunked
+
+        designs["B"] = gated_delta_chunked
+    for name, chunked in designs.items():
+        with torch.no_grad():
+            if chunked is None:
+                want, _ = forward(**_rows(x))
+                cache = torch.full((len(lengths), hv, shape["dv"], shape["dk"]), float("nan"), device=device)
+            else:
+                want = chunked.chunked_gated_delta_rule(**_rows(x))
+                cache = chunked.ChunkAnchoredCache.empty(
+                    len(lengths), shape["hk"], hv, shape["dk"], shape["dv"], torch.bfloat16, device
+                )
+            got = torch.empty_like(want)
+            for t in range(max(lengths)):
+                live = [n for n in range(len(lengths)) if t < lengths[n]]
+                idx = torch.tensor([cu[n] + t for n in live], device=device)
+                step = {k: x[k][idx] for k in ("q", "k", "v", "a", "b")}
+                step.update(A_log=x["A_log"], dt_bias=x["dt_bias"])
+                step_cu = torch.arange(len(live) + 1, dtype=torch.int32, device=device)
+                slots = torch.tensor(live, device=device)
+                held = torch.full((len(live),), t > 0, device=device)
+                if chunked is None:
+                    got[idx] = cached(
+                        **step, cu_seqlens=step_cu, state_cache=cache, slots=slots, has_state=held
+                    )
+                else:
+                    got[idx] = chunked.chunk_anchored_step(
+                        **step, cu_seqlens=step_cu, cache=cache, slots=slots, has_state=held
+                    )
+        diff = _first_difference(got, want)
+        rows.append({"case": "check", "v_heads": hv, "system": name, "decode_equals_training": not diff,
+                     "first_difference": diff or None, "lengths": lengths})  # fmt: skip
+    return rows
+
+
+def _runnable(name: str, device: str) -> str | None:
+    """Why system `name` cannot run here, or None."""
+    if device == "cuda":
+        return None
+    if name.startswith("B"):
+        return None if _interpreted() else "needs CUDA or TRITON_INTERPRET=1"
+    return None if name == "A" else "needs CUDA"
+
+
+def _estimate_b_backward(rows: list[dict]) -> None:
+    """B's training forward+backward estimate: B's forward plus fla's backward (fla fwd+bwd - fwd)."""
+    for b in rows:
+        if b["case"] != "train" or b["system"] != "B" or "fwd_ms" not in b:
+            continue
+        fla = [r for r in rows if r["case"] == "train" and r["system"] == "fla-chunk" and r["size"] == b["size"]
+               and r["v_heads"] == b["v_heads"] and "fwd_bwd_ms" in r]  # fmt: skip
+        a = [r for r in rows if r["case"] == "train" and r["system"] == "A" and r["size"] == b["size"]
+             and r["v_heads"] == b["v_heads"] and "fwd_bwd_ms" in r]  # fmt: skip
+        if fla:
+            b["fwd_bwd_est_ms"] = b["fwd_ms"] + fla[0]["fwd_bwd_ms"] - fla[0]["fwd_ms"]
+            if a:
+                b["fwd_bwd_est_vs_a"] = b["fwd_bwd_est_ms"] / a[0]["fwd_bwd_ms"]
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def _cases(args) -> list[tuple[str, str, list[int]]]:
+    """(case, size label, sequence lengths) for every requested size."""
+    cases = []
+    for spec in filter(None, args.train.split(",")):
+        tokens, seqlen = (int(v) for v in spec.split("x"))
+        cases.append(("train", spec, [seqlen] * (tokens // seqlen)))
+    for spec in filter(None, args.prefill.split(",")):
+        batch, prompt = (int(v) for v in spec.split("x"))
+        cases.append(("prefill", spec, [prompt] * batch))
+    for spec in filter(None, args.decode.split(",")):
+        cases.append(("decode", spec, [1] * int(spec)))
+    return cases
+
+
+def _run_case(
+    case: str, size: str, lengths: list[int], shape: dict, hv: int, device: str, wanted
+) -> list[dict]:
+    """Every system of one case: a row each (timings, or why it was skipped or failed), with the
+    ratios to A and each output's largest difference from A's."""
+    x = _inputs(lengths, shape, hv, device)
+    rows, results = [], {}
+    for name, fn in SYSTEMS[case].items():
+        if wanted is not None and name.split("@")[0] not in wanted and name not in wanted:
+            continue
+        row = {"case": case, "v_heads": hv, "size": size, "system": name, "tokens": sum(lengths), **shape}
+        reason = _runnable(name, device)
+        if reason:
+            row["skipped"] = reason
+        else:
+            try:
+                results[name] = result = fn(x, device)
+                row.update({k: v for k, v in result.items() if k not in ("out", "start")})
+                row["tokens_per_s"] = sum(lengths) / (result["fwd_ms"] * 1e-3)
+            except ImportError as e:
+                row["skipped"] = f"not importable: {e}"
+            except Exception as e:  # one system failing must not hide the others
+                row["error"] = f"{type(e).__name__}: {e}"
+                row["traceback"] = traceback.format_exc(limit=4)
+        rows.append(row)
+        status = row.get("skipped") or row.get("error") or f"fwd {fmt(row['fwd_ms'])} ms"
+        print(f"{case:8} hv {hv} {size:>12}  {name:14} {status}", flush=True)
+    ours = results.get("A")
+    for row in rows:
+        got = results.get(row["system"])
+        if got is None or ours is None:
+            continue
+        row["fwd_vs_a"] = got["fwd_ms"] / ours["fwd_ms"]
+        if got.get("fwd_bwd_ms") is not None and ours.get("fwd_bwd_ms") is not None:
+            row["fwd_bwd_vs_a"] = got["fwd_bwd_ms"] / ours["fwd_bwd_ms"]
+        if got.get("out") is not None and got["out"].shape == ours["out"].shape:
+            row["max_abs_diff_vs_a"] = float((got["out"].float() - ours["out"].float()).abs().max())
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--v-heads", default=None, help="comma-separated v-head counts (default 32,48)")
+    parser.add_argument(
+        "--train", default=None, help="TOKENSxSEQLEN,... (default 8192x2048,8192x8192,32768x2048,32768x32768)"
+    )
+    parser.add_argument("--prefill", default=None, help="BATCHxPROMPT,... (default 1x8192,16x1024,64x256)")
+    parser.add_argument("--decode", default=None, help="batch sizes (default 1,16,64,256)")
+    parser.add_argument("--systems", default=None, help="comma-separated subset (default: all)")
+    parser.add_argument("--no-check", action="store_true", help="skip the decode == training check")
+    parser.add_argument("--output", default="bench_gated_delta.json", help="JSON file for the full numbers")
+    parser.add_argument("--jsonl", default=None, help="also write docs/results.jsonl rows to this file")
+    parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    args = parser.parse_args(argv)
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but CUDA is not available")
+    if device == "cpu" and not args.small:
+        parser.error("the full shapes need a GPU; use --small for a CPU smoke run")
+    shape = SMALL if args.small else FULL
+    defaults = {"train": ("24x12", "8192x2048,8192x8192,32768x2048,32768x32768"),
+                "prefill": ("2x5", "1x8192,16x1024,64x256"), "decode": ("3", "1,16,64,256")}  # fmt: skip
+    for name, (small, full) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, small if args.small else full)
+    v_heads = [int(h) for h in (args.v_heads or ("4" if args.small else "32,48")).split(",")]
+    wanted = set(args.systems.split(",")) if args.systems else None
+    if args.small:
+        global CPU_REPS
+        CPU_REPS = 1
+        if device == "cpu" and _interpreted():
+            from vexact_vllm.kernels import gated_delta_chunked_triton
+
+            gated_delta_chunked_triton.CHUNK = SMALL_CHUNK
+    mode = " (Triton interpreter)" if device == "cpu" and _interpreted() else ""
+    print(f"shape {shape}, v heads {v_heads}, bf16, device {device}{mode}", flush=True)
+
+    rows = []
+    for hv in v_heads:
+        if not args.no_check:
+            checks = _check(shape, hv, device, CHECK_LENGTHS["small" if args.small else "full"])
+            for r in checks:
+                print(
+                    f"check hv {hv} {r['system']}: decode == training: {r['decode_equals_training']}",
+                    flush=True,
+                )
+            rows += checks
+        for case, size, lengths in _cases(args):
+            rows += _run_case(case, size, lengths, shape, hv, device, wanted)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    _estimate_b_backward(rows)
+
+    report = {"environment": environment(device), "shape": shape, "dtype": "bf16", "rows": rows}
+    with open(args.output, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"\nwrote {args.output}")
+    if args.jsonl:
+        with open(args.jsonl, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in results_rows(report))
+        print(f"wrote {args.jsonl} (rows for docs/results.jsonl)")
+    print("\n" + table(rows))
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

