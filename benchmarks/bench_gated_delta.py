@@ -145,40 +145,43 @@ def _b_train(x, device):
         return {"fwd_ms": _time_ms(lambda: chunked_gated_delta_rule(**_rows(x)), device), "out": out}
 
 
-def _fla_chunk_call(x, chunk_fn, final_state=False):
-    """(call, output of one call) for an fla-style chunk_gated_delta_rule; q, k repeated over the v
-    heads when the kernel takes no GQA."""
-    g, beta = _gates(x)
+def _fla_chunk_run(x, chunk_fn, final_state=False):
+    """run(inputs) -> o [T, HV, DV] through an fla-style chunk_gated_delta_rule, the gates computed
+    (by torch, in the call) as transformers computes them; q, k repeated over the v heads only if the
+    kernel refuses GQA (probed once, here)."""
     hk, hv = x["q"].shape[1], x["v"].shape[1]
     cu = x["cu_seqlens"].long()
-    q, k = x["q"][None], x["k"][None]
 
-    def run(q=q, k=k):
-        return chunk_fn(q, k, x["v"][None], g[None], beta[None], initial_state=None, output_final_state=final_state,
-                        cu_seqlens=cu, use_qk_l2norm_in_kernel=True)[0]  # fmt: skip
+    def run(y, repeat=False):
+        g, beta = _gates(y)
+        q, k = y["q"][None], y["k"][None]
+        if repeat:
+            q, k = (t.repeat_interleave(hv // hk, dim=2) for t in (q, k))
+        return chunk_fn(q, k, y["v"][None], g[None], beta[None], initial_state=None, output_final_state=final_state,
+                        cu_seqlens=cu, use_qk_l2norm_in_kernel=True)[0][0]  # fmt: skip
 
     try:
-        return run, run()[0]
+        with torch.no_grad():
+            run(x)
+        return run
     except Exception:
         if hk == hv:
             raise
-        q, k = (t.repeat_interleave(hv // hk, dim=2) for t in (q, k))
-        return (lambda: run(q, k)), run(q, k)[0]
+        return lambda y: run(y, repeat=True)
 
 
 def _fla_train(x, device):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
+    run = _fla_chunk_run(x, chunk_gated_delta_rule)
     with torch.no_grad():
-        call, out = _fla_chunk_call(x, chunk_gated_delta_rule)
-        fwd = _time_ms(call, device)
-    leaves = {k: t.clone().requires_grad_() for k, t in x.items() if k in ("q", "k", "v", "a", "b")}
-    leaves.update({k: x[k] for k in ("A_log", "dt_bias", "cu_seqlens")})
-    do = torch.randn_like(out)[None]
+        out = run(x)
+        fwd = _time_ms(lambda: run(x), device)
+    leaves = {k: (t.clone().requires_grad_() if k in ("q", "k", "v", "a", "b") else t) for k, t in x.items()}
+    do = torch.randn_like(out)
 
-    def step():
-        call_grad, _ = _fla_chunk_call(leaves, chunk_gated_delta_rule)
-        (call_grad().float() * do).sum().backward()
+    def step():  # one forward, one backward
+        (run(leaves).float() * do).sum().backward()
         for t in leaves.values():
             t.grad = None
 
@@ -192,10 +195,9 @@ def _vllm_chunk():
 
 
 def _vllm_train(x, device):
-    chunk = _vllm_chunk()
+    run = _fla_chunk_run(x, _vllm_chunk())
     with torch.no_grad():
-        call, out = _fla_chunk_call(x, chunk)
-        return {"fwd_ms": _time_ms(call, device), "out": out}
+        return {"fwd_ms": _time_ms(lambda: run(x), device), "out": run(x)}
 
 
 def _a_prefill(x, device):
@@ -226,15 +228,18 @@ def _b_prefill(x, device):
 def _fla_prefill(x, device):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    with torch.no_grad():
-        call, out = _fla_chunk_call(x, chunk_gated_delta_rule, final_state=True)
-        return {"fwd_ms": _time_ms(call, device), "out": out}
+    return _chunk_prefill(x, device, chunk_gated_delta_rule)
 
 
 def _vllm_prefill(x, device):
+    return _chunk_prefill(x, device, _vllm_chunk())
+
+
+def _chunk_prefill(x, device, chunk_fn):
+    """A prefill through an fla-style chunked kernel: the final states written, as a prefill keeps them."""
+    run = _fla_chunk_run(x, chunk_fn, final_state=True)
     with torch.no_grad():
-        call, out = _fla_chunk_call(x, _vllm_chunk(), final_state=True)
-        return {"fwd_ms": _time_ms(call, device), "out": out}
+        return {"fwd_ms": _time_ms(lambda: run(x), device), "out": run(x)}
 
 
 def _decode_start(x, device):

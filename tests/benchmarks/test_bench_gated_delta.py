@@ -105,3 +105,45 @@ def test_b_backward_estimate_and_gpu_rows():
     assert "B 2.00 / ~6.00" in out[0]["value"] and "A 10.00 / 40.00" in out[0]["value"]
     assert "fla absent" in out[0]["device"] and out[0]["commit"] == "0123456"
     assert "~" in bench.table(rows)
+
+
+def test_chunked_baseline_adapter_matches_design_a():
+    """_fla_chunk_run's conventions (gates as transformers computes them, q, k repeated over the v heads
+    for a kernel refusing GQA, the [1, T, ...] batch, one kernel call a run) on a stand-in kernel that
+    runs transformers' Qwen3-Next recurrence per sequence: its output is design A's to rounding."""
+    modeling = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        bench = _load(SCRIPT, "bench_gated_delta_for_adapter")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    calls = []
+
+    def chunk_fn(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel):
+        calls.append(q.shape)
+        if q.shape[2] != v.shape[2]:
+            raise ValueError("no GQA")
+        cu = cu_seqlens.tolist()
+        outs = [
+            modeling.torch_recurrent_gated_delta_rule(
+                *(t[:, cu[n] : cu[n + 1]] for t in (q, k, v, g, beta)), initial_state=None,
+                output_final_state=False, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            )[0]
+            for n in range(len(cu) - 1)
+        ]  # fmt: skip
+        return torch.cat(outs, 1), None
+
+    x = bench._inputs([5, 1, 7], bench.SMALL, 4, "cpu")
+    x = {k: (t.float() if k in ("q", "k", "v", "a", "b") else t) for k, t in x.items()}
+    run = bench._fla_chunk_run(x, chunk_fn)
+    assert [s[2] for s in calls] == [2]  # the probe, refused
+    out = run(x)
+    assert out.shape == x["v"].shape and [s[2] for s in calls] == [2, 4]  # one call, q and k over the v heads
+    from vexact_vllm.kernels.gated_delta import gated_delta_rule_torch
+
+    want, _ = gated_delta_rule_torch(
+        *(x[k] for k in ("q", "k", "v", "a", "b", "A_log", "dt_bias", "cu_seqlens"))
+    )
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
