@@ -14,7 +14,10 @@
 #                                             by side on the GPU; BENCH ARGS override (e.g. --model qwen3-8b-shape).
 #                                             On two GPUs also vexact at PP=2 against stock at PP=2 (Qwen3-8B and
 #                                             Qwen3-30B-A3B shapes; BENCH ARGS apply there too)
-#   bash scripts/gpu.sh all                   tests, check, bench
+#   bash scripts/gpu.sh gdn                   the Gated DeltaNet kernels: their CUDA tests at Qwen3-Next/Qwen3.5 shapes,
+#                                             then benchmarks/bench_gated_delta.py (designs A and B against fla and
+#                                             vLLM where importable: pip install fla-core==0.6.0 for fla)
+#   bash scripts/gpu.sh all                   tests, check, bench, gdn
 #
 # PYTHON picks the interpreter (default python3). With OUT=DIR each step's output is also kept in
 # DIR/STEP.log. Exits non-zero when any step fails; the last lines name each step's result.
@@ -99,10 +102,16 @@ bench() {
   fi
 }
 
+gdn() {
+  run gdn-tests "$py" -m pytest -q -m cuda tests/kernels -k "gated or conv1d"
+  run gdn-bench "$py" benchmarks/bench_gated_delta.py --output "${OUT:-.}/bench_gated_delta.json" \
+    --jsonl "${OUT:-.}/gdn_results.jsonl"
+}
+
 case "${1:-}" in
-  tests|check|bench) step=$1; shift; "$step" "$@" ;;
-  all) tests; check; bench ;;
-  *) sed -n '2,20p' "$0" | cut -c3-; exit 2 ;;
+  tests|check|bench|gdn) step=$1; shift; "$step" "$@" ;;
+  all) tests; check; bench; gdn ;;
+  *) sed -n '2,23p' "$0" | cut -c3-; exit 2 ;;
 esac
 printf '%s\n' "${results[@]}"
 [ ${#failed[@]} = 0 ]
