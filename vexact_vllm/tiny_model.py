@@ -51,6 +51,16 @@ from transformers import (
 
 from vexact_vllm.kernels.settings import get_settings
 from vexact_vllm.model_patches.families import BY_MODEL_TYPE, FAMILIES
+from vexact_vllm.model_shapes import (  # noqa: F401  (the shapes' names, re-exported from their own light module)
+    BUILTIN_MODELS,
+    CONFIG_ONLY_SHAPES,
+    DEEPSEEK_V2_LITE_SHAPE,
+    MOONLIGHT_16B_A3B_SHAPE,
+    QWEN3_1_7B_SHAPE,
+    QWEN3_8B_SHAPE,
+    QWEN3_30B_A3B_SHAPE,
+    SHAPES,
+)
 
 TINY_ARCHS = tuple(f.model_type for f in FAMILIES)  # one built-in tiny checkpoint per family
 CACHE_VERSION = "v1"  # bump when the tokenizer, configs or weights change
@@ -61,28 +71,6 @@ INIT_STD = 0.02  # Hugging Face's initializer_range
 # The tiny DeepSeek-V3's router correction bias: the size of its sigmoid scores' spread, so it changes
 # which experts win (and with groups, which groups) without deciding every choice alone.
 CORRECTION_BIAS_STD = 0.01
-# Random-weight stand-ins for real models: same architecture and shapes, the tiny tokenizer.
-QWEN3_1_7B_SHAPE = dict(
-    hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-    num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
-    max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-)
-QWEN3_8B_SHAPE = dict(
-    hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-    num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
-    max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-)
-# Qwen3-30B-A3B: 48 layers, every one sparse, 128 experts of 768, top-8; a benchmark stand-in only
-# (config and tokenizer; its 61 GB of weights are never built: vLLM's dummy weights serve the bench).
-QWEN3_30B_A3B_SHAPE = dict(
-    hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
-    num_key_value_heads=4, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
-    max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6, num_experts=128,
-    num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-)
-SHAPES = {"qwen3-1.7b-shape": QWEN3_1_7B_SHAPE, "qwen3-8b-shape": QWEN3_8B_SHAPE}
-CONFIG_ONLY_SHAPES = {"qwen3-30b-a3b-shape": ("qwen3_moe", QWEN3_30B_A3B_SHAPE)}  # name: (model_type, fields)
-BUILTIN_MODELS = (*(f.tiny_name for f in FAMILIES), *SHAPES, *CONFIG_ONLY_SHAPES)
 _REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                    "tokenizer_config.json")
 # Qwen2's pre-tokenizer split: words with one leading non-letter, single digits, punctuation runs, spaces.
@@ -282,17 +270,32 @@ def _build(path: Path, force: bool, weights: bool, write) -> Path:
     return path
 
 
+def tiny_config_is_current(path: Path, arch: str) -> bool:
+    """False when `path` holds a config.json whose scalar fields differ from the family table's tiny
+    fields (a checkpoint cached before the table changed): build_tiny_model rebuilds it. True when there
+    is no config yet (nothing stale to replace). Fields the config class renames on save are not compared."""
+    try:
+        saved = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return True
+    fields = BY_MODEL_TYPE[arch].tiny
+    scalars = {k: v for k, v in fields.items() if v is None or isinstance(v, (bool, int, float, str))}
+    return all(saved[k] == v for k, v in scalars.items() if k in saved)
+
+
 def build_tiny_model(arch: str = "qwen3", path: Path | str | None = None, seed: int = 0,
                      dtype: torch.dtype = torch.bfloat16, force: bool = False) -> Path:
     """Build (or reuse) a tiny random checkpoint of `arch`; return its directory.
 
     Default location: `default_cache_dir() / f"tiny-{arch}-s{seed}-v1"`. An existing complete
-    directory is reused unless `force`. The build goes to a temporary sibling and is renamed into
+    directory is reused unless `force` or its config differs from the family table's (tiny_config_is_current).
+    The build goes to a temporary sibling and is renamed into
     place at the end, so an interrupted build never looks complete.
     """
     if arch not in TINY_ARCHS:
         raise ValueError(f"unknown tiny arch {arch!r}; expected one of {TINY_ARCHS}")
     path = Path(path) if path is not None else default_cache_dir() / f"tiny-{arch}-s{seed}-{CACHE_VERSION}"
+    force = force or not tiny_config_is_current(path, arch)
 
     def write(tmp: Path, tokenizer_len: int, special_id: int) -> PretrainedConfig:
         vocab_size = (tokenizer_len // 64 + 1) * 64  # strictly above: always some padding rows
@@ -328,9 +331,10 @@ def build_random_model(
 
 
 def shape_config(model_type: str, fields: dict, special_id: int) -> PretrainedConfig:
-    """The config of family `model_type` with `fields` (a QWEN3_1_7B_SHAPE-like dict), bf16, special ids set."""
+    """The config of family `model_type` with `fields` (a QWEN3_1_7B_SHAPE-like dict), bf16, special ids set.
+    The rotary embedding: `fields["rope_parameters"]` when given (YaRN), else the default one at `rope_theta`."""
     fields = dict(fields)
-    rope = {"rope_type": "default", "rope_theta": float(fields.pop("rope_theta"))}
+    rope = fields.pop("rope_parameters", None) or {"rope_type": "default", "rope_theta": float(fields.pop("rope_theta"))}
     family = BY_MODEL_TYPE[model_type]
     return family.hf_config_class()(
         **fields, rope_parameters=rope, bos_token_id=special_id, eos_token_id=special_id, pad_token_id=special_id,

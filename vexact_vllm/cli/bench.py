@@ -386,10 +386,12 @@ def length_range(text: str) -> str:
 
 
 def add_arguments(parser) -> None:
+    from vexact_vllm.model_shapes import BUILTIN_MODELS, CONFIG_ONLY_SHAPES
+
     parser.add_argument("--model", default="qwen3-1.7b-shape",
-                        help="checkpoint directory, or a built-in model: qwen3-1.7b-shape (the default; only its "
-                        "config is written when --load-format is dummy), qwen3-8b-shape, qwen3-30b-a3b-shape (MoE, "
-                        "dummy weights only), tiny-qwen3, tiny-qwen2, tiny-llama, tiny-qwen3-moe")
+                        help=f"checkpoint directory, or a built-in model: {', '.join(BUILTIN_MODELS)} (default: "
+                        "qwen3-1.7b-shape; a shape's config only is written when --load-format is dummy; "
+                        f"{', '.join(CONFIG_ONLY_SHAPES)}: dummy weights only)")
     parser.add_argument("--configs", help=f"comma-separated subset of {', '.join(CONFIGS)}, in the order of the "
                         "first repeat (default: stock, stock-batch-invariant, vexact; stock-batch-invariant only on "
                         "CUDA; the vexact-* variants change one speed-only choice, for A/B runs)")

