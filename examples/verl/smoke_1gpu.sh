@@ -5,6 +5,7 @@
 # verl's training/rollout_probs_diff_max and rollout_corr/k3_kl side by side.
 #
 #   bash examples/verl/smoke_1gpu.sh                 # WORK=./vexact-smoke; extra Hydra overrides may follow
+#   MODEL=tiny-deepseek-v3 bash examples/verl/smoke_1gpu.sh   # another built-in (DeepSeek-V3's MLA and routing)
 # Any variable of run_qwen3_grpo_gsm8k.sh / verify_rollout_match.sh may be set (MODEL_ENGINE=veomni,
 # STEPS=5, and on two GPUs NGPUS_PER_NODE=2 for FSDP over two ranks with two rollout replicas, plus
 # ROLLOUT_TP=2 for one tensor-parallel replica or ROLLOUT_PP=2 for one pipeline-parallel one). verify
@@ -18,7 +19,9 @@ WORK=${WORK:-./vexact-smoke}
 
 mkdir -p "$WORK"
 "$PYTHON" "$HERE/synthetic_gsm8k.py" --local_save_dir "$WORK/data"
-MODEL_PATH=${MODEL_PATH:-$("$PYTHON" -c 'from vexact_vllm.tiny_model import builtin_model; print(builtin_model("tiny-qwen3"))')}
+# MODEL: a built-in with weights (tiny-qwen3, tiny-qwen3-moe, tiny-deepseek-v3, ...); MODEL_PATH: any checkpoint.
+MODEL=${MODEL:-tiny-qwen3}
+MODEL_PATH=${MODEL_PATH:-$("$PYTHON" -c 'import sys; from vexact_vllm.tiny_model import builtin_model; print(builtin_model(sys.argv[1]))' "$MODEL")}
 
 export MODEL_PATH DATA_DIR="$WORK/data" LOG_DIR=${LOG_DIR:-$WORK/logs} STEPS=${STEPS:-1}
 export NGPUS_PER_NODE=${NGPUS_PER_NODE:-1}
