@@ -47,9 +47,10 @@ from .veomni_cpu import (  # noqa: E402
 )
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "deepseek_v3"])
 def veomni_engine(tiny_model, request):
-    """verl's VeOmni actor engine holding the model VeOmni built from a tiny family (dense, MoE);
+    """verl's VeOmni actor engine holding the model VeOmni built from a tiny family (dense, MoE, DeepSeek-V3
+    through VeOmni's registry row for its DeepSeek-V3 model);
     `engine.vexact_arch` names the family."""
     import torch.distributed as dist
     from veomni.models.auto import build_foundation_model
@@ -152,7 +153,9 @@ def test_engine_backward_through_log_probs(veomni_engine, masked_rollouts, monke
         if hasattr(layer.mlp, "down_proj")
         else [("router", layer.mlp.gate.weight), ("experts.gate_up_proj", layer.mlp.experts.gate_up_proj)]
     )  # MoE layer 0
-    for name, p in [("lm_head", model.lm_head.weight), ("q_proj", layer.self_attn.q_proj.weight), *mlp]:
+    attn = layer.self_attn
+    q = ("q_proj", attn.q_proj.weight) if hasattr(attn, "q_proj") else ("q_a_proj", attn.q_a_proj.weight)  # q LoRA
+    for name, p in [("lm_head", model.lm_head.weight), q, *mlp]:
         assert float(p.grad.float().abs().sum()) > 0, name
     assert len(calls) == -(-len(rollouts) // 2)  # one op call per micro-batch of 2
     scored = []

@@ -82,10 +82,13 @@ def test_install_is_idempotent_and_reversible():
         veomni_hooks.install()
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama", "deepseek_v3"])
 def test_registry_builds_the_shared_model(hooks, tiny_model, arch):
     model = _build(_config(tiny_model, arch))
     assert type(model) is VEOMNI_CLASSES[arch]
+    if arch == "deepseek_v3":  # the router's correction bias stays fp32 in a bf16 build (choice only)
+        bias = model.model.layers[1].mlp.gate.e_score_correction_bias
+        assert bias.dtype == torch.float32 and model.model.layers[1].mlp.gate.weight.dtype == torch.bfloat16
 
 
 def test_other_heads_and_types_stay_veomni(hooks, tiny_model):

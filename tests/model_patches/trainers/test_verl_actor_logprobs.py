@@ -22,6 +22,7 @@ from logprob_reference import assert_recorded_gradients, record_ppo_outputs  # n
 from verl_engine import build_engine, cpu_verl, response_outputs, rollout_batch  # noqa: E402
 
 from vexact_vllm.model_patches import VexactForCausalLM, enabled  # noqa: E402
+from vexact_vllm.model_patches.families import BY_MODEL_TYPE  # noqa: E402
 from vexact_vllm.model_patches.trainers import hf_causal_lm, transformers_hooks, verl_hooks  # noqa: E402
 
 TEMPERATURES = (1.0, 0.7)
@@ -67,14 +68,14 @@ def test_verl_actor_log_probs_equal_vllm(hooks, unmasked, vllm_rollouts, tiny_mo
 
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature", TEMPERATURES)
-@pytest.mark.parametrize(("arch", "tp"), [("qwen3", 1), ("qwen3_moe", 1), ("qwen3_moe", 2)])
+@pytest.mark.parametrize(("arch", "tp"), [("qwen3", 1), ("qwen3_moe", 1), ("qwen3_moe", 2), ("deepseek_v3", 1)])
 def test_verl_masked_vocabulary_equals_masked_rollout(hooks, masked_rollouts_of, tiny_model, temperature, arch, tp):
     """vLLM under verl's compute_logits mask (ids >= len(tokenizer) at -inf) vs verl's trainer with
-    the mask it builds from its own tokenizer: equal (dense and MoE; vLLM unsharded or at
+    the mask it builds from its own tokenizer: equal (dense, MoE and DeepSeek-V3's MLA; vLLM unsharded or at
     tensor-parallel size 2, as verl's `rollout.tensor_model_parallel_size=2` starts it, against the
     unsharded trainer); without the mask: not equal."""
     engine = build_engine(tiny_model(arch))
-    assert type(engine.module).__name__ == {"qwen3": "VexactQwen3ForCausalLM", "qwen3_moe": "VexactQwen3MoeForCausalLM"}[arch]
+    assert type(engine.module).__name__ == f"Vexact{BY_MODEL_TYPE[arch].architecture}"
     tokenizer_len, vocab = len(engine.model_config.tokenizer), engine.module.config.vocab_size
     assert tokenizer_len < vocab  # the tiny model has vocabulary rows past its tokenizer
     rollouts = masked_rollouts_of(arch, tp)[temperature]
