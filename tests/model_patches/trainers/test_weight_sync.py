@@ -21,7 +21,7 @@ from vexact_vllm.cli.score import compare, load_trainer, trainer_log_probs
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module", params=[("qwen3", 1), ("qwen3_moe", 2)], ids=str)
+@pytest.fixture(scope="module", params=[("qwen3", 1), ("qwen3_moe", 2), ("deepseek_v3", 1)], ids=str)
 def synced(tiny_model, tmp_path_factory, request):
     """(original checkpoint, perturbed checkpoint, the script's JSON with rollouts as Rollout). The MoE
     model is synced once with stacked experts (the trainer's own names) and, after the perturbation,
@@ -66,7 +66,7 @@ def test_perturbation_hits_packed_and_tied_tensors(synced, trainers):
     tied = trainers[0].config.tie_word_embeddings
     expected = set(synced[2]["perturbed"]) | ({"lm_head.weight"} if tied else set())  # tied: lm_head is the embedding
     assert changed == expected, sorted(changed ^ expected)
-    assert any(".q_proj." in n or ".v_proj." in n for n in changed)
+    assert any(".q_proj." in n or ".v_proj." in n or ".q_a_proj." in n or ".kv_b_proj." in n for n in changed)
     assert any(".gate_proj." in n or ".up_proj." in n for n in changed)
 
 

@@ -64,6 +64,20 @@ PERTURBED_MOE = (
     "model.layers.3.mlp.gate.weight",
     "model.norm.weight",
 )
+# DeepSeek-V3 (the tiny one: layer 0 dense, 1-3 sparse with a shared expert): the q LoRA and latent K/V
+# projections, stacked experts, the shared expert, the router and its fp32 correction bias (a buffer).
+PERTURBED_DEEPSEEK = (
+    "model.embed_tokens.weight",
+    "model.layers.0.self_attn.q_a_proj.weight",
+    "model.layers.1.self_attn.kv_b_proj.weight",
+    "model.layers.2.self_attn.kv_a_proj_with_mqa.weight",
+    "model.layers.0.mlp.up_proj.weight",
+    "model.layers.1.mlp.experts.gate_up_proj",
+    "model.layers.2.mlp.shared_experts.gate_proj.weight",
+    "model.layers.3.mlp.gate.weight",
+    "model.layers.3.mlp.gate.e_score_correction_bias",
+    "model.norm.weight",
+)
 PROMPTS = (
     "The quick brown fox jumps over the lazy dog.",
     "Reinforcement learning needs on-policy samples;",
@@ -101,6 +115,8 @@ def fp32_state(trainer) -> dict:
 
 
 def perturbed(trainer) -> tuple[str, ...]:
+    if trainer.decoder_config.mla is not None:
+        return PERTURBED_DEEPSEEK
     return PERTURBED_MOE if trainer.decoder_config.moe is not None else PERTURBED
 
 
@@ -115,10 +131,10 @@ def perturb(trainer) -> list[tuple[str, object]]:
     state = fp32_state(trainer)
     for name in perturbed(trainer):
         state[name] += NOISE_STD * torch.randn(state[name].shape, generator=gen)
-    params = dict(trainer.named_parameters())
+    tensors = trainer.state_dict()  # the parameters' and buffers' own storage
     with torch.no_grad():
         for name in perturbed(trainer):
-            params[name].copy_(state[name])  # round to the trainer's dtype, in place
+            tensors[name].copy_(state[name])  # round to the trainer's dtype, in place
     return list(unfuse_moe_params(state.items()))
 
 
