@@ -3,21 +3,25 @@
 #
 #   bash scripts/gpu.sh tests [PYTEST ARGS]   the CUDA tests (pytest -m cuda: kernels, sampler graphs, TP rules)
 #   bash scripts/gpu.sh check [MODEL ...]     vexact-vllm check --against-stock on each built-in model (default:
-#                                             tiny-qwen3 tiny-qwen2 tiny-llama tiny-qwen3-moe qwen3-1.7b-shape),
-#                                             then on qwen3-1.7b-shape with four 2,700-3,300-token prompts (past
-#                                             the attention's 2,048-key split); on two GPUs at tensor-parallel size
-#                                             2 (tiny-llama, tiny-qwen3-moe) and pipeline-parallel size 2 (every
-#                                             tiny model, the Qwen3-1.7B shape, an uneven VLLM_PP_LAYER_PARTITION),
-#                                             on four GPUs at PP=2 x TP=2 as well
+#                                             every tiny model, DeepSeek-V3 and V2-Lite included, and
+#                                             qwen3-1.7b-shape), then on qwen3-1.7b-shape with four 2,700-3,300-token
+#                                             prompts (past the attention's 2,048-key split), then --prompt-logprobs 5
+#                                             (tiny Qwen3, Qwen3-MoE, DeepSeek-V3); on two GPUs at tensor-parallel
+#                                             size 2 (tiny Llama, Qwen3-MoE, both DeepSeeks) and pipeline-parallel
+#                                             size 2 (every tiny family, the Qwen3-1.7B shape, an uneven
+#                                             VLLM_PP_LAYER_PARTITION), on four GPUs at PP=2 x TP=2 as well
 #   bash scripts/gpu.sh bench [BENCH ARGS]    vexact-vllm bench on the Qwen3-1.7B shape (dummy weights): stock vLLM,
 #                                             stock batch-invariant and vexact, workloads default and grpo:32, side
 #                                             by side on the GPU; BENCH ARGS override (e.g. --model qwen3-8b-shape).
-#                                             On two GPUs also vexact at PP=2 against stock at PP=2 (Qwen3-8B and
-#                                             Qwen3-30B-A3B shapes; BENCH ARGS apply there too)
+#                                             Then vexact against stock on the Moonlight-16B-A3B shape (stock: its
+#                                             latent MLA). On two GPUs also vexact at PP=2 against stock at PP=2
+#                                             (Qwen3-8B and Qwen3-30B-A3B shapes; BENCH ARGS apply there too)
+#   bash scripts/gpu.sh verl                  verl's one-GPU GRPO smoke (examples/verl/smoke_1gpu.sh) on the tiny DeepSeek-V3,
+#                                             FSDP and VeOmni engines: 0 with vexact, non-zero with stock
 #   bash scripts/gpu.sh gdn                   the Gated DeltaNet kernels: their CUDA tests at Qwen3-Next/Qwen3.5 shapes,
 #                                             then benchmarks/bench_gated_delta.py (designs A and B against fla and
 #                                             vLLM where importable: pip install fla-core==0.6.0 for fla)
-#   bash scripts/gpu.sh all                   tests, check, bench, gdn
+#   bash scripts/gpu.sh all                   tests, check, bench, verl, gdn
 #
 # PYTHON picks the interpreter (default python3). With OUT=DIR each step's output is also kept in
 # DIR/STEP.log. Exits non-zero when any step fails; the last lines name each step's result.
@@ -62,9 +66,13 @@ tests() {
 
 check() {
   local models=("$@") model prompts
-  [ ${#models[@]} -gt 0 ] || models=(tiny-qwen3 tiny-qwen2 tiny-llama tiny-qwen3-moe qwen3-1.7b-shape)
+  [ ${#models[@]} -gt 0 ] || models=(tiny-qwen3 tiny-qwen2 tiny-llama tiny-qwen3-moe tiny-deepseek-v3 tiny-deepseek-v2-lite qwen3-1.7b-shape)
   for model in "${models[@]}"; do
     run "check-$model" "$py" -m vexact_vllm.cli check --model "$model" --against-stock --quiet
+  done
+  # Prompt log-probs (a teacher's scores): every prompt token's log-prob, top 5 and rank against the trainer's.
+  for model in tiny-qwen3 tiny-qwen3-moe tiny-deepseek-v3; do
+    run "check-prompt-logprobs-$model" "$py" -m vexact_vllm.cli check --model "$model" --prompt-logprobs 5 --quiet
   done
   prompts=$(mktemp --suffix=.txt)
   long_prompts "$prompts"
@@ -72,12 +80,12 @@ check() {
     --max-tokens 48 --max-model-len 4096 --quiet
   rm -f "$prompts"
   if [ "$(gpus)" -ge 2 ]; then
-    for model in tiny-llama tiny-qwen3-moe; do
+    for model in tiny-llama tiny-qwen3-moe tiny-deepseek-v3 tiny-deepseek-v2-lite; do
       run "check-tp2-$model" "$py" -m vexact_vllm.cli check --model "$model" --tensor-parallel-size 2 --quiet
     done
     # Pipeline parallelism: every composition on each family (tied Qwen3/Qwen2: the last stage holds the
     # embedding as its lm_head), stock vLLM at PP=2 beside it; then the 28-layer shape split unevenly.
-    for model in tiny-qwen3 tiny-qwen2 tiny-llama tiny-qwen3-moe qwen3-1.7b-shape; do
+    for model in tiny-qwen3 tiny-qwen2 tiny-llama tiny-qwen3-moe tiny-deepseek-v3 qwen3-1.7b-shape; do
       run "check-pp2-$model" "$py" -m vexact_vllm.cli check --model "$model" --pipeline-parallel-size 2 \
         --against-stock --quiet
     done
@@ -94,12 +102,20 @@ check() {
 
 bench() {
   run bench "$py" -m vexact_vllm.cli bench --model qwen3-1.7b-shape --workload default,grpo:32 --interleave "$@"
+  # DeepSeek (MLA): vexact's per-head K/V cache against stock's latent MLA (the target: >= 0.85x)
+  run bench-moonlight "$py" -m vexact_vllm.cli bench --model moonlight-16b-a3b-shape --configs stock,vexact \
+    --workload default,grpo:32 --interleave "$@"
   if [ "$(gpus)" -ge 2 ]; then  # vexact at PP=2 against stock at PP=2 (the target: >= 0.95x)
     for model in qwen3-8b-shape qwen3-30b-a3b-shape; do
       run "bench-pp2-$model" "$py" -m vexact_vllm.cli bench --model "$model" --pipeline-parallel-size 2 \
         --configs stock,vexact --workload default,grpo:32 --interleave "$@"
     done
   fi
+}
+
+verl() {  # one GRPO step with vexact and one with stock on the tiny DeepSeek-V3, verl's FSDP and VeOmni engines
+  run verl-deepseek-fsdp env MODEL=tiny-deepseek-v3 bash examples/verl/smoke_1gpu.sh
+  run verl-deepseek-veomni env MODEL=tiny-deepseek-v3 MODEL_ENGINE=veomni bash examples/verl/smoke_1gpu.sh
 }
 
 gdn() {
@@ -109,9 +125,9 @@ gdn() {
 }
 
 case "${1:-}" in
-  tests|check|bench|gdn) step=$1; shift; "$step" "$@" ;;
-  all) tests; check; bench; gdn ;;
-  *) sed -n '2,23p' "$0" | cut -c3-; exit 2 ;;
+  tests|check|bench|verl|gdn) step=$1; shift; "$step" "$@" ;;
+  all) tests; check; bench; verl; gdn ;;
+  *) sed -n '2,29p' "$0" | cut -c3-; exit 2 ;;
 esac
 printf '%s\n' "${results[@]}"
 [ ${#failed[@]} = 0 ]
