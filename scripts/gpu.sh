@@ -127,7 +127,7 @@ gdn() {
 case "${1:-}" in
   tests|check|bench|verl|gdn) step=$1; shift; "$step" "$@" ;;
   all) tests; check; bench; verl; gdn ;;
-  *) sed -n '2,29p' "$0" | cut -c3-; exit 2 ;;
+  *) sed -n '2,27p' "$0" | cut -c3-; exit 2 ;;
 esac
 printf '%s\n' "${results[@]}"
 [ ${#failed[@]} = 0 ]
