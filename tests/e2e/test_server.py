@@ -120,3 +120,34 @@ def test_server_refuses_unsupported_sampling_with_400(server):
     # the server keeps serving afterwards, truncated sampling included
     ok = requests.post(f"{base}/v1/completions", json={**body, "top_p": 0.5, "top_k": 5}, timeout=60)
     assert ok.status_code == 200, ok.text
+
+
+def test_prompt_logprobs_and_echo_equal_the_trainers(server):
+    """A teacher's scores: `prompt_logprobs` (k = 0 and top-k) and `echo` with `logprobs` give every
+    prompt token the trainer's log-prob at temperature 1, bit for bit (JSON carries a float's shortest
+    repr, which reads back to the same double), with vLLM's ids and ranks for the top-k."""
+    from vexact_vllm.cli.prompt_scores import trainer_prompt_entries
+
+    base, model = server
+    prompt_ids = [int(t) for t in torch.randint(5, 300, (37,), generator=torch.Generator().manual_seed(7))]
+    trainer = load_trainer(model, torch.bfloat16)
+    body = {"model": model, "prompt": prompt_ids, "max_tokens": 1, "temperature": 1.0, "seed": 3}
+    for k in (0, 3):
+        r = requests.post(f"{base}/v1/completions", json={**body, "prompt_logprobs": k}, timeout=120)
+        assert r.status_code == 200, r.text
+        served = r.json()["choices"][0]["prompt_logprobs"]
+        assert served[0] is None and len(served) == len(prompt_ids)
+        got = [[(int(t), e["logprob"], e["rank"]) for t, e in position.items()] for position in served[1:]]
+        rollout = Rollout(prompt_ids, [], [], prompt_logprobs=got)
+        (want,) = trainer_prompt_entries(trainer, [rollout], 0, k)
+        assert [len(p) for p in got] == [len(p) for p in want]
+        assert got == want, next((p, g, w) for p, (g, w) in enumerate(zip(got, want)) if g != w)
+        if k == 0:
+            token_values = [w[0][1] for w in want]
+    r = requests.post(f"{base}/v1/completions", json={**body, "echo": True, "logprobs": 1,
+                                                       "return_tokens_as_token_ids": True}, timeout=120)  # fmt: skip
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    assert [int(t.removeprefix("token_id:")) for t in lp["tokens"][: len(prompt_ids)]] == prompt_ids
+    assert lp["token_logprobs"][0] is None
+    assert lp["token_logprobs"][1 : len(prompt_ids)] == token_values
