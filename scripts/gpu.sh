@@ -14,7 +14,7 @@
 #                                             stock batch-invariant and vexact, workloads default and grpo:32, side
 #                                             by side on the GPU; BENCH ARGS override (e.g. --model qwen3-8b-shape).
 #                                             Then vexact against stock on the Moonlight-16B-A3B shape (stock: its
-#                                             latent MLA). On two GPUs also vexact at PP=2 against stock at PP=2
+#                                             latent MLA) and prompt scoring (benchmarks/bench_prompt_scores.py). On two GPUs also vexact at PP=2 against stock at PP=2
 #                                             (Qwen3-8B and Qwen3-30B-A3B shapes; BENCH ARGS apply there too)
 #   bash scripts/gpu.sh verl                  verl's one-GPU GRPO smoke (examples/verl/smoke_1gpu.sh) on the tiny DeepSeek-V3,
 #                                             FSDP and VeOmni engines: 0 with vexact, non-zero with stock
@@ -105,6 +105,9 @@ bench() {
   # DeepSeek (MLA): vexact's per-head K/V cache against stock's latent MLA (the target: >= 0.85x)
   run bench-moonlight "$py" -m vexact_vllm.cli bench --model moonlight-16b-a3b-shape --configs stock,vexact \
     --workload default,grpo:32 --interleave "$@"
+  # A teacher's prompt scoring (prompt_logprobs 0 and 5), Qwen3-8B shape, 256 sequences of 1-2k tokens
+  run bench-prompt-scores "$py" benchmarks/bench_prompt_scores.py --model qwen3-8b-shape \
+    --output "${OUT:-.}/prompt_scores.jsonl"
   if [ "$(gpus)" -ge 2 ]; then  # vexact at PP=2 against stock at PP=2 (the target: >= 0.95x)
     for model in qwen3-8b-shape qwen3-30b-a3b-shape; do
       run "bench-pp2-$model" "$py" -m vexact_vllm.cli bench --model "$model" --pipeline-parallel-size 2 \
