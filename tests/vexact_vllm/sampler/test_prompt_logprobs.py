@@ -64,7 +64,11 @@ def test_prompt_scores_are_the_trainers_in_any_chunking(monkeypatch, k):
     for got in (whole, chunked):
         ids, values, ranks = got
         assert ids.dtype == torch.int64 and tuple(ids.shape) == (30, 1 + k)
-        assert torch.equal(ids, want.ids) and torch.equal(values, want.log_probs) and torch.equal(ranks, want.ranks)
+        assert (
+            torch.equal(ids, want.ids)
+            and torch.equal(values, want.log_probs)
+            and torch.equal(ranks, want.ranks)
+        )
 
 
 def test_the_whole_vocabulary_and_out_of_range_rows():
@@ -168,7 +172,9 @@ def test_vllms_worker_returns_the_trainers_values_over_chunked_prefill(monkeypat
         computed = torch.zeros(3, dtype=torch.int64)
         for _, slot, c, _, _ in steps:
             computed[slot] = c
-        out = worker.compute_prompt_logprobs(model.compute_logits, rows, batch, all_token_ids, computed, prompt_lens)
+        out = worker.compute_prompt_logprobs(
+            model.compute_logits, rows, batch, all_token_ids, computed, prompt_lens
+        )
         assert not set(out) & set(returned)
         returned.update(out)
     assert sorted(returned) == ["a", "b"]
@@ -199,3 +205,103 @@ def test_the_v1_sampler_scores_prompts_with_the_same_functions():
     tied = torch.tensor([[-2.0, -1.0, -3.0, -1.0, -1.0]])
     ids, values, ranks, *_ = VexactSampler.gather_logprobs(tied, 2, torch.tensor([4]))
     assert ids.tolist() == [[4, 1, 3]] and ranks.tolist() == [3]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_vllms_worker_over_random_chunks_and_preemption(monkeypatch, seed):
+    """A random schedule through vLLM's `PromptLogprobsWorker` with the wrapper in place: random
+    prompt lengths, prefill chunk sizes, CHUNK_ROWS and per-request k (the batch's largest k is
+    computed, each request keeps its own width). Request "a" is preempted after its first prefill
+    chunk: vLLM drops its partial rows (remove_request), re-adds it in another slot and recomputes
+    its prompt from 0. Request "b" is preempted after its prompt was returned and one token decoded:
+    resumed, it is not scored again. Each scored request comes back once, every row the trainer's."""
+    from vllm import SamplingParams
+    from vllm.v1.worker.gpu.sample import prompt_logprob
+
+    from vexact_vllm.sampler import prompt_logprobs
+
+    rng = np.random.default_rng(seed)
+    monkeypatch.setattr(prompt_logprob, "get_prompt_logprobs_token_ids", _token_ids_torch)
+    original = prompt_logprob.compute_prompt_logprobs_with_chunking
+    monkeypatch.setattr(prompt_logprob, "compute_prompt_logprobs_with_chunking",
+                        prompt_logprobs.wrap_prompt_logprobs(original))  # fmt: skip
+    monkeypatch.setattr(prompt_logprobs, "CHUNK_ROWS", int(rng.choice([1, 3, 7, 1024])))
+    g = torch.Generator().manual_seed(seed)
+    names = ["a", "b", "c", "d"]
+    prompts = {r: torch.randint(0, VOCAB, (int(rng.integers(10, 40)),), generator=g) for r in names}
+    ks = {
+        "a": int(rng.choice([0, 2, 5])),
+        "b": int(rng.choice([0, 2, 5])),
+        "c": None,
+        "d": int(rng.choice([0, 5])),
+    }
+    hidden = {r: torch.randn(64, HIDDEN, generator=g).bfloat16() for r in names}  # per position
+    max_reqs, decode_steps = 6, 3
+    sequences = {r: torch.cat([p, torch.randint(0, VOCAB, (16,), generator=g)]) for r, p in prompts.items()}
+    all_token_ids = torch.zeros(max_reqs, 80, dtype=torch.int64)
+    state = {}  # req -> [slot, computed, prefill_len]
+
+    worker = prompt_logprob.PromptLogprobsWorker(max_reqs, torch.device("cpu"))
+
+    def admit(r, slot, prefill_len):
+        all_token_ids[slot] = 0
+        all_token_ids[slot, : len(sequences[r])] = sequences[r]
+        worker.add_request(r, slot, SamplingParams(prompt_logprobs=ks[r]))
+        state[r] = [slot, 0, prefill_len]
+
+    for slot, r in enumerate(names):
+        admit(r, slot, len(prompts[r]))
+    model, returned, preempted = FakeModel(), {}, set()
+    while state:
+        steps = []
+        for r in [r for r in names if r in state]:
+            slot, computed, prefill_len = state[r]
+            if computed < prefill_len:
+                first = r == "a" and "a" not in preempted and computed == 0
+                n = (
+                    int(rng.integers(1, len(prompts[r])))
+                    if first
+                    else int(rng.integers(1, prefill_len - computed + 1))
+                )
+            else:
+                n = 1
+            steps.append((r, slot, computed, n, prefill_len))
+        batch = _batch(steps)
+        rows = torch.cat([hidden[r][c : c + n] for r, _, c, n, _ in steps])
+        computed_by_slot = torch.zeros(max_reqs, dtype=torch.int64)
+        for _, slot, c, _, _ in steps:
+            computed_by_slot[slot] = c
+        prompt_lens = np.zeros(max_reqs, np.int64)
+        for r, (slot, _, _) in state.items():
+            prompt_lens[slot] = len(prompts[r])
+        out = worker.compute_prompt_logprobs(
+            model.compute_logits, rows, batch, all_token_ids, computed_by_slot, prompt_lens
+        )
+        assert not set(out) & set(returned)
+        returned.update(out)
+        for r, _, c, n, _ in steps:
+            state[r][1] = c + n
+        for r in list(state):
+            slot, computed, prefill_len = state[r]
+            if r == "a" and "a" not in preempted:  # mid-prompt: partial rows dropped, recomputed
+                assert computed < len(prompts[r])
+                preempted.add(r)
+                worker.remove_request(r)
+                admit(r, 4, len(prompts[r]))
+            elif r == "b" and "b" not in preempted and computed == len(prompts[r]) + 1:
+                assert "b" in returned or ks["b"] is None
+                preempted.add(r)
+                worker.remove_request(r)
+                admit(r, 5, computed)  # resumed: its prefill now runs past the prompt
+            elif computed >= max(prefill_len, len(prompts[r])) + decode_steps:
+                worker.remove_request(r)
+                del state[r]
+    assert preempted == {"a", "b"}
+    assert sorted(returned) == ["a", "b", "d"]
+    for r in ("a", "b", "d"):
+        n = len(prompts[r])
+        want = _trainer(model, hidden[r][: n - 1], prompts[r][1:], ks[r])
+        got = returned[r]
+        assert torch.equal(got.logprob_token_ids, want.ids)
+        assert torch.equal(got.logprobs, want.log_probs)
+        assert torch.equal(got.selected_token_ranks, want.ranks)
