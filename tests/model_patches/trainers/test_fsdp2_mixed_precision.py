@@ -4,7 +4,9 @@ with bf16 parameters and `cast_forward_inputs=True`. That policy casts every flo
 argument of a wrapped layer to bf16, so the layers must not take the fp32 RoPE table as an argument
 (it would arrive as bf16: "cache has dtype torch.bfloat16"). Here the log-probs and
 the gradients must be the bf16 model's, bit for bit. A gloo group of one rank on the CPU: the casts and
-the hooks are FSDP2's own; only the collectives are trivial."""
+the hooks are FSDP2's own; only the collectives are trivial. DeepSeek-V3's router keeps its
+`e_score_correction_bias` in fp32 (a buffer: the policy casts parameters only), so the experts it
+chooses are the bf16 model's."""
 
 import os
 
@@ -39,7 +41,7 @@ def _shard(model, mesh):
     return model
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "deepseek_v3"])
 def test_fsdp2_bf16_policy_over_fp32_masters_equals_the_bf16_model(load_model, mesh, arch):
     bf16 = load_model(arch, torch.bfloat16, True)
     sharded = _shard(load_model(arch, torch.float32, True).train(), mesh)
@@ -51,6 +53,12 @@ def test_fsdp2_bf16_policy_over_fp32_masters_equals_the_bf16_model(load_model, m
     got = ppo_forward(sharded, ids, mask)
     assert got.log_probs.dtype == torch.float32
     assert torch.equal(got.log_probs, want.log_probs) and torch.equal(got.entropy, want.entropy)
+    biases = {n: b for n, b in sharded.named_buffers() if n.endswith("e_score_correction_bias")}
+    assert len(biases) == (3 if arch == "deepseek_v3" else 0)  # the tiny V3: layers 1-3 sparse
+    bf16_buffers = dict(bf16.named_buffers())
+    for name, bias in biases.items():
+        assert bias.dtype == torch.float32 and bias.abs().min() > 0, name
+        assert torch.equal(bias, bf16_buffers[name]), name
 
     want.log_probs.sum().backward()
     got.log_probs.sum().backward()
