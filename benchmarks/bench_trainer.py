@@ -1,6 +1,7 @@
 """Trainer forward+backward throughput: the shared (vexact) model against stock transformers.
 
-    python benchmarks/bench_trainer.py [--shape 1.7b|30b-a3b-4l|tiny|tiny-moe] [--batch 8] [--seq-len 1024] [--steps 10]
+    python benchmarks/bench_trainer.py [--shape 1.7b|30b-a3b-4l|moonlight-4l|tiny|tiny-moe|tiny-deepseek] [--batch 8]
+        [--seq-len 1024] [--steps 10]
         [--warmup 3] [--stock sdpa-padded,sdpa-packed] [--json OUT]
 
 One step = forward, token log-probs of the next token, loss = -mean(log-probs), backward; gradients
@@ -8,7 +9,8 @@ are set to None between steps, no optimizer. Rows:
 - vexact: `AutoModelForCausalLM.from_config` under `transformers_hooks.installed()`, a `PackedBatch` of
   the B sequences, `packed_log_probs` (the fused, row-chunked lm_head log-prob, with its gradient).
 - stock-*: transformers' own class (Qwen3ForCausalLM; Qwen3MoeForCausalLM asked for its grouped_mm
-  experts, the eager loop where this torch lacks grouped GEMMs, the "experts" field says which); bf16 logits -> fp32 -> log_softmax -> gather (the
+  experts, the eager loop where this torch lacks grouped GEMMs, the "experts" field says which;
+  DeepseekV3ForCausalLM likewise for the DeepSeek shapes); bf16 logits -> fp32 -> log_softmax -> gather (the
   way verl scores tokens without flash-attn's cross-entropy kernel). `sdpa-padded`: [B, L] with an
   all-ones attention_mask (equal lengths, so no padding: SDPA runs causal, flash backend on CUDA);
   `sdpa-packed`: [1, T] with position_ids restarting per sequence (transformers builds a
@@ -38,7 +40,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from vexact_vllm.model_patches import PackedBatch
 from vexact_vllm.model_patches.trainers import transformers_hooks
-from vexact_vllm.tiny_model import QWEN3_1_7B_SHAPE, QWEN3_30B_A3B_SHAPE, shape_config
+from vexact_vllm.model_shapes import MOONLIGHT_16B_A3B_SHAPE, QWEN3_1_7B_SHAPE, QWEN3_30B_A3B_SHAPE
+from vexact_vllm.tiny_model import shape_config
 
 TINY_SHAPE = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -47,11 +50,23 @@ TINY_SHAPE = dict(
 )  # fmt: skip
 TINY_MOE_SHAPE = dict(TINY_SHAPE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                       decoder_sparse_step=1, mlp_only_layers=[0])
-# name: (model_type, fields); 30b-a3b-4l is Qwen3-30B-A3B's shape with 4 of its 48 layers (fits one GPU)
+# DeepSeek-V3's layout in small: MLA (q LoRA, 16 + 8 / 16 heads over a 32 + 8 latent), layer 0 dense, then
+# 8 experts top-2 in 4 groups (2 kept) with sigmoid scores, one shared expert.
+TINY_DEEPSEEK_SHAPE = dict(
+    TINY_SHAPE, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+    v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+    n_group=4, topk_group=2, first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+    topk_method="noaux_tc", scoring_func="sigmoid",
+)  # fmt: skip
+del TINY_DEEPSEEK_SHAPE["head_dim"]
+# name: (model_type, fields); 30b-a3b-4l is Qwen3-30B-A3B's shape with 4 of its 48 layers (fits one GPU),
+# moonlight-4l Moonlight-16B-A3B's with 4 of its 27 (the first dense, as in the model)
 SHAPES = {
     "1.7b": ("qwen3", QWEN3_1_7B_SHAPE), "tiny": ("qwen3", TINY_SHAPE),
     "30b-a3b-4l": ("qwen3_moe", dict(QWEN3_30B_A3B_SHAPE, num_hidden_layers=4)),
     "tiny-moe": ("qwen3_moe", TINY_MOE_SHAPE),
+    "moonlight-4l": ("deepseek_v3", dict(MOONLIGHT_16B_A3B_SHAPE, num_hidden_layers=4)),
+    "tiny-deepseek": ("deepseek_v3", TINY_DEEPSEEK_SHAPE),
 }
 STOCK = {"sdpa-padded": ("sdpa", False), "sdpa-packed": ("sdpa", True), "flex-packed": ("flex_attention", True)}
 INIT_STD = 0.02
@@ -66,7 +81,8 @@ def build(config, device, attn: str | None, std: float = INIT_STD):
         if attn is None:
             with transformers_hooks.installed():
                 model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-        elif getattr(config, "num_experts", None):  # MoE: the fastest experts path transformers has here
+        elif getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None):
+            # MoE: the fastest experts path transformers has here
             try:
                 model = AutoModelForCausalLM.from_config(
                     config, dtype=torch.bfloat16, attn_implementation=attn, experts_implementation="grouped_mm"
