@@ -13,9 +13,11 @@ Sections (16 heads by default: Moonlight-16B-A3B and DeepSeek-V2-Lite at TP=1, D
   SM90 runs it without padding V).
 - decode: one query per sequence over `context` keys. ours: `paged_attention` over vLLM's per-head cache
   ([blocks, Hkv, 16, D + Dv], 16-token pages, scattered); stock-fa3: FA3's paged decode over the same
-  per-head K/V (kernel against kernel at equal work); stock-flashmla: FlashMLA over the 576-wide latent
-  cache (64-token pages, head_dim_v 512), stock vLLM's decode (the absorbed form: the per-head q
-  absorption and W_UV up-projection GEMMs around it are not timed, so the ratio favours stock).
+  per-head K/V (kernel against kernel at equal work); fa3-mla: FlashAttention-3 over the 576-wide latent
+  cache, stock vLLM's decode on SM90 (its FLASH_ATTN_MLA backend, first in vLLM 0.26's order there:
+  the rotary 64 as q/k, the 512 latent as v, q_nope as q_v); flashmla: FlashMLA over the same latent
+  (64-token pages), the next backend. Both absorbed forms: the per-head q absorption and W_UV
+  up-projection GEMMs around them are not timed, so the ratios favour stock.
 - train: ours forward+backward at 192/128 against torch SDPA's (vLLM's FlashAttention has no backward).
 "speed" is stock time / vexact time. Medians of CUDA-event timings (triton.testing.do_bench); decode
 under a CUDA graph (vLLM replays graphs at decode). Every number goes to DIR/mla.json.
@@ -199,30 +201,52 @@ def _decode_case(batch, context, heads):
     label = f"B={batch} ctx={context} H={heads}"
     ours_bytes, latent_bytes = kv_bytes_per_token(heads, 1)
     record("decode", label, ours, fa3, "fa3", vexact_tb_s=batch * context * ours_bytes / ours / 1e9)
-    try:
-        mla = _flashmla_decode(batch, context, heads, scale)
-    except Exception as e:  # FlashMLA missing from this build: the row says so
-        print(f"decode   {label}: FlashMLA unavailable ({e})")
-        ROWS.append({"section": "decode", "case": label, "stock": "flashmla", "error": str(e)})
-        return
-    record(
-        "decode", label, ours, mla, "flashmla (latent)", stock_tb_s=batch * context * latent_bytes / mla / 1e9
-    )
+    for stock, timed in (("fa3-mla (latent)", _fa3_mla_decode), ("flashmla (latent)", _flashmla_decode)):
+        try:
+            stock_ms = timed(batch, context, heads, scale)
+        except Exception as e:  # a kernel missing from this build: the row says so
+            print(f"decode   {label}: {stock} unavailable ({e})")
+            ROWS.append({"section": "decode", "case": label, "stock": stock, "error": str(e)})
+            continue
+        record(
+            "decode", label, ours, stock_ms, stock, stock_tb_s=batch * context * latent_bytes / stock_ms / 1e9
+        )
+
+
+def _latent_inputs(batch, context, heads, page):
+    """The latent cache [blocks, page, 576] on shuffled pages, its block table and lengths, and q in the
+    absorbed form [B, H, 576] (the latent's 512 then the rotary 64)."""
+    pages = -(-context // page)
+    cache = torch.randn(batch * pages, page, LATENT + D_ROPE, device="cuda", dtype=torch.bfloat16)
+    table = torch.randperm(batch * pages, device="cuda", dtype=torch.int32).view(batch, pages)
+    seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    q = torch.randn(batch, heads, LATENT + D_ROPE, device="cuda", dtype=torch.bfloat16)
+    return q, cache, table, seq_lens
+
+
+def _fa3_mla_decode(batch, context, heads, scale) -> float:
+    """Milliseconds of FlashAttention-3's MLA decode over the latent cache, as vLLM's FLASH_ATTN_MLA
+    backend (the first choice on SM90) calls it: the rotary parts as q/k, the latent as v, q_nope as q_v."""
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    q, cache, table, seq_lens = _latent_inputs(batch, context, heads, 16)
+    q_nope, q_pe = q[..., :LATENT].contiguous(), q[..., LATENT:].contiguous()
+    k_pe, kv_c = cache[..., LATENT:].unsqueeze(-2), cache[..., :LATENT].unsqueeze(-2)
+    qsl = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    return bench_graph(lambda: flash_attn_varlen_func(
+        q=q_pe, k=k_pe, v=kv_c, q_v=q_nope, max_seqlen_q=1, cu_seqlens_q=qsl, max_seqlen_k=context,
+        seqused_k=seq_lens, block_table=table, softmax_scale=scale, causal=True, fa_version=3))  # fmt: skip
 
 
 def _flashmla_decode(batch, context, heads, scale) -> float:
-    """Milliseconds of FlashMLA's decode over the latent cache, as vLLM's FLASHMLA backend calls it."""
+    """Milliseconds of FlashMLA's decode over the latent cache (64-token pages), as vLLM's FLASHMLA
+    backend calls it."""
     from vllm.v1.attention.ops.flashmla import flash_mla_with_kvcache, get_mla_metadata
 
-    page, width = 64, LATENT + D_ROPE
-    pages = -(-context // page)
-    cache = torch.randn(batch * pages, page, 1, width, device="cuda", dtype=torch.bfloat16)
-    table = torch.randperm(batch * pages, device="cuda", dtype=torch.int32).view(batch, pages)
-    seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
-    q = torch.randn(batch, 1, heads, width, device="cuda", dtype=torch.bfloat16)
+    q, cache, table, seq_lens = _latent_inputs(batch, context, heads, 64)
     meta, _ = get_mla_metadata()
     return bench_graph(lambda: flash_mla_with_kvcache(
-        q, cache, table, seq_lens, LATENT, meta, softmax_scale=scale, causal=True))  # fmt: skip
+        q[:, None], cache[:, :, None], table, seq_lens, LATENT, meta, softmax_scale=scale, causal=True))  # fmt: skip
 
 
 SECTIONS = {"cache": cache, "prefill": prefill, "decode": decode, "train": train}
