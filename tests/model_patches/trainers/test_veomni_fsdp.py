@@ -22,10 +22,11 @@ pytest.importorskip("verl")
 from .veomni_cpu import free_port  # noqa: E402
 
 
-def test_two_rank_fsdp_engine_log_probs_equal_vllm(tiny_model, masked_rollouts_of, tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_two_rank_fsdp_engine_log_probs_equal_vllm(tiny_model, masked_rollouts_of, tmp_path, arch):
     """The tiny Qwen3-MoE: its layers hold both block kinds (three MoE, one dense MLP), and every
-    layer's attention takes the RoPE table; one family keeps the two spawned ranks to ~40 s of CI."""
-    arch = "qwen3_moe"
+    layer's attention takes the RoPE table; the tiny DeepSeek-V3: MLA, shared experts and the router's
+    fp32 correction bias (a buffer: each rank checks it holds the checkpoint's values in fp32)."""
     rollouts = masked_rollouts_of(arch)
     case = tmp_path / "case.pkl"
     case.write_bytes(

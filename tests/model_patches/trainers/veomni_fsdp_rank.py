@@ -55,6 +55,7 @@ def _score(case: dict) -> None:
         layers = [m for m in model.modules() if isinstance(m, FSDPModule)]
         assert len(layers) > 1, "VeOmni did not shard the layers"
         assert all(p.dtype == torch.float32 for p in model.parameters()), "expected fp32 masters"
+        _check_correction_bias(model, case["model"])
         assert_engine_equals_vllm(engine, case["rollouts"], micro_batch_size=2)
 
         def loss_function(model_output, data, dp_group):
@@ -66,6 +67,21 @@ def _score(case: dict) -> None:
         for name, p in model.named_parameters():
             grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
             assert grad is not None and bool(torch.isfinite(grad).all()), name
+
+
+def _check_correction_bias(model, path: str) -> None:
+    """DeepSeek-V3's router bias, a buffer (not sharded, not cast): fp32 and the checkpoint's values on
+    every rank after VeOmni's meta-device build and rank 0's broadcast."""
+    from safetensors.torch import load_file
+
+    biases = {n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
+    if not biases:
+        return
+    saved = load_file(str(Path(path) / "model.safetensors"))
+    for name, bias in biases.items():
+        want = saved[name]
+        assert bias.dtype == torch.float32 and want.abs().min() > 0, name
+        assert torch.equal(bias.cpu(), want), name
 
 
 if __name__ == "__main__":
