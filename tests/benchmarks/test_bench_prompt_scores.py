@@ -1,5 +1,5 @@
 """benchmarks/bench_prompt_scores.py on CPU (--small: the tiny Qwen3, 3 sequences of 20-40 tokens):
-each configuration runs its own engine in a child, every K prints a row with a ratio to stock, and
+each configuration runs its own engine in a child, every K prints a row, and
 --output holds one results line per K. The sequences are seeded: the same ids for every config."""
 
 from __future__ import annotations
@@ -22,14 +22,15 @@ def test_sequences_are_seeded_and_in_range(bench):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_small_run_reports_both_configs_per_k(bench, tmp_path, capsys):
+def test_small_run_reports_every_k(bench, tmp_path, capsys):
+    """One engine (vexact; stock and the ratio run on the GPU: a second CPU engine doubles the CI cost)."""
     out = tmp_path / "prompt_scores.jsonl"
-    rc = bench.main(["--small", "--configs", "stock,vexact", "--top-k", "0,2", "--output", str(out)])
+    rc = bench.main(["--small", "--configs", "vexact", "--top-k", "0,2", "--output", str(out)])
     table = capsys.readouterr().out.splitlines()
     assert rc == 0
     rows = [line.split() for line in table[1:]]
-    assert sorted((r[0], r[1]) for r in rows) == [("stock", "0"), ("stock", "2"), ("vexact", "0"), ("vexact", "2")]
-    assert all(float(r[2]) > 0 for r in rows) and {r[5] for r in rows if r[0] == "stock"} == {"1.000"}
+    assert [(r[0], r[1], r[5]) for r in rows] == [("vexact", "0", "-"), ("vexact", "2", "-")]
+    assert all(float(r[2]) > 0 for r in rows)
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in lines] == ["prompt-scores-k0", "prompt-scores-k2"]
-    assert all("x stock" in r["value"] and r["command"] for r in lines)
+    assert all(r["value"].startswith("vexact ") and r["command"] for r in lines)
