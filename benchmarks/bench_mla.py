@@ -34,6 +34,10 @@ import traceback
 import torch
 
 ROWS: list[dict] = []
+DEVICE = "cuda"  # the CPU test runs the sections' plumbing on "cpu" with stand-in stock kernels
+PREFILL_CASES = [(16, 1024), (4, 4096), (1, 16384)]  # (sequences, tokens each)
+TRAIN_CASES = [(8, 1024), (2, 8192)]
+DECODE_CASES = [(256, 1024), (64, 8192), (16, 32768)]  # (sequences, keys each)
 D_NOPE, D_ROPE, D_V, LATENT = 128, 64, 128, 512  # every published DeepSeek-V2/V3-architecture model
 # name: (attention heads, layers) of the published configs; the head sizes above are theirs.
 PUBLISHED = {
@@ -105,15 +109,15 @@ def bench_graph(fn) -> float:
 
 def _varlen(nseq, length, heads, grad=False):
     t = nseq * length
-    q, k = (torch.randn(t, heads, D_NOPE + D_ROPE, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    v = torch.randn(t, heads, D_V, device="cuda", dtype=torch.bfloat16)
-    cu = torch.arange(0, t + 1, length, device="cuda", dtype=torch.int32)
+    q, k = (torch.randn(t, heads, D_NOPE + D_ROPE, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(t, heads, D_V, device=DEVICE, dtype=torch.bfloat16)
+    cu = torch.arange(0, t + 1, length, device=DEVICE, dtype=torch.int32)
     return [x.requires_grad_(grad) for x in (q, k, v)], cu
 
 
 @section
 def prefill(args):
-    for nseq, length in [(16, 1024), (4, 4096), (1, 16384)][: 1 if args.quick else None]:
+    for nseq, length in PREFILL_CASES[: 1 if args.quick else None]:
         _prefill_case(nseq, length, args.heads)
 
 
@@ -139,7 +143,7 @@ def _prefill_case(nseq, length, heads):
 def train(args):
     """vLLM's FlashAttention build has no backward: the stock side is torch SDPA at the same head sizes
     (padded batch of equal lengths, the backend torch picks for 192/128), as transformers runs the model."""
-    for nseq, length in [(8, 1024), (2, 8192)][: 1 if args.quick else None]:
+    for nseq, length in TRAIN_CASES[: 1 if args.quick else None]:
         _train_case(nseq, length, args.heads)
 
 
@@ -148,7 +152,7 @@ def _train_case(nseq, length, heads):
 
     scale = (D_NOPE + D_ROPE) ** -0.5
     (q, k, v), cu = _varlen(nseq, length, heads, grad=True)
-    g = torch.randn(nseq * length, heads, D_V, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(nseq * length, heads, D_V, device=DEVICE, dtype=torch.bfloat16)
 
     def ours():
         varlen_attention(q, k, v, cu, scale).backward(g)
@@ -170,57 +174,66 @@ def _decode_inputs(batch, context, heads, page):
 
     pages = -(-context // page)
     blocks = batch * pages
-    kv = torch.randn(blocks, heads, page, D_NOPE + D_ROPE + D_V, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(blocks, heads, page, D_NOPE + D_ROPE + D_V, device=DEVICE, dtype=torch.bfloat16)
     k_cache, v_cache = split_kv_cache(kv, D_NOPE + D_ROPE, D_V)
-    table = torch.randperm(blocks, device="cuda", dtype=torch.int32).view(batch, pages)
-    seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
-    q = torch.randn(batch, heads, D_NOPE + D_ROPE, device="cuda", dtype=torch.bfloat16)
-    qsl = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    table = torch.randperm(blocks, device=DEVICE, dtype=torch.int32).view(batch, pages)
+    seq_lens = torch.full((batch,), context, device=DEVICE, dtype=torch.int32)
+    q = torch.randn(batch, heads, D_NOPE + D_ROPE, device=DEVICE, dtype=torch.bfloat16)
+    qsl = torch.arange(batch + 1, device=DEVICE, dtype=torch.int32)
     return q, k_cache, v_cache, table, seq_lens, qsl
 
 
 @section
 def decode(args):
-    cases = [(256, 1024), (64, 8192), (16, 32768)]
-    for batch, context in cases[:1] if args.quick else cases:
+    for batch, context in DECODE_CASES[: 1 if args.quick else None]:
         _decode_case(batch, context, args.heads)
 
 
 def _decode_case(batch, context, heads):
-    from vllm.vllm_flash_attn import flash_attn_varlen_func
-
     from vexact_vllm.kernels import paged_attention
 
     scale = (D_NOPE + D_ROPE) ** -0.5
     q, kc, vc, bt, sl, qsl = _decode_inputs(batch, context, heads, 16)
     ours = bench_graph(lambda: paged_attention(q, kc, vc, bt, sl, qsl, scale))
-    fa_k, fa_v = kc.contiguous(), vc.contiguous()  # FA3's paged layout [blocks, page, Hkv, D]
-    fa3 = bench_graph(lambda: flash_attn_varlen_func(
-        q, fa_k, fa_v, max_seqlen_q=1, cu_seqlens_q=qsl, max_seqlen_k=context, seqused_k=sl,
-        softmax_scale=scale, causal=True, block_table=bt, fa_version=3))  # fmt: skip
     label = f"B={batch} ctx={context} H={heads}"
     ours_bytes, latent_bytes = kv_bytes_per_token(heads, 1)
-    record("decode", label, ours, fa3, "fa3", vexact_tb_s=batch * context * ours_bytes / ours / 1e9)
-    for stock, timed in (("fa3-mla (latent)", _fa3_mla_decode), ("flashmla (latent)", _flashmla_decode)):
+    print(f"decode   {label}: vexact {ours:.4f} ms, {batch * context * ours_bytes / ours / 1e9:.2f} TB/s")
+    stocks = [
+        ("fa3 (per head)", lambda: _fa3_decode(q, kc, vc, bt, sl, qsl, context, scale), ours_bytes),
+        ("fa3-mla (latent)", lambda: _fa3_mla_decode(batch, context, heads, scale), latent_bytes),
+        ("flashmla (latent)", lambda: _flashmla_decode(batch, context, heads, scale), latent_bytes),
+    ]
+    for stock, timed, per_token in stocks:
         try:
-            stock_ms = timed(batch, context, heads, scale)
-        except Exception as e:  # a kernel missing from this build: the row says so
+            stock_ms = timed()
+        except Exception as e:  # a kernel or head-size pair missing from this build: the row says so
             print(f"decode   {label}: {stock} unavailable ({e})")
-            ROWS.append({"section": "decode", "case": label, "stock": stock, "error": str(e)})
+            ROWS.append(
+                {"section": "decode", "case": label, "stock": stock, "vexact_ms": ours, "error": str(e)}
+            )
             continue
-        record(
-            "decode", label, ours, stock_ms, stock, stock_tb_s=batch * context * latent_bytes / stock_ms / 1e9
-        )
+        record("decode", label, ours, stock_ms, stock, vexact_tb_s=batch * context * ours_bytes / ours / 1e9,
+               stock_tb_s=batch * context * per_token / stock_ms / 1e9)  # fmt: skip
+
+
+def _fa3_decode(q, kc, vc, bt, sl, qsl, context, scale) -> float:
+    """Milliseconds of FlashAttention-3's paged decode over the same per-head K/V at 192/128."""
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    fa_k, fa_v = kc.contiguous(), vc.contiguous()  # FA3's paged layout [blocks, page, Hkv, D]
+    return bench_graph(lambda: flash_attn_varlen_func(
+        q, fa_k, fa_v, max_seqlen_q=1, cu_seqlens_q=qsl, max_seqlen_k=context, seqused_k=sl,
+        softmax_scale=scale, causal=True, block_table=bt, fa_version=3))  # fmt: skip
 
 
 def _latent_inputs(batch, context, heads, page):
     """The latent cache [blocks, page, 576] on shuffled pages, its block table and lengths, and q in the
     absorbed form [B, H, 576] (the latent's 512 then the rotary 64)."""
     pages = -(-context // page)
-    cache = torch.randn(batch * pages, page, LATENT + D_ROPE, device="cuda", dtype=torch.bfloat16)
-    table = torch.randperm(batch * pages, device="cuda", dtype=torch.int32).view(batch, pages)
-    seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
-    q = torch.randn(batch, heads, LATENT + D_ROPE, device="cuda", dtype=torch.bfloat16)
+    cache = torch.randn(batch * pages, page, LATENT + D_ROPE, device=DEVICE, dtype=torch.bfloat16)
+    table = torch.randperm(batch * pages, device=DEVICE, dtype=torch.int32).view(batch, pages)
+    seq_lens = torch.full((batch,), context, device=DEVICE, dtype=torch.int32)
+    q = torch.randn(batch, heads, LATENT + D_ROPE, device=DEVICE, dtype=torch.bfloat16)
     return q, cache, table, seq_lens
 
 
@@ -232,7 +245,7 @@ def _fa3_mla_decode(batch, context, heads, scale) -> float:
     q, cache, table, seq_lens = _latent_inputs(batch, context, heads, 16)
     q_nope, q_pe = q[..., :LATENT].contiguous(), q[..., LATENT:].contiguous()
     k_pe, kv_c = cache[..., LATENT:].unsqueeze(-2), cache[..., :LATENT].unsqueeze(-2)
-    qsl = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    qsl = torch.arange(batch + 1, device=DEVICE, dtype=torch.int32)
     return bench_graph(lambda: flash_attn_varlen_func(
         q=q_pe, k=k_pe, v=kv_c, q_v=q_nope, max_seqlen_q=1, cu_seqlens_q=qsl, max_seqlen_k=context,
         seqused_k=seq_lens, block_table=table, softmax_scale=scale, causal=True, fa_version=3))  # fmt: skip

