@@ -18,10 +18,12 @@
 #                                             (Qwen3-8B and Qwen3-30B-A3B shapes; BENCH ARGS apply there too)
 #   bash scripts/gpu.sh verl                  verl's one-GPU GRPO smoke (examples/verl/smoke_1gpu.sh) on the tiny DeepSeek-V3,
 #                                             FSDP and VeOmni engines: 0 with vexact, non-zero with stock
+#   bash scripts/gpu.sh mla                   DeepSeek's MLA sizes: their CUDA tests, benchmarks/bench_mla.py (192/128 attention
+#                                             against FA3 and stock's latent decode), bench_trainer on 4 Moonlight layers
 #   bash scripts/gpu.sh gdn                   the Gated DeltaNet kernels: their CUDA tests at Qwen3-Next/Qwen3.5 shapes,
 #                                             then benchmarks/bench_gated_delta.py (designs A and B against fla and
 #                                             vLLM where importable: pip install fla-core==0.6.0 for fla)
-#   bash scripts/gpu.sh all                   tests, check, bench, verl, gdn
+#   bash scripts/gpu.sh all                   tests, check, bench, verl, mla, gdn
 #
 # PYTHON picks the interpreter (default python3). With OUT=DIR each step's output is also kept in
 # DIR/STEP.log. Exits non-zero when any step fails; the last lines name each step's result.
@@ -121,6 +123,13 @@ verl() {  # one GRPO step with vexact and one with stock on the tiny DeepSeek-V3
   run verl-deepseek-veomni env MODEL=tiny-deepseek-v3 MODEL_ENGINE=veomni bash examples/verl/smoke_1gpu.sh
 }
 
+mla() {
+  run mla-tests "$py" -m pytest -q -m cuda tests/kernels/test_attention_head_sizes.py \
+    tests/kernels/test_moe_routing_grouped.py tests/model_patches/test_tensor_parallel_deepseek.py
+  run mla-kernels "$py" benchmarks/bench_mla.py --out "${OUT:-.}"
+  run mla-trainer "$py" benchmarks/bench_trainer.py --shape moonlight-4l --json "${OUT:-.}/trainer_moonlight.json"
+}
+
 gdn() {
   run gdn-tests "$py" -m pytest -q -m cuda tests/kernels -k "gated or conv1d"
   run gdn-bench "$py" benchmarks/bench_gated_delta.py --output "${OUT:-.}/bench_gated_delta.json" \
@@ -128,9 +137,9 @@ gdn() {
 }
 
 case "${1:-}" in
-  tests|check|bench|verl|gdn) step=$1; shift; "$step" "$@" ;;
-  all) tests; check; bench; verl; gdn ;;
-  *) sed -n '2,27p' "$0" | cut -c3-; exit 2 ;;
+  tests|check|bench|verl|mla|gdn) step=$1; shift; "$step" "$@" ;;
+  all) tests; check; bench; verl; mla; gdn ;;
+  *) sed -n '2,29p' "$0" | cut -c3-; exit 2 ;;
 esac
 printf '%s\n' "${results[@]}"
 [ ${#failed[@]} = 0 ]
