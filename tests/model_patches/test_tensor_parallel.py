@@ -117,12 +117,13 @@ def _per_expert(state: dict) -> dict:
     return out
 
 
-def _rank_model(config, tp, state, per_expert):
-    """This rank's decoder with the whole model's tensors cut as `VllmVexactForCausalLM.load_weights` does."""
+def rank_decoder(config, tp, state: dict):
+    """This rank's decoder with the whole model's tensors `state` cut as `VllmVexactForCausalLM.load_weights`
+    does (per-expert or stacked names)."""
     model = build_decoder(config, tp).to(torch.bfloat16).eval()
     pack_projections(model)
     params = {**dict(model.named_parameters()), **dict(model.named_buffers())}  # buffers: DeepSeek's router bias
-    for name, full in (_per_expert(state) if per_expert else state).items():
+    for name, full in state.items():
         target = expert_tensor(name)
         if target is None:
             params[name].data.copy_(shard_of(params[name], full))
@@ -149,7 +150,7 @@ def test_every_rank_reproduces_the_unsharded_decoder(model_type, seed):
     group = ThreadGroup(tp)
 
     def rank(r_tp):
-        model = _rank_model(config, r_tp, state, per_expert=bool(seed % 2))
+        model = rank_decoder(config, r_tp, _per_expert(state) if seed % 2 else state)
         with torch.no_grad():
             return model(ids, positions, PackedAttention(cu))
 
@@ -248,7 +249,7 @@ def test_cuda_ranks_reproduce_the_unsharded_decoder(shape, tp):
 
     def rank(r_tp):
         with torch.device("cuda"):
-            model = _rank_model(config, r_tp, state, per_expert=False)
+            model = rank_decoder(config, r_tp, state)
         with torch.no_grad():
             out = model(ids, positions, PackedAttention(cu))
             lm_head = r_tp.take(model.embed_tokens.weight)

@@ -12,13 +12,10 @@ import pytest
 import torch
 from transformers import DeepseekV3Config
 
-from tests.model_patches.test_tensor_parallel import ThreadGroup
+from tests.model_patches.test_tensor_parallel import ThreadGroup, rank_decoder
 from vexact_vllm.model_patches.attention_context import PackedAttention
 from vexact_vllm.model_patches.config import DecoderConfig
-from vexact_vllm.model_patches.layers import pack_projections
 from vexact_vllm.model_patches.models import build_decoder
-from vexact_vllm.model_patches.moe import expert_rows, expert_tensor
-from vexact_vllm.model_patches.tensor_parallel import shard_of
 from vexact_vllm.model_shapes import MOONLIGHT_16B_A3B_SHAPE
 
 
@@ -27,21 +24,6 @@ def moonlight_layers(**narrower) -> DecoderConfig:
     fields = {**MOONLIGHT_16B_A3B_SHAPE, "num_hidden_layers": 2, **narrower}
     rope = {"rope_type": "default", "rope_theta": fields.pop("rope_theta")}
     return DecoderConfig.from_hf(DeepseekV3Config(**fields, rope_parameters=rope))
-
-
-def rank_decoder(config: DecoderConfig, tp, state: dict):
-    """This rank's decoder, each tensor of the whole model's `state` cut as `load_weights` cuts it."""
-    model = build_decoder(config, tp).to(torch.bfloat16).eval()
-    pack_projections(model)
-    params = {**dict(model.named_parameters()), **dict(model.named_buffers())}  # the router's fp32 bias
-    for name, full in state.items():
-        target = expert_tensor(name)
-        if target is None:
-            params[name].data.copy_(shard_of(params[name], full))
-        else:
-            param = params[target[0]]
-            expert_rows(param.data, target[1], target[2]).copy_(shard_of(param, full, expert=True))
-    return model
 
 
 def _check(config: DecoderConfig, tp: int, lens: list[int], device: str) -> None:
