@@ -51,16 +51,7 @@ from transformers import (
 
 from vexact_vllm.kernels.settings import get_settings
 from vexact_vllm.model_patches.families import BY_MODEL_TYPE, FAMILIES
-from vexact_vllm.model_shapes import (  # noqa: F401  (the shapes' names, re-exported from their own light module)
-    BUILTIN_MODELS,
-    CONFIG_ONLY_SHAPES,
-    DEEPSEEK_V2_LITE_SHAPE,
-    MOONLIGHT_16B_A3B_SHAPE,
-    QWEN3_1_7B_SHAPE,
-    QWEN3_8B_SHAPE,
-    QWEN3_30B_A3B_SHAPE,
-    SHAPES,
-)
+from vexact_vllm.model_shapes import BUILTIN_MODELS, CONFIG_ONLY_SHAPES, SHAPES
 
 TINY_ARCHS = tuple(f.model_type for f in FAMILIES)  # one built-in tiny checkpoint per family
 CACHE_VERSION = "v1"  # bump when the tokenizer, configs or weights change

@@ -14,7 +14,7 @@ from vexact_vllm.model_patches.families import FAMILIES
 def test_every_row_derives_every_class(family):
     from vexact_vllm.model_patches.config import SUPPORTED_ARCHITECTURES, SUPPORTED_MODEL_TYPES
     from vexact_vllm.model_patches.trainers import hf_causal_lm
-    from vexact_vllm.tiny_model import BUILTIN_MODELS
+    from vexact_vllm.model_shapes import BUILTIN_MODELS
 
     assert SUPPORTED_MODEL_TYPES[family.model_type] == family.architecture
     assert family.architecture in SUPPORTED_ARCHITECTURES

@@ -12,10 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from vexact_vllm.model_shapes import BUILTIN_MODELS, QWEN3_1_7B_SHAPE, SHAPES
 from vexact_vllm.tiny_model import (
-    BUILTIN_MODELS,
-    QWEN3_1_7B_SHAPE,
-    SHAPES,
     build_qwen3_shape,
     builtin_model,
     qwen3_shape_config,

@@ -214,7 +214,8 @@ def resolve_model(name: str, load_format: str) -> str:
     """A checkpoint directory, or a built-in name (without weights when they are dummy)."""
     from pathlib import Path
 
-    from vexact_vllm.tiny_model import BUILTIN_MODELS, builtin_model
+    from vexact_vllm.model_shapes import BUILTIN_MODELS
+    from vexact_vllm.tiny_model import builtin_model
 
     if name in BUILTIN_MODELS:
         return str(builtin_model(name, weights=load_format != "dummy"))

@@ -146,8 +146,9 @@ def cpu_thread_binding(ranks: int) -> str:
 
 
 def resolve_model(path: str | None) -> str:
-    """A checkpoint directory, or a built-in name (tiny_model.BUILTIN_MODELS), built on first use."""
-    from vexact_vllm.tiny_model import BUILTIN_MODELS, builtin_model
+    """A checkpoint directory, or a built-in name (model_shapes.BUILTIN_MODELS), built on first use."""
+    from vexact_vllm.model_shapes import BUILTIN_MODELS
+    from vexact_vllm.tiny_model import builtin_model
 
     if path is None or path in BUILTIN_MODELS:
         return str(builtin_model(path or "tiny-qwen3"))

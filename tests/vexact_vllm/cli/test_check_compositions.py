@@ -15,7 +15,8 @@ from vexact_vllm.cli.bench import to_table as bench_table
 from vexact_vllm.cli.report import Row, to_json, to_table, verdict
 from vexact_vllm.cli.rollout import PREFIX_CACHE_HITS, Rollout, metric_counter
 from vexact_vllm.cli.score import compare
-from vexact_vllm.tiny_model import QWEN3_1_7B_SHAPE, qwen3_shape_config
+from vexact_vllm.model_shapes import QWEN3_1_7B_SHAPE
+from vexact_vllm.tiny_model import qwen3_shape_config
 
 
 def test_default_compositions(monkeypatch):
