@@ -10,6 +10,7 @@ unchanged.
 | `InputProcessor._validate_params` | `request_validation.wrap_validate_params` | refuse unsupported sampling options at admission (HTTP 400) |
 | `EngineArgs.create_engine_config` | `engine_checks.wrap_create_engine_config` | refuse unsupported engine options before vLLM builds its configuration (option_policy.py) |
 | `GPUModelRunner._sample` (V1 runner) | `sampler.v1.wrap_sample` | the vexact sampler on the V1 runner (CPU) |
+| `prompt_logprob.compute_prompt_logprobs_with_chunking` (runner v2) | `sampler.prompt_logprobs.wrap_prompt_logprobs` | prompt log-probs from the one log-prob function on runner v2 (GPU) |
 | `VllmConfig._is_default_v2_model_runner_model` (vLLM 0.26 only) | `wrap_default_v2_runner` (here) | runner V2 for vexact MoE models too (0.26 keeps MoE on V1) |
 | `Worker.load_model` (GPU, CPU, XPU workers) | `registry.wrap_worker_load_model` | post-condition: the model vLLM built is ours |
 | `ModelConfig.use_mla` (a property) | `wrap_use_mla` (here) | vexact's DeepSeek keeps K and V per head in a full-attention cache, not vLLM's latent MLA one |
@@ -48,6 +49,7 @@ from vexact_vllm.patching import Patch, PatchedProperty, PatchTable
 from .engine_checks import wrap_create_engine_config
 from .registry import wrap_lookup, wrap_worker_load_model
 from .request_validation import wrap_validate_params
+from .sampler.prompt_logprobs import wrap_prompt_logprobs
 from .sampler.v1 import wrap_sample
 from .versions import SUPPORTED_TEXT
 
@@ -100,6 +102,9 @@ ROWS = (
           ("self", "usage_context", "headless"), WRITTEN_FOR),
     Patch("vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample", wrap_sample,
           ("self", "logits", "spec_decode_metadata"), WRITTEN_FOR),
+    Patch("vllm.v1.worker.gpu.sample.prompt_logprob:compute_prompt_logprobs_with_chunking", wrap_prompt_logprobs,
+          ("prompt_token_ids", "prompt_hidden_states", "logits_fn", "num_prompt_logprobs", "logprobs_mode"),
+          WRITTEN_FOR),
     Patch("vllm.v1.worker.gpu_worker:Worker.load_model", wrap_worker_load_model,
           ("self", "load_dummy_weights"), WRITTEN_FOR),
     Patch("vllm.config.model:ModelConfig.use_mla", wrap_use_mla, ("self",), WRITTEN_FOR),  # a property: its getter's

@@ -101,6 +101,32 @@ def test_the_wrapper_acts_for_vexact_models_only():
     assert tuple(ids.shape) == (4, 3) and len(calls) == 2
 
 
+@pytest.fixture
+def vllm_patched():
+    """vLLM's patch table installed, as the plugin installs it in every vLLM process: the worker
+    tests reach the wrapper through its row, as runner v2 does."""
+    from vexact_vllm import vllm_patches
+
+    with vllm_patches.installed():
+        yield
+
+
+def test_the_patch_table_routes_runner_v2s_prompt_log_probs(vllm_patched):
+    """Runner v2's `PromptLogprobsWorker.compute_prompt_logprobs` calls the module-level
+    `compute_prompt_logprobs_with_chunking`: with the table installed that name is the wrapper, so
+    a vexact model's prompt rows come from `prompt_scores`, never vLLM's own log-softmax."""
+    from vllm.v1.worker.gpu.sample import prompt_logprob
+
+    from vexact_vllm.sampler.prompt_logprobs import prompt_scores
+
+    patched = prompt_logprob.compute_prompt_logprobs_with_chunking
+    assert getattr(patched, "_vexact", False) and patched.__wrapped__.__module__ == prompt_logprob.__name__
+    hidden, tokens = torch.randn(5, HIDDEN).bfloat16(), torch.tensor([1, 2, 3, 4, 0])
+    model = FakeModel()
+    got, want = patched(tokens, hidden, model.compute_logits, 2), prompt_scores(tokens, hidden, model.compute_logits, 2)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def _token_ids_torch(num_tokens, query_start_loc, idx_mapping, num_computed_tokens, all_token_ids):
     """vLLM's `get_prompt_logprobs_token_ids` (a Triton kernel) in torch: row i of request b scores
     the token after it, all_token_ids[slot, computed + 1 + i]."""
@@ -128,7 +154,7 @@ def _batch(steps):
 
 
 @pytest.mark.parametrize("k", [0, 3])
-def test_vllms_worker_returns_the_trainers_values_over_chunked_prefill(monkeypatch, k):
+def test_vllms_worker_returns_the_trainers_values_over_chunked_prefill(monkeypatch, vllm_patched, k):
     """vLLM's `PromptLogprobsWorker` with the wrapper in place: request a (25 prompt tokens) in
     three prefill chunks beside request b (8 tokens, whole, then decoding) and c (no prompt
     log-probs): a's 24 and b's 7 rows come back once each prompt is done, every row the trainer's."""
@@ -138,9 +164,6 @@ def test_vllms_worker_returns_the_trainers_values_over_chunked_prefill(monkeypat
     from vexact_vllm.sampler import prompt_logprobs
 
     monkeypatch.setattr(prompt_logprob, "get_prompt_logprobs_token_ids", _token_ids_torch)
-    original = prompt_logprob.compute_prompt_logprobs_with_chunking
-    monkeypatch.setattr(prompt_logprob, "compute_prompt_logprobs_with_chunking",
-                        prompt_logprobs.wrap_prompt_logprobs(original))  # fmt: skip
     monkeypatch.setattr(prompt_logprobs, "CHUNK_ROWS", 6)  # chunks across requests' rows
     g = torch.Generator().manual_seed(3)
     prompts = {"a": torch.randint(0, VOCAB, (25,), generator=g), "b": torch.randint(0, VOCAB, (8,), generator=g),
@@ -208,7 +231,7 @@ def test_the_v1_sampler_scores_prompts_with_the_same_functions():
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_vllms_worker_over_random_chunks_and_preemption(monkeypatch, seed):
+def test_vllms_worker_over_random_chunks_and_preemption(monkeypatch, vllm_patched, seed):
     """A random schedule through vLLM's `PromptLogprobsWorker` with the wrapper in place: random
     prompt lengths, prefill chunk sizes, CHUNK_ROWS and per-request k (the batch's largest k is
     computed, each request keeps its own width). Request "a" is preempted after its first prefill
@@ -222,9 +245,6 @@ def test_vllms_worker_over_random_chunks_and_preemption(monkeypatch, seed):
 
     rng = np.random.default_rng(seed)
     monkeypatch.setattr(prompt_logprob, "get_prompt_logprobs_token_ids", _token_ids_torch)
-    original = prompt_logprob.compute_prompt_logprobs_with_chunking
-    monkeypatch.setattr(prompt_logprob, "compute_prompt_logprobs_with_chunking",
-                        prompt_logprobs.wrap_prompt_logprobs(original))  # fmt: skip
     monkeypatch.setattr(prompt_logprobs, "CHUNK_ROWS", int(rng.choice([1, 3, 7, 1024])))
     g = torch.Generator().manual_seed(seed)
     names = ["a", "b", "c", "d"]
