@@ -3,8 +3,9 @@
 An in-process vLLM engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`: the worker runs in this process) on
 a tiny checkpoint scores prompts with `prompt_logprobs=k`; a recorder around
 `prompt_logprobs.prompt_scores` keeps what the runner handed over (the step's hidden rows) and the
-logits `compute_logits` gave back. One prompt per step (the step's rows are then the prompt's
-positions 0 .. P-1) and prompts past one CHUNK_ROWS chunk. Each row is compared with the trainer's
+logits `compute_logits` gave back. One prompt per `generate` call (its steps' rows are then the
+prompt's positions 0 .. P-1 in order, however the scheduler chunks the prefill) and prompts past
+one CHUNK_ROWS chunk. Each row is compared with the trainer's
 value for the same row, in the order the data flows, and a failure names the first stage that
 differs: the runner did not call vexact's `prompt_scores` (vLLM's own log-softmax scored the
 prompt); the hidden states; the logits (the lm_head GEMM); the prompt token's log-prob; the top-k
@@ -73,22 +74,26 @@ def test_runner_v2_prompt_rows_equal_the_trainers_stage_by_stage(tiny_model, mon
     vocab = llm.llm_engine.model_config.get_vocab_size()
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
-    outputs = []
-    for prompt in prompts:  # one prompt per step: the step's rows are its positions
+    outputs, steps = [], []
+    for prompt in prompts:  # one prompt per generate call: its steps' rows are its positions in order
         params = SamplingParams(max_tokens=1, prompt_logprobs=k, seed=1)
+        before = len(records)
         outputs.append(llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0])
-    assert len(records) == len(prompts), (
-        f"runner v2 called vexact's prompt_scores {len(records)} times for {len(prompts)} prompts: "
-        "vLLM's own compute_prompt_logprobs_with_chunking scored the prompt (the patch row is missing)"
-    )
+        steps.append(records[before:])
+        assert steps[-1], (
+            f"runner v2 never called vexact's prompt_scores for a prompt of {len(prompt)} tokens: vLLM's own "
+            "compute_prompt_logprobs_with_chunking scored it (the patch row is missing)"
+        )
     del llm
     torch.cuda.empty_cache()
 
     model = load_trainer(path, torch.bfloat16, torch.device("cuda"))
     weight = model.lm_head.weight
     with torch.no_grad():
-        for prompt, output, (hidden, logits, (ids, values, ranks)) in zip(prompts, outputs, records):
-            n = len(prompt)
+        for prompt, output, recorded in zip(prompts, outputs, steps):
+            n = len(prompt)  # a prompt prefilled in several steps: their rows concatenated
+            hidden, logits = (torch.cat([r[i] for r in recorded]) for i in (0, 1))
+            ids, values, ranks = (torch.cat([r[2][i] for r in recorded]) for i in range(3))
             batch = PackedBatch.from_sequences([prompt], device=weight.device)
             want_hidden = model.hidden_states(batch)  # [P, H]
             want_logits = torch.cat([linear(want_hidden[r : r + prompt_logprobs.CHUNK_ROWS], weight,
