@@ -104,6 +104,14 @@ def conv_inputs(lengths, channels, width, dtype, bias=True, seed=0):
     return x, w, b, packed_cu(lengths)
 
 
+def cache_slots(n: int, spare: int) -> list[int]:
+    """n distinct cache slots out of n + spare, in a shuffled order (seeded by n): sequence i owns
+    slot i's entry alone, as vLLM gives each running request its own slot."""
+    slots = random.Random(n).sample(range(n + spare), n)
+    assert len(set(slots)) == n
+    return slots
+
+
 def check_conv_schedules(conv, x, w, b, cu, seeds=(0, 1, 2)):
     """Every random schedule of decode and prefill steps gives the training call's bits, and leaves
     each slot holding its sequence's W - 1 last inputs (zeros before its start). Returns the
@@ -111,9 +119,9 @@ def check_conv_schedules(conv, x, w, b, cu, seeds=(0, 1, 2)):
     lengths = (cu[1:] - cu[:-1]).tolist()
     full = conv(x, w, b, cu)
     width = w.shape[1]
-    slots = [3, 0, 5, 1, 6][: len(lengths)]
+    slots = cache_slots(len(lengths), 2)
     for seed in seeds:
-        state = torch.full((7, width - 1, x.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
+        state = torch.full((len(lengths) + 2, width - 1, x.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
         steps = random_schedule(lengths, seed, max_chunk=5)
         got = run_schedule(
             lambda rows, step_cu, s, h, state=state: conv(rows, w, b, step_cu, state, s, h),
@@ -194,7 +202,7 @@ def check_gdn_schedules(forward, cached, inputs: dict, seeds=(0, 1, 2)):
     lengths = (cu[1:] - cu[:-1]).tolist()
     o, final = forward(**inputs)
     v, k = inputs["v"], inputs["k"]
-    slots = [(3 * n + 2) % (len(lengths) + 3) for n in range(len(lengths))]  # distinct, out of order
+    slots = cache_slots(len(lengths), 3)
     for seed in seeds:
         cache = torch.full(
             (len(lengths) + 3, v.shape[1], v.shape[2], k.shape[2]), float("nan"), device=v.device

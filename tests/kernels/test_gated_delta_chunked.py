@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # the sibling helper module (imp
 
 from gated_delta_reference import (  # noqa: E402
     GDN_ROWS,
+    cache_slots,
     first_difference,
     gdn_inputs,
     gdn_reference,
@@ -71,7 +72,7 @@ def check_steps_match_training(op, inputs, seeds):
         want = op.chunked_gated_delta_rule(**inputs)
         want_states = boundary_states(op, inputs)
     v, k = inputs["v"], inputs["k"]
-    slots = [(2 * n + 1) % (len(lengths) + 2) for n in range(len(lengths))]
+    slots = cache_slots(len(lengths), 2)
     chunk = op.kernels.CHUNK
     for seed in seeds:
         cache = op.ChunkAnchoredCache.empty(len(lengths) + 2, k.shape[1], v.shape[1], k.shape[2], v.shape[2],
