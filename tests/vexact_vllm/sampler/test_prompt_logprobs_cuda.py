@@ -68,9 +68,10 @@ def test_runner_v2_prompt_rows_equal_the_trainers_stage_by_stage(tiny_model, mon
 
     monkeypatch.setattr(prompt_logprobs, "prompt_scores", recording)
     path = tiny_model(arch)
+    # 15% of the GPU an engine: the in-process engines of earlier cases keep their memory
     llm = LLM(model=path, model_impl=MODEL_IMPL, dtype="bfloat16", max_model_len=2048, block_size=64,
               max_num_batched_tokens=2048, gpu_memory_utilization=0.15, enable_prefix_caching=False,
-              seed=0)  # fmt: skip; 0.15: the in-process engines of earlier cases keep their memory
+              seed=0)  # fmt: skip
     vocab = llm.llm_engine.model_config.get_vocab_size()
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
