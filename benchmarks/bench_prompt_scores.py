@@ -8,7 +8,7 @@ shape stand-ins, 256 sequences of 1,024-2,048 random token ids (seeded), one out
 `prompt_logprobs=K` for every K of --top-k. One untimed pass, then timed passes until --duration
 seconds; the figure is scored prompt tokens (P - 1 per sequence) per second. A table prints last;
 --output gets every number as JSON lines in docs/results.jsonl's fields (date, device, commit,
-command, metric, value).
+command, metric, value), and each child's whole output beside it (OUTPUT's stem + .stock.log, .vexact.log).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 
 def sequences(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
@@ -117,9 +118,12 @@ def main(argv=None) -> int:
             [sys.executable, __file__, *child, "--config", config], capture_output=True, text=True
         )
         found = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        log = Path(args.output).with_suffix(f".{config}.log") if args.output else None
+        if log is not None:  # the child's whole output, kept beside the results
+            log.write_text(proc.stdout + proc.stderr)
         if proc.returncode or not found:
             print(proc.stdout[-2000:] + proc.stderr[-4000:], file=sys.stderr)
-            raise SystemExit(f"{config}: the run failed (exit {proc.returncode})")
+            raise SystemExit(f"{config}: the run failed (exit {proc.returncode}){f'; its log: {log}' if log else ''}")
         rows += found
     stock = {r["top_k"]: r["tok_s"] for r in rows if r["config"] == "stock"}
     print(f"{'config':<8} {'top-k':>5} {'scored tok/s':>13} {'min':>10} {'max':>10} {'x stock':>8}")

@@ -34,3 +34,5 @@ def test_small_run_reports_every_k(bench, tmp_path, capsys):
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in lines] == ["prompt-scores-k0", "prompt-scores-k2"]
     assert all(r["value"].startswith("vexact ") and r["command"] for r in lines)
+    child_log = (tmp_path / "prompt_scores.vexact.log").read_text()  # the child's whole output, kept
+    assert child_log.count("RESULT ") == 2
