@@ -6,7 +6,7 @@
 #                                             every tiny model, DeepSeek-V3 and V2-Lite included, and
 #                                             qwen3-1.7b-shape), then on qwen3-1.7b-shape with four 2,700-3,300-token
 #                                             prompts (past the attention's 2,048-key split), then --prompt-logprobs 5
-#                                             (tiny Qwen3, Qwen3-MoE, DeepSeek-V3); on two GPUs at tensor-parallel
+#                                             (tiny Qwen3, Qwen3-MoE, DeepSeek-V3, the long prompts on the 1.7B shape); on two GPUs at tensor-parallel
 #                                             size 2 (tiny Llama, Qwen3-MoE, both DeepSeeks) and pipeline-parallel
 #                                             size 2 (every tiny family, the Qwen3-1.7B shape, an uneven
 #                                             VLLM_PP_LAYER_PARTITION), on four GPUs at PP=2 x TP=2 as well
@@ -80,6 +80,8 @@ check() {
   long_prompts "$prompts"
   run check-long "$py" -m vexact_vllm.cli check --model qwen3-1.7b-shape --prompts "$prompts" --num-prompts 4 \
     --max-tokens 48 --max-model-len 4096 --quiet
+  run check-long-prompt-logprobs "$py" -m vexact_vllm.cli check --model qwen3-1.7b-shape --prompts "$prompts" \
+    --num-prompts 4 --max-tokens 48 --max-model-len 4096 --prompt-logprobs 5 --quiet
   rm -f "$prompts"
   if [ "$(gpus)" -ge 2 ]; then
     for model in tiny-llama tiny-qwen3-moe tiny-deepseek-v3 tiny-deepseek-v2-lite; do
