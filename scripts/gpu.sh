@@ -8,8 +8,9 @@
 #                                             prompts (past the attention's 2,048-key split), then --prompt-logprobs 5
 #                                             (tiny Qwen3, Qwen3-MoE, DeepSeek-V3, the long prompts on the 1.7B
 #                                             shape); on two GPUs at tensor-parallel size 2 (tiny Llama, Qwen3-MoE,
-#                                             both DeepSeeks) and pipeline-parallel size 2 (every tiny family, the Qwen3-1.7B shape, an uneven
-#                                             VLLM_PP_LAYER_PARTITION), on four GPUs at PP=2 x TP=2 as well
+#                                             both DeepSeeks) and pipeline-parallel size 2 (every tiny family, the
+#                                             Qwen3-1.7B shape, an uneven VLLM_PP_LAYER_PARTITION), on four GPUs at
+#                                             PP=2 x TP=2 as well
 #   bash scripts/gpu.sh bench [BENCH ARGS]    vexact-vllm bench on the Qwen3-1.7B shape (dummy weights): stock vLLM,
 #                                             stock batch-invariant and vexact, workloads default and grpo:32, side
 #                                             by side on the GPU; BENCH ARGS override (e.g. --model qwen3-8b-shape).
