@@ -60,7 +60,7 @@ import inspect
 
 import torch
 
-from vexact_vllm import MODEL_IMPL
+from vexact_vllm.model_impl import MODEL_IMPL
 from vexact_vllm.patching import Patch, PatchTable
 
 from .hf_causal_lm import VexactForCausalLM
