@@ -12,7 +12,7 @@ Cases:
 Systems:
   A              recurrent everywhere: gated_delta_rule (train; its backward is the reverse recurrence)
                  and gated_delta_rule_cached (prefill, decode)
-  B              chunk-anchored (kernels/gated_delta_chunked*.py): train and prefill forward. No backward
+  B              chunk-anchored (kernels/gated_delta/chunked*.py): train and prefill forward. No backward
                  yet: "B fwd+bwd" is an estimate, B's forward plus fla's backward (fla's fwd+bwd - fwd),
                  printed only where fla runs. Decode "B@p" = a step whose sequences hold p rows of a
                  partial chunk (p = 0, 31, 63; p = 63 commits a state); kernel time only (the step's
@@ -68,7 +68,7 @@ def _a_ops(device: str):
     """Design A's (training op, cached op): the dispatched ops on CUDA, the Triton launchers on the
     interpreter (the dispatch sends CPU tensors to the torch path), else the torch path."""
     if device == "cpu" and _interpreted():
-        from vexact_vllm.kernels.gated_delta_triton import (
+        from vexact_vllm.kernels.gated_delta.recurrent_triton import (
             gated_delta_rule_cached_triton,
             gated_delta_rule_triton,
         )
@@ -141,7 +141,7 @@ def _a_train(x, device):
 
 
 def _b_train(x, device):
-    from vexact_vllm.kernels.gated_delta_chunked import chunked_gated_delta_rule
+    from vexact_vllm.kernels.gated_delta.chunked import chunked_gated_delta_rule
 
     with torch.no_grad():
         out = chunked_gated_delta_rule(**_rows(x))
@@ -216,7 +216,7 @@ def _a_prefill(x, device):
 
 
 def _b_prefill(x, device):
-    from vexact_vllm.kernels.gated_delta_chunked import kernels
+    from vexact_vllm.kernels.gated_delta.chunked import kernels
 
     n = x["cu_seqlens"].shape[0] - 1
     cache = torch.zeros(n, x["v"].shape[1], x["v"].shape[2], x["q"].shape[2], device=device)
@@ -270,7 +270,7 @@ def _a_decode(x, device):
 def _b_decode(x, device, held_rows: int):
     """A decode step of design B whose sequences each hold `held_rows` partial-chunk rows (of a chunk
     of 64; scaled to the chunk in the smoke run)."""
-    from vexact_vllm.kernels.gated_delta_chunked import kernels
+    from vexact_vllm.kernels.gated_delta.chunked import kernels
 
     n = x["q"].shape[0]
     rows = held_rows * kernels.CHUNK // 64 + 1
@@ -357,9 +357,9 @@ def _check(shape: dict, hv: int, device: str, lengths: list[int]) -> list[dict]:
     rows = []
     designs = {"A": None}
     if device == "cuda" or _interpreted():
-        from vexact_vllm.kernels import gated_delta_chunked
+        from vexact_vllm.kernels.gated_delta import chunked
 
-        designs["B"] = gated_delta_chunked
+        designs["B"] = chunked
     for name, chunked in designs.items():
         with torch.no_grad():
             if chunked is None:
@@ -507,9 +507,9 @@ def main(argv=None) -> int:
         global CPU_REPS
         CPU_REPS = 1
         if device == "cpu" and _interpreted():
-            from vexact_vllm.kernels import gated_delta_chunked_triton
+            from vexact_vllm.kernels.gated_delta import chunked_triton
 
-            gated_delta_chunked_triton.CHUNK = SMALL_CHUNK
+            chunked_triton.CHUNK = SMALL_CHUNK
     mode = " (Triton interpreter)" if device == "cpu" and _interpreted() else ""
     print(f"shape {shape}, v heads {v_heads}, bf16, device {device}{mode}", flush=True)
 

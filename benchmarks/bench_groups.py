@@ -7,7 +7,7 @@ Rows: a step's grouping launch (`shared_prefix_groups`, once a step), and a laye
 without groups, with them (the prefix launch plus the resuming paged launch), on a step of 256
 distinct prompts (no group forms: the `default` workload's decode) and on GRPO's 32 prompts x 8
 samples sharing their prompt blocks; then decode at thin batches with the thin-step depth
-(`attention_paged_triton.THIN_STAGES`) against 3 stages.
+(`paged_triton.THIN_STAGES`) against 3 stages.
 """
 
 from __future__ import annotations
@@ -17,12 +17,8 @@ import os
 import torch
 from bench_kernels import _paged_inputs, _shared_prefix_inputs, bench_graph
 
-from vexact_vllm.kernels import (
-    attention_paged_triton,
-    max_group_members,
-    paged_attention,
-    shared_prefix_groups,
-)
+from vexact_vllm.kernels import max_group_members, paged_attention, shared_prefix_groups
+from vexact_vllm.kernels.attention import paged_triton
 
 HQ, HKV, D = 16, 8, 128
 
@@ -48,13 +44,13 @@ def _thin_rows(batch, context):
     scale = D**-0.5
     own = paged_attention(q, kc, vc, bt, sl, qsl, scale)
     rows = [(f"decode {batch} x {context}", "thin-step depth (own)", bench_graph(lambda: paged_attention(q, kc, vc, bt, sl, qsl, scale)))]
-    attention_paged_triton.PAGED_STAGES[D] = 3
+    paged_triton.PAGED_STAGES[D] = 3
     try:
         same = torch.equal(paged_attention(q, kc, vc, bt, sl, qsl, scale), own)
         rows.append((f"decode {batch} x {context}", f"3 stages{'' if same else ' BITS DIFFER'}",
                      bench_graph(lambda: paged_attention(q, kc, vc, bt, sl, qsl, scale))))  # fmt: skip
     finally:
-        attention_paged_triton.PAGED_STAGES.pop(D, None)
+        paged_triton.PAGED_STAGES.pop(D, None)
     return rows
 
 

@@ -77,7 +77,7 @@ def cases(rows: int, vocab: int, hidden: int):
     def vexact_sample():  # the sampler's work for an all-sampled batch (sampler.rules.draw_tokens)
         return gumbel_argmax(log_softmax(logits, temperature), seeds, positions)
 
-    from vexact_vllm.kernels.gemm_triton import linear_triton
+    from vexact_vllm.kernels.gemm.linear_triton import linear_triton
     from vexact_vllm.sampler.graphs import BUCKETS, SamplerGraphs
 
     with torch.inference_mode():

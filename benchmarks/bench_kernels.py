@@ -151,7 +151,8 @@ def decode_attention(quick):
 def _decode_case(batch, context):
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
-    from vexact_vllm.kernels import attention_paged_triton, paged_attention
+    from vexact_vllm.kernels import paged_attention
+    from vexact_vllm.kernels.attention import paged_triton
 
     hq, hkv, d = 16, 8, 128
     q, kc, vc, bt, sl, qsl = _paged_inputs(batch, context, hq, hkv, d)
@@ -163,12 +164,12 @@ def _decode_case(batch, context):
     reference = paged_attention(q, kc, vc, bt, sl, qsl, scale)
     for stages in [None, *TIMED_STAGES]:  # None: the kernel's own configuration
         if stages is not None:
-            attention_paged_triton.PAGED_STAGES[d] = stages
+            paged_triton.PAGED_STAGES[d] = stages
         try:
             same = torch.equal(paged_attention(q, kc, vc, bt, sl, qsl, scale), reference)
             ours = bench_graph(lambda: paged_attention(q, kc, vc, bt, sl, qsl, scale))
         finally:
-            attention_paged_triton.PAGED_STAGES.pop(d, None)
+            paged_triton.PAGED_STAGES.pop(d, None)
         label = "" if stages is None else f" stages={stages}{'' if same else ' BITS DIFFER'}"
         record("decode", f"B={batch} ctx={context} Hq={hq} Hkv={hkv} D={d}{label}", ours, stock,
                0.8 if context <= 1024 else 0.9, vexact_tb_s=bytes_moved / ours / 1e9, same_bits=same)
@@ -230,12 +231,8 @@ def decode_rollout(quick):
 def _decode_rollout_case(label, groups, samples, prompt, generated, shared):
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
-    from vexact_vllm.kernels import (
-        attention_paged_triton,
-        max_group_members,
-        paged_attention,
-        shared_prefix_groups,
-    )
+    from vexact_vllm.kernels import max_group_members, paged_attention, shared_prefix_groups
+    from vexact_vllm.kernels.attention import paged_triton
 
     hq, hkv, d = 16, 8, 128
     q, (kc, vc), (kf, vf), bt, sl, qsl = _shared_prefix_inputs(groups, samples, prompt, generated, shared, hq, hkv, d)
@@ -248,12 +245,12 @@ def _decode_rollout_case(label, groups, samples, prompt, generated, shared):
     for name, (stages, groups) in PAGED_VARIANTS.items():
         by_prompt = grouping if groups else None
         if stages is not None:
-            attention_paged_triton.PAGED_STAGES[d] = stages
+            paged_triton.PAGED_STAGES[d] = stages
         try:
             same = torch.equal(paged_attention(q, kc, vc, bt, sl, qsl, scale, shared=by_prompt), reference)
             ours = bench_graph(lambda g=by_prompt: paged_attention(q, kc, vc, bt, sl, qsl, scale, shared=g))
         finally:
-            attention_paged_triton.PAGED_STAGES.pop(d, None)
+            paged_triton.PAGED_STAGES.pop(d, None)
         record("rollout", f"{label} {name}{'' if same else ' BITS DIFFER'}", ours, stock, 0.9,
                mean_keys=float(sl.float().mean()), same_bits=same)
 
@@ -366,7 +363,7 @@ def _rope_inputs(t, hq, hkv, d=128):
 def _rope_case(model, t, hq, hkv, d=128):
     from vllm import _custom_ops as ops
 
-    from vexact_vllm.kernels.rope_triton import apply_rope_triton
+    from vexact_vllm.kernels.norms.rope_triton import apply_rope_triton
 
     q, k, positions, cache, w = _rope_inputs(t, hq, hkv, d)
     wq = wk = w

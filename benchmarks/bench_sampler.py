@@ -3,7 +3,7 @@
     python benchmarks/bench_sampler.py [--rows 1,16,64,256,512] [--vocab 151936] [--out DIR]
 
 Per row count, draw and output, both timed as CUDA-graph replays (as the decode step runs them):
-"composition" is what the sampler launched before (`kernels.sample.sample_composed` on CUDA
+"composition" is what the sampler launched before (`kernels.sampling.sample.sample_composed` on CUDA
 tensors): log_softmax written to [B, V], then argmax or gumbel_argmax reading it, then (output
 "token_log_probs") the token's log-prob gathered and its rank counted by torch
 (`(log_probs >= token_lp).sum(-1)`, standing in for vLLM's rank kernel, which also reads the row once). "fused" is `sample_tokens(..., draw=, output=)`. Greedy against sampled shows
@@ -40,7 +40,9 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     from vexact_vllm.kernels import Sampled, sample_tokens
-    from vexact_vllm.kernels.sample import sample_composed  # the composition, each op by its own kernel
+    from vexact_vllm.kernels.sampling.sample import (
+        sample_composed,  # the composition, each op by its own kernel
+    )
 
     torch.manual_seed(0)
     results = []

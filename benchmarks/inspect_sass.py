@@ -28,13 +28,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from vexact_vllm.kernels import attention_core_triton as core
-from vexact_vllm.kernels import attention_paged_triton as paged_fwd
-from vexact_vllm.kernels import attention_prefix_groups_triton as groups
-from vexact_vllm.kernels import attention_prefix_triton as prefix
-from vexact_vllm.kernels import attention_triton as varlen_fwd
-from vexact_vllm.kernels import attention_triton_bwd as bwd
-from vexact_vllm.kernels.attention_tiles import KEY_TILE
+from vexact_vllm.kernels.attention import core_triton as core
+from vexact_vllm.kernels.attention import paged_triton as paged_fwd
+from vexact_vllm.kernels.attention import prefix_groups_triton as groups
+from vexact_vllm.kernels.attention import prefix_triton as prefix
+from vexact_vllm.kernels.attention import varlen_triton as varlen_fwd
+from vexact_vllm.kernels.attention import varlen_triton_bwd as bwd
+from vexact_vllm.kernels.attention.tiles import KEY_TILE
 from vexact_vllm.kernels.settings import DEFAULT_KEY_SPLIT
 
 FLOATS = {"qk_scale", "scale"}

@@ -1,10 +1,10 @@
 """Pick the GEMM tiles per weight shape (N, K) and M bucket: a sweep against cuBLAS.
 
-The batch-invariant GEMM (kernels/gemm_triton.py) uses ONE reduction (BLOCK_K) per (N, K, dtype),
+The batch-invariant GEMM (kernels/gemm/linear_triton.py) uses ONE reduction (BLOCK_K) per (N, K, dtype),
 whatever M is; only the tile (and pointer vs TMA loads) may follow M. For each shape this prints, per candidate, the speed vs cuBLAS (F.linear, bf16
 out; the lm_head writes fp32 like ours) at each M, timed as CUDA-graph replays, and the geometric
 mean over M; the best candidate per shape comes last. `_TUNED` holds a tile per M bucket for each
-shape, all sharing one BLOCK_K (kernels/gemm_triton.py): pick them from the per-M columns.
+shape, all sharing one BLOCK_K (kernels/gemm/linear_triton.py): pick them from the per-M columns.
 
     python3 benchmarks/sweep_gemm.py [--shapes qwen3-1.7b,qwen3-8b] [--ms 64,256,512,2048,8192] [--json FILE]
     python3 benchmarks/sweep_gemm.py --small --ms 64,128,256,512   # the small-M (decode) tiles only
@@ -173,7 +173,7 @@ def _bench(fn, x, weights) -> float:
 def sweep(
     shapes, ms, candidates, small_only: bool = False, tag: str = "", cold: bool = False, any_k: bool = False
 ) -> list[dict]:
-    import vexact_vllm.kernels.gemm_triton as gt
+    import vexact_vllm.kernels.gemm.linear_triton as gt
 
     original = gt.gemm_config
     rows = []
@@ -260,7 +260,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("error: the GEMM sweep needs a CUDA device")
-    from vexact_vllm.kernels.gemm_triton import gemm_config
+    from vexact_vllm.kernels.gemm.linear_triton import gemm_config
     shapes = [s for name in args.shapes.split(",") for s in SHAPES[name]]
     if args.narrow:  # the lm_head has columns enough for every SM
         shapes = [(n, k) for n, k in shapes if n < 100_000]
@@ -309,8 +309,8 @@ def propose(rows, tuned_table: dict, margin: float = 0.03) -> dict:
     """{(N, K): {bucket bound: (candidate, its speeds, today's speeds)}}: for each `_TUNED` bucket with
     measured M values inside it, the candidate with the best geometric mean there, where it beats
     today's tiles (the "tuned" row, this card's) by more than `margin`. Only candidates a card's own
-    tiles may take: those `gemm_triton.check_tiles_on` accepts in that bucket."""
-    import vexact_vllm.kernels.gemm_triton as gt
+    tiles may take: those `linear_triton.check_tiles_on` accepts in that bucket."""
+    import vexact_vllm.kernels.gemm.linear_triton as gt
 
     out = {}
     for (dtype, n, k), buckets in tuned_table.items():
@@ -348,8 +348,8 @@ def propose(rows, tuned_table: dict, margin: float = 0.03) -> dict:
 
 
 def _print_proposal(rows) -> None:
-    """`propose`'s picks as `_TUNED_ON` lines for this card (kernels/gemm_triton.py)."""
-    import vexact_vllm.kernels.gemm_triton as gt
+    """`propose`'s picks as `_TUNED_ON` lines for this card (kernels/gemm/linear_triton.py)."""
+    import vexact_vllm.kernels.gemm.linear_triton as gt
 
     picks = propose(rows, gt._TUNED)
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "this card"

@@ -79,7 +79,7 @@ def key_split() -> int:
     VEXACT_KEY_SPLIT); 0: no split.
 
     A positive value C (a multiple of 64, the key tile) reduces each query's keys in chunks of C
-    anchored at key 0, folded in order (kernels/attention_core_triton.py, "Key splits"). It changes the
+    anchored at key 0, folded in order (kernels/attention/core_triton.py, "Key splits"). It changes the
     bits of every query past position C on the CUDA Triton path, the trainer's and the rollout's
     alike, so both must read the same value; the torch (CPU) path and FA4 take no split."""
     return get_settings().key_split

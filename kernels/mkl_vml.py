@@ -4,7 +4,7 @@ On CPU, ATen sends contiguous fp32/fp64 unary math (`exp`, `log`, `sqrt`, `sin`,
 each intra-op thread calling it on its own chunk with VML_HA (high accuracy) requested. oneMKL 2024.2
 (the build torch's CPU wheels link) resolves each VML function's kernel lazily on its first call;
 when that first call runs on two threads at once, one thread's chunk can be computed by a
-low-accuracy kernel (pytorch/pytorch#188792). Seen here: `tests/kernels/test_logprob.py`'s first
+low-accuracy kernel (pytorch/pytorch#188792). Seen here: `tests/kernels/sampling/test_logprob.py`'s first
 log-softmax under CPU load had half its rows' exp 1-5 ulp off, which the next call did not
 reproduce: a row's log-probs then differed between one call and the next, the contract's failure.
 

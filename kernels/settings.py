@@ -22,10 +22,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .attention_tiles import KEY_TILE
+from .attention.tiles import KEY_TILE
 
-# The CUDA attention kernels both sides may run ("triton": kernels/attention_core_triton.py; "fa4":
-# FlashAttention-4 on Hopper, kernels/attention_fa4.py).
+# The CUDA attention kernels both sides may run ("triton": kernels/attention/core_triton.py; "fa4":
+# FlashAttention-4 on Hopper, kernels/attention/fa4.py).
 ATTENTION_BACKENDS = ("triton", "fa4")
 # Keys per split of the Triton attention when VEXACT_KEY_SPLIT is unset: a step of few long rows then
 # uses every SM (see docs/results.md#key-split); a row before key 2,048 keeps the unsplit bits.

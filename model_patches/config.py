@@ -56,7 +56,7 @@ class MoeConfig:
         if self.scoring == "softmax" and (self.n_group, self.topk_group, self.correction_bias) != (1, 1, False):
             raise UnsupportedModelError("softmax routing takes no expert groups and no correction bias")
         if self.scoring == "sigmoid":
-            from vexact_vllm.kernels.moe_routing import check_grouping
+            from vexact_vllm.kernels.moe.routing import check_grouping
 
             try:
                 check_grouping(self.num_experts, self.top_k, self.n_group, self.topk_group)

@@ -28,7 +28,7 @@ from vexact_vllm.kernels import (
     silu_and_mul,
 )
 from vexact_vllm.kernels.autograd_utils import backward_without_autocast
-from vexact_vllm.kernels.gemm import linear_grads
+from vexact_vllm.kernels.gemm.linear import linear_grads
 
 from .attention_context import AttentionContext
 from .config import DecoderConfig
@@ -72,7 +72,7 @@ class PackedLinear(nn.Module):
         y = x [W_0; W_1; ...]^T (+ [b_0; b_1; ...])                        [..., N_0 + N_1 + ...]
     Columns a_i .. a_i + N_i of y (a_i = N_0 + ... + N_(i-1)) are part i's output, bitwise equal to
     `linear(x, W_i, b_i)`: output element (m, n) is one reduction over K whose order depends on K
-    alone (kernels.gemm), so stacking rows of W changes nothing but the launch shape (N, K).
+    alone (kernels.gemm.linear), so stacking rows of W changes nothing but the launch shape (N, K).
 
     The parts are the PARENT's children under their Hugging Face names (`self_attn.q_proj`, ...);
     this module only refers to them (an unregistered tuple) and owns no parameter, buffer or

@@ -12,10 +12,10 @@ kv_lora_rank, Q = q_lora_rank. Parameter names are Hugging Face's (transformers'
     q_rot, k_rot = apply_rope(q_rot, k_rot as one head, positions)                 NeoX halves, fp32, rounded once
     q = cat(q_nope, q_rot), k = cat(k_nope, k_rot on every head)                   [T, Hr, D]
     out = o_proj(attend(q, k, v, scale))                                           [T, Hr, Dv] -> [T, H]
-The rotary table holds YaRN's attention factor (kernels/rope.py); `scale` is DecoderConfig.attention_scale
+The rotary table holds YaRN's attention factor (kernels/norms/rope.py); `scale` is DecoderConfig.attention_scale
 (D^-0.5 times YaRN's mscale(factor, mscale_all_dim)^2, as transformers' `yarn_apply_mscale`).
 
-The attention context gets q/k of D dims and v of Dv (kernels.attention: one position-anchored
+The attention context gets q/k of D dims and v of Dv (kernels.attention.causal: one position-anchored
 reduction for both sizes), so training and every engine step attend over the same decompressed keys
 and values; the vLLM cache holds them per head (K at D, V at Dv). `attn.attend` returns [T, Hr, Dv].
 

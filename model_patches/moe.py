@@ -44,8 +44,8 @@ import torch
 from torch import nn
 
 from vexact_vllm.kernels import linear
-from vexact_vllm.kernels.moe import fused_moe, fused_moe_sharded
-from vexact_vllm.kernels.moe_routing import route, route_grouped
+from vexact_vllm.kernels.moe.experts import fused_moe, fused_moe_sharded
+from vexact_vllm.kernels.moe.routing import route, route_grouped
 
 from .config import DecoderConfig, UnsupportedModelError
 from .layers import MLP

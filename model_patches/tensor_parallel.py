@@ -6,7 +6,7 @@ Rule: a rank never reduces over a part of K. Each sharded GEMM computes a contig
 whole layer's output columns with the FULL K, with the launch configuration of the whole weight
 (`linear(..., config_n=N)`), so each output element is reduced in exactly the order of the
 unsharded GEMM the trainer (FSDP, TP = 1) runs: column n's bits do not depend on which other columns
-a launch computes (kernels.gemm). Where vLLM's layers are row-parallel (o_proj, down_proj: K split
+a launch computes (kernels.gemm.linear). Where vLLM's layers are row-parallel (o_proj, down_proj: K split
 over ranks, an all-reduce), the input is all-gathered first and the layer is column-sharded too:
     attention   q/k/v: the rank's heads (column shard)      -> attention over the rank's heads
                 gather the heads (rank order = head order)  -> o_proj: the rank's H / T columns

@@ -127,8 +127,8 @@ verl() {  # one GRPO step with vexact and one with stock on the tiny DeepSeek-V3
 }
 
 mla() {
-  run mla-tests "$py" -m pytest -q -m cuda tests/kernels/test_attention_head_sizes.py \
-    tests/kernels/test_moe_routing_grouped.py tests/model_patches/test_tensor_parallel_deepseek.py
+  run mla-tests "$py" -m pytest -q -m cuda tests/kernels/attention/test_head_sizes.py \
+    tests/kernels/moe/test_routing_grouped.py tests/model_patches/test_tensor_parallel_deepseek.py
   run mla-kernels "$py" benchmarks/bench_mla.py --out "${OUT:-.}"
   run mla-trainer "$py" benchmarks/bench_trainer.py --shape moonlight-4l --json "${OUT:-.}/trainer_moonlight.json"
 }

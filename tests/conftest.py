@@ -36,25 +36,25 @@ if not (os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi")):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 ATTENTION_TRITON_MODULES = (
-    "vexact_vllm.kernels.attention_triton",
-    "vexact_vllm.kernels.attention_paged_triton",
-    "vexact_vllm.kernels.attention_triton_bwd",
-    "vexact_vllm.kernels.attention_prefix_triton",
-    "vexact_vllm.kernels.attention_core_triton",
+    "vexact_vllm.kernels.attention.varlen_triton",
+    "vexact_vllm.kernels.attention.paged_triton",
+    "vexact_vllm.kernels.attention.varlen_triton_bwd",
+    "vexact_vllm.kernels.attention.prefix_triton",
+    "vexact_vllm.kernels.attention.core_triton",
 )
 # Kernel modules whose jit helpers or kernels another module's kernels call: importing that module
 # interpreted must import these interpreted too (a compiled helper cannot run in an interpreted kernel).
 KERNEL_COMPANIONS = {
-    "vexact_vllm.kernels.gemm_triton": (
-        "vexact_vllm.kernels.gemm_split_triton",
-        "vexact_vllm.kernels.gemm_tiles_triton",
+    "vexact_vllm.kernels.gemm.linear_triton": (
+        "vexact_vllm.kernels.gemm.split_triton",
+        "vexact_vllm.kernels.gemm.tiles_triton",
     ),
-    "vexact_vllm.kernels.rope_triton": ("vexact_vllm.kernels.rms_norm_triton",),
-    "vexact_vllm.kernels.moe_triton": ("vexact_vllm.kernels.moe_core_triton", "vexact_vllm.kernels.gemm_tiles_triton"),
-    "vexact_vllm.kernels.moe_triton_bwd": ("vexact_vllm.kernels.moe_core_triton",),
-    "vexact_vllm.kernels.sample_triton": (
-        "vexact_vllm.kernels.logprob_triton",
-        "vexact_vllm.kernels.gumbel_triton",
+    "vexact_vllm.kernels.norms.rope_triton": ("vexact_vllm.kernels.norms.rms_norm_triton",),
+    "vexact_vllm.kernels.moe.experts_triton": ("vexact_vllm.kernels.moe.core_triton", "vexact_vllm.kernels.gemm.tiles_triton"),
+    "vexact_vllm.kernels.moe.experts_triton_bwd": ("vexact_vllm.kernels.moe.core_triton",),
+    "vexact_vllm.kernels.sampling.sample_triton": (
+        "vexact_vllm.kernels.sampling.logprob_triton",
+        "vexact_vllm.kernels.sampling.gumbel_triton",
     ),
 }
 
@@ -153,12 +153,11 @@ def import_interpreted_modules(names: tuple[str, ...]) -> list:
     sys.modules and the package attributes are restored at once, so later imports (the CUDA tests,
     vLLM engines started in the same run) get the compiled kernels."""
     _rowwise_interpreter_dot()
-    package = importlib.import_module("vexact_vllm.kernels")
     every = list(dict.fromkeys([*names, *(c for name in names for c in KERNEL_COMPANIONS.get(name, ()))]))
-    attrs = [name.rsplit(".", 1)[1] for name in every]
+    attrs = [(importlib.import_module(package), attr) for package, attr in (name.rsplit(".", 1) for name in every)]
     saved_env = os.environ.get("TRITON_INTERPRET")
     saved_modules = {name: sys.modules.pop(name, None) for name in every}
-    saved_attrs = {attr: package.__dict__.pop(attr, None) for attr in attrs}
+    saved_attrs = {(package, attr): package.__dict__.pop(attr, None) for package, attr in attrs}
     os.environ["TRITON_INTERPRET"] = "1"
     try:
         return [importlib.import_module(name) for name in names]
@@ -171,7 +170,7 @@ def import_interpreted_modules(names: tuple[str, ...]) -> list:
             sys.modules.pop(name, None)
             if saved is not None:
                 sys.modules[name] = saved
-        for attr, saved in saved_attrs.items():
+        for (package, attr), saved in saved_attrs.items():
             package.__dict__.pop(attr, None)
             if saved is not None:
                 setattr(package, attr, saved)

@@ -8,10 +8,10 @@ sampling options vexact models cannot serve, the V1 runner's sampler, the post-c
 model vLLM built is ours). Every patch acts only for `--model-impl vexact`.
 """
 
+from .model_impl import MODEL_IMPL
+
 __version__ = "0.1.0"
-# The `--model-impl` / `model_impl=` value that selects vexact models; every check of it imports this
-# name (defined here, where importing it costs no torch or vLLM import).
-MODEL_IMPL = "vexact"
+__all__ = ["MODEL_IMPL", "__version__", "register"]
 
 
 def register() -> None:

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
-from vexact_vllm import MODEL_IMPL
+from vexact_vllm.model_impl import MODEL_IMPL
 from vexact_vllm.model_patches.config import DecoderConfig, UnsupportedModelError, check_dtype
 from vexact_vllm.model_patches.families import BY_MODEL_TYPE
 from vexact_vllm.model_patches.pipeline_parallel import pipeline_stages

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 
-from vexact_vllm import MODEL_IMPL
+from vexact_vllm.model_impl import MODEL_IMPL
 from vexact_vllm.model_patches.config import SUPPORTED_ARCHITECTURES
 from vexact_vllm.model_patches.families import FAMILIES
 

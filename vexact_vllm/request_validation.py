@@ -22,7 +22,7 @@ import functools
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams
 
-from vexact_vllm import MODEL_IMPL
+from vexact_vllm.model_impl import MODEL_IMPL
 
 from .option_policy import refuse_request_options
 
@@ -56,10 +56,3 @@ def wrap_validate_params(original):
         return original(self, params, *args, **kwargs)
 
     return _validate_params
-
-
-def install() -> None:
-    """Install vLLM's patch table (this wrap is one row of it); `register()` does it in every process."""
-    from .vllm_patches import install
-
-    install()

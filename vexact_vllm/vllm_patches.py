@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import functools
 
-from vexact_vllm import MODEL_IMPL
+from vexact_vllm.model_impl import MODEL_IMPL
 from vexact_vllm.patching import Patch, PatchedProperty, PatchTable
 
 from .engine_checks import wrap_create_engine_config

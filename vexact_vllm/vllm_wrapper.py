@@ -42,7 +42,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.sequence import IntermediateTensors
 
 from vexact_vllm.kernels import linear
-from vexact_vllm.kernels.gemm import warm_up_linear
+from vexact_vllm.kernels.gemm.linear import warm_up_linear
 from vexact_vllm.model_patches.config import DecoderConfig, UnsupportedModelError
 from vexact_vllm.model_patches.layers import Linear, PackedLinear, pack_projections
 from vexact_vllm.model_patches.models import build_decoder
@@ -218,7 +218,7 @@ class VllmVexactForCausalLM(nn.Module):
 
     def warm_up_kernels(self) -> None:
         """Compile every GEMM variant a batch can reach (one per tile bucket of each weight shape:
-        kernels.gemm.warm_up_linear), so no Triton kernel compiles while serving; the other ops'
+        kernels.gemm.linear.warm_up_linear), so no Triton kernel compiles while serving; the other ops'
         kernels do not depend on the batch (their batch sizes are never specialised)."""
         parts = {id(p) for m in self.model.modules() if isinstance(m, PackedLinear) for p in m.parts}
         for m in self.model.modules():

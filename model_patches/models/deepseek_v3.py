@@ -30,12 +30,12 @@ Differences from transformers' DeepseekV3/V2 modeling (5.x), each a rounding, no
    rotation in fp32 and rounded once; V3's transformers code casts cos/sin to bf16 and rotates in bf16,
    V2's rotates in fp32 as complex numbers. The de-interleaved layout (even dims, then odd) is V3's;
    V2 keeps its pairs interleaved, which only reorders the terms of the q.k sum.
-3. Attention: the position-anchored kernel (kernels.attention) over decompressed K and V, fp32
+3. Attention: the position-anchored kernel (kernels.attention.causal) over decompressed K and V, fp32
    softmax, where transformers re-expands its latent cache every call and uses sdpa/eager.
 4. Router: fp32 logits from the batch-invariant GEMM over bf16 inputs (transformers casts x and the
    weight to fp32: the same products, another summation order); sigmoid as 1 / (1 + exp(-z)); stable
    sorts for the group and expert choices (ties to the lower index; torch.topk leaves ties open);
-   the k-term normalising sum in slot order. V2's softmax as exp(log_softmax) (kernels.moe_routing).
+   the k-term normalising sum in slot order. V2's softmax as exp(log_softmax) (kernels.moe.routing).
 5. Experts: every expert's SwiGLU and the k weighted outputs summed in fp32 in slot order and rounded
    once (kernels.fused_moe), where transformers rounds each expert's output times its weight to bf16
    and index_adds them in expert order. The shared experts' output is added in the model dtype in
@@ -45,7 +45,7 @@ Differences from transformers' DeepseekV3/V2 modeling (5.x), each a rounding, no
 
 from __future__ import annotations
 
-from vexact_vllm.kernels.rope import yarn_mscale
+from vexact_vllm.kernels.norms.rope import yarn_mscale
 
 from ..config import DecoderConfig, MlaConfig, MoeConfig, UnsupportedModelError
 from ..layers import MLP, Decoder

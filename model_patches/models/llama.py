@@ -1,5 +1,5 @@
 """Llama (2, 3, 3.1, 3.2): RoPE with Llama 3's frequency scaling when `rope_type` is "llama3"
-(factor, low/high_freq_factor, original_max_position_embeddings: see `kernels.rope.rope_cache`),
+(factor, low/high_freq_factor, original_max_position_embeddings: see `kernels.norms.rope.rope_cache`),
 optional biases on all four attention projections (`attention_bias`) and on the MLP (`mlp_bias`),
 no q/k norm, lm_head usually untied; every layer the dense SwiGLU MLP. Everything else is the
 shared pre-norm decoder of `model_patches.layers`."""

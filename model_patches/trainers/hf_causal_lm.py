@@ -2,7 +2,7 @@
 
 `from_pretrained` loads Hugging Face safetensors checkpoints unchanged (parameter names are
 Hugging Face's), the forward has a gradient, and the log-probs go through the one log-prob function
-(`kernels.logprob`), fused with the lm_head GEMM so full-vocabulary logits are never materialised
+(`kernels.sampling.logprob`), fused with the lm_head GEMM so full-vocabulary logits are never materialised
 for the whole batch. Batches may be padded (`attention_mask`) or packed (`position_ids` that reset
 to 0 at each sequence start); both are turned into the packed layout the shared model runs on.
 """
@@ -274,7 +274,7 @@ class VexactForCausalLM(VexactPreTrainedModel):
     @follows_autocast
     def packed_log_probs(self, batch: PackedBatch, temperature: float = 1.0) -> torch.Tensor:
         """log p(token t+1 | tokens <= t) for every packed row t, fp32 [T]; 0 at each sequence's
-        last row. The same function, temperature and GEMM as the rollout (see kernels.logprob).
+        last row. The same function, temperature and GEMM as the rollout (see kernels.sampling.logprob).
         Autocast is off inside, and a bf16 autocast over fp32 parameters runs on their bf16 casts,
         as in `forward`."""
         hidden = self.hidden_states(batch)

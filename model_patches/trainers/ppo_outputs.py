@@ -18,8 +18,8 @@ import torch
 
 from vexact_vllm.kernels import linear, linear_token_log_probs, log_softmax
 from vexact_vllm.kernels.autograd_utils import backward_without_autocast
-from vexact_vllm.kernels.logit_rules import blocked_ids, mask_logits_, temperature_column
-from vexact_vllm.kernels.logprob import chunked_linear_backward
+from vexact_vllm.kernels.sampling.logit_rules import blocked_ids, mask_logits_, temperature_column
+from vexact_vllm.kernels.sampling.logprob import chunked_linear_backward
 
 # Rows per chunk of the entropy's [rows, V] logits; only bounds memory.
 ENTROPY_CHUNK_ROWS = 256

@@ -33,7 +33,7 @@ verl's code untouched):
    builds this config in its agent-loop workers before it imports `external_lib`, so a pipelined run
    turns the training side on in every verl process (`VERL_USE_EXTERNAL_MODULES`, see the recipe).
 
-Temperature (one definition, kernels/logprob.py's, as the rollout): the lm_head GEMM writes fp32
+Temperature (one definition, kernels/sampling/logprob.py's, as the rollout): the lm_head GEMM writes fp32
 logits z; scaled = z / tau by fp32 true division with tau an fp32 tensor, applied exactly once,
 inside the log-prob function; tau == 0 (greedy) scores at 1. verl's own definition (divide the
 logits in their dtype, bf16 for stock models, before its fp32 cast, clamp tau >= 1e-8) is not
@@ -60,7 +60,7 @@ import inspect
 
 import torch
 
-from vexact_vllm import MODEL_IMPL
+from vexact_vllm.model_impl import MODEL_IMPL
 from vexact_vllm.patching import Patch, PatchTable
 
 from .hf_causal_lm import VexactForCausalLM

@@ -141,7 +141,7 @@ def test_chunked_baseline_adapter_matches_design_a():
     assert [s[2] for s in calls] == [2]  # the probe, refused
     out = run(x)
     assert out.shape == x["v"].shape and [s[2] for s in calls] == [2, 4]  # one call, q and k over the v heads
-    from vexact_vllm.kernels.gated_delta import gated_delta_rule_torch
+    from vexact_vllm.kernels.gated_delta.recurrent import gated_delta_rule_torch
 
     want, _ = gated_delta_rule_torch(
         *(x[k] for k in ("q", "k", "v", "a", "b", "A_log", "dt_bias", "cu_seqlens"))

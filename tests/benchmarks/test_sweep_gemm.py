@@ -21,8 +21,8 @@ def _row(config, speeds, n=64, k=256):
 
 
 def test_propose_picks_per_bucket_and_respects_the_card_rules(sweep):
-    from vexact_vllm.kernels.gemm_triton import GemmConfig as C
-    from vexact_vllm.kernels.gemm_triton import check_tiles_on
+    from vexact_vllm.kernels.gemm.linear_triton import GemmConfig as C
+    from vexact_vllm.kernels.gemm.linear_triton import check_tiles_on
 
     tuned = {
         (_BF16, 64, 256): ((64, C(64, 32, 64, 8, 4, 8, 1)), (128, C(64, 32, 64, 8, 4, 6, 3)), (None, C(128, 128, 64, 8, 8, 3))),

@@ -2,7 +2,7 @@
 
 Checked: README.md, examples/README.md and docs/*.md. A markdown link's file must exist (relative to
 the document) and its anchor must be a heading of the target (GitHub's anchors; a results row's id is
-its heading). A backticked repository path (`kernels/gemm.py`, `examples/verl/`) must exist from the
+its heading). A backticked repository path (`kernels/gemm/linear.py`, `examples/verl/`) must exist from the
 repository root; a bare directory name with a trailing slash (`models/`) must be a directory somewhere
 in the tree. A results row's `command` is what ran at the row's commit, so docs/results.md's command
 lines are not read as paths.

@@ -185,12 +185,12 @@ def test_head_splits_it_cannot_keep_are_refused():
 
 def test_interpreted_triton_sharded_moe(interpreted_modules):
     """The Triton path (interpreter): the sharded fused MoE of every rank, gathered, is the whole
-    layer's output (column-sharded linears: tests/kernels/test_gemm_slices.py)."""
+    layer's output (column-sharded linears: tests/kernels/gemm/test_slices.py)."""
     import importlib
 
-    importlib.import_module("vexact_vllm.kernels.gemm_triton")  # compiled first, so it comes back after
-    moe_triton = interpreted_modules(("vexact_vllm.kernels.moe_triton", "vexact_vllm.kernels.moe_triton_bwd",
-                                      "vexact_vllm.kernels.moe_align_triton", "vexact_vllm.kernels.gemm_triton"))[0]  # fmt: skip
+    importlib.import_module("vexact_vllm.kernels.gemm.linear_triton")  # compiled first, so it comes back after
+    moe_triton = interpreted_modules(("vexact_vllm.kernels.moe.experts_triton", "vexact_vllm.kernels.moe.experts_triton_bwd",
+                                      "vexact_vllm.kernels.moe.align_triton", "vexact_vllm.kernels.gemm.linear_triton"))[0]  # fmt: skip
     torch.manual_seed(0)
     tokens, hidden, inter, experts, top_k, size = 5, 64, 48, 4, 2, 2
     x = torch.randn(tokens, hidden).bfloat16()
@@ -266,8 +266,8 @@ def test_cuda_ranks_reproduce_the_unsharded_decoder(shape, tp):
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_cuda_sharded_moe_at_30b_a3b_shapes(tp):
     from vexact_vllm.kernels import fused_moe
-    from vexact_vllm.kernels.moe import fused_moe_sharded
-    from vexact_vllm.kernels.moe_routing import route
+    from vexact_vllm.kernels.moe.experts import fused_moe_sharded
+    from vexact_vllm.kernels.moe.routing import route
 
     torch.manual_seed(tp)
     tokens, hidden, inter, experts, top_k = 1000, 2048, 768, 128, 8

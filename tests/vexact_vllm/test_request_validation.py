@@ -71,10 +71,10 @@ def test_install_wraps_the_frontend_check_once():
     from vllm.v1.engine.input_processor import InputProcessor
 
     import vexact_vllm
-    from vexact_vllm import request_validation
+    from vexact_vllm import vllm_patches
 
     vexact_vllm.register()
     wrapped = InputProcessor._validate_params
     assert getattr(wrapped, "_vexact", False)
-    request_validation.install()
+    vllm_patches.install()
     assert InputProcessor._validate_params is wrapped

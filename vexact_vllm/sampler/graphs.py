@@ -13,7 +13,7 @@ What is captured, for each bucket b of BUCKETS up to the engine's max_num_reqs:
               ranks) or "log_probs" (tokens and the log-probs, written over the logits in place:
               the runner is done with them once it samples)
 Every buffer is static (allocated once, outside the graphs); a step copies its inputs in (the hidden
-rows; each row's temperature, seed and position gathered in one launch, kernels/gather_triton.py),
+rows; each row's temperature, seed and position gathered in one launch, kernels/sampling/gather_triton.py),
 replays, and reads the outputs: the sampler returns clones of the tokens, their log-probs and ranks
 (vLLM copies them to the host on another stream, which may still run when the next step replays)
 and the log-probs as a view (read on this stream, by `compute_topk_scores`, before the next replay can write them).
@@ -36,8 +36,8 @@ from vllm.logger import init_logger
 
 from vexact_vllm.kernels import Sampled, linear, sample_tokens
 from vexact_vllm.kernels.capture import gc_paused
-from vexact_vllm.kernels.gather_triton import gather_rows
-from vexact_vllm.kernels.sample import DRAWS, OUTPUTS
+from vexact_vllm.kernels.sampling.gather_triton import gather_rows
+from vexact_vllm.kernels.sampling.sample import DRAWS, OUTPUTS
 
 from .rules import GREEDY_EPS
 

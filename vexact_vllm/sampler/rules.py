@@ -8,7 +8,7 @@
   so batch-invariant.
 - Truncation: top-k, top-p and min-p (from the request or the checkpoint's generation_config
   defaults) narrow only WHICH tokens Gumbel-max may draw, by a per-row log-prob threshold computed
-  batch-invariantly (`kernels.truncation`); the returned log-prob stays the full-vocabulary tempered
+  batch-invariantly (`kernels.sampling.truncation`); the returned log-prob stays the full-vocabulary tempered
   one, the value the trainer computes.
 - Refusals: every other sampling option is classified by the allow-list of option_policy.py
   (checked at admission by request_validation.py and again per row by the V1 sampler): options that

@@ -21,7 +21,7 @@ sampled and discarded, as in stock vLLM), `kernels.sample_tokens` computes:
 Prompt log-probs: prompt_logprobs.py (the same function at temperature 1, the same top-k and rank).
 Top-k, top-p and min-p (vLLM's per-request states, filled from the request or the checkpoint's
 generation_config) narrow which tokens Gumbel-max may draw through the batch-invariant threshold of
-`kernels.truncation` (`rules.truncation`, on the log-probs of step 1 written out); the
+`kernels.sampling.truncation` (`rules.truncation`, on the log-probs of step 1 written out); the
 returned log-prob stays the full-vocabulary one.
 
 CUDA graphs (graphs.py): after vLLM's warm-up call, the lm_head and this sampler are
@@ -49,7 +49,7 @@ from vllm.v1.worker.gpu.sample.sampler import Sampler
 from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 
 from vexact_vllm.kernels import Sampled, gumbel_argmax, log_softmax, sample_tokens
-from vexact_vllm.kernels.sample import DRAWS, OUTPUTS
+from vexact_vllm.kernels.sampling.sample import DRAWS, OUTPUTS
 
 from .graphs import SamplerGraphs
 from .logprobs import topk_scores
@@ -127,7 +127,7 @@ class VexactSamplerV2(Sampler):
         """(temperature, seed, position of the sampled token) per sampling row, on the device.
 
         The log-prob kernels score temperature 0 (greedy) at 1 and raise (0, MIN_TEMPERATURE) to
-        it (`kernels.logprob.effective_temperature`); a temperature in (0, GREEDY_EPS), greedy for
+        it (`kernels.sampling.logprob.effective_temperature`); a temperature in (0, GREEDY_EPS), greedy for
         vLLM, would so be scored at 0.01, not 1, and is zeroed first. vLLM raises such requests to
         0.01 before any sampler sees them, so this is decided on the host copies and launches
         nothing on the usual step (the sampler runs eagerly every decode step: host time)."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from vexact_vllm.kernels.logit_rules import MIN_TEMPERATURE
+from vexact_vllm.kernels.sampling.logit_rules import MIN_TEMPERATURE
 
 FP32_REL = 1e-5
 FP32_EPS = torch.finfo(torch.float32).eps  # 2^-23

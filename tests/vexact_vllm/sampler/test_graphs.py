@@ -123,7 +123,7 @@ def test_bucket_and_ownership():
 
 @pytest.mark.parametrize("draw", ["greedy", "sampled", "mixed"])
 def test_replays_equal_the_eager_path(draw):
-    from vexact_vllm.kernels.sample import OUTPUTS
+    from vexact_vllm.kernels.sampling.sample import OUTPUTS
 
     torch.manual_seed(1)
     rng = random.Random(2)
@@ -247,7 +247,7 @@ def test_cuda_graph_replays_equal_the_eager_path(draw):
     """Real CUDA graphs at the Qwen3 vocabulary and hidden size: every bucket's replay of every
     output gives the eager kernels' logits, tokens, log-probs and ranks, with NaN padding in the
     static buffers."""
-    from vexact_vllm.kernels.sample import OUTPUTS
+    from vexact_vllm.kernels.sampling.sample import OUTPUTS
 
     torch.manual_seed(7)
     rng = random.Random(8)
