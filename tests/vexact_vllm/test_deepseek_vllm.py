@@ -77,7 +77,6 @@ def test_engine_config_and_model(build_vllm_model, tiny_model, arch):
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
     from vexact_vllm.attention import LatentAttention, VexactLatentAttentionBackend
-
     from vexact_vllm.cli.score import load_trainer
 
     path = tiny_model(arch)
