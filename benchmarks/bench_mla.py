@@ -1,26 +1,27 @@
-"""Attention at DeepSeek's MLA head sizes on one GPU: vexact's kernels (K and V decompressed per head,
-q/k 192 = 128 + 64, v 128) against what stock vLLM runs on Hopper, prefill and decode; and what each KV
-cache holds per token.
+"""Attention at DeepSeek's MLA sizes on one GPU: vexact's kernels over the latent (the absorbed form of
+model_patches/mla.py: q 512 + 64 against one shared key head of 512 + 64, values the 512 latent)
+against what stock vLLM runs on Hopper, prefill, decode and training; and what each KV cache holds.
 
     python benchmarks/bench_mla.py [--out DIR] [--quick] [--only prefill,decode,train] [--heads 16]
 
 Sections (16 heads by default: Moonlight-16B-A3B and DeepSeek-V2-Lite at TP=1, DeepSeek-V3 at TP=8):
-- cache: KV bytes per token of vexact's cache (K at qk_nope + qk_rope, V at v_head_dim, per head and layer)
-  against stock's latent (kv_lora_rank + qk_rope_head_dim per layer), bf16, for the published shapes;
-  the only section that runs without a GPU (`--only cache`).
-- prefill: varlen causal attention at 192/128: ours (`varlen_attention`, the training kernel) against
-  FlashAttention-3 at the same head sizes (`vllm.vllm_flash_attn`, fa_version=3: vLLM's MLA prefill on
-  SM90 runs it without padding V).
-- decode: one query per sequence over `context` keys. ours: `paged_attention` over vLLM's per-head cache
-  ([blocks, Hkv, 16, D + Dv], 16-token pages, scattered); stock-fa3: FA3's paged decode over the same
-  per-head K/V (kernel against kernel at equal work); fa3-mla: FlashAttention-3 over the 576-wide latent
-  cache, stock vLLM's decode on SM90 (its FLASH_ATTN_MLA backend, first in vLLM 0.26's order there:
-  the rotary 64 as q/k, the 512 latent as v, q_nope as q_v); flashmla: FlashMLA over the same latent
-  (64-token pages), the next backend. Both absorbed forms: the per-head q absorption and W_UV
-  up-projection GEMMs around them are not timed, so the ratios favour stock.
-- train: ours forward+backward at 192/128 against torch SDPA's (vLLM's FlashAttention has no backward).
-"speed" is stock time / vexact time. Medians of CUDA-event timings (triton.testing.do_bench); decode
-under a CUDA graph (vLLM replays graphs at decode). Every number goes to DIR/mla.json.
+- cache: KV bytes per token of vexact's cache and of stock's (both vLLM's MLA spec: kv_lora_rank +
+  qk_rope_head_dim per layer), bf16, for the published shapes; the only section that runs without a
+  GPU (`--only cache`).
+- prefill: varlen causal attention. ours: `varlen_attention` over the latent (the training kernel,
+  576-wide scores, 512-wide values, every query head reading the one key head); fa3: FlashAttention-3
+  at 192/128 on K and V decompressed per head, stock vLLM's MLA prefill on SM90 (`vllm.vllm_flash_attn`,
+  fa_version=3).
+- decode: one query per sequence over `context` keys of the latent cache (scattered pages): ours
+  `paged_attention` (16-token pages); fa3-mla: FlashAttention-3 over the latent as vLLM's FLASH_ATTN_MLA
+  backend calls it (the first on SM90: the rotary 64 as q/k, the 512 latent as v, q_nope as q_v);
+  flashmla: FlashMLA (64-token pages), the next backend. The same bytes on every side.
+- train: ours forward+backward over the latent against torch SDPA's at 192/128 (vLLM's FlashAttention
+  has no backward).
+The per-head absorption and up-projection GEMMs around the attention (kernels.head_linear) are not
+timed on either side. "speed" is stock time / vexact time. Medians of CUDA-event timings
+(triton.testing.do_bench); decode under a CUDA graph (vLLM replays graphs at decode). Every number goes
+to DIR/mla.json.
 """
 
 from __future__ import annotations
@@ -49,18 +50,10 @@ PUBLISHED = {
 }
 
 
-def kv_bytes_per_token(
-    heads: int,
-    layers: int,
-    qk_nope: int = D_NOPE,
-    qk_rope: int = D_ROPE,
-    v: int = D_V,
-    kv_lora_rank: int = LATENT,
-    itemsize: int = 2,
-) -> tuple[int, int]:
-    """(vexact's, stock's latent) KV cache bytes per token: K (qk_nope + qk_rope) and V (v) for every head
-    of every layer, against one kv_lora_rank + qk_rope latent per layer."""
-    return heads * (qk_nope + qk_rope + v) * layers * itemsize, (kv_lora_rank + qk_rope) * layers * itemsize
+def kv_bytes_per_token(layers: int, kv_lora_rank: int = LATENT, qk_rope: int = D_ROPE, itemsize: int = 2) -> int:
+    """KV cache bytes per token of vexact's cache, which are stock's: one kv_lora_rank + qk_rope latent
+    row per layer (vLLM's MLA spec), whatever the head count."""
+    return (kv_lora_rank + qk_rope) * layers * itemsize
 
 
 def record(section, case, ours_ms, stock_ms, stock="", **extra):
@@ -73,12 +66,12 @@ def record(section, case, ours_ms, stock_ms, stock="", **extra):
 
 @section
 def cache(args):
-    for name, (heads, layers) in PUBLISHED.items():
-        ours, latent = kv_bytes_per_token(heads, layers)
-        ROWS.append({"section": "cache", "case": name, "vexact_bytes": ours, "stock_bytes": latent,
-                     "ratio": ours / latent})  # fmt: skip
-        print(f"cache    {name:18s} vexact {ours / 1024:8.1f} KiB/token  stock latent {latent / 1024:6.1f} "
-              f"KiB/token  {ours / latent:5.1f}x")  # fmt: skip
+    for name, (_, layers) in PUBLISHED.items():
+        per_token = kv_bytes_per_token(layers)
+        ROWS.append({"section": "cache", "case": name, "vexact_bytes": per_token, "stock_bytes": per_token,
+                     "ratio": 1.0})  # fmt: skip
+        print(f"cache    {name:18s} vexact {per_token / 1024:6.1f} KiB/token  stock {per_token / 1024:6.1f} "
+              "KiB/token  1.0x (the same latent rows)")  # fmt: skip
 
 
 def bench(fn, warmup=25, rep=100) -> float:
@@ -98,11 +91,21 @@ def bench_graph(fn) -> float:
 
 
 def _varlen(nseq, length, heads, grad=False):
+    """Packed sequences decompressed per head at 192/128 (stock's prefill and training inputs)."""
     t = nseq * length
     q, k = (torch.randn(t, heads, D_NOPE + D_ROPE, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
     v = torch.randn(t, heads, D_V, device=DEVICE, dtype=torch.bfloat16)
     cu = torch.arange(0, t + 1, length, device=DEVICE, dtype=torch.int32)
     return [x.requires_grad_(grad) for x in (q, k, v)], cu
+
+
+def _latent_varlen(nseq, length, heads, grad=False):
+    """The same sequences in the absorbed form: q [T, H, 576], the latent kv [T, 1, 576]."""
+    t = nseq * length
+    q = torch.randn(t, heads, LATENT + D_ROPE, device=DEVICE, dtype=torch.bfloat16).requires_grad_(grad)
+    kv = torch.randn(t, 1, LATENT + D_ROPE, device=DEVICE, dtype=torch.bfloat16).requires_grad_(grad)
+    cu = torch.arange(0, t + 1, length, device=DEVICE, dtype=torch.int32)
+    return q, kv, cu
 
 
 @section
@@ -117,16 +120,15 @@ def _prefill_case(nseq, length, heads):
     from vexact_vllm.kernels import varlen_attention
 
     scale = (D_NOPE + D_ROPE) ** -0.5
-    (q, k, v), cu = _varlen(nseq, length, heads)
+    ql, kv, cu = _latent_varlen(nseq, length, heads)
     with torch.no_grad():
-        ours = bench(lambda: varlen_attention(q, k, v, cu, scale))
+        ours = bench(lambda: varlen_attention(ql, kv, kv[..., :LATENT], cu, scale))
+    (q, k, v), _ = _varlen(nseq, length, heads)
     stock = bench(lambda: flash_attn_varlen_func(
         q, k, v, max_seqlen_q=length, cu_seqlens_q=cu, max_seqlen_k=length, cu_seqlens_k=cu,
         softmax_scale=scale, causal=True, fa_version=3))  # fmt: skip
-    flops = 2 * nseq * length * length / 2 * heads * (D_NOPE + D_ROPE + D_V)
-    record(
-        "prefill", f"{nseq}x{length} H={heads} 192/128", ours, stock, "fa3", vexact_tflops=flops / ours / 1e9
-    )
+    flops = 2 * nseq * length * length / 2 * heads * (2 * LATENT + D_ROPE)  # the latent's QK and PV
+    record("prefill", f"{nseq}x{length} H={heads}", ours, stock, "fa3 192/128", vexact_tflops=flops / ours / 1e9)
 
 
 @section
@@ -141,11 +143,14 @@ def _train_case(nseq, length, heads):
     from vexact_vllm.kernels import varlen_attention
 
     scale = (D_NOPE + D_ROPE) ** -0.5
-    (q, k, v), cu = _varlen(nseq, length, heads, grad=True)
-    g = torch.randn(nseq * length, heads, D_V, device=DEVICE, dtype=torch.bfloat16)
+    ql, kv, cu = _latent_varlen(nseq, length, heads, grad=True)
+    gl = torch.randn(nseq * length, heads, LATENT, device=DEVICE, dtype=torch.bfloat16)
 
     def ours():
-        varlen_attention(q, k, v, cu, scale).backward(g)
+        varlen_attention(ql, kv, kv[..., :LATENT], cu, scale).backward(gl)
+
+    (q, k, v), _ = _varlen(nseq, length, heads, grad=True)
+    g = torch.randn(nseq * length, heads, D_V, device=DEVICE, dtype=torch.bfloat16)
 
     qb, kb, vb = (x.detach().view(nseq, length, heads, -1).transpose(1, 2).contiguous().requires_grad_()
                   for x in (q, k, v))  # fmt: skip
@@ -154,23 +159,7 @@ def _train_case(nseq, length, heads):
     def stock():
         torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale).backward(gb)
 
-    record("train", f"{nseq}x{length} H={heads} fwd+bwd", bench(ours), bench(stock), "sdpa")
-
-
-def _decode_inputs(batch, context, heads, page):
-    """Sequences of `context` keys on shuffled pages: vLLM's per-head cache [blocks, Hkv, page, D + Dv]
-    (vexact's layout, split into key and value views) and the latent cache [blocks, page, 576]."""
-    from vexact_vllm.attention import split_kv_cache
-
-    pages = -(-context // page)
-    blocks = batch * pages
-    kv = torch.randn(blocks, heads, page, D_NOPE + D_ROPE + D_V, device=DEVICE, dtype=torch.bfloat16)
-    k_cache, v_cache = split_kv_cache(kv, D_NOPE + D_ROPE, D_V)
-    table = torch.randperm(blocks, device=DEVICE, dtype=torch.int32).view(batch, pages)
-    seq_lens = torch.full((batch,), context, device=DEVICE, dtype=torch.int32)
-    q = torch.randn(batch, heads, D_NOPE + D_ROPE, device=DEVICE, dtype=torch.bfloat16)
-    qsl = torch.arange(batch + 1, device=DEVICE, dtype=torch.int32)
-    return q, k_cache, v_cache, table, seq_lens, qsl
+    record("train", f"{nseq}x{length} H={heads} fwd+bwd", bench(ours), bench(stock), "sdpa 192/128")
 
 
 @section
@@ -183,17 +172,18 @@ def _decode_case(batch, context, heads):
     from vexact_vllm.kernels import paged_attention
 
     scale = (D_NOPE + D_ROPE) ** -0.5
-    q, kc, vc, bt, sl, qsl = _decode_inputs(batch, context, heads, 16)
-    ours = bench_graph(lambda: paged_attention(q, kc, vc, bt, sl, qsl, scale))
+    q, cache, table, seq_lens = _latent_inputs(batch, context, heads, 16)
+    k_cache = cache[:, :, None]  # [blocks, page, 1, 576]: the key head; the values its first 512 cells
+    qsl = torch.arange(batch + 1, device=DEVICE, dtype=torch.int32)
+    ours = bench_graph(lambda: paged_attention(q, k_cache, k_cache[..., :LATENT], table, seq_lens, qsl, scale))
     label = f"B={batch} ctx={context} H={heads}"
-    ours_bytes, latent_bytes = kv_bytes_per_token(heads, 1)
-    print(f"decode   {label}: vexact {ours:.4f} ms, {batch * context * ours_bytes / ours / 1e9:.2f} TB/s")
+    per_token = kv_bytes_per_token(1)
+    print(f"decode   {label}: vexact {ours:.4f} ms, {batch * context * per_token / ours / 1e9:.2f} TB/s")
     stocks = [
-        ("fa3 (per head)", lambda: _fa3_decode(q, kc, vc, bt, sl, qsl, context, scale), ours_bytes),
-        ("fa3-mla (latent)", lambda: _fa3_mla_decode(batch, context, heads, scale), latent_bytes),
-        ("flashmla (latent)", lambda: _flashmla_decode(batch, context, heads, scale), latent_bytes),
+        ("fa3-mla", lambda: _fa3_mla_decode(batch, context, heads, scale)),
+        ("flashmla", lambda: _flashmla_decode(batch, context, heads, scale)),
     ]
-    for stock, timed, per_token in stocks:
+    for stock, timed in stocks:
         try:
             stock_ms = timed()
         except Exception as e:  # a kernel or head-size pair missing from this build: the row says so
@@ -202,18 +192,8 @@ def _decode_case(batch, context, heads):
                 {"section": "decode", "case": label, "stock": stock, "vexact_ms": ours, "error": str(e)}
             )
             continue
-        record("decode", label, ours, stock_ms, stock, vexact_tb_s=batch * context * ours_bytes / ours / 1e9,
+        record("decode", label, ours, stock_ms, stock, vexact_tb_s=batch * context * per_token / ours / 1e9,
                stock_tb_s=batch * context * per_token / stock_ms / 1e9)  # fmt: skip
-
-
-def _fa3_decode(q, kc, vc, bt, sl, qsl, context, scale) -> float:
-    """Milliseconds of FlashAttention-3's paged decode over the same per-head K/V at 192/128."""
-    from vllm.vllm_flash_attn import flash_attn_varlen_func
-
-    fa_k, fa_v = kc.contiguous(), vc.contiguous()  # FA3's paged layout [blocks, page, Hkv, D]
-    return bench_graph(lambda: flash_attn_varlen_func(
-        q, fa_k, fa_v, max_seqlen_q=1, cu_seqlens_q=qsl, max_seqlen_k=context, seqused_k=sl,
-        softmax_scale=scale, causal=True, block_table=bt, fa_version=3))  # fmt: skip
 
 
 def _latent_inputs(batch, context, heads, page):

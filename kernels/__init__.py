@@ -30,6 +30,7 @@ from .dispatch import (
 from .gated_delta.causal_conv1d import causal_conv1d
 from .gated_delta.recurrent import gated_delta_rule, gated_delta_rule_cached
 from .gemm.activation import silu_and_mul
+from .gemm.head_linear import head_linear
 from .gemm.linear import linear
 from .mkl_vml import warm_up_vml
 from .moe.experts import fused_moe
@@ -61,6 +62,7 @@ __all__ = [
     "gated_delta_rule_cached",
     "gumbel_argmax",
     "is_reference_mode_enabled",
+    "head_linear",
     "linear",
     "linear_token_log_probs",
     "log_softmax",

@@ -68,9 +68,9 @@ class MoeConfig:
 
 @dataclass(frozen=True)
 class MlaConfig:
-    """DeepSeek's multi-head latent attention (MLA): the projections' sizes. The attention itself runs
-    over K and V decompressed per head: q/k heads of qk_nope_head_dim + qk_rope_head_dim, v heads of
-    v_head_dim (mla.py)."""
+    """DeepSeek's multi-head latent attention (MLA): the projections' sizes. The attention runs in the
+    absorbed form over the latent: one key head of kv_lora_rank + qk_rope_head_dim shared by every
+    query head, values of kv_lora_rank, then each head's v_head_dim up-projection (mla.py)."""
 
     q_lora_rank: int | None  # None: q_proj; else q_a_proj -> q_a_layernorm -> q_b_proj
     kv_lora_rank: int  # the latent kv_a_proj_with_mqa compresses K and V to
@@ -132,11 +132,6 @@ class DecoderConfig:
             )
         if self.mla is not None and self.head_dim != self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim:
             raise UnsupportedModelError("an MLA decoder's head_dim is qk_nope_head_dim + qk_rope_head_dim")
-
-    @property
-    def value_head_dim(self) -> int:
-        """The values' (and the attention output's) head size: MLA's v_head_dim, else head_dim."""
-        return self.mla.v_head_dim if self.mla is not None else self.head_dim
 
     @property
     def rotary_dim(self) -> int:

@@ -273,7 +273,8 @@ class SelfAttention(nn.Module):
     attention_bias), per-head q/k RMSNorm before RoPE (Qwen3).
 
     With `tp`: the rank's query heads and their kv heads (`num_heads`, `num_kv_heads` are the rank's),
-    the heads' outputs gathered, the rank's H / T o_proj columns, the output gathered."""
+    the heads' outputs gathered, the rank's H / T o_proj columns, the output gathered. The attention
+    geometry the vLLM side caches: `num_heads`, `num_kv_heads`, `head_dim`, `value_head_dim` (D)."""
 
     def __init__(self, config: DecoderConfig, layer_idx: int, tp: TensorParallel | None = None):
         super().__init__()
@@ -283,6 +284,7 @@ class SelfAttention(nn.Module):
             config.num_kv_heads,
             config.head_dim,
         )
+        self.value_head_dim = self.head_dim
         self.scale = self.head_dim**-0.5
         h, q_size, kv_size = (
             config.hidden_size,

@@ -18,13 +18,14 @@ distinct prompts, where no group forms, runs slower with it on (`default` 0.985 
 groups against 1.022 without, `grpo:32` 0.921 against 0.877; see docs/results.md). The groups take
 no key split: VEXACT_SHARED_PREFIX=1 needs VEXACT_KEY_SPLIT=0 (kernels/settings.py refuses it else).
 
-Cache layout (one tensor per layer, allocated by vLLM from `get_kv_cache_spec`): the logical view
-[num_blocks, num_kv_heads, block_size, head_size + head_size_v], keys in the first head_size cells of
-the last axis and values in the rest. head_size_v is the values' head size: head_size for most
-models, DeepSeek's MLA v_head_dim (its K and V decompressed per head: 192 + 128). vLLM's own
-full-attention spec carries it (`FullAttentionSpec(head_size_v=...)`, from the layer's `head_size_v`);
-vLLM 0.26 shapes the cache with `get_kv_cache_shape`, which gets no head_size_v, so a backend class
-per value head size holds it (`backend_for`).
+Cache layouts (one tensor per layer, allocated by vLLM from the layer's `get_kv_cache_spec`):
+- `VexactAttentionBackend`, vLLM's full-attention spec: the logical view [num_blocks, num_kv_heads,
+  block_size, 2 * head_size], keys in the first head_size cells of the last axis, values in the rest.
+- `VexactLatentAttentionBackend` (DeepSeek's MLA, model_patches/mla.py), vLLM's own MLA spec
+  (`LatentAttention.get_kv_cache_spec`: `MLAAttentionSpec`, one "head" of kv_lora_rank +
+  qk_rope_head_dim): the view [num_blocks, 1, block_size, C + Dr] holding per token the latent c and
+  the rotary key, stock vLLM's bytes. The keys are the whole row; the values are its first C cells
+  (the layer's head_size_v), a view of the same bytes: nothing is stored twice.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import ClassVar
 
 import torch
 from vllm.config.compilation import CUDAGraphMode
+from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -57,7 +59,7 @@ BACKEND_NAME = "CUSTOM"  # vLLM's registry slot for out-of-tree backends
 
 class VexactAttentionBackend(AttentionBackend):
     forward_includes_kv_cache_update: bool = True  # rule 3: write K/V, then attend, in one place
-    head_size_v: ClassVar[int | None] = None  # the values' head size where it is not head_size (`backend_for`)
+    values_in_keys: ClassVar[bool] = False  # the latent layout: values are the keys' first cells
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float32]
     supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "bfloat16", "float32"]
 
@@ -76,8 +78,9 @@ class VexactAttentionBackend(AttentionBackend):
     @classmethod
     def get_kv_cache_shape(cls, num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
         """vLLM <= 0.26 asks the backend for the per-layer cache shape (newer ones derive it from
-        the KV cache spec and layout): the same [num_blocks, Hkv, block_size, D + Dv] view."""
-        return (num_blocks, num_kv_heads, block_size, head_size + (cls.head_size_v or head_size))
+        the KV cache spec and layout): the same [num_blocks, Hkv, block_size, row] view, a row holding
+        the keys then the values (2 * head_size), or the latent row alone (head_size)."""
+        return (num_blocks, num_kv_heads, block_size, head_size if cls.values_in_keys else 2 * head_size)
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
@@ -94,31 +97,29 @@ class VexactAttentionBackend(AttentionBackend):
         return (KVCacheLayout.LBHNC,)
 
 
-_BY_VALUE_HEAD_SIZE: dict[int, type[VexactAttentionBackend]] = {}
+class VexactLatentAttentionBackend(VexactAttentionBackend):
+    """DeepSeek's MLA over vLLM's latent cache (`LatentAttention`): one key head of C + Dr per token,
+    the values its first C cells."""
+
+    values_in_keys: ClassVar[bool] = True
 
 
-def backend_for(head_size: int, head_size_v: int) -> type[VexactAttentionBackend]:
-    """The backend class of layers with these key and value head sizes: `VexactAttentionBackend` where
-    they are equal, else its subclass `VexactAttentionBackendV<Dv>` (a module attribute, found by name)
-    whose `get_kv_cache_shape` gives the [num_blocks, Hkv, block_size, D + Dv] cache."""
-    return VexactAttentionBackend if head_size_v == head_size else _value_backend(head_size_v)
+class LatentAttention(Attention):
+    """vLLM's `Attention` layer over the latent cache (DeepSeek's MLA): num_heads query heads, one
+    key head of head_size = C + Dr, values of head_size_v = C, served by `VexactLatentAttentionBackend`.
+    Its spec is vLLM's own `MLAAttentionSpec` (stock's page: block x (C + Dr) elements, no separate V),
+    where vLLM's `Attention` would declare a full-attention page of keys and values."""
 
+    def get_kv_cache_spec(self, vllm_config):
+        from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-def _value_backend(head_size_v: int) -> type[VexactAttentionBackend]:
-    if head_size_v not in _BY_VALUE_HEAD_SIZE:
-        name = f"VexactAttentionBackendV{head_size_v}"
-        cls = type(name, (VexactAttentionBackend,), {"head_size_v": head_size_v, "__module__": __name__,
-                                                      "__qualname__": name})  # fmt: skip
-        globals()[name] = _BY_VALUE_HEAD_SIZE[head_size_v] = cls
-    return _BY_VALUE_HEAD_SIZE[head_size_v]
-
-
-def __getattr__(name: str):
-    """`VexactAttentionBackendV<Dv>` by name in a process that has not built it yet (unpickling)."""
-    prefix = "VexactAttentionBackendV"
-    if name.startswith(prefix) and name[len(prefix) :].isdigit():
-        return _value_backend(int(name[len(prefix) :]))
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        return MLAAttentionSpec(
+            block_size=vllm_config.cache_config.block_size,
+            num_kv_heads=1,
+            head_size=self.head_size,
+            dtype=self.kv_cache_torch_dtype,
+            cache_dtype_str=self.kv_cache_dtype,
+        )
 
 
 @dataclass
@@ -211,16 +212,19 @@ def _query_heads_per_kv_head(vllm_config, kv_cache_spec) -> int | None:
 def split_kv_cache(
     kv_cache: torch.Tensor, head_size: int, head_size_v: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[num_blocks, Hkv, block_size, D + Dv] -> key and value views [num_blocks, block_size, Hkv, D or Dv]
-    (`head_size_v`: Dv, None for D)."""
-    head_size_v = head_size if head_size_v is None else head_size_v
-    if kv_cache.dim() != 4 or kv_cache.shape[-1] != head_size + head_size_v:
+    """The key and value views [num_blocks, block_size, Hkv, D or Dv] of a layer's cache: of
+    [num_blocks, Hkv, block_size, 2 * D] (`head_size_v` None: keys then values), or of the latent
+    [num_blocks, 1, block_size, D] (`head_size_v` Dv < D: the values are the keys' first Dv cells)."""
+    row = 2 * head_size if head_size_v is None else head_size
+    if kv_cache.dim() != 4 or kv_cache.shape[-1] != row or (head_size_v is not None and not 0 < head_size_v < row):
         raise ValueError(
-            f"unexpected KV cache shape {tuple(kv_cache.shape)} for head sizes {head_size} (keys) and {head_size_v} "
-            "(values); this vLLM version's cache layout is not supported by vexact-vllm"
+            f"unexpected KV cache shape {tuple(kv_cache.shape)} for head sizes {head_size} (keys) and "
+            f"{head_size_v or head_size} (values); this vLLM version's cache layout is not supported by vexact-vllm"
         )
-    kv = kv_cache.transpose(1, 2)  # [num_blocks, block_size, Hkv, D + Dv]
-    return kv[..., :head_size], kv[..., head_size:]
+    kv = kv_cache.transpose(1, 2)  # [num_blocks, block_size, Hkv, row]
+    if head_size_v is None:
+        return kv[..., :head_size], kv[..., head_size:]
+    return kv, kv[..., :head_size_v]
 
 
 class VexactAttentionImpl(AttentionImpl):
@@ -265,8 +269,11 @@ class VexactAttentionImpl(AttentionImpl):
             return output.fill_(0)
         n = attn_metadata.num_actual_tokens
         head_size_v = getattr(layer, "head_size_v", None) or self.head_size  # vLLM's Attention carries it
-        k_cache, v_cache = split_kv_cache(kv_cache, self.head_size, head_size_v)
-        write_kv_cache(key[:n], value[:n], k_cache, v_cache, attn_metadata.slot_mapping)
+        latent = head_size_v != self.head_size  # `LatentAttention`: the values are the keys' first cells
+        k_cache, v_cache = split_kv_cache(kv_cache, self.head_size, head_size_v if latent else None)
+        keys = key[:n].view(n, self.num_kv_heads, self.head_size)
+        values = keys[..., :head_size_v] if latent else value[:n]  # latent: the same cells, written once more
+        write_kv_cache(keys, values, k_cache, v_cache, attn_metadata.slot_mapping)
         paged_attention(
             query[:n],
             k_cache,

@@ -56,7 +56,7 @@ from vexact_vllm.model_patches.pipeline_parallel import (
 )
 from vexact_vllm.model_patches.tensor_parallel import TensorParallel, shard_of
 
-from .attention import backend_for
+from .attention import LatentAttention, VexactAttentionBackend, VexactLatentAttentionBackend
 from .engine_checks import refuse_unsupported_engine
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, so its handler prints it
@@ -145,19 +145,21 @@ class VllmVexactForCausalLM(nn.Module):
         if not c.tie_word_embeddings:
             self.lm_head = placed(stage.is_last, lambda: Linear(c.hidden_size, c.vocab_size, tp=tp))
         attn = self.model.layers[stage.start].self_attn  # this rank's heads (all of them without tp)
-        heads, kv = attn.num_heads, attn.num_kv_heads
+        latent = attn.value_head_dim != attn.head_dim  # DeepSeek's MLA: the values are the latent row's first cells
+        layer_cls = LatentAttention if latent else Attention
+        backend = VexactLatentAttentionBackend if latent else VexactAttentionBackend
         self.attn = stage_layers(
             stage,
             c.num_layers,
-            lambda i: Attention(
-                heads,
-                c.head_dim,
+            lambda i: layer_cls(
+                attn.num_heads,
+                attn.head_dim,
                 c.attention_scale,
-                num_kv_heads=kv,
+                num_kv_heads=attn.num_kv_heads,
                 cache_config=vllm_config.cache_config,
                 prefix=f"{prefix}model.layers.{i}.self_attn.attn",
-                attn_backend=backend_for(c.head_dim, c.value_head_dim),
-                head_size_v=c.value_head_dim,  # DeepSeek's MLA: K and V per head, V narrower
+                attn_backend=backend,
+                head_size_v=attn.value_head_dim,
             ),
         )
         self.context = PagedAttention(self.attn)

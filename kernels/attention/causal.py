@@ -2,7 +2,8 @@
 
 Math, for a query q at absolute position p of a sequence with keys/values k_j, v_j (j = 0..p),
 query head h reading kv head h // (Hq / Hkv) (grouped-query attention), D = the query/key head
-size and Dv = the value head size (Dv = D for most models; DeepSeek's MLA: D = 192, Dv = 128):
+size and Dv = the value head size (Dv = D for most models; DeepSeek's latent, one key head of
+D = C + R whose first C dims are the values: Dv = C, latent.py):
     s_j = (sum_{d < D} fp32(q[d]) * fp32(k_j[d])) * scale              fp32 scores
     m   = max_{j <= p} s_j                                               exact, order-free
     e_j = exp(s_j - m) for j <= p, else 0
@@ -20,7 +21,9 @@ sequence length, the other queries of the call, the query chunking, the KV-cache
 entry point (`varlen_attention` for training, `paged_attention` for decode, prefill and chunked
 prefill). The softmax max m is a true max over the same set, hence the same bits everywhere.
 
-Gradients of `varlen_attention` flow through the torch ops (correct, deterministic).
+Gradients of `varlen_attention` flow through the torch ops (correct, deterministic). On CUDA the
+Triton kernels run the same contract with their own fixed order (core_triton.py); the latent takes
+them too (one load of a key row for both products), FA4 refuses it.
 """
 
 import importlib
@@ -36,6 +39,7 @@ from ..checks import (
 )
 from ..dispatch import attention_backend_for, backend_for
 from ..reduction import row_sum
+from .latent import values_in_keys
 from .tiles import KEY_TILE
 
 # Queries handled together; only bounds memory (results do not depend on it).
@@ -230,6 +234,18 @@ def _check_qkv(
     check_last_dim_contiguous("q", q)
 
 
+def _backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """`attention_backend_for(q)`, refusing FA4 for the latent (values in the keys: DeepSeek's MLA),
+    which its kernels do not take."""
+    backend = attention_backend_for(q)
+    if backend == "fa4" and values_in_keys(k, v):
+        raise ValueError(
+            "VEXACT_ATTENTION=fa4 does not take DeepSeek's latent (MLA) attention; unset VEXACT_ATTENTION "
+            "(the Triton kernels serve it) on both the trainer and the rollout side"
+        )
+    return backend
+
+
 def _check_scale(scale: float) -> None:
     if not isinstance(scale, (int, float)) or not scale > 0:
         raise ValueError(f"scale must be a positive number, got {scale!r}")
@@ -262,7 +278,7 @@ def varlen_attention(
     _check_scale(scale)
     check_same_device(q=q, k=k, v=v, cu_seqlens=cu_seqlens)
     longest = max((b - a for a, b in zip(bounds, bounds[1:], strict=False)), default=0)  # no sync: bounds are here
-    return _VARLEN_IMPLS[attention_backend_for(q)](q, k, v, cu_seqlens, float(scale), longest=longest)
+    return _VARLEN_IMPLS[_backend(q, k, v)](q, k, v, cu_seqlens, float(scale), longest=longest)
 
 
 def write_kv_cache(
@@ -378,7 +394,7 @@ def paged_attention(
             f"max_query_len must be a positive int (a bound on the longest query count) or None, got {max_query_len!r}"
         )
     with torch.no_grad():
-        return _PAGED_IMPLS[attention_backend_for(q)](
+        return _PAGED_IMPLS[_backend(q, k_cache, v_cache)](
             q, k_cache, v_cache, block_table, seq_lens, query_start_loc, float(scale), out=out, shared=shared,
             max_query_len=max_query_len,
         )  # fmt: skip

@@ -128,6 +128,14 @@ def load_tile(ptrs, rows_ok, cols, DIM: tl.constexpr, BLOCK: tl.constexpr, ROWS_
 
 
 @triton.jit
+def load_rope_tile(row_ptrs, rows_ok, HEAD_DIM: tl.constexpr, HEAD_DIM_R: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The latent's rotary query dims: [R, BLOCK_R] from each row's cells HEAD_DIM .. HEAD_DIM +
+    HEAD_DIM_R (row_ptrs [R]: the rows' first cells); rows not ok and dims past HEAD_DIM_R read as 0."""
+    offs_r = tl.arange(0, BLOCK_R)
+    return load_tile(row_ptrs[:, None] + HEAD_DIM + offs_r[None, :], rows_ok, offs_r, HEAD_DIM_R, BLOCK_R, True)
+
+
+@triton.jit
 def store_tile(ptrs, x, rows_ok, cols, DIM: tl.constexpr, BLOCK: tl.constexpr):
     """tl.store of a [R, BLOCK] tile's rows where rows_ok, columns below DIM only."""
     if BLOCK == DIM:
@@ -192,6 +200,7 @@ def query_rows(first, end, pos0, kv_head, GROUP: tl.constexpr, BLOCK_M: tl.const
 def attend_tile(
     t,
     q,
+    q_r,
     q_pos,
     m_i,
     l_i,
@@ -217,8 +226,15 @@ def attend_tile(
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
     SAFE: tl.constexpr = False,  # key splits: a row may meet a chunk's first tile wholly masked
+    HEAD_DIM_R: tl.constexpr = 0,  # the latent's rotary key dims after HEAD_DIM (0: keys and values apart)
+    BLOCK_R: tl.constexpr = 16,  # HEAD_DIM_R's power-of-two tile
 ):
     """One step of the online softmax: key tile t (positions t * BLOCK_N ...) into (m_i, l_i, acc).
+
+    The latent (HEAD_DIM_R > 0, DeepSeek's MLA): a key row holds HEAD_DIM latent dims then HEAD_DIM_R
+    rotary dims, the values are its latent dims (HEAD_DIM_V = HEAD_DIM): one load serves both
+    products, and the score is the latent dot chained with the rotary dot (q_r: the rows' rotary
+    query dims) on one fp32 accumulator, in that order. Otherwise q_r is not read.
 
     MASKED = False skips the causal `where` and the load masks; it is used only where they would
     change nothing (every key of the tile is <= every row's position < seq_len), so an element's
@@ -249,9 +265,15 @@ def attend_tile(
     k_ptrs = k_base + k_rows[:, None] + offs_d[None, :]
     v_ptrs = v_base + v_rows[:, None] + offs_dv[None, :]
     k = load_tile(k_ptrs, in_seq, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-    v = load_tile(v_ptrs, in_seq, offs_dv, HEAD_DIM_V, BLOCK_DV, MASKED)
     # 2. Scores, -inf past each row's position.
     s = tile_dot(q, tl.trans(k), None, PRECISION, DOT_FP32)  # [BLOCK_M, BLOCK_N] fp32
+    if HEAD_DIM_R > 0:
+        offs_r = tl.arange(0, BLOCK_R)
+        r = load_tile(k_base + k_rows[:, None] + HEAD_DIM + offs_r[None, :], in_seq, offs_r, HEAD_DIM_R, BLOCK_R, MASKED)
+        s = tile_dot(q_r, tl.trans(r), s, PRECISION, DOT_FP32)
+        v = k
+    else:
+        v = load_tile(v_ptrs, in_seq, offs_dv, HEAD_DIM_V, BLOCK_DV, MASKED)
     if MASKED:
         s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
     # 3. Online softmax update (a tile past a row's position leaves that row's m, l, acc as is).
@@ -270,6 +292,7 @@ def attend_tile(
 @triton.jit
 def attend_rows(
     q,
+    q_r,
     q_pos,
     min_pos,
     max_pos,
@@ -294,6 +317,8 @@ def attend_rows(
     PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32), default otherwise
     DOT_FP32: tl.constexpr,  # interpreter only (see `tile_dot`)
     SPLIT_TILES: tl.constexpr = 0,  # key tiles per split (0: none; module docstring, "Key splits")
+    HEAD_DIM_R: tl.constexpr = 0,  # the latent's rotary dims (`attend_tile`; 0: none, q_r unread)
+    BLOCK_R: tl.constexpr = 16,
 ):
     """The per-tile attention shared by every entry point (module docstring: math and invariant).
 
@@ -309,22 +334,24 @@ def attend_rows(
         l_i = tl.full([BLOCK_M], 0, dtype=tl.float32)
         acc = tl.full([BLOCK_M, BLOCK_DV], 0, dtype=tl.float32)
         m_i, l_i, acc = attend_span(
-            0, last, m_i, l_i, acc, q, q_pos, min_pos, seq_len, k_base, v_base, kv_row0, stride_k_row,
+            0, last, m_i, l_i, acc, q, q_r, q_pos, min_pos, seq_len, k_base, v_base, kv_row0, stride_k_row,
             stride_v_row, block_table_row, stride_k_block, stride_v_block, qk_scale,
             PAGED, PAGE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, PRECISION, DOT_FP32,
+            HEAD_DIM_R=HEAD_DIM_R, BLOCK_R=BLOCK_R,
         )  # fmt: skip
     else:  # chunk 0, then each later chunk from a fresh state, folded in (module docstring)
         m_i, l_i, acc = attend_chunk(
-            0, last, q, q_pos, min_pos, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
+            0, last, q, q_r, q_pos, min_pos, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
             block_table_row, stride_k_block, stride_v_block, qk_scale,
             SPLIT_TILES, PAGED, PAGE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32,
+            HEAD_DIM_R, BLOCK_R,
         )  # fmt: skip
         for j in range(1, (last + SPLIT_TILES - 1) // SPLIT_TILES):
             m_j, l_j, acc_j = attend_chunk(
-                j, last, q, q_pos, min_pos, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
+                j, last, q, q_r, q_pos, min_pos, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
                 block_table_row, stride_k_block, stride_v_block, qk_scale,
                 SPLIT_TILES, PAGED, PAGE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, PRECISION,
-                DOT_FP32,
+                DOT_FP32, HEAD_DIM_R, BLOCK_R,
             )  # fmt: skip
             m_i, l_i, acc = fold_chunk(m_i, l_i, acc, m_j, l_j, acc_j, q_pos >= j * SPLIT_TILES * BLOCK_N)
     # 4. Normalise.
@@ -333,10 +360,11 @@ def attend_rows(
 
 @triton.jit
 def attend_span(
-    t_lo, t_hi, m_i, l_i, acc, q, q_pos, min_pos, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
-    block_table_row, stride_k_block, stride_v_block, qk_scale, PAGED: tl.constexpr, PAGE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SAFE: tl.constexpr = False,
+    t_lo, t_hi, m_i, l_i, acc, q, q_r, q_pos, min_pos, seq_len, k_base, v_base, kv_row0, stride_k_row,
+    stride_v_row, block_table_row, stride_k_block, stride_v_block, qk_scale, PAGED: tl.constexpr,
+    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    SAFE: tl.constexpr = False, HEAD_DIM_R: tl.constexpr = 0, BLOCK_R: tl.constexpr = 16,
 ):  # fmt: skip
     """Key tiles t_lo .. t_hi - 1 into the online softmax's state (m_i, l_i, acc), in order: those
     wholly at or below min_pos (the tiles' rows' least position) without masks, the rest with them.
@@ -345,26 +373,28 @@ def attend_span(
     n_full = (min_pos + 1) // BLOCK_N
     for t in range(t_lo, tl.minimum(t_hi, n_full)):
         m_i, l_i, acc = attend_tile(
-            t, q, q_pos, m_i, l_i, acc, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
+            t, q, q_r, q_pos, m_i, l_i, acc, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
             block_table_row, stride_k_block, stride_v_block, qk_scale,
             False, PAGED, PAGE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, PRECISION, DOT_FP32, SAFE,
+            HEAD_DIM_R, BLOCK_R,
         )  # fmt: skip
     for t in range(tl.maximum(t_lo, n_full), t_hi):
         m_i, l_i, acc = attend_tile(
-            t, q, q_pos, m_i, l_i, acc, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
+            t, q, q_r, q_pos, m_i, l_i, acc, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
             block_table_row, stride_k_block, stride_v_block, qk_scale,
             True, PAGED, PAGE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, PRECISION, DOT_FP32, SAFE,
+            HEAD_DIM_R, BLOCK_R,
         )  # fmt: skip
     return m_i, l_i, acc
 
 
 @triton.jit
 def attend_chunk(
-    j, last, q, q_pos, min_pos, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row, block_table_row,
-    stride_k_block, stride_v_block, qk_scale, SPLIT_TILES: tl.constexpr, PAGED: tl.constexpr,
+    j, last, q, q_r, q_pos, min_pos, seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row,
+    block_table_row, stride_k_block, stride_v_block, qk_scale, SPLIT_TILES: tl.constexpr, PAGED: tl.constexpr,
     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DOT_FP32: tl.constexpr, HEAD_DIM_R: tl.constexpr = 0, BLOCK_R: tl.constexpr = 16,
 ):  # fmt: skip
     """Key split j's state (m, l, acc), unnormalised: its tiles (those below `last`) from a fresh
     state, SAFE. The one routine for a chunk, in one program (`attend_rows`) and in split decode
@@ -373,9 +403,10 @@ def attend_chunk(
     l_j = tl.full([BLOCK_M], 0, dtype=tl.float32)
     acc_j = tl.full([BLOCK_M, BLOCK_DV], 0, dtype=tl.float32)
     return attend_span(
-        j * SPLIT_TILES, tl.minimum((j + 1) * SPLIT_TILES, last), m_j, l_j, acc_j, q, q_pos, min_pos, seq_len,
-        k_base, v_base, kv_row0, stride_k_row, stride_v_row, block_table_row, stride_k_block, stride_v_block,
-        qk_scale, PAGED, PAGE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, PRECISION, DOT_FP32, True,
+        j * SPLIT_TILES, tl.minimum((j + 1) * SPLIT_TILES, last), m_j, l_j, acc_j, q, q_r, q_pos, min_pos,
+        seq_len, k_base, v_base, kv_row0, stride_k_row, stride_v_row, block_table_row, stride_k_block,
+        stride_v_block, qk_scale, PAGED, PAGE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, PRECISION,
+        DOT_FP32, True, HEAD_DIM_R, BLOCK_R,
     )  # fmt: skip
 
 
@@ -415,6 +446,26 @@ def forward_config(head_dim: int, group: int, head_dim_v: int | None = None) -> 
     if group > block_m:
         raise ValueError(f"Triton attention needs Hq / Hkv <= {block_m} for head_dim {head_dim}, got {group}")
     return block_m, num_warps, num_stages
+
+
+# The latent (DeepSeek's MLA: one key head of C latent + R rotary dims, values its latent dims), every
+# launch: (BLOCK_M rows, num_warps, num_stages). 8 warps hold the [64, C] fp32 accumulator. The rows of
+# a tile are (token, query head) pairs as above; a rank with more query heads than rows takes its
+# heads in blocks of `latent_group` (programs along the kv-head axis, reading the one key head).
+LATENT_FWD_CONFIG = (64, 8, 2)
+
+
+def latent_config(latent_dim: int, rope_dim: int, heads: int) -> tuple[int, int, int, int]:
+    """(group, BLOCK_M, num_warps, num_stages) of the latent's launches: `group` query heads a tile
+    (the largest divisor of `heads` that fits BLOCK_M rows). ValueError for sizes it does not take."""
+    if latent_dim % 8 or rope_dim % 8 or not 0 < rope_dim <= 256 or not 8 <= latent_dim <= 512:
+        raise ValueError(
+            f"Triton latent attention takes a latent of 8-512 dims and rotary dims of 8-256 (multiples of 8), "
+            f"got {latent_dim} and {rope_dim}; use the torch backend (dispatch.reference_mode) for other sizes"
+        )
+    block_m, num_warps, num_stages = LATENT_FWD_CONFIG
+    group = max(g for g in range(1, min(heads, block_m) + 1) if heads % g == 0)
+    return group, block_m, num_warps, num_stages
 
 
 def interpreted() -> bool:

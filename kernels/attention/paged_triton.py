@@ -33,6 +33,8 @@ from .core_triton import (
     head_block,
     interpreted,
     key_split_tiles,
+    latent_config,
+    load_rope_tile,
     load_tile,
     query_rows,
     seq_of_tile,
@@ -40,6 +42,7 @@ from .core_triton import (
     tile_count,
     tile_start,
 )
+from .latent import values_in_keys
 from .tiles import KEY_TILE
 
 # head_dim -> num_stages of the paged (inference) launches where it differs from FWD_CONFIGS': speed
@@ -150,6 +153,8 @@ def _paged_fwd_kernel(
     part_n_ptr=None,  # PARTIAL: int32 [T], chunks of each token's row (written for every sequence's token)
     stride_pt=0,  # PARTIAL: entries a token (Hq * chunks): entry (t, h, j) = t * stride_pt + h * chunks + j
     CHUNKS: tl.constexpr = 1,  # PARTIAL: the chunk axis of the workspaces
+    HEAD_DIM_R: tl.constexpr = 0,  # the latent's rotary dims (core_triton.attend_tile; 0: none)
+    BLOCK_R: tl.constexpr = 16,
 ):
     """Inference entry: the new queries of each sequence (its last q_len positions) over the paged
     cache; program (tile, kv head) -> BLOCK_M rows, as in training. The programs take the tiles last
@@ -170,15 +175,18 @@ def _paged_fwd_kernel(
     max_pos = pos0 + tl.minimum(q_end - first, TOKENS) - 1
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q_ptrs = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
-    q = load_tile(q_ptrs, valid, offs_d, HEAD_DIM, BLOCK_D, True)
+    q_rows = q_ptr + token * stride_qt + head * stride_qh
+    q = load_tile(q_rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, BLOCK_D, True)
+    q_r = q
+    if HEAD_DIM_R > 0:
+        q_r = load_rope_tile(q_rows, valid, HEAD_DIM, HEAD_DIM_R, BLOCK_R)
     if PARTIAL:
         _partial_rows(
-            q, q_pos, pos0, max_pos, seq_len, token, head, valid, k_ptr + kv_head * stride_kh,
+            q, q_r, q_pos, pos0, max_pos, seq_len, token, head, valid, k_ptr + kv_head * stride_kh,
             v_ptr + kv_head * stride_vh, stride_ks, stride_vs, block_table_ptr + b.to(tl.int64) * stride_bt,
             stride_kb, stride_vb, qk_scale, o_ptr, stride_ot, stride_oh, part_acc_ptr, part_ml_ptr, part_n_ptr,
             stride_pt, SPLIT_TILES, CHUNKS, PAGE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N,
-            PRECISION, DOT_FP32,
+            PRECISION, DOT_FP32, HEAD_DIM_R, BLOCK_R,
         )  # fmt: skip
         return
     if SHARED:
@@ -190,9 +198,10 @@ def _paged_fwd_kernel(
         )  # fmt: skip
     else:
         out = _attend_paged(
-            q, q_pos, pos0, max_pos, seq_len, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh,
+            q, q_r, q_pos, pos0, max_pos, seq_len, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh,
             stride_ks, stride_vs, block_table_ptr + b.to(tl.int64) * stride_bt, stride_kb, stride_vb, qk_scale,
             PAGE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, PRECISION, DOT_FP32, SPLIT_TILES,
+            HEAD_DIM_R, BLOCK_R,
         )  # fmt: skip
     o_ptrs = o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :]
     store_tile(o_ptrs, out.to(o_ptr.dtype.element_ty), valid, offs_dv, HEAD_DIM_V, BLOCK_DV)
@@ -200,14 +209,16 @@ def _paged_fwd_kernel(
 
 @triton.jit
 def _attend_paged(
-    q, q_pos, pos0, max_pos, seq_len, k_base, v_base, stride_ks, stride_vs, block_table_row, stride_kb,
+    q, q_r, q_pos, pos0, max_pos, seq_len, k_base, v_base, stride_ks, stride_vs, block_table_row, stride_kb,
     stride_vb, qk_scale, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT_TILES: tl.constexpr = 0,
+    HEAD_DIM_R: tl.constexpr = 0, BLOCK_R: tl.constexpr = 16,
 ):  # fmt: skip
     """A paged tile's rows from key tile 0: `attend_rows` normalised."""
     out, _ = attend_rows(
         q,
+        q_r,
         q_pos,
         pos0,
         max_pos,
@@ -232,17 +243,20 @@ def _attend_paged(
         PRECISION,
         DOT_FP32,
         SPLIT_TILES,
+        HEAD_DIM_R,
+        BLOCK_R,
     )
     return out
 
 
 @triton.jit
 def _partial_rows(
-    q, q_pos, pos0, max_pos, seq_len, token, head, valid, k_base, v_base, stride_ks, stride_vs, block_table_row,
+    q, q_r, q_pos, pos0, max_pos, seq_len, token, head, valid, k_base, v_base, stride_ks, stride_vs, block_table_row,
     stride_kb, stride_vb, qk_scale, o_ptr, stride_ot, stride_oh, part_acc_ptr, part_ml_ptr, part_n_ptr, stride_pt,
     SPLIT_TILES: tl.constexpr, CHUNKS: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, HEAD_DIM_R: tl.constexpr = 0,
+    BLOCK_R: tl.constexpr = 16,
 ):  # fmt: skip
     """Split decode: this program's chunk (program_id 2) of its rows' keys, from a fresh state, as
     `attend_rows` computes each chunk, stored unnormalised for `_fold_kernel` (rows whose position
@@ -254,9 +268,9 @@ def _partial_rows(
     if j * SPLIT_TILES >= last:
         return
     m_j, l_j, acc_j = attend_chunk(
-        j, last, q, q_pos, pos0, seq_len, k_base, v_base, 0, stride_ks, stride_vs, block_table_row, stride_kb,
-        stride_vb, qk_scale, SPLIT_TILES, True, PAGE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N,
-        PRECISION, DOT_FP32,
+        j, last, q, q_r, q_pos, pos0, seq_len, k_base, v_base, 0, stride_ks, stride_vs, block_table_row,
+        stride_kb, stride_vb, qk_scale, SPLIT_TILES, True, PAGE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
+        BLOCK_N, PRECISION, DOT_FP32, HEAD_DIM_R, BLOCK_R,
     )  # fmt: skip
     offs_dv = tl.arange(0, BLOCK_DV)
     n = q_pos // (SPLIT_TILES * BLOCK_N) + 1  # the row's chunks
@@ -328,7 +342,7 @@ def _resume_rows(
     acc_ptrs = ws_acc_ptr + seq * stride_wt + head[:, None] * HEAD_DIM_V + offs_dv[None, :]
     acc = load_tile(acc_ptrs, resumed, offs_dv, HEAD_DIM_V, BLOCK_DV, True)
     m_i, l_i, acc = attend_span(
-        t0, max_pos // BLOCK_N + 1, m_i, l_i, acc, q, q_pos, pos0, seq_len, k_base, v_base, 0, stride_ks,
+        t0, max_pos // BLOCK_N + 1, m_i, l_i, acc, q, q, q_pos, pos0, seq_len, k_base, v_base, 0, stride_ks,
         stride_vs, block_table_row, stride_kb, stride_vb, qk_scale, True, PAGE, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
         BLOCK_DV, BLOCK_N, PRECISION, DOT_FP32,
     )  # fmt: skip
@@ -403,9 +417,18 @@ def paged_attention(
     `max_query_len` is not read: the grid follows the shapes alone.
     """
     n_tokens, n_heads, head_dim = q.shape
-    n_kv, head_dim_v = k_cache.shape[2], v_cache.shape[3]
-    group = n_heads // n_kv
-    block_m, num_warps, num_stages = forward_config(head_dim, group, head_dim_v)
+    head_dim_v = v_cache.shape[3]
+    latent = values_in_keys(k_cache, v_cache)
+    if latent:  # the latent: the key head's first cells are the values; head blocks read the one head
+        if shared is not None:
+            raise ValueError("the shared-prompt groups do not take the latent (MLA) cache: set VEXACT_SHARED_PREFIX=0")
+        group, block_m, num_warps, num_stages = latent_config(head_dim_v, head_dim - head_dim_v, n_heads)
+        head_dim_r, head_dim, n_kv = head_dim - head_dim_v, head_dim_v, n_heads // group
+    else:
+        n_kv, head_dim_r = k_cache.shape[2], 0
+        group = n_heads // n_kv
+        block_m, num_warps, num_stages = forward_config(head_dim, group, head_dim_v)
+    head_stride = 0 if latent else k_cache.stride(2)
     if out is None:
         out = torch.empty((n_tokens, n_heads, head_dim_v), dtype=q.dtype, device=q.device)  # [T, Hq, Dv]
     n_seqs = seq_lens.shape[0]
@@ -430,14 +453,15 @@ def paged_attention(
     args = (
         q, k_cache, v_cache, out, block_table, seq_lens, start_loc, n_seqs, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
+        k_cache.stride(0), k_cache.stride(1), head_stride,
+        v_cache.stride(0), v_cache.stride(1), 0 if latent else v_cache.stride(2), block_table.stride(0),
     )  # fmt: skip
     meta = dict(
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=head_block(head_dim),
         BLOCK_DV=head_block(head_dim_v), BLOCK_M=block_m, BLOCK_N=KEY_TILE, PAGE=k_cache.shape[1],
         PRECISION=dot_precision(q.dtype), DOT_FP32=interpreted(), enable_fp_fusion=False, num_warps=num_warps,
-        num_stages=num_stages, SPLIT_TILES=split_tiles,
+        num_stages=num_stages, SPLIT_TILES=split_tiles, HEAD_DIM_R=head_dim_r,
+        BLOCK_R=head_block(head_dim_r) if head_dim_r else 16,
     )  # fmt: skip
     if split:
         _split_decode(q, out, grid, chunks, args, meta, start_loc, n_seqs)

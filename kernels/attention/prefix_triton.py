@@ -105,7 +105,7 @@ def _attend_group(
     block_table_row = block_table_ptr + leader.to(tl.int64) * stride_bt  # the members' blocks there
     for t in range(0, n_tiles):
         m_i, l_i, acc = attend_tile(
-            t, q, q_pos, m_i, l_i, acc, 0, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh, 0,
+            t, q, q, q_pos, m_i, l_i, acc, 0, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh, 0,
             stride_ks, stride_vs, block_table_row, stride_kb, stride_vb, qk_scale,
             False, True, PAGE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, PRECISION, DOT_FP32,
         )  # fmt: skip

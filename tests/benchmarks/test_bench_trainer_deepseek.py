@@ -20,7 +20,7 @@ def bench(load_script):
 def test_moonlight_layers_shape(bench):
     config = DecoderConfig.from_hf(bench.shape_config(*bench.SHAPES["moonlight-4l"], special_id=0))
     assert (config.num_layers, config.hidden_size, config.num_heads, config.head_dim) == (4, 2048, 16, 192)
-    assert (config.value_head_dim, config.mla.kv_lora_rank, config.mla.q_lora_rank) == (128, 512, None)
+    assert (config.mla.v_head_dim, config.mla.kv_lora_rank, config.mla.q_lora_rank) == (128, 512, None)
     assert (config.moe.num_experts, config.moe.top_k, config.moe.sparse_layers) == (64, 6, (1, 2, 3))
 
 

@@ -69,7 +69,7 @@ def test_cpu_ranks_reproduce_the_unsharded_moonlight_layers():
     """Moonlight's head sizes, latent and routing; 8 experts of 64 and a 256-wide residual, T = 4."""
     config = moonlight_layers(hidden_size=256, intermediate_size=384, moe_intermediate_size=64, n_routed_experts=8,
                               vocab_size=300)  # fmt: skip
-    assert (config.head_dim, config.value_head_dim, config.mla.kv_lora_rank, config.num_heads) == (
+    assert (config.head_dim, config.mla.v_head_dim, config.mla.kv_lora_rank, config.num_heads) == (
         192,
         128,
         512,

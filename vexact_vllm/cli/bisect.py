@@ -21,26 +21,39 @@ from vexact_vllm.model_patches.attention_context import PackedAttention
 
 
 class ReplayAttention:
-    """AttentionContext over a private paged KV cache, fed step by step like vLLM feeds it."""
+    """AttentionContext over a private paged KV cache, fed step by step like vLLM feeds it. A layer's
+    cache is made at its first call, shaped as its keys and values; where the values are the keys'
+    first cells (DeepSeek's latent), the value cache is that view of the key cache, as in vLLM."""
 
     def __init__(self, config, length: int, block_size: int, dtype, device):
-        blocks = -(-length // block_size)
-        shape = (config.num_layers, blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        del config  # the shapes come from each layer's first keys and values
+        self.blocks = -(-length // block_size)
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
         # blocks in reverse order: the cache is paged, not contiguous in position
-        self.block_table = torch.arange(blocks - 1, -1, -1, dtype=torch.int32, device=device)[None]
+        self.block_table = torch.arange(self.blocks - 1, -1, -1, dtype=torch.int32, device=device)[None]
         self.block_size = block_size
+        self.dtype, self.device = dtype, device
         self.start = 0  # absolute position of the first token of the current step
+
+    def _caches(self, layer_idx, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx not in self.k:
+            pages = (self.blocks, self.block_size)
+            self.k[layer_idx] = torch.zeros(*pages, *k.shape[1:], dtype=self.dtype, device=self.device)
+            in_keys = v.data_ptr() == k.data_ptr() and v.shape[:-1] == k.shape[:-1]
+            self.v[layer_idx] = (self.k[layer_idx][..., : v.shape[-1]] if in_keys
+                                 else torch.zeros(*pages, *v.shape[1:], dtype=self.dtype, device=self.device))  # fmt: skip
+        return self.k[layer_idx], self.v[layer_idx]
 
     def attend(self, layer_idx, q, k, v, scale):
         n = q.shape[0]
+        k_cache, v_cache = self._caches(layer_idx, k, v)
         pos = torch.arange(self.start, self.start + n, device=q.device)
         slots = self.block_table[0, pos // self.block_size].long() * self.block_size + pos % self.block_size
-        write_kv_cache(k, v, self.k[layer_idx], self.v[layer_idx], slots)
+        write_kv_cache(k, v, k_cache, v_cache, slots)
         seq_lens = torch.tensor([self.start + n], dtype=torch.int32, device=q.device)
         qsl = torch.tensor([0, n], dtype=torch.int32, device=q.device)
-        return paged_attention(q, self.k[layer_idx], self.v[layer_idx], self.block_table, seq_lens, qsl, scale)
+        return paged_attention(q, k_cache, v_cache, self.block_table, seq_lens, qsl, scale)
 
 
 class _Recorder:

@@ -1,0 +1,77 @@
+"""The latent layout of DeepSeek's MLA in the attention kernels, and its training backward.
+
+The latent (model_patches/mla.py): one key head per token whose row holds C latent dims then R rotary
+dims, and values that are the key row's first C dims (the same cells, a view: `values_in_keys`). The
+forward runs the shared core (`core_triton.attend_tile`: one load of a key row serves both products;
+the score is the latent dot chained with the rotary dot), through the same entry points as every
+other attention, so training, prefill, chunked prefill and decode keep one reduction order.
+
+`latent_attention_backward` (training only: correct and deterministic, not batch-invariant) recomputes
+the probabilities from the forward's log-sum-exp with fp32 matmuls, a sequence and a block of queries
+at a time, and sums the one key head's gradient over every query head and query in a fixed order:
+with s = scale q.k, p = exp(s - lse), D_i = sum_c dO_i O_i,
+    dV_j = sum_{i,h} p_ij dO_i,   dP_ij = dO_i . V_j,   dS_ij = p_ij (dP_ij - D_i) scale,
+    dQ_i = sum_j dS_ij K_j,       dK_j = sum_{i,h} dS_ij Q_i
+(causal: j <= i within a sequence). The values' gradient reaches the key row's first C dims through
+the view, so the caller's latent tensor gets dK + (dV, 0).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Largest [queries, heads, keys] fp32 block of probabilities formed at once (elements): memory only.
+_BLOCK_ELEMENTS = 1 << 26
+
+
+def values_in_keys(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether v is the first cells of k's rows in one key head (the latent): the same storage,
+    strides and leading shape, fewer dims."""
+    return (
+        k.shape[-2] == 1
+        and v.shape[:-1] == k.shape[:-1]
+        and v.shape[-1] < k.shape[-1]
+        and v.data_ptr() == k.data_ptr()
+        and v.stride() == k.stride()
+    )
+
+
+def latent_attention_backward(grad_out, q, k, v, out, lse, cu_seqlens, scale):
+    """(dq [T, Hq, C + R], dk [T, 1, C + R], dv [T, 1, C]) of the latent attention over packed
+    sequences; lse [T, Hq] in log2 units (the forward's)."""
+    n_tokens, n_heads, dim = q.shape
+    c = v.shape[-1]
+    dq = torch.zeros(n_tokens, n_heads, dim, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(n_tokens, dim, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(n_tokens, c, dtype=torch.float32, device=q.device)
+    bounds = cu_seqlens.tolist()
+    for lo, hi in zip(bounds, bounds[1:]):
+        if hi > lo:
+            _sequence_backward(grad_out[lo:hi], q[lo:hi], k[lo:hi, 0], out[lo:hi], lse[lo:hi], scale,
+                               dq[lo:hi], dk[lo:hi], dv[lo:hi])  # fmt: skip
+    return dq.to(q.dtype), dk[:, None].to(k.dtype), dv[:, None].to(v.dtype)
+
+
+def _sequence_backward(do, q, kv, out, lse, scale, dq, dk, dv):
+    """One sequence (positions 0 .. L - 1), query blocks in order; writes dq, accumulates dk, dv."""
+    length, n_heads, _ = q.shape
+    c = dv.shape[-1]
+    kf = kv.float()  # [L, C + R]
+    vf = kf[:, :c]
+    delta = (do.float() * out.float()).sum(-1)  # [L, H]
+    step = max(1, _BLOCK_ELEMENTS // (n_heads * length))
+    pos = torch.arange(length, device=q.device)
+    for i0 in range(0, length, step):
+        i1 = min(length, i0 + step)
+        keys = slice(0, i1)  # causal: no query of the block reaches past i1 - 1
+        qf, dof = q[i0:i1].float(), do[i0:i1].float()  # [Q, H, C + R], [Q, H, C]
+        s = torch.einsum("qhd,kd->qhk", qf, kf[keys]) * scale  # [Q, H, K]
+        causal = pos[None, None, keys] <= pos[i0:i1, None, None]
+        p = torch.where(causal, torch.exp(s - lse[i0:i1, :, None] * math.log(2.0)), 0.0)
+        dv[keys] += torch.einsum("qhk,qhc->kc", p, dof)
+        dp = torch.einsum("qhc,kc->qhk", dof, vf[keys])
+        ds = p * (dp - delta[i0:i1, :, None]) * scale
+        dq[i0:i1] = torch.einsum("qhk,kd->qhd", ds, kf[keys])
+        dk[keys] += torch.einsum("qhk,qhd->kd", ds, qf)

@@ -1,0 +1,175 @@
+"""Attention over DeepSeek's latent (MLA in the absorbed form, model_patches/mla.py): one key head of
+C latent + R rotary dims per token, the values its first C dims (a view of the same cells, as vLLM's
+latent cache holds them). The torch path, the Triton kernels through the interpreter (small latents,
+more query heads than a tile has rows), and the compiled kernels on CUDA at DeepSeek's 512 + 64.
+
+The contract is every attention's (DESIGN rule 3): a query's bits are the same in training (packed
+varlen), whole prefill, any chunked prefill, decode, mixed steps and with a key split. Accuracy
+against float64 uses tolerances; invariance is torch.equal.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.attention.test_triton import TOL, PagedEngine, compiled_attention, reference_attention
+from vexact_vllm.kernels import paged_attention, varlen_attention, write_kv_cache
+from vexact_vllm.kernels.attention.latent import values_in_keys
+from vexact_vllm.kernels.settings import clear_settings
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+
+class _TorchOps:
+    varlen_attention = staticmethod(varlen_attention)
+    paged_attention = staticmethod(paged_attention)
+    write_kv_cache = staticmethod(write_kv_cache)
+
+
+def latent_inputs(seq_lens, n_heads, latent, rope, dtype, device="cpu"):
+    """q [T, Hq, C + R], kv [T, 1, C + R], v = kv's first C dims (a view), cu_seqlens."""
+    total = sum(seq_lens)
+    q = torch.randn(total, n_heads, latent + rope, device=device).to(dtype)
+    kv = torch.randn(total, 1, latent + rope, device=device).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return q, kv, kv[..., :latent], cu
+
+
+class LatentEngine(PagedEngine):
+    """`PagedEngine` over vLLM's latent cache: one [num_blocks, 1, block_size, C + R] tensor, NaN-filled;
+    the key view is the whole row, the value view its first C cells."""
+
+    def __init__(self, ops, k, v, cu, block_size):
+        super().__init__(ops, k, v, cu, block_size)
+        n_blocks = self.k_cache.shape[0]
+        cache = torch.full((n_blocks, 1, block_size, k.shape[2]), float("nan"), dtype=k.dtype, device=k.device)
+        self.k_cache = cache.transpose(1, 2)
+        self.v_cache = self.k_cache[..., : v.shape[2]]
+        assert values_in_keys(self.k_cache, self.v_cache)
+
+
+def run_steps(ops, q, k, v, cu, block_size, scale, plan):
+    """Every sequence through the latent engine in steps: `plan(b, done)` -> the next step's size."""
+    lens = (cu[1:] - cu[:-1]).tolist()
+    engine = LatentEngine(ops, k, v, cu, block_size)
+    out = torch.full((*q.shape[:2], v.shape[2]), float("nan"), dtype=q.dtype, device=q.device)
+    done = [0] * len(lens)
+    while any(d < n for d, n in zip(done, lens)):
+        chunks = {b: (done[b], min(done[b] + plan(b, done[b]), n)) for b, n in enumerate(lens) if done[b] < n}
+        for b, o in engine.step(q, chunks, scale).items():
+            out[engine.cu[b] + chunks[b][0] : engine.cu[b] + chunks[b][1]] = o
+            done[b] = chunks[b][1]
+    return out
+
+
+def check_latent(ops, lens, n_heads, latent, rope, dtype, block_size=16, device="cpu", chunks=(64, 7, 1)):
+    """Training equals whole prefill, `chunks` (1: every position decoded) and random mixed steps, each
+    sequence alone too; accuracy against float64. Returns the training output."""
+    q, k, v, cu = latent_inputs(lens, n_heads, latent, rope, dtype, device)
+    scale = (latent + rope) ** -0.5
+    train = ops.varlen_attention(q, k, v, cu, scale)
+    assert train.shape == (sum(lens), n_heads, latent) and torch.isfinite(train).all()
+    torch.testing.assert_close(train.double(), reference_attention(q, k, v, cu, scale), rtol=TOL[dtype],
+                               atol=TOL[dtype])  # fmt: skip
+    for chunk in (max(lens), *chunks):
+        got = run_steps(ops, q, k, v, cu, block_size, scale, lambda b, d, chunk=chunk: chunk)
+        assert torch.equal(got, train), chunk
+    rng = torch.Generator().manual_seed(len(lens))
+    sizes = torch.randint(1, 40, (10_000,), generator=rng).tolist()
+    assert torch.equal(run_steps(ops, q, k, v, cu, block_size, scale, lambda b, d: sizes[b * 97 + d]), train)
+    for b in range(len(lens)):
+        lo, hi = cu[b].item(), cu[b + 1].item()
+        alone = ops.varlen_attention(q[lo:hi], k[lo:hi], v[lo:hi], torch.tensor([0, hi - lo], device=device), scale)
+        assert torch.equal(alone, train[lo:hi]), b
+    return train
+
+
+# ----------------------------------------------------------------------------- torch path (CPU)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_torch_latent(dtype):
+    check_latent(_TorchOps(), (1, 63, 65, 70), 3, 40, 16, dtype)
+
+
+def test_values_in_keys():
+    kv = torch.zeros(5, 1, 24)
+    assert values_in_keys(kv, kv[..., :16])
+    assert not values_in_keys(kv, kv[..., :16].clone())  # the same values, other cells
+    assert not values_in_keys(kv, kv[..., 8:])  # not the first cells
+    kv2 = torch.zeros(5, 2, 24)
+    assert not values_in_keys(kv2, kv2[..., :16])  # two key heads: not a latent
+
+
+# ----------------------------------------------------------------------------- interpreter (CPU)
+
+
+@pytest.fixture(scope="module")
+def interp(interpreted_attention):
+    return interpreted_attention
+
+
+@pytest.mark.parametrize("n_heads,dtype", [(4, torch.bfloat16), (80, torch.bfloat16), (3, torch.float32)])
+def test_interpreted_latent(interp, n_heads, dtype):
+    """80 query heads: two head blocks of 40 rows read the one key head (`latent_config`)."""
+    lens, chunks = ((1, 40), (1,)) if n_heads > 4 else ((1, 63, 70), (7, 1))
+    check_latent(interp, lens, n_heads, 32, 16, dtype, chunks=chunks)
+
+
+def test_interpreted_latent_gradients(interp):
+    """The latent backward (fp32 recompute from the forward's log-sum-exp) against float64 autograd; the
+    values' gradient reaches the key row's first cells through the view."""
+    q, kv, _, cu = latent_inputs((5, 70), 4, 32, 16, torch.float32)
+    q, kv = q.requires_grad_(), kv.requires_grad_()
+    out = interp.varlen_attention(q, kv, kv[..., :32], cu, 0.1)
+    g = torch.randn(out.shape)
+    (out * g).sum().backward()
+    qd, kvd = q.detach().double().requires_grad_(), kv.detach().double().requires_grad_()
+    want = reference_attention(qd, kvd, kvd[..., :32], cu, 0.1)
+    (want * g.double()).sum().backward()
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(q.grad.double(), qd.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kv.grad.double(), kvd.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_interpreted_latent_key_split(interp, monkeypatch):
+    """64-key splits: training folds the chunks in one program; decode (steps of <= 40 tokens) runs a
+    program per chunk and folds the C-wide partials: the same bits."""
+    monkeypatch.setenv("VEXACT_KEY_SPLIT", "64")
+    clear_settings()
+    monkeypatch.setattr(interp.paged, "_SPLIT_MAX_TOKENS", 40)
+    q, k, v, cu = latent_inputs((130,), 4, 32, 16, torch.bfloat16)
+    train = interp.varlen_attention(q, k, v, cu, 0.2)
+    for chunk in (130, 1):
+        assert torch.equal(run_steps(interp, q, k, v, cu, 16, 0.2, lambda b, d, chunk=chunk: chunk), train), chunk
+    clear_settings()
+
+
+def test_interpreted_latent_refuses_shared_prefix_and_odd_sizes(interp):
+    from vexact_vllm.kernels import shared_prefix_groups
+
+    q, k, v, cu = latent_inputs((20, 20), 4, 32, 16, torch.bfloat16)
+    engine = LatentEngine(interp, k, v, cu, 16)
+    seq_lens, qsl = torch.tensor([20, 20], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32)
+    groups = shared_prefix_groups(engine.block_table, seq_lens, qsl, 16, 4)
+    with pytest.raises(ValueError, match="VEXACT_SHARED_PREFIX=0"):
+        interp.paged_attention(q[:2], engine.k_cache, engine.v_cache, engine.block_table, seq_lens, qsl, 0.2,
+                               shared=groups)  # fmt: skip
+    q, k, v, cu = latent_inputs((5,), 2, 36, 12, torch.bfloat16)
+    with pytest.raises(ValueError, match="latent of 8-512 dims"):
+        interp.varlen_attention(q, k, v, cu, 0.2)
+
+
+# ----------------------------------------------------------------------------- CUDA
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("n_heads", [16, 128])
+def test_cuda_latent_at_deepseek_sizes(n_heads):
+    """512 + 64, 16 heads (Moonlight, V2-Lite; V3 at TP=8) and 128 (V3 at TP=1: two head blocks), bf16:
+    every schedule against training, key splits included (sequences past 2,048 keys)."""
+    ops = compiled_attention()
+    lens = (1, 63, 65, 700) if n_heads > 16 else (1, 63, 65, 700, 2200)
+    check_latent(ops, lens, n_heads, 512, 64, torch.bfloat16, block_size=64, device="cuda")
