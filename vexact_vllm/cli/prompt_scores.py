@@ -20,18 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .rollout import Rollout
-from .score import Comparison, Mismatch
+from .records import Comparison, Entries, Mismatch, Rollout
 
 CHUNK_ROWS = 1024  # trainer rows per [rows, V] log-softmax: bounds memory only
-
-Entries = list[tuple[int, float, int]]  # (token id, log-prob, rank) in vLLM's order
-
-
-def entries_of(output_prompt_logprobs) -> list[Entries]:
-    """vLLM's `RequestOutput.prompt_logprobs` (None at position 0, then a dict id -> Logprob per
-    position) as entries, from position 1."""
-    return [[(int(t), float(lp.logprob), int(lp.rank)) for t, lp in d.items()] for d in output_prompt_logprobs[1:]]
 
 
 def expected_entries(token: int, token_lp: float, rank: int, top_ids: list[int], top_lps: list[float]) -> Entries:

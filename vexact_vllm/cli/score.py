@@ -7,11 +7,9 @@ several sizes, log-probs from `packed_log_probs` (the fused lm_head + log-prob f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from .rollout import Rollout
+from .records import Comparison, Mismatch, Rollout
 
 
 def trainer_device() -> torch.device:
@@ -54,28 +52,6 @@ def trainer_log_probs(
             first = start + len(r.prompt_ids) - 1  # row that predicts the first generated token
             out.append(logp[first : first + len(r.output_ids)].clone())
     return out
-
-
-@dataclass
-class Mismatch:
-    request: int
-    position: int  # index of the token in its sequence, the prompt counted
-    vllm: float
-    trainer: float
-    output_index: int = 0  # index of the token among the generated ones (position - prompt length)
-
-    def describe(self) -> str:
-        return (f"request {self.request}, generated token {self.output_index} (position {self.position} "
-                f"counting the prompt): vLLM {self.vllm!r} trainer {self.trainer!r}")  # fmt: skip
-
-
-@dataclass
-class Comparison:
-    tokens: int
-    mismatches: int
-    max_abs_diff: float
-    first: Mismatch | None
-    per_position: list[tuple[int, float]]  # (position in output, |diff|) for every token, for plots
 
 
 def compare(rollouts: list[Rollout], trainer: list[torch.Tensor]) -> Comparison:
