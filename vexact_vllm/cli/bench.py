@@ -93,7 +93,7 @@ def resolve_model(name: str, load_format: str) -> str:
     from vexact_vllm.tiny_model import builtin_model
 
     if name in BUILTIN_MODELS:
-        return str(builtin_model(name, weights=load_format != "dummy"))
+        return builtin_model(name, weights=load_format != "dummy")
     if not (Path(name) / "config.json").is_file():
         raise SystemExit(f"error: {name} is neither a checkpoint directory nor a built-in model "
                          f"({', '.join(BUILTIN_MODELS)})")  # fmt: skip
