@@ -441,21 +441,43 @@ def score_rows(trainer, results, packings: list[int], progress=None, prompt_k: i
         progress.refresh()
         tick = lambda: progress.update(1)  # noqa: E731
     already: dict = {}
-    for (engine, result), scored in zip(results, asks):
-        comparisons, prompts = {}, {}
-        for label, mb in zip(labels, packings):
-            if progress is not None:
-                packing = "one micro-batch" if mb <= 0 else f"micro-batches of {mb}"
-                progress.set_description_str(f"trainer: scoring {engine} {result.name}, {packing}")
-            logp = trainer_log_probs(trainer, result.rollouts, mb, scored=already, tick=tick)
-            comparisons[label] = compare(result.rollouts, logp)
+    with layer_postfix(trainer, progress):
+        for (engine, result), scored in zip(results, asks):
+            comparisons, prompts = {}, {}
+            for label, mb in zip(labels, packings):
+                if progress is not None:
+                    packing = "one micro-batch" if mb <= 0 else f"micro-batches of {mb}"
+                    progress.set_description_str(f"trainer: scoring {engine} {result.name}, {packing}")
+                logp = trainer_log_probs(trainer, result.rollouts, mb, scored=already, tick=tick)
+                comparisons[label] = compare(result.rollouts, logp)
+                if scored:
+                    want = trainer_prompt_entries(trainer, result.rollouts, mb, prompt_k, tick=tick)
+                    prompts[label] = compare_prompts(result.rollouts, want)
+            rows.append(_row(engine, result.name, labels, comparisons, result.notes, result.problem))
             if scored:
-                want = trainer_prompt_entries(trainer, result.rollouts, mb, prompt_k, tick=tick)
-                prompts[label] = compare_prompts(result.rollouts, want)
-        rows.append(_row(engine, result.name, labels, comparisons, result.notes, result.problem))
-        if scored:
-            prompt_rows.append(_row(engine, f"{result.name}: prompt log-probs (top {prompt_k})", labels, prompts))
+                prompt_rows.append(_row(engine, f"{result.name}: prompt log-probs (top {prompt_k})", labels, prompts))
     return rows + prompt_rows
+
+
+@contextlib.contextmanager
+def layer_postfix(trainer, progress):
+    """Within the block, the bar's postfix names the decoder layer the trainer's forward has reached
+    ("layer 3/4"), so that the bar moves inside a long micro-batch; forward hooks, removed on exit,
+    that read nothing. Nothing without a bar."""
+    layers = list(getattr(getattr(trainer, "model", None), "layers", None) or [])
+    if progress is None or not hasattr(progress, "set_postfix_str") or not layers:
+        yield
+        return
+
+    def hook(index):
+        return lambda module, args, output: progress.set_postfix_str(f"layer {index + 1}/{len(layers)}")
+
+    handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _row(engine, name, labels, comparisons, notes=None, problem=None) -> Row:

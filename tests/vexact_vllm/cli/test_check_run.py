@@ -72,6 +72,18 @@ def test_a_micro_batch_met_again_is_not_computed_again(trainer, monkeypatch):
         assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(fresh, first, again))
 
 
+def test_the_bar_names_the_layer_inside_a_micro_batch(trainer):
+    class PostfixBar(Bar):
+        def set_postfix_str(self, text: str) -> None:
+            self.descriptions.append(text)
+
+    bar = PostfixBar()
+    layers = trainer.model.layers
+    check.score_rows(trainer, [("vexact", CompositionResult("batch", _rollouts(3, 2)))], [0], bar)
+    assert [d for d in bar.descriptions if d.startswith("layer")] == [f"layer {i}/{len(layers)}" for i in range(1, len(layers) + 1)]
+    assert not any(layer._forward_hooks for layer in layers)  # removed
+
+
 def test_no_bisect_shown_when_nothing_is_bisected(trainer):
     rollouts = _rollouts(2, 2)
     result = CompositionResult("batch", rollouts)
