@@ -37,7 +37,7 @@ def run_config(args) -> None:
     from vexact_vllm import MODEL_IMPL
     from vexact_vllm.tiny_model import builtin_model
 
-    path = str(builtin_model(args.model, weights=args.load_format != "dummy"))
+    path = builtin_model(args.model, weights=args.load_format != "dummy")
     impl = {"model_impl": MODEL_IMPL} if args.config == "vexact" else {}
     llm = LLM(path, dtype="bfloat16", load_format=args.load_format, skip_tokenizer_init=True, seed=0,
               max_model_len=args.max_len + 8, **impl, **json.loads(args.engine_kwargs))  # fmt: skip

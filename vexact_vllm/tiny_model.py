@@ -368,12 +368,17 @@ def _write_shape_config(model_type: str, fields: dict, path: Path, special_id: i
     return config
 
 
-def builtin_model(name: str, seed: int = 0, weights: bool = True) -> Path:
-    """The directory of the built-in model `name` (one of BUILTIN_MODELS), built on first use.
+def builtin_model(name: str, seed: int = 0, weights: bool = True) -> str:
+    """The directory of the built-in model `name` (one of BUILTIN_MODELS), built on first use, as a
+    `str`: what `LLM(...)`, `vllm serve` and `from_pretrained` take.
 
     `tiny-<arch>`: build_tiny_model(arch). A shape name (`qwen3-1.7b-shape`): build_qwen3_shape in
     `default_cache_dir() / f"{name}-s{seed}-v1"`, or `f"{name}-config-v1"` without weights.
     """
+    return str(_builtin_model(name, seed, weights))
+
+
+def _builtin_model(name: str, seed: int, weights: bool) -> Path:
     tiny = {f.tiny_name: f.model_type for f in FAMILIES}
     if name in tiny:
         return build_tiny_model(tiny[name], seed=seed)

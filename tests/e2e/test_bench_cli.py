@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from vexact_vllm.cli import bench, bench_report, main
+from vexact_vllm.cli import bench, bench_engine, bench_report, main
 from vexact_vllm.kernels.settings import ENV_VARS
 
 
@@ -191,7 +191,7 @@ def test_timed_passes_fill_the_window(duration, passes):
         calls.append("before")
         clock.now += 100.0
 
-    got = bench.timed_passes(generate, duration, before=before, clock=clock)
+    got = bench_engine.timed_passes(generate, duration, before=before, clock=clock)
     assert got == [(24, 3.0)] * passes
     assert calls == ["before", "generate"] * passes
 

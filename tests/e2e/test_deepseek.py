@@ -71,3 +71,4 @@ class TestAgainstStock:
         assert _compositions(report) == ["prefix-cache"]
         stock = [r for r in report["rows"] if r["engine"] == "stock"]
         assert len(stock) == 1 and stock[0]["tokens"] > 0 and stock[0]["mismatches"] > 0, stock
+        assert stock[0]["composition"].startswith("prefix-cache"), stock  # named after what stock ran

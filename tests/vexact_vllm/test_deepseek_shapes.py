@@ -5,6 +5,7 @@ cache and MoE depend on."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 from transformers import AutoConfig
@@ -35,7 +36,7 @@ def test_the_shapes_are_config_only_builtins():
 def test_shape_config_builds_our_decoder_config(name, tmp_path, monkeypatch):
     arch, scoring, norm, scale, bias, vocab, dense, softmax_scale = EXPECTED[name]
     monkeypatch.setenv("VEXACT_VLLM_CACHE", str(tmp_path))
-    path = builtin_model(name, weights=False)
+    path = Path(builtin_model(name, weights=False))
     assert not (path / "model.safetensors").exists() and (path / "tokenizer.json").is_file()
     hf = AutoConfig.from_pretrained(path)
     assert hf.architectures == [arch] and hf.torch_dtype is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,12 +57,14 @@ def test_qwen3_1_7b_config():
 def test_builtin_1_7b_config_only(tmp_path):
     """Without weights (bench's dummy load format): config, generation config and tokenizer only."""
     path = builtin_model("qwen3-1.7b-shape", weights=False)
+    assert isinstance(path, str)  # what LLM(...) takes: vLLM calls str methods on it
+    path = Path(path)
     assert path == tmp_path / "cache" / "qwen3-1.7b-shape-config-v1"
     assert not (path / "model.safetensors").exists()
     _check_1_7b(AutoConfig.from_pretrained(path))
     tok = AutoTokenizer.from_pretrained(path)
     assert len(tok) < 151936
-    assert builtin_model("qwen3-1.7b-shape", weights=False) == path  # reused
+    assert builtin_model("qwen3-1.7b-shape", weights=False) == str(path)  # reused
 
 
 def test_small_shape_weights_deterministic(tmp_path):
@@ -109,7 +112,7 @@ def test_moe_shape_config_only(tmp_path, monkeypatch):
     from vexact_vllm.model_patches.config import DecoderConfig
 
     monkeypatch.setenv("VEXACT_VLLM_CACHE", str(tmp_path))
-    path = builtin_model("qwen3-30b-a3b-shape", weights=False)
+    path = Path(builtin_model("qwen3-30b-a3b-shape", weights=False))
     assert not (path / "model.safetensors").exists()
     config = DecoderConfig.from_hf(AutoConfig.from_pretrained(path))
     assert (config.moe.num_experts, config.moe.top_k, config.moe.intermediate_size) == (128, 8, 768)

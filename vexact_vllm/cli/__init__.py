@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="generate with vLLM and compare every log-prob with the trainer, bitwise",
-                           description=check_cmd.__doc__, formatter_class=HelpFormatter)  # fmt: skip
+                           description=check_cmd.HELP, formatter_class=HelpFormatter)  # fmt: skip
     check_cmd.add_arguments(check)
     bench = sub.add_parser("bench", help="output tokens/s of stock vLLM, stock batch-invariant and vexact",
                            formatter_class=HelpFormatter)  # fmt: skip

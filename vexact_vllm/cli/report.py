@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from .score import Comparison
+from .records import Comparison
 
 
 @dataclass

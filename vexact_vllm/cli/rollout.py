@@ -26,19 +26,7 @@ from dataclasses import dataclass, field
 
 from vexact_vllm import MODEL_IMPL
 
-
-@dataclass
-class Rollout:
-    """One request's result: prompt and sampled tokens, vLLM's log-prob of each sampled token, and
-    the temperature the request asked for (the trainer scores at the same one)."""
-
-    prompt_ids: list[int]
-    output_ids: list[int]
-    logprobs: list[float]
-    temperature: float = 1.0
-    # Prompt positions 1..P-1: vLLM's (token id, log-prob, rank) entries (cli/prompt_scores.py), or
-    # None when the request did not ask for prompt log-probs.
-    prompt_logprobs: list[list[tuple[int, float, int]]] | None = None
+from .records import Rollout, entries_of
 
 
 @dataclass
@@ -155,8 +143,6 @@ def generate(
 ) -> list[Rollout]:
     """Submit `requests`, (prompt ids, seed index) each, in one call; results in the same order.
     `score_prompts`: per request, whether it asks for prompt log-probs (when the settings do; default all)."""
-    from .prompt_scores import entries_of
-
     prompts = [{"prompt_token_ids": ids} for ids, _ in requests]
     score_prompts = score_prompts or [True] * len(requests)
     params = [sampling_params(settings, index, score) for (_, index), score in zip(requests, score_prompts)]

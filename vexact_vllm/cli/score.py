@@ -7,11 +7,11 @@ several sizes, log-probs from `packed_log_probs` (the fused lm_head + log-prob f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
-from .rollout import Rollout
+from .records import Comparison, Mismatch, Rollout
 
 
 def trainer_device() -> torch.device:
@@ -34,48 +34,46 @@ def load_trainer(model_path: str, dtype: torch.dtype, device: torch.device | Non
 
 @torch.no_grad()
 def trainer_log_probs(
-    model, rollouts: list[Rollout], micro_batch: int, temperature: float | None = None
+    model,
+    rollouts: list[Rollout],
+    micro_batch: int,
+    temperature: float | None = None,
+    *,
+    scored: dict | None = None,
+    tick: Callable[[], object] | None = None,
 ) -> list[torch.Tensor]:
     """Per rollout, fp32 log-probs of its generated tokens, scored in packed micro-batches at the
     temperature the rollout asked for, or at `temperature` for all when given (the one log-prob
-    function applies the effective temperature: greedy scores at 1)."""
+    function applies the effective temperature: greedy scores at 1).
+
+    `scored`: a dict kept across calls, micro-batch -> its log-probs, so that a micro-batch met again
+    (the same sequences in the same order at the same temperatures: another composition that sampled
+    the same tokens) takes the log-probs the trainer computed for it, the same bits, instead of running
+    the forward again. `tick()`: called after every micro-batch (a progress bar)."""
     from vexact_vllm.model_patches import PackedBatch
 
     size = micro_batch if micro_batch > 0 else len(rollouts)
     out: list[torch.Tensor] = []
     for lo in range(0, len(rollouts), size):
         chunk = rollouts[lo : lo + size]
-        device = model.lm_head.weight.device
-        batch = PackedBatch.from_sequences([r.prompt_ids + r.output_ids for r in chunk], device=device)
+        sequences = [r.prompt_ids + r.output_ids for r in chunk]
         taus = [r.temperature if temperature is None else temperature for r in chunk]
-        tau = torch.cat([torch.full((len(r.prompt_ids) + len(r.output_ids),), t) for r, t in zip(chunk, taus)])  # [T]
-        logp = model.packed_log_probs(batch, tau.to(device)).cpu()  # [T]; row t scores token t+1
-        for r, start in zip(chunk, batch.cu_seqlens[:-1].tolist()):
+        key = (tuple(map(tuple, sequences)), tuple(taus))
+        starts = torch.tensor([0] + [len(s) for s in sequences]).cumsum(0)[:-1].tolist()
+        logp = None if scored is None else scored.get(key)
+        if logp is None:
+            device = model.lm_head.weight.device
+            batch = PackedBatch.from_sequences(sequences, device=device)
+            tau = torch.cat([torch.full((len(seq),), t) for seq, t in zip(sequences, taus)])  # [T]
+            logp = model.packed_log_probs(batch, tau.to(device)).cpu()  # [T]; row t scores token t+1
+            if scored is not None:
+                scored[key] = logp
+        for r, start in zip(chunk, starts):
             first = start + len(r.prompt_ids) - 1  # row that predicts the first generated token
             out.append(logp[first : first + len(r.output_ids)].clone())
+        if tick is not None:
+            tick()
     return out
-
-
-@dataclass
-class Mismatch:
-    request: int
-    position: int  # index of the token in its sequence, the prompt counted
-    vllm: float
-    trainer: float
-    output_index: int = 0  # index of the token among the generated ones (position - prompt length)
-
-    def describe(self) -> str:
-        return (f"request {self.request}, generated token {self.output_index} (position {self.position} "
-                f"counting the prompt): vLLM {self.vllm!r} trainer {self.trainer!r}")  # fmt: skip
-
-
-@dataclass
-class Comparison:
-    tokens: int
-    mismatches: int
-    max_abs_diff: float
-    first: Mismatch | None
-    per_position: list[tuple[int, float]]  # (position in output, |diff|) for every token, for plots
 
 
 def compare(rollouts: list[Rollout], trainer: list[torch.Tensor]) -> Comparison:

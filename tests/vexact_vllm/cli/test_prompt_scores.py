@@ -9,14 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vexact_vllm.cli.prompt_scores import (
-    compare_prompts,
-    entries_of,
-    expected_entries,
-    trainer_prompt_entries,
-)
+from vexact_vllm.cli.prompt_scores import compare_prompts, expected_entries, trainer_prompt_entries
+from vexact_vllm.cli.records import Rollout, entries_of
 from vexact_vllm.cli.report import verdict
-from vexact_vllm.cli.rollout import Rollout
 
 
 @pytest.mark.vllm
