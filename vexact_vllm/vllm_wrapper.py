@@ -127,12 +127,14 @@ def _full_cuda_graphs(vllm_config: VllmConfig) -> None:
 
 
 def _no_cpu_compilation(vllm_config: VllmConfig) -> None:
-    """On CPU, compilation mode NONE: nothing here is compiled, and the CPU worker then skips its
-    compile warm-up when the KV cache size is given (see above)."""
+    """On CPU without pipeline stages, compilation mode NONE: nothing here is compiled, and the CPU
+    worker then skips its compile warm-up when the KV cache size is given (see above). A later
+    pipeline stage needs that warm-up: its dummy run allocates the buffer the previous stage's
+    hidden states arrive in (`intermediate_tensors`), without which its first step fails."""
     from vllm.config import CompilationMode
     from vllm.platforms import current_platform
 
-    if current_platform.is_cpu():
+    if current_platform.is_cpu() and vllm_config.parallel_config.pipeline_parallel_size == 1:
         vllm_config.compilation_config.mode = CompilationMode.NONE
 
 
