@@ -60,6 +60,6 @@ CONFIG_ONLY_SHAPES = {  # name: (model_type, fields)
     "moonlight-16b-a3b-shape": ("deepseek_v3", MOONLIGHT_16B_A3B_SHAPE),
     "deepseek-v2-lite-shape": ("deepseek_v2", DEEPSEEK_V2_LITE_SHAPE),
 }
-BUILTIN_MODELS = (*(f.tiny_name for f in FAMILIES), *SHAPES, *CONFIG_ONLY_SHAPES)
+BUILTIN_MODELS = (*(f.tiny_name for f in FAMILIES if f.tiny is not None), *SHAPES, *CONFIG_ONLY_SHAPES)
 # The built-in models that have weights (what `vexact-vllm check` can run): all but the config-only shapes.
 MODELS_WITH_WEIGHTS = tuple(name for name in BUILTIN_MODELS if name not in CONFIG_ONLY_SHAPES)

@@ -53,7 +53,7 @@ from vexact_vllm.kernels.settings import get_settings
 from vexact_vllm.model_patches.families import BY_MODEL_TYPE, FAMILIES
 from vexact_vllm.model_shapes import BUILTIN_MODELS, CONFIG_ONLY_SHAPES, SHAPES
 
-TINY_ARCHS = tuple(f.model_type for f in FAMILIES)  # one built-in tiny checkpoint per family
+TINY_ARCHS = tuple(f.model_type for f in FAMILIES if f.tiny is not None)  # the built-in tiny checkpoints
 CACHE_VERSION = "v1"  # bump when the tokenizer, configs or weights change
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")
@@ -379,7 +379,7 @@ def builtin_model(name: str, seed: int = 0, weights: bool = True) -> str:
 
 
 def _builtin_model(name: str, seed: int, weights: bool) -> Path:
-    tiny = {f.tiny_name: f.model_type for f in FAMILIES}
+    tiny = {f.tiny_name: f.model_type for f in FAMILIES if f.tiny is not None}
     if name in tiny:
         return build_tiny_model(tiny[name], seed=seed)
     if name in CONFIG_ONLY_SHAPES:
