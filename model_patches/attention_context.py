@@ -1,11 +1,14 @@
 """Attention contexts: the one thing that differs between training and inference.
 
 The shared model calls `ctx.attend(layer_idx, q, k, v, scale)`; the context decides where keys and
-values come from. A recurrent (state) layer, Gated DeltaNet, calls `ctx.sequences(layer_idx)` instead:
-the step's sequences and, at inference, the layer's cached states (gated_delta.py uses them). `PackedAttention` (training) reads them from the packed batch described by
+values come from. `PackedAttention` (training) reads them from the packed batch described by
 `cu_seqlens`; the vLLM side (`vexact_vllm.attention`) writes them to the paged KV cache first and
 reads them back from there. Both end in the same position-anchored kernel core, so a query at
 absolute position p reduces over the same key tiles in the same order on both sides.
+
+A recurrent (state) layer, Gated DeltaNet, calls `ctx.sequences(layer_idx, ...)` instead: the call's
+sequences (`Sequences`) and, at inference, the layer's cached states (gated_delta.py uses them;
+vexact_vllm/state_cache.py provides them).
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ class AttentionContext(Protocol):
         ...
 
 
-    def sequences(self, layer_idx: int) -> Sequences:
-        """The step's sequences for state layer `layer_idx` (and its cached states at inference)."""
+    def sequences(self, layer_idx: int, num_rows: int, device: torch.device) -> Sequences:
+        """The call's sequences for state layer `layer_idx`, whose input has `num_rows` rows on `device`
+        (and, at inference, the layer's cached states)."""
         ...
 
 
@@ -59,7 +63,7 @@ class PackedAttention:
     def attend(self, layer_idx, q, k, v, scale):
         return varlen_attention(q, k, v, self.cu_seqlens, scale)
 
-    def sequences(self, layer_idx):
+    def sequences(self, layer_idx, num_rows, device):
         return Sequences(self.cu_seqlens)
 
 

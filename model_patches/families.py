@@ -33,10 +33,16 @@ class Family:
     veomni: bool = True  # VeOmni's modeling registry has this model type (its builds become ours)
     short_name: str = ""  # the built-in's name in place of the model type (`tiny-qwen3.5`)
     text_config: bool = False  # a vision-language config: the decoder is read from its text_config (text only)
+    hybrid: bool = False  # Gated DeltaNet layers beside attention: vLLM's hybrid cache (VllmVexactHybridForCausalLM)
 
     @property
     def vllm_name(self) -> str:
         return f"VllmVexact{self.architecture}"
+
+    @property
+    def vllm_class(self) -> str:
+        """The plugin's vLLM class serving the family (vexact_vllm/vllm_wrapper.py)."""
+        return "VllmVexactHybridForCausalLM" if self.hybrid else "VllmVexactForCausalLM"
 
     @property
     def training_name(self) -> str:
@@ -120,18 +126,18 @@ FAMILIES: tuple[Family, ...] = (
     # expert (one dense layer in the tiny, through mlp_only_layers).
     Family("qwen3_next", "Qwen3NextForCausalLM", "Qwen3NextConfig", "qwen3_next", "Qwen3NextDecoder",
            {**_HYBRID, **_HYBRID_MOE, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [1]},
-           veomni=False),
+           veomni=False, hybrid=True),
     # Qwen3.5 (dense) and Qwen3.5-MoE: the text models, and the language models of the vision-language
     # checkpoints Qwen publishes (served text only; no built-in of their own).
     Family("qwen3_5_text", "Qwen3_5ForCausalLM", "Qwen3_5TextConfig", "qwen3_5", "Qwen3_5Decoder", dict(_HYBRID),
-           veomni=False, short_name="qwen3.5"),
+           veomni=False, short_name="qwen3.5", hybrid=True),
     Family("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", "qwen3_5", "Qwen3_5Decoder",
            {k: v for k, v in {**_HYBRID, **_HYBRID_MOE}.items() if k != "intermediate_size"}, veomni=False,
-           short_name="qwen3.5-moe"),
+           short_name="qwen3.5-moe", hybrid=True),
     Family("qwen3_5", "Qwen3_5ForConditionalGeneration", "Qwen3_5Config", "qwen3_5", "Qwen3_5Decoder", None,
-           veomni=False, text_config=True),
+           veomni=False, text_config=True, hybrid=True),
     Family("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeConfig", "qwen3_5", "Qwen3_5Decoder",
-           None, veomni=False, text_config=True),
+           None, veomni=False, text_config=True, hybrid=True),
 )  # fmt: skip
 
 BY_MODEL_TYPE: dict[str, Family] = {f.model_type: f for f in FAMILIES}

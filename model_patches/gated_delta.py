@@ -34,6 +34,8 @@ row times the weight once and multiplies by silu(z) in fp32 (transformers rounds
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -92,8 +94,8 @@ class GatedDeltaNet(nn.Module):
         raise NotImplementedError
 
     def forward(self, x, positions, rope: RotaryCache, attn: AttentionContext):
-        seqs = attn.sequences(self.layer_idx)
         t = x.shape[0]
+        seqs = attn.sequences(self.layer_idx, t, x.device)
         n = t if seqs.num_tokens is None else seqs.num_tokens
         qkv, z, b, a = self.project(x[:n])
         o = self.mix(qkv, a.contiguous(), b.contiguous(), seqs)  # [n, HV, DV]
@@ -107,18 +109,39 @@ class GatedDeltaNet(nn.Module):
     def mix(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seqs: Sequences) -> torch.Tensor:
         """The conv and the recurrence over the call's sequences, from zero (training) or from each
         sequence's cached state, which is then updated (inference): o [n, HV, DV]."""
-        lin, n = self.linear, qkv.shape[0]
-        cached = seqs.states is not None
-        state = (seqs.states[0], seqs.slots, seqs.has_state) if cached else ()
-        qkv = causal_conv1d(qkv, self.conv1d.taps(), None, seqs.cu_seqlens, *state)  # [n, C]
-        q, k, v = qkv.split(self.splits, dim=-1)
-        q = q.view(n, lin.num_k_heads, lin.head_k_dim)
-        k = k.view(n, lin.num_k_heads, lin.head_k_dim)
-        v = v.view(n, lin.num_v_heads, lin.head_v_dim)
-        if not cached:
+        if seqs.states is None:
+            qkv = causal_conv1d(qkv, self.conv1d.taps(), None, seqs.cu_seqlens)  # [n, C]
+            q, k, v = self._heads(qkv)
             return gated_delta_rule(q, k, v, a, b, self.A_log, self.dt_bias, seqs.cu_seqlens)[0]
-        return gated_delta_rule_cached(q, k, v, a, b, self.A_log, self.dt_bias, seqs.cu_seqlens, seqs.states[1],
-                                       seqs.slots, seqs.has_state)  # fmt: skip
+        with _contiguous_slots(seqs.states, seqs.slots) as (conv, ssm, slots):
+            qkv = causal_conv1d(qkv, self.conv1d.taps(), None, seqs.cu_seqlens, conv, slots, seqs.has_state)
+            q, k, v = self._heads(qkv)
+            return gated_delta_rule_cached(q, k, v, a, b, self.A_log, self.dt_bias, seqs.cu_seqlens, ssm, slots,
+                                           seqs.has_state)  # fmt: skip
+
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [n, HK, DK], k [n, HK, DK], v [n, HV, DV]: views of the conv's output channels."""
+        lin, n = self.linear, qkv.shape[0]
+        q, k, v = qkv.split(self.splits, dim=-1)
+        return (q.view(n, lin.num_k_heads, lin.head_k_dim), k.view(n, lin.num_k_heads, lin.head_k_dim),
+                v.view(n, lin.num_v_heads, lin.head_v_dim))  # fmt: skip
+
+
+@contextmanager
+def _contiguous_slots(states: tuple[torch.Tensor, ...], slots: torch.Tensor):
+    """(conv, ssm, slots) the kernels take: the cache tensors themselves where contiguous, else (vLLM's
+    hybrid cache lays each slot's states out in one page, so a state tensor strides over the pages) a
+    contiguous copy of the call's slots, slots 0..N-1, written back after the call. Copies move bits:
+    exact either way; the copy costs a read and a write of each sequence's states per layer and step."""
+    conv, ssm = states
+    if conv.is_contiguous() and ssm.is_contiguous():
+        yield conv, ssm, slots
+        return
+    idx = slots.long()
+    conv_rows, ssm_rows = conv[idx], ssm[idx]  # [N, W - 1, C], [N, HV, DV, DK], contiguous copies
+    yield conv_rows, ssm_rows, torch.arange(idx.shape[0], dtype=slots.dtype, device=slots.device)
+    conv[idx] = conv_rows
+    ssm[idx] = ssm_rows
 
 
 def init_weights(module: GatedDeltaNet, std: float) -> None:
