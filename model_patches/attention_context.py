@@ -5,10 +5,15 @@ values come from. `PackedAttention` (training) reads them from the packed batch 
 `cu_seqlens`; the vLLM side (`vexact_vllm.attention`) writes them to the paged KV cache first and
 reads them back from there. Both end in the same position-anchored kernel core, so a query at
 absolute position p reduces over the same key tiles in the same order on both sides.
+
+A recurrent (state) layer, Gated DeltaNet, calls `ctx.sequences(layer_idx, ...)` instead: the call's
+sequences (`Sequences`) and, at inference, the layer's cached states (gated_delta.py uses them;
+vexact_vllm/state_cache.py provides them).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -24,6 +29,29 @@ class AttentionContext(Protocol):
         ...
 
 
+    def sequences(self, layer_idx: int, num_rows: int, device: torch.device) -> Sequences:
+        """The call's sequences for state layer `layer_idx`, whose input has `num_rows` rows on `device`
+        (and, at inference, the layer's cached states)."""
+        ...
+
+
+@dataclass
+class Sequences:
+    """What a state layer (Gated DeltaNet) gets from its context. N = sequences of the call, T = rows.
+
+    Training: every sequence starts at position 0, `states` is None. Inference: each sequence continues
+    from the state in its cache slot (`has_state`; False: it starts in this call), the layer's state
+    tensors `states` (their layout is the layer's: gated_delta.py) are read and updated in place, and
+    `context_lens` says how many of its tokens the state already holds."""
+
+    cu_seqlens: torch.Tensor  # int32 [N + 1]: sequence b's rows are cu_seqlens[b]:cu_seqlens[b + 1]
+    num_tokens: int | None = None  # rows that are tokens (None: all); rows past them (padding) get zeros
+    states: tuple[torch.Tensor, ...] | None = None  # this layer's cache, [slots, ...] each
+    slots: torch.Tensor | None = None  # int32 [N]: each sequence's cache slot
+    has_state: torch.Tensor | None = None  # bool [N]: the slot holds the sequence's earlier tokens
+    context_lens: torch.Tensor | None = None  # int32 [N]: tokens of the sequence before this call
+
+
 class PackedAttention:
     """Training: sequences packed back to back; sequence b holds rows cu_seqlens[b]:cu_seqlens[b+1]."""
 
@@ -34,6 +62,9 @@ class PackedAttention:
 
     def attend(self, layer_idx, q, k, v, scale):
         return varlen_attention(q, k, v, self.cu_seqlens, scale)
+
+    def sequences(self, layer_idx, num_rows, device):
+        return Sequences(self.cu_seqlens)
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:

@@ -90,6 +90,36 @@ class MlaConfig:
             raise UnsupportedModelError(f"q_lora_rank must be positive or null, got {self.q_lora_rank}")
 
 
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet (Qwen3-Next, Qwen3.5): the linear-attention layers' sizes and which layers they are.
+    The other layers are gated full attention (model_patches/gated_delta.py, hybrid.py)."""
+
+    layers: tuple[int, ...]  # the Gated DeltaNet layers (layer_types "linear_attention")
+    num_k_heads: int  # linear_num_key_heads
+    num_v_heads: int  # linear_num_value_heads (a multiple of num_k_heads)
+    head_k_dim: int  # linear_key_head_dim
+    head_v_dim: int  # linear_value_head_dim
+    conv_kernel: int  # linear_conv_kernel_dim: the causal conv's width W
+
+    def __post_init__(self):
+        for name in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim"):
+            if getattr(self, name) < 1:
+                raise UnsupportedModelError(f"linear-attention {name} must be positive, got {getattr(self, name)}")
+        if self.num_v_heads % self.num_k_heads:
+            raise UnsupportedModelError(
+                f"linear_num_value_heads ({self.num_v_heads}) must be a multiple of linear_num_key_heads "
+                f"({self.num_k_heads})"
+            )
+        if self.conv_kernel < 2:
+            raise UnsupportedModelError(f"linear_conv_kernel_dim must be at least 2, got {self.conv_kernel}")
+
+    @property
+    def conv_dim(self) -> int:
+        """C: the conv's channels, q | k | v = 2 HK DK + HV DV."""
+        return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+
+
 @dataclass
 class DecoderConfig:
     model_type: str  # a row of the family table (families.py): picks the model definition
@@ -113,6 +143,8 @@ class DecoderConfig:
     moe: MoeConfig | None = None  # the experts of an MoE family; None for dense families
     mla: MlaConfig | None = None  # DeepSeek's latent attention; head_dim is then its q/k head size
     softmax_scale: float | None = None  # the attention's scale; None: head_dim ** -0.5
+    partial_rotary_factor: float = 1.0  # the rotated share of each head's dims (hybrid families: 0.25)
+    linear: LinearAttentionConfig | None = None  # Gated DeltaNet layers of a hybrid family; None elsewhere
     extra: dict[str, Any] = field(default_factory=dict)  # informational only
 
     def __post_init__(self):
@@ -132,11 +164,24 @@ class DecoderConfig:
             )
         if self.mla is not None and self.head_dim != self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim:
             raise UnsupportedModelError("an MLA decoder's head_dim is qk_nope_head_dim + qk_rope_head_dim")
+        if self.partial_rotary_factor != 1.0 and self.linear is None:
+            raise UnsupportedModelError(
+                f"partial_rotary_factor={self.partial_rotary_factor} is supported by vexact-vllm for the hybrid "
+                "families (Qwen3-Next, Qwen3.5) only; use a checkpoint that rotates whole heads"
+            )
+        rotary = int(self.head_dim * self.partial_rotary_factor)
+        if not 0 < rotary <= self.head_dim or rotary % 2:
+            raise UnsupportedModelError(
+                f"partial_rotary_factor={self.partial_rotary_factor} of head_dim {self.head_dim} rotates {rotary} "
+                "dims; it must be an even number in (0, head_dim]"
+            )
 
     @property
     def rotary_dim(self) -> int:
-        """The dims each head's rotation covers: MLA's qk_rope_head_dim, else head_dim."""
-        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+        """The dims each head's rotation covers: MLA's qk_rope_head_dim, else int(head_dim * partial_rotary_factor)."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def attention_scale(self) -> float:
@@ -150,19 +195,24 @@ class DecoderConfig:
     @classmethod
     def from_hf(cls, hf_config) -> DecoderConfig:
         """Read a transformers config of a supported family; the family file reads its own part
-        (biases, q/k norm, experts: `decoder_fields`)."""
+        (biases, q/k norm, experts: `decoder_fields`). A vision-language checkpoint's config (Qwen3.5's
+        `Qwen3_5ForConditionalGeneration`) is read through its text config: the decoder is its language
+        model, under the family of the checkpoint's model_type."""
         model_type = getattr(hf_config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(_unsupported_type_message(model_type))
+        if BY_MODEL_TYPE[model_type].text_config:
+            hf_config = hf_config.get_text_config()
         _refuse_unsupported_features(hf_config)
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         rope = _rope_parameters(hf_config)
+        partial_rotary_factor = float(rope.pop("partial_rotary_factor", 1.0))
         fields = dict(
             model_type=model_type,
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
-            intermediate_size=hf_config.intermediate_size,
+            intermediate_size=getattr(hf_config, "intermediate_size", None) or 0,  # 0: no dense MLP (Qwen3.5-MoE)
             num_layers=hf_config.num_hidden_layers,
             num_heads=num_heads,
             num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
@@ -172,6 +222,7 @@ class DecoderConfig:
             rope_theta=float(rope.get("rope_theta", 10000.0)),
             rope_scaling=None if rope.get("rope_type", "default") == "default" else rope,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            partial_rotary_factor=partial_rotary_factor,
         )
         fields.update(BY_MODEL_TYPE[model_type].load().decoder_fields(hf_config))  # a family may set head_dim
         return cls(**fields)
@@ -196,8 +247,9 @@ def _rope_parameters(hf_config) -> dict[str, Any]:
     if "type" in rope and "rope_type" not in rope:
         rope["rope_type"] = rope.pop("type")
     rope.setdefault("rope_type", "default")
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise UnsupportedModelError("partial_rotary_factor != 1 is not supported by vexact-vllm")
+    factor = getattr(hf_config, "partial_rotary_factor", None)
+    if factor is not None:
+        rope.setdefault("partial_rotary_factor", factor)
     return rope
 
 

@@ -28,21 +28,32 @@ class Family:
     config_class: str  # the transformers config class (a name in `transformers`)
     module: str  # the family file, model_patches/models/<module>.py: its decoder_fields(hf_config)
     decoder_name: str  # the decoder class in the family file (a subclass of layers.Decoder)
-    tiny: dict = field(default_factory=dict)  # config fields of the built-in `tiny-<tiny_name>` checkpoint
+    tiny: dict | None = field(default_factory=dict)  # config fields of the built-in tiny checkpoint; None: none
     tiny_suffix: str = ""  # appended to the built-in's name (`tiny-deepseek-v2-lite`: V2-Lite's shape)
     veomni: bool = True  # VeOmni's modeling registry has this model type (its builds become ours)
+    short_name: str = ""  # the built-in's name in place of the model type (`tiny-qwen3.5`)
+    text_config: bool = False  # a vision-language config: the decoder is read from its text_config (text only)
+    hybrid: bool = False  # Gated DeltaNet layers beside attention: vLLM's hybrid cache (VllmVexactHybridForCausalLM)
 
     @property
     def vllm_name(self) -> str:
         return f"VllmVexact{self.architecture}"
 
     @property
+    def vllm_class(self) -> str:
+        """The plugin's vLLM class serving the family (vexact_vllm/vllm_wrapper.py)."""
+        return "VllmVexactHybridForCausalLM" if self.hybrid else "VllmVexactForCausalLM"
+
+    @property
     def training_name(self) -> str:
         return f"Vexact{self.architecture}"
 
     @property
-    def tiny_name(self) -> str:
-        return "tiny-" + self.model_type.replace("_", "-") + self.tiny_suffix
+    def tiny_name(self) -> str | None:
+        """The built-in tiny checkpoint's name, None for a row without one."""
+        if self.tiny is None:
+            return None
+        return "tiny-" + (self.short_name or self.model_type.replace("_", "-")) + self.tiny_suffix
 
     def load(self):
         """The family file (its decoder class and `decoder_fields(hf_config)`)."""
@@ -74,6 +85,17 @@ _DEEPSEEK = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, nu
 _DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 512,
                   "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
 
+# Qwen3-Next / Qwen3.5's hybrid decoder at the tiny size: Gated DeltaNet and gated full attention
+# alternating (two of each), heads of 64 of which 16 rotate, 2 key and 4 value heads of 32 in the
+# Gated DeltaNet layers (two value heads per key head, as the real models' 16 / 32), conv width 4.
+_HYBRID = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, rms_norm_eps=1e-6,
+               tie_word_embeddings=False, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+               linear_value_head_dim=32, linear_conv_kernel_dim=4,
+               layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+               rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})  # fmt: skip
+_HYBRID_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64)
+
 FAMILIES: tuple[Family, ...] = (
     Family("qwen3", "Qwen3ForCausalLM", "Qwen3Config", "qwen3", "Qwen3Decoder",
            {**_TINY, "head_dim": 32, "tie_word_embeddings": True, "rope_parameters": _ROPE}),
@@ -100,6 +122,22 @@ FAMILIES: tuple[Family, ...] = (
             "n_group": 1, "topk_group": 1, "topk_method": "greedy", "scoring_func": "softmax", "norm_topk_prob": False, "routed_scaling_factor": 1.0,
             "rope_parameters": {**_DEEPSEEK_YARN, "mscale": 0.707, "mscale_all_dim": 0.707}},
            tiny_suffix="-lite", veomni=False),
+    # Qwen3-Next: the hybrid decoder with fused Gated DeltaNet projections, the MoE with a gated shared
+    # expert (one dense layer in the tiny, through mlp_only_layers).
+    Family("qwen3_next", "Qwen3NextForCausalLM", "Qwen3NextConfig", "qwen3_next", "Qwen3NextDecoder",
+           {**_HYBRID, **_HYBRID_MOE, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [1]},
+           veomni=False, hybrid=True),
+    # Qwen3.5 (dense) and Qwen3.5-MoE: the text models, and the language models of the vision-language
+    # checkpoints Qwen publishes (served text only; no built-in of their own).
+    Family("qwen3_5_text", "Qwen3_5ForCausalLM", "Qwen3_5TextConfig", "qwen3_5", "Qwen3_5Decoder", dict(_HYBRID),
+           veomni=False, short_name="qwen3.5", hybrid=True),
+    Family("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", "qwen3_5", "Qwen3_5Decoder",
+           {k: v for k, v in {**_HYBRID, **_HYBRID_MOE}.items() if k != "intermediate_size"}, veomni=False,
+           short_name="qwen3.5-moe", hybrid=True),
+    Family("qwen3_5", "Qwen3_5ForConditionalGeneration", "Qwen3_5Config", "qwen3_5", "Qwen3_5Decoder", None,
+           veomni=False, text_config=True, hybrid=True),
+    Family("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeConfig", "qwen3_5", "Qwen3_5Decoder",
+           None, veomni=False, text_config=True, hybrid=True),
 )  # fmt: skip
 
 BY_MODEL_TYPE: dict[str, Family] = {f.model_type: f for f in FAMILIES}

@@ -210,12 +210,38 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
+    def scale(self) -> torch.Tensor:
+        """What the normalised row is multiplied by: the weight itself."""
+        return self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.scale(), self.eps)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual), the residual stream kept in the model dtype."""
-        return add_rms_norm(x, residual, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.scale(), self.eps)
+
+
+class ZeroCentredRMSNorm(RMSNorm):
+    """Qwen3-Next's and Qwen3.5's RMSNorm: the weight is stored centred on 0 (initialised to zeros) and
+    the row is multiplied by fp32(1 + fp32(weight)), transformers' `output * (1.0 + self.weight.float())`.
+    The 1 + w is an exact-per-element fp32 add formed on every call, so a weight written in place (verl's
+    sync) is seen at once, and the gradient reaches the weight through it."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__(size, eps)
+        nn.init.zeros_(self.weight)
+
+    def scale(self) -> torch.Tensor:
+        return 1.0 + self.weight.float()  # [H] fp32
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(gate), elementwise in fp32, rounded once to x's dtype; sigmoid as 1 / (1 + exp(-g)),
+    built from `exp` and a division like every kernel here (torch.sigmoid's CPU tail loop rounds
+    differently from its vector body). Qwen3-Next's / Qwen3.5's attention output gate and the
+    shared expert's gate. Elementwise: a row's bits do not depend on the batch."""
+    return (x.float() / (1.0 + torch.exp(-gate.float()))).to(x.dtype)
 
 
 class Embedding(nn.Module):
@@ -340,19 +366,28 @@ class DecoderLayer(nn.Module):
         mlp: nn.Module,
         tp: TensorParallel | None = None,
         attention: nn.Module | None = None,
+        norm: type[RMSNorm] = RMSNorm,
+        mixer_name: str = "self_attn",
     ):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = attention if attention is not None else SelfAttention(config, layer_idx, tp)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+        # The token mixer under its Hugging Face name: `self_attn`, or `linear_attn` (Gated DeltaNet).
+        self.mixer_name = mixer_name
+        setattr(self, mixer_name, attention if attention is not None else SelfAttention(config, layer_idx, tp))
+        self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
+
+    @property
+    def mixer(self) -> nn.Module:
+        """The token mixer (attention or linear attention)."""
+        return getattr(self, self.mixer_name)
 
     def forward(self, x, residual, positions, rope: RotaryCache, attn: AttentionContext):
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add(x, residual)
-        h = self.self_attn(h, positions, rope, attn)
+        h = self.mixer(h, positions, rope, attn)
         h, residual = self.post_attention_layernorm.add(h, residual)
         return self.mlp(h), residual
 
@@ -376,12 +411,17 @@ class Decoder(nn.Module):
             stage.has_embedding(config.tie_word_embeddings),
             lambda: Embedding(config.vocab_size, config.hidden_size),
         )
-        self.layers = stage_layers(
-            stage, config.num_layers,
-            lambda i: DecoderLayer(config, i, self.mlp(config, i), tp, self.attention(config, i)),
-        )
-        self.norm = placed(stage.is_last, lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
+        self.layers = stage_layers(stage, config.num_layers, lambda i: self.layer(config, i))
+        self.norm = placed(stage.is_last, lambda: self.norm_class(config.hidden_size, config.rms_norm_eps))
         self.rotary = RotaryCache(config)
+
+    # The hidden-state norms' class (each layer's two and the final one): zero-centred in Qwen3-Next / Qwen3.5.
+    norm_class: type[RMSNorm] = RMSNorm
+
+    def layer(self, config: DecoderConfig, layer_idx: int) -> DecoderLayer:
+        """Layer `layer_idx`: its token mixer (`attention`), feed-forward block (`mlp`) and norms."""
+        return DecoderLayer(config, layer_idx, self.mlp(config, layer_idx), self.tp, self.attention(config, layer_idx),
+                            self.norm_class)  # fmt: skip
 
     def mlp(self, config: DecoderConfig, layer_idx: int) -> nn.Module:
         """Layer `layer_idx`'s feed-forward block: the dense SwiGLU MLP unless a family says otherwise."""

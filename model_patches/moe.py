@@ -48,7 +48,7 @@ from vexact_vllm.kernels.moe.experts import fused_moe, fused_moe_sharded
 from vexact_vllm.kernels.moe.routing import route, route_grouped
 
 from .config import DecoderConfig, UnsupportedModelError
-from .layers import MLP
+from .layers import MLP, Linear, sigmoid_gate
 from .tensor_parallel import TensorParallel, mark_shard
 
 
@@ -200,3 +200,28 @@ def check_expert_tensors(names: set[str], config: DecoderConfig) -> None:
                         f"the checkpoint has no {name}: expert {expert} of layer {layer} is missing its "
                         f"{part} (config.json says {config.moe.num_experts} experts); the checkpoint is incomplete"
                     )
+
+
+class GatedSharedExpertMoeBlock(nn.Module):
+    """Qwen3-Next's and Qwen3.5-MoE's MoE block: the softmax router and routed experts of `SparseMoeBlock`
+    plus one shared expert (`mlp.shared_expert`, a SwiGLU MLP of shared_intermediate_size) whose output
+    is scaled by a per-token sigmoid gate (`mlp.shared_expert_gate.weight` [1, H]):
+        out = fused_moe(x, ...) + sigmoid(shared_expert_gate(x)) * shared_expert(x)
+    the gate logit rounded to the model dtype (transformers' Linear), the product in fp32 rounded once
+    (layers.sigmoid_gate; transformers rounds the sigmoid first), then one add in the model dtype in
+    transformers' order (routed + shared). Tensor parallelism is refused by the hybrid layers."""
+
+    def __init__(self, config: DecoderConfig, tp: TensorParallel | None = None):
+        super().__init__()
+        moe = config.moe
+        self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
+        self.gate = Router(moe.num_experts, config.hidden_size)
+        self.experts = Experts(moe.num_experts, config.hidden_size, moe.intermediate_size)
+        self.shared_expert = MLP(config, None, moe.shared_intermediate_size)
+        self.shared_expert_gate = Linear(config.hidden_size, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)  # [T, k] fp32, [T, k] int64
+        routed = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights)  # [T, H]
+        shared = sigmoid_gate(self.shared_expert(x), self.shared_expert_gate(x))  # [T, H] * [T, 1]
+        return routed + shared

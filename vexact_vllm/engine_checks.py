@@ -132,6 +132,8 @@ def refuse_unsupported_engine(vllm_config) -> None:
 
         pipeline_stages(config.num_layers, parallel.pipeline_parallel_size, get_pp_indices)
     check_tensor_parallel(config.num_heads, config.num_kv_heads, parallel.tensor_parallel_size)
+    if config.linear is not None:
+        refuse_unsupported_state_cache(vllm_config, parallel.tensor_parallel_size)
     if getattr(parallel, "enable_expert_parallel", False):
         raise UnsupportedModelError(
             "expert parallelism is not supported yet with --model-impl vexact (each rank would hold other "
@@ -151,6 +153,33 @@ def refuse_unsupported_engine(vllm_config) -> None:
             "LoRA is not supported with --model-impl vexact; merge the adapter into the checkpoint and "
             "serve it without --enable-lora"
         )
+
+
+def refuse_unsupported_state_cache(vllm_config, tensor_parallel_size: int) -> None:
+    """A hybrid model's (Gated DeltaNet layers: Qwen3-Next, Qwen3.5) engine options: prefix caching and
+    tensor parallelism are refused, and the state caches' dtypes are the model's (state_cache.py)."""
+    cache = vllm_config.cache_config
+    if cache.enable_prefix_caching:
+        raise UnsupportedModelError(
+            "prefix caching is not supported for Qwen3-Next / Qwen3.5 (Gated DeltaNet) with --model-impl vexact: "
+            "vLLM restores their recurrent states from prefix-cache blocks in a way vexact-vllm has not made "
+            "bitwise equal to the trainer yet, and it does not serve approximately. Serve with "
+            "--no-enable-prefix-caching (LLM(..., enable_prefix_caching=False); in verl "
+            "actor_rollout_ref.rollout.enable_prefix_caching=False)"
+        )
+    if tensor_parallel_size > 1:
+        raise UnsupportedModelError(
+            "tensor parallelism is not supported yet for Qwen3-Next / Qwen3.5 with --model-impl vexact; use "
+            "--tensor-parallel-size 1 (pipeline parallelism works)"
+        )
+    model_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+    for option, value, allowed in (("--mamba-cache-dtype", cache.mamba_cache_dtype, ("auto", model_dtype)),
+                                   ("--mamba-ssm-cache-dtype", cache.mamba_ssm_cache_dtype, ("auto", "float32"))):  # fmt: skip
+        if value not in allowed:
+            raise UnsupportedModelError(
+                f"{option} {value} cannot keep rollouts bitwise equal to the trainer: vexact keeps the Gated "
+                f"DeltaNet conv state in the model dtype and the recurrent state in float32; drop {option}"
+            )
 
 
 class VexactModelConfig(VerifyAndUpdateConfig):

@@ -54,12 +54,34 @@ DEEPSEEK_V2_LITE_SHAPE = dict(
     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
                      "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
 )  # fmt: skip
+# Qwen3.5's hybrid decoder (Gated DeltaNet on 3 of every 4 layers, gated full attention with heads of 256
+# of which 64 rotate, rope theta 1e7), text model only (the vision tower is not served). The dense one at
+# Qwen3.5-4B's size: hidden 2560, 32 layers, 16 query / 4 key-value heads of 256, Gated DeltaNet 16 key and
+# 32 value heads of 128, dense MLP 9216, tied embeddings. Config only.
+_QWEN3_5_ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}
+QWEN3_5_4B_SHAPE = dict(
+    hidden_size=2560, intermediate_size=9216, num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4,
+    head_dim=256, vocab_size=248320, tie_word_embeddings=True, max_position_embeddings=262144, rms_norm_eps=1e-6,
+    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_conv_kernel_dim=4, rope_parameters=_QWEN3_5_ROPE,
+)  # fmt: skip
+# Qwen3.5-35B-A3B (transformers' Qwen3_5MoeTextConfig defaults): hidden 2048, 40 layers, 16 / 2 heads of 256,
+# 256 experts of 512 top-8 plus a gated shared expert of 512 on every layer; ~70 GB in bf16, one H200.
+QWEN3_5_35B_A3B_SHAPE = dict(
+    hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+    vocab_size=248320, tie_word_embeddings=False, max_position_embeddings=262144, rms_norm_eps=1e-6,
+    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+    shared_expert_intermediate_size=512, rope_parameters=_QWEN3_5_ROPE,
+)  # fmt: skip
 SHAPES = {"qwen3-1.7b-shape": QWEN3_1_7B_SHAPE, "qwen3-8b-shape": QWEN3_8B_SHAPE}
 CONFIG_ONLY_SHAPES = {  # name: (model_type, fields)
     "qwen3-30b-a3b-shape": ("qwen3_moe", QWEN3_30B_A3B_SHAPE),
     "moonlight-16b-a3b-shape": ("deepseek_v3", MOONLIGHT_16B_A3B_SHAPE),
     "deepseek-v2-lite-shape": ("deepseek_v2", DEEPSEEK_V2_LITE_SHAPE),
+    "qwen3.5-4b-shape": ("qwen3_5_text", QWEN3_5_4B_SHAPE),
+    "qwen3.5-35b-a3b-shape": ("qwen3_5_moe_text", QWEN3_5_35B_A3B_SHAPE),
 }
-BUILTIN_MODELS = (*(f.tiny_name for f in FAMILIES), *SHAPES, *CONFIG_ONLY_SHAPES)
+BUILTIN_MODELS = (*(f.tiny_name for f in FAMILIES if f.tiny is not None), *SHAPES, *CONFIG_ONLY_SHAPES)
 # The built-in models that have weights (what `vexact-vllm check` can run): all but the config-only shapes.
 MODELS_WITH_WEIGHTS = tuple(name for name in BUILTIN_MODELS if name not in CONFIG_ONLY_SHAPES)

@@ -2,7 +2,8 @@
 
 vLLM resolves a model class through `ModelRegistry.inspect_model_cls` / `resolve_model_cls`. The
 vexact class is registered lazily once per family of the family table (`VllmVexactQwen3ForCausalLM`,
-..., all naming `vexact_vllm.vllm_wrapper.VllmVexactForCausalLM`), and the two lookups are wrapped
+..., naming `vexact_vllm.vllm_wrapper.VllmVexactForCausalLM`, or `VllmVexactHybridForCausalLM` for the
+hybrid families), and the two lookups are wrapped
 (`wrap_lookup`, rows of vllm_patches.py): with `model_impl == MODEL_IMPL` ("vexact") the
 checkpoint's architecture is mapped to its vexact class (or refused, naming the supported ones);
 with any other model_impl the original lookups run untouched. Each vexact architecture also gets
@@ -41,7 +42,10 @@ SERVE_ADVICE = "Use another --model-impl for this model (its rollouts will not b
 
 
 def vexact_architectures(architectures: list[str]) -> list[str]:
-    mapped = [VEXACT_ARCHITECTURES[a] for a in architectures if a in VEXACT_ARCHITECTURES]
+    # A name already resolved to its vexact class (vLLM looks the resolved architecture up again, e.g.
+    # when it sizes a hybrid model's cache blocks) stays itself.
+    vexact = set(VEXACT_ARCHITECTURES.values())
+    mapped = [a if a in vexact else VEXACT_ARCHITECTURES[a] for a in architectures if a in VEXACT_ARCHITECTURES or a in vexact]
     if not mapped:
         raise UnsupportedArchitectureError(
             f"--model-impl vexact does not support architecture {', '.join(architectures) or '(none)'}; "
@@ -106,12 +110,12 @@ def register_models(classes: bool = False) -> None:
 
     from .engine_checks import VexactModelConfig
 
-    model: object = "vexact_vllm.vllm_wrapper:VllmVexactForCausalLM"
-    if classes:
-        from .vllm_wrapper import VllmVexactForCausalLM
+    for family in FAMILIES:
+        model: object = f"vexact_vllm.vllm_wrapper:{family.vllm_class}"
+        if classes:
+            from . import vllm_wrapper
 
-        model = VllmVexactForCausalLM
-    for vexact_name in VEXACT_ARCHITECTURES.values():
-        if classes or vexact_name not in ModelRegistry.models:
-            ModelRegistry.register_model(vexact_name, model)
-        MODELS_CONFIG_MAP[vexact_name] = VexactModelConfig
+            model = getattr(vllm_wrapper, family.vllm_class)
+        if classes or family.vllm_name not in ModelRegistry.models:
+            ModelRegistry.register_model(family.vllm_name, model)
+        MODELS_CONFIG_MAP[family.vllm_name] = VexactModelConfig

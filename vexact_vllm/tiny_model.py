@@ -53,7 +53,7 @@ from vexact_vllm.kernels.settings import get_settings
 from vexact_vllm.model_patches.families import BY_MODEL_TYPE, FAMILIES
 from vexact_vllm.model_shapes import BUILTIN_MODELS, CONFIG_ONLY_SHAPES, SHAPES
 
-TINY_ARCHS = tuple(f.model_type for f in FAMILIES)  # one built-in tiny checkpoint per family
+TINY_ARCHS = tuple(f.model_type for f in FAMILIES if f.tiny is not None)  # the built-in tiny checkpoints
 CACHE_VERSION = "v1"  # bump when the tokenizer, configs or weights change
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")
@@ -216,7 +216,9 @@ def _save_with_transformers(
 ) -> None:
     """Instantiate with transformers, re-initialise every tensor explicitly, `save_pretrained`. DeepSeek-V3's
     routers' `e_score_correction_bias` (a buffer, zero at init) is drawn ~ N(0, CORRECTION_BIAS_STD) and
-    saved in fp32, as DeepSeek's checkpoints keep it."""
+    saved in fp32, as DeepSeek's checkpoints keep it. Gated DeltaNet's A_log is drawn in transformers' range
+(log U(0.01, 16)), its dt_bias 1, as transformers initialises them; every norm weight is 1 (the
+zero-centred ones of Qwen3-Next / Qwen3.5 thus scale by 2)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -224,6 +226,10 @@ def _save_with_transformers(
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):  # tied lm_head appears once, as embed_tokens
             if "norm" in name:
+                param.fill_(1.0)
+            elif name.endswith("A_log"):  # Gated DeltaNet's decay rates, transformers' range: log U(0.01, 16)
+                param.copy_(torch.rand(param.shape, generator=gen).mul_(15.99).add_(0.01).log_())
+            elif name.endswith("dt_bias"):
                 param.fill_(1.0)
             else:  # Linear/Embedding weights and biases
                 param.normal_(0.0, std, generator=gen)
@@ -379,7 +385,7 @@ def builtin_model(name: str, seed: int = 0, weights: bool = True) -> str:
 
 
 def _builtin_model(name: str, seed: int, weights: bool) -> Path:
-    tiny = {f.tiny_name: f.model_type for f in FAMILIES}
+    tiny = {f.tiny_name: f.model_type for f in FAMILIES if f.tiny is not None}
     if name in tiny:
         return build_tiny_model(tiny[name], seed=seed)
     if name in CONFIG_ONLY_SHAPES:

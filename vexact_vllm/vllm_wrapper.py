@@ -47,6 +47,8 @@ from vllm.sequence import IntermediateTensors
 from vexact_vllm.kernels import linear
 from vexact_vllm.kernels.gemm.linear import warm_up_linear
 from vexact_vllm.model_patches.config import DecoderConfig, UnsupportedModelError
+from vexact_vllm.model_patches.gated_delta import state_dtypes, state_shapes
+from vexact_vllm.model_patches.hybrid import is_state_layer
 from vexact_vllm.model_patches.layers import Linear, PackedLinear, pack_projections
 from vexact_vllm.model_patches.models import build_decoder
 from vexact_vllm.model_patches.moe import STACKED_PARTS, Router, expert_rows, expert_tensor
@@ -61,6 +63,7 @@ from vexact_vllm.model_patches.tensor_parallel import TensorParallel, shard_of
 
 from .attention import LatentAttention, VexactAttentionBackend, VexactLatentAttentionBackend
 from .engine_checks import refuse_unsupported_engine
+from .state_cache import STATE_LAYER_SUFFIX, GatedDeltaStateLayer
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, so its handler prints it
 
@@ -69,7 +72,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class PagedAttention:
-    """AttentionContext for vLLM: layer i's q/k/v go through vLLM Attention layer i."""
+    """AttentionContext for vLLM: layer i's q/k/v go through vLLM Attention layer i; a state layer i
+    (Gated DeltaNet) gets its state slots and this step's sequences from vLLM state layer i."""
 
     def __init__(self, layers: nn.ModuleList):
         self.layers = layers
@@ -78,6 +82,9 @@ class PagedAttention:
         t, hq, _ = q.shape
         out = self.layers[layer_idx](q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1))
         return out.view(t, hq, v.shape[-1])  # [T, Hq, Dv]
+
+    def sequences(self, layer_idx, num_rows, device):
+        return self.layers[layer_idx].sequences(num_rows, device)
 
 
 def tensor_parallel_group() -> TensorParallel | None:
@@ -160,14 +167,19 @@ class VllmVexactForCausalLM(nn.Module):
         self.lm_head = None  # tied: the embedding's weight (lm_head_weight)
         if not c.tie_word_embeddings:
             self.lm_head = placed(stage.is_last, lambda: Linear(c.hidden_size, c.vocab_size, tp=tp))
-        attn = self.model.layers[stage.start].self_attn  # this rank's heads (all of them without tp)
-        latent = attn.value_head_dim != attn.head_dim  # DeepSeek's MLA: the values are the latent row's first cells
+        owned = [self.model.layers[i] for i in range(stage.start, stage.stop)]
+        attention = [layer.mixer for layer in owned if not is_state_layer(layer)]
+        attn = attention[0] if attention else None  # this rank's heads (all of them without tp)
+        latent = attn is not None and attn.value_head_dim != attn.head_dim  # DeepSeek's MLA: values in the key row
         layer_cls = LatentAttention if latent else Attention
         backend = VexactLatentAttentionBackend if latent else VexactAttentionBackend
-        self.attn = stage_layers(
-            stage,
-            c.num_layers,
-            lambda i: layer_cls(
+        dtype = vllm_config.model_config.dtype
+
+        def cache_layer(i: int) -> nn.Module:
+            """Layer i's cache: vLLM's paged KV cache for attention, state slots for Gated DeltaNet."""
+            if is_state_layer(self.model.layers[i]):
+                return GatedDeltaStateLayer(c.linear, dtype, f"{prefix}model.layers.{i}.{STATE_LAYER_SUFFIX}", vllm_config)
+            return layer_cls(
                 attn.num_heads,
                 attn.head_dim,
                 c.attention_scale,
@@ -176,8 +188,9 @@ class VllmVexactForCausalLM(nn.Module):
                 prefix=f"{prefix}model.layers.{i}.self_attn.attn",
                 attn_backend=backend,
                 head_size_v=attn.value_head_dim,
-            ),
-        )
+            )
+
+        self.attn = stage_layers(stage, c.num_layers, cache_layer)
         self.context = PagedAttention(self.attn)
 
     @classmethod
@@ -276,7 +289,8 @@ class VllmVexactForCausalLM(nn.Module):
         loaded: set[str] = set()
         parts: dict[str, set[tuple[int, str]]] = {}  # stacked parameter -> (expert, part) written
         for name, tensor in weights:
-            if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.lm_head is None):
+            name = _language_model_name(name)
+            if name is None or name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.lm_head is None):
                 continue
             if name.startswith(elsewhere):
                 continue
@@ -319,6 +333,23 @@ class VllmVexactForCausalLM(nn.Module):
         return loaded
 
 
+# Qwen3.5's vision-language checkpoints: the language model's tensors, under `model.language_model.`, load
+# as `model.`; the vision tower's and the multi-token-prediction module's (Qwen3-Next, Qwen3.5: `mtp.`)
+# are not part of the served model.
+_LANGUAGE_MODEL = "model.language_model."
+_NOT_SERVED = ("model.visual.", "mtp.")
+
+
+def _language_model_name(name: str) -> str | None:
+    """The decoder's name for a checkpoint tensor, None for one the decoder does not hold."""
+    if name.startswith(_NOT_SERVED):
+        _note_skipped(name)
+        return None
+    if name.startswith(_LANGUAGE_MODEL):
+        return "model." + name[len(_LANGUAGE_MODEL) :]
+    return name
+
+
 def _beyond_the_layers(name: str, num_layers: int) -> bool:
     """`model.layers.{i}.*` with i >= num_hidden_layers: DeepSeek-V3's multi-token-prediction module
     (`num_nextn_predict_layers`), a draft model the decoder does not run."""
@@ -330,10 +361,14 @@ _SKIPPED_NOTED: set[str] = set()
 
 
 def _note_skipped(name: str) -> None:
-    layer = ".".join(name.split(".", 3)[:3])
-    if layer not in _SKIPPED_NOTED:
-        _SKIPPED_NOTED.add(layer)
-        logger.info("vexact: skipping %s.* (a multi-token-prediction layer: not part of the decoder)", layer)
+    if name.startswith(_NOT_SERVED):
+        part = name.split(".", 2)[0] if name.startswith("mtp.") else "model.visual"
+        what = "the multi-token-prediction module" if part == "mtp" else "the vision tower (served text only)"
+    else:
+        part, what = ".".join(name.split(".", 3)[:3]), "a multi-token-prediction layer"
+    if part not in _SKIPPED_NOTED:
+        _SKIPPED_NOTED.add(part)
+        logger.info("vexact: skipping %s.* (%s: not part of the decoder)", part, what)
 
 
 def _check_tensor(name: str, tensor: torch.Tensor, dest: torch.Tensor) -> None:
@@ -344,3 +379,29 @@ def _check_tensor(name: str, tensor: torch.Tensor, dest: torch.Tensor) -> None:
         )
     if not tensor.is_floating_point():
         raise UnsupportedModelError(f"checkpoint tensor {name!r} is {tensor.dtype}, not floating point")
+
+
+class VllmVexactHybridForCausalLM(VllmVexactForCausalLM):
+    """The vLLM model of the hybrid families (Qwen3-Next, Qwen3.5): the same wrapper, declared to vLLM as
+    a hybrid model with inner state (vLLM's `IsHybrid`, `HasInnerState`), whose Gated DeltaNet layers
+    keep their states in vLLM's hybrid cache (state_cache.py). The classmethods tell vLLM, before the
+    model exists, the per-request state shapes and dtypes the layers will declare (gated_delta.py)."""
+
+    is_hybrid = True
+    has_inner_state = True
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
+        return state_shapes(DecoderConfig.from_hf(vllm_config.model_config.hf_config).linear)
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):
+        return state_dtypes(vllm_config.model_config.dtype)
+
+    @classmethod
+    def get_mamba_state_copy_func(cls):
+        """Prefix caching ("align" mode) is refused for vexact hybrids (engine_checks.py): nothing to copy."""
+        raise UnsupportedModelError(
+            "prefix caching is not supported for Qwen3-Next / Qwen3.5 with --model-impl vexact; serve without "
+            "it (--no-enable-prefix-caching)"
+        )

@@ -22,7 +22,9 @@ from vexact_vllm.kernels import linear, linear_token_log_probs
 from ..attention_context import PackedAttention, cu_seqlens_from_position_ids
 from ..config import DecoderConfig, check_dtype
 from ..families import FAMILIES, Family
-from ..layers import Embedding, Linear, RMSNorm
+from ..gated_delta import GatedDeltaNet
+from ..gated_delta import init_weights as init_gated_delta
+from ..layers import Embedding, Linear, RMSNorm, ZeroCentredRMSNorm
 from ..models import build_decoder
 from ..moe import Experts, Router
 from .autocast import follows_autocast
@@ -183,6 +185,10 @@ class VexactPreTrainedModel(PreTrainedModel):
                 module.bias.data.zero_()
             if getattr(module, "e_score_correction_bias", None) is not None:
                 module.e_score_correction_bias.data.zero_()
+        elif isinstance(module, GatedDeltaNet):
+            init_gated_delta(module, std)  # its own tensors; its Linears and norm are visited on their own
+        elif isinstance(module, ZeroCentredRMSNorm):
+            module.weight.data.zero_()
         elif isinstance(module, RMSNorm):
             module.weight.data.fill_(1.0)
 
@@ -197,7 +203,8 @@ class VexactForCausalLM(VexactPreTrainedModel):
         super().__init__(config)
         self.decoder_config = DecoderConfig.from_hf(config)
         self.model = build_decoder(self.decoder_config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        # The decoder's sizes: a vision-language config keeps them in its text config.
+        self.lm_head = Linear(self.decoder_config.hidden_size, self.decoder_config.vocab_size)
         self.post_init()
 
     def hidden_states(self, batch: PackedBatch) -> torch.Tensor:
@@ -238,7 +245,7 @@ class VexactForCausalLM(VexactPreTrainedModel):
         logits = batch.unpack(linear(hidden, self.lm_head.weight, out_dtype=torch.float32))  # [B, L, V]
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.decoder_config.vocab_size)
         if not router:
             return CausalLMOutputWithPast(loss=loss, logits=logits)
         if not hasattr(self.config, "router_aux_loss_coef"):  # DeepSeek: transformers returns the logits, no aux loss
@@ -287,13 +294,18 @@ def share_checkpoint_conversion(family: Family, class_name: str) -> None:
     """Give `class_name` the checkpoint conversions transformers applies to the family's own class
     (Qwen3-MoE: per-expert tensors on disk <-> stacked `gate_up_proj`/`down_proj` in memory, on load
     and, reversed, on save). transformers skips the model-type mapping for classes defined outside
-    it; `register_checkpoint_conversion_mapping` is its API for classes like ours."""
+    it; `register_checkpoint_conversion_mapping` is its API for classes like ours. A vision-language
+    row's class holds the language model alone: its text model's conversions (Qwen3.5's
+    `model.language_model.*` on disk <-> `model.*`)."""
     from transformers.conversion_mapping import (
         get_checkpoint_conversion_mapping,
         register_checkpoint_conversion_mapping,
     )
 
-    mapping = get_checkpoint_conversion_mapping(family.model_type)
+    model_type = family.model_type
+    if family.text_config:
+        model_type = family.hf_config_class().sub_configs["text_config"].model_type
+    mapping = get_checkpoint_conversion_mapping(model_type)
     if mapping is not None:
         register_checkpoint_conversion_mapping(class_name, mapping, overwrite=True)
 

@@ -12,12 +12,26 @@ from vexact_vllm.model_patches.trainers import transformers_hooks
 from vexact_vllm.tiny_model import TINY_ARCHS
 
 
+class _TinyPaths(dict):
+    """arch -> checkpoint directory, each built on first use (a test builds only the families it loads)."""
+
+    def __init__(self, build):
+        super().__init__()
+        self.build = build
+
+    def __missing__(self, arch: str) -> Path:
+        if arch not in TINY_ARCHS:
+            raise KeyError(arch)
+        self[arch] = path = Path(self.build(arch))
+        return path
+
+
 @pytest.fixture(scope="session")
 def tiny_paths(tiny_model):
     """arch -> checkpoint directory (bf16 on disk), the session's shared tiny checkpoints."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HF_HUB_OFFLINE", "1")
-        yield {arch: Path(tiny_model(arch)) for arch in TINY_ARCHS}
+        yield _TinyPaths(tiny_model)
 
 
 @pytest.fixture

@@ -134,7 +134,8 @@ def rank_decoder(config, tp, state: dict):
 
 
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("model_type", [f.model_type for f in FAMILIES])
+# The hybrid families (Qwen3-Next, Qwen3.5) refuse tensor parallelism (test_qwen3_5.py).
+@pytest.mark.parametrize("model_type", [f.model_type for f in FAMILIES if f.tiny is not None and "layer_types" not in f.tiny])
 def test_every_rank_reproduces_the_unsharded_decoder(model_type, seed):
     rng = random.Random(f"{model_type}-{seed}")
     tp = [2, 4, 8][seed % 3]

@@ -99,8 +99,9 @@ def test_small_shape_weights_deterministic(tmp_path):
 
 def test_builtin_names():
     assert BUILTIN_MODELS == ("tiny-qwen3", "tiny-qwen2", "tiny-llama", "tiny-qwen3-moe", "tiny-deepseek-v3",
-                              "tiny-deepseek-v2-lite", "qwen3-1.7b-shape", "qwen3-8b-shape", "qwen3-30b-a3b-shape",
-                              "moonlight-16b-a3b-shape", "deepseek-v2-lite-shape")
+                              "tiny-deepseek-v2-lite", "tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe",
+                              "qwen3-1.7b-shape", "qwen3-8b-shape", "qwen3-30b-a3b-shape", "moonlight-16b-a3b-shape",
+                              "deepseek-v2-lite-shape", "qwen3.5-4b-shape", "qwen3.5-35b-a3b-shape")
     with pytest.raises(ValueError, match="--load-format dummy"):
         builtin_model("qwen3-30b-a3b-shape")
     assert SHAPES["qwen3-8b-shape"]["hidden_size"] == 4096 and not SHAPES["qwen3-8b-shape"]["tie_word_embeddings"]

@@ -100,6 +100,22 @@ def stock_settings(settings: RolloutSettings, model_path: str) -> RolloutSetting
     return stock
 
 
+# Why a hybrid model's check runs without prefix caching (engine_checks.refuse_unsupported_state_cache).
+HYBRID_NOTE = "is refused for Gated DeltaNet models (Qwen3-Next, Qwen3.5) with --model-impl vexact"
+
+
+def has_state_layers(model_path: str) -> bool:
+    """The checkpoint's decoder has Gated DeltaNet layers (a hybrid family: Qwen3-Next, Qwen3.5)."""
+    from transformers import AutoConfig
+
+    from vexact_vllm.model_patches.config import DecoderConfig, UnsupportedModelError
+
+    try:
+        return DecoderConfig.from_hf(AutoConfig.from_pretrained(model_path)).linear is not None
+    except (UnsupportedModelError, OSError, ValueError):
+        return False  # vLLM's engine refuses it with its own message
+
+
 def default_compositions() -> list[str]:
     """All of them, but `eager` only on CUDA: elsewhere there are no CUDA graphs to turn off, so it
     would repeat `batch` (it can still be asked for)."""
@@ -355,6 +371,12 @@ def _run(args, model_path: str, dtype: str, prompts: list[str], console) -> tupl
     unknown = sorted(set(names) - set(COMPOSITIONS))
     if unknown:
         raise SystemExit(f"error: unknown composition(s) {unknown}; choose from {', '.join(COMPOSITIONS)}")
+    hybrid = has_state_layers(model_path)
+    if hybrid and "prefix-cache" in names:
+        if args.compositions is not None:
+            raise SystemExit(f"error: the prefix-cache composition needs prefix caching, which {HYBRID_NOTE}; "
+                             "leave prefix-cache out of --compositions")  # fmt: skip
+        names.remove("prefix-cache")
     packings = args.micro_batches
     sizes = {"tensor_parallel_size": args.tensor_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size}
     ranks = args.tensor_parallel_size * args.pipeline_parallel_size
@@ -372,6 +394,8 @@ def _run(args, model_path: str, dtype: str, prompts: list[str], console) -> tupl
         extra={name: size for name, size in sizes.items() if size > 1},
         prompt_logprobs=args.prompt_logprobs,
     )
+    if hybrid:
+        settings.extra["enable_prefix_caching"] = False
     if "prefix-cache" in names:
         settings.shared_prefix = shared_prefix(model_path, settings.block_size)
         longest = len(settings.shared_prefix) + max(map(len, prompt_ids)) + 2 * args.max_tokens  # continued
@@ -389,9 +413,14 @@ def _run(args, model_path: str, dtype: str, prompts: list[str], console) -> tupl
     progress = tqdm(total=runs + 1, desc="vexact-vllm check", file=console, leave=False,
                     disable=args.json or args.quiet, bar_format="{l_bar}{bar:20}{r_bar}")  # fmt: skip
     try:
-        results = []
+        results, stock_note = [], None
         for engine, engine_settings, engine_names in engines:
-            results += [(engine, r) for r in run_compositions(prompt_ids, engine_settings, engine_names, progress)]
+            try:
+                results += [(engine, r) for r in run_compositions(prompt_ids, engine_settings, engine_names, progress)]
+            except EngineRefused as err:
+                if engine != "stock":
+                    raise
+                stock_note = f"note: stock vLLM could not serve this model here ({err}); no stock row"
         progress.set_description_str(f"trainer: loading {Path(model_path).name}")
         trainer = load_trainer(model_path, getattr(torch, dtype))
         progress.update(1)
@@ -399,6 +428,9 @@ def _run(args, model_path: str, dtype: str, prompts: list[str], console) -> tupl
         note = bisect_note(trainer, results, rows, args.bisect, progress)
     finally:
         progress.close()
+    if hybrid:
+        note = "\n".join(filter(None, [f"note: prefix caching is off: it {HYBRID_NOTE} (prefix-cache skipped)", note]))
+    note = "\n".join(filter(None, [note, stock_note]))
     return rows, note
 
 

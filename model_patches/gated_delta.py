@@ -1,0 +1,153 @@
+"""Gated DeltaNet, the linear-attention layer of Qwen3-Next and Qwen3.5: the one module that owns its
+design, i.e. the state layout both sides agree on and every call of the conv and recurrence kernels.
+
+Legend: T tokens (rows of the call), n of them tokens (the rest padding), N sequences, H hidden size,
+HK / HV key / value heads, DK / DV their head dims, C = 2 HK DK + HV DV conv channels, W conv width.
+Parameter names are Hugging Face's (`linear_attn.*` of transformers' Qwen3NextGatedDeltaNet and
+Qwen3_5GatedDeltaNet); each family subclass defines its projections (`project`):
+    qkv, z, b, a = project(x)                         [T, C], [T, HV, DV], [T, HV], [T, HV]
+    qkv = causal_conv1d(qkv, conv1d.weight)          depthwise, W taps, SiLU; q | k | v channels
+    q, k, v = split(qkv, [HK DK, HK DK, HV DV])       [T, HK, DK], [T, HK, DK], [T, HV, DV]
+    o   = gated_delta_rule(q, k, v, a, b, A_log, dt_bias)
+          (q, k l2-normalised, q scaled by DK^-1/2, g = -exp(A_log) softplus(a + dt_bias),
+           beta = sigmoid(b): kernels/gated_delta/rules.py)                            [T, HV, DV]
+    o   = silu(z) * rms_norm(o, norm.weight)         per v head (transformers' gated RMSNorm)
+    out = out_proj(o)                                 [T, H]
+
+The design (design A, `kernels.gated_delta_rule`): one recurrent algorithm for the training forward,
+prefill, chunked prefill and decode. A token's output and the state after it are a fixed sequence of
+fp32 operations on the state before it and the token's own inputs, so a token gets the same bits
+whether it is trained in a packed batch, prefilled in any chunking, or decoded; the conv keeps the
+W - 1 last raw inputs. The state each sequence carries between calls, per layer:
+    conv   [W - 1, C]    the model dtype: the raw conv inputs (kernels.causal_conv1d's layout)
+    ssm    [HV, DV, DK]  fp32: the recurrent state (the transpose of transformers' [HV, DK, DV])
+`state_shapes` / `state_dtypes` say so to the vLLM side, which allocates one slot of each per
+sequence (vexact_vllm/state_cache.py) and hands them back in `Sequences.states`. Another design
+(chunk-anchored states, say) changes this module only: its shapes, dtypes and kernel calls.
+
+Differences from transformers (bounded by the accuracy tests, tests/model_patches/test_qwen3_5.py):
+the conv's SiLU on the fp32 sum rounded once (transformers rounds the conv output first); the gates
+and l2 norm of kernels/gated_delta/rules.py; the recurrence where transformers runs its chunked
+algorithm on prompts (its own decode step is the recurrence); the gated norm rounds the normalised
+row times the weight once and multiplies by silu(z) in fp32 (transformers rounds twice).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from vexact_vllm.kernels import causal_conv1d, gated_delta_rule, gated_delta_rule_cached, silu_and_mul
+
+from .attention_context import AttentionContext, Sequences
+from .config import DecoderConfig, LinearAttentionConfig, UnsupportedModelError
+from .layers import Linear, RMSNorm, RotaryCache
+from .tensor_parallel import TensorParallel
+
+
+def state_shapes(linear: LinearAttentionConfig) -> tuple[tuple[int, ...], ...]:
+    """The per-sequence state tensors of one Gated DeltaNet layer: (conv [W - 1, C], ssm [HV, DV, DK])."""
+    return (linear.conv_kernel - 1, linear.conv_dim), (linear.num_v_heads, linear.head_v_dim, linear.head_k_dim)
+
+
+def state_dtypes(model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """Their dtypes: the conv state holds raw inputs (the model dtype), the recurrent state fp32."""
+    return model_dtype, torch.float32
+
+
+class CausalConv1d(nn.Module):
+    """`linear_attn.conv1d`: the depthwise conv's weight [C, 1, W] (nn.Conv1d's layout), no bias."""
+
+    def __init__(self, channels: int, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, width))
+
+    def taps(self) -> torch.Tensor:
+        return self.weight.squeeze(1)  # [C, W], a view
+
+
+class GatedDeltaNet(nn.Module):
+    """The layer's conv, gates, recurrence, gated norm and out_proj; a family subclass adds its input
+    projections and `project`. Tensor parallelism is refused (not built yet)."""
+
+    def __init__(self, config: DecoderConfig, layer_idx: int, tp: TensorParallel | None = None):
+        super().__init__()
+        if tp is not None:
+            raise UnsupportedModelError(
+                "tensor parallelism is not supported yet for the Gated DeltaNet layers of Qwen3-Next / Qwen3.5 "
+                "with --model-impl vexact; use --tensor-parallel-size 1 (pipeline parallelism works)"
+            )
+        lin = self.linear = config.linear
+        self.layer_idx = layer_idx
+        self.conv1d = CausalConv1d(lin.conv_dim, lin.conv_kernel)
+        self.dt_bias = nn.Parameter(torch.ones(lin.num_v_heads))
+        self.A_log = nn.Parameter(torch.empty(lin.num_v_heads))
+        self.norm = RMSNorm(lin.head_v_dim, config.rms_norm_eps)  # the gated norm's weight (ones at init)
+        self.out_proj = Linear(lin.num_v_heads * lin.head_v_dim, config.hidden_size)
+        self.splits = (lin.num_k_heads * lin.head_k_dim, lin.num_k_heads * lin.head_k_dim,
+                       lin.num_v_heads * lin.head_v_dim)  # fmt: skip
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(qkv [T, C] in q | k | v channel order, z [T, HV, DV], b [T, HV], a [T, HV]): the family's."""
+        raise NotImplementedError
+
+    def forward(self, x, positions, rope: RotaryCache, attn: AttentionContext):
+        t = x.shape[0]
+        seqs = attn.sequences(self.layer_idx, t, x.device)
+        n = t if seqs.num_tokens is None else seqs.num_tokens
+        qkv, z, b, a = self.project(x[:n])
+        o = self.mix(qkv, a.contiguous(), b.contiguous(), seqs)  # [n, HV, DV]
+        normed = self.norm(o)  # rms_norm per v head, rounded once
+        o = silu_and_mul(torch.cat([z, normed], dim=-1))  # silu(z) * normed in fp32, rounded once  [n, HV, DV]
+        out = self.out_proj(o.reshape(n, -1))  # [n, H]
+        if n == t:
+            return out
+        return torch.cat([out, out.new_zeros(t - n, out.shape[1])])  # padding rows: zeros
+
+    def mix(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seqs: Sequences) -> torch.Tensor:
+        """The conv and the recurrence over the call's sequences, from zero (training) or from each
+        sequence's cached state, which is then updated (inference): o [n, HV, DV]."""
+        if seqs.states is None:
+            qkv = causal_conv1d(qkv, self.conv1d.taps(), None, seqs.cu_seqlens)  # [n, C]
+            q, k, v = self._heads(qkv)
+            return gated_delta_rule(q, k, v, a, b, self.A_log, self.dt_bias, seqs.cu_seqlens)[0]
+        with _contiguous_slots(seqs.states, seqs.slots) as (conv, ssm, slots):
+            qkv = causal_conv1d(qkv, self.conv1d.taps(), None, seqs.cu_seqlens, conv, slots, seqs.has_state)
+            q, k, v = self._heads(qkv)
+            return gated_delta_rule_cached(q, k, v, a, b, self.A_log, self.dt_bias, seqs.cu_seqlens, ssm, slots,
+                                           seqs.has_state)  # fmt: skip
+
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [n, HK, DK], k [n, HK, DK], v [n, HV, DV]: views of the conv's output channels."""
+        lin, n = self.linear, qkv.shape[0]
+        q, k, v = qkv.split(self.splits, dim=-1)
+        return (q.view(n, lin.num_k_heads, lin.head_k_dim), k.view(n, lin.num_k_heads, lin.head_k_dim),
+                v.view(n, lin.num_v_heads, lin.head_v_dim))  # fmt: skip
+
+
+@contextmanager
+def _contiguous_slots(states: tuple[torch.Tensor, ...], slots: torch.Tensor):
+    """(conv, ssm, slots) the kernels take: the cache tensors themselves where contiguous, else (vLLM's
+    hybrid cache lays each slot's states out in one page, so a state tensor strides over the pages) a
+    contiguous copy of the call's slots, slots 0..N-1, written back after the call. Copies move bits:
+    exact either way; the copy costs a read and a write of each sequence's states per layer and step."""
+    conv, ssm = states
+    if conv.is_contiguous() and ssm.is_contiguous():
+        yield conv, ssm, slots
+        return
+    idx = slots.long()
+    conv_rows, ssm_rows = conv[idx], ssm[idx]  # [N, W - 1, C], [N, HV, DV, DK], contiguous copies
+    yield conv_rows, ssm_rows, torch.arange(idx.shape[0], dtype=slots.dtype, device=slots.device)
+    conv[idx] = conv_rows
+    ssm[idx] = ssm_rows
+
+
+def init_weights(module: GatedDeltaNet, std: float) -> None:
+    """transformers' initialisation of the layer's own parameters (the projections are `Linear`s):
+    conv taps ~ N(0, std), dt_bias 1, A_log = log(U(0.01, 16)), the gated norm's weight 1."""
+    with torch.no_grad():
+        module.conv1d.weight.normal_(0.0, std)
+        module.dt_bias.fill_(1.0)
+        module.A_log.copy_(torch.empty_like(module.A_log).uniform_(0.01, 16).log_())

@@ -1,0 +1,71 @@
+"""The vLLM side of the hybrid families without an engine: the hybrid class's state classmethods are the
+Gated DeltaNet layers' layout, the registry serves every hybrid row with it, checkpoint names of the
+vision-language checkpoints map onto the decoder, and the engine options these models cannot keep exact
+are refused with what to do."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vexact_vllm.model_patches.config import DecoderConfig, UnsupportedModelError
+from vexact_vllm.model_patches.families import BY_MODEL_TYPE, FAMILIES
+from vexact_vllm.model_patches.gated_delta import state_dtypes, state_shapes
+
+
+def _hf_config():
+    family = BY_MODEL_TYPE["qwen3_5_text"]
+    return family.hf_config_class()(**family.tiny, vocab_size=448)
+
+
+def test_hybrid_class_declares_the_layers_state_layout():
+    from vexact_vllm.vllm_wrapper import VllmVexactHybridForCausalLM
+
+    hf = _hf_config()
+    vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf, dtype=torch.bfloat16))
+    cls = VllmVexactHybridForCausalLM
+    assert cls.is_hybrid and cls.has_inner_state
+    assert cls.get_mamba_state_shape_from_config(vllm_config) == state_shapes(DecoderConfig.from_hf(hf).linear)
+    assert cls.get_mamba_state_dtype_from_config(vllm_config) == state_dtypes(torch.bfloat16) == (
+        torch.bfloat16, torch.float32)  # fmt: skip
+    with pytest.raises(UnsupportedModelError, match="--no-enable-prefix-caching"):
+        cls.get_mamba_state_copy_func()
+
+
+def test_registry_serves_the_hybrid_rows_with_the_hybrid_class():
+    hybrid = {f.architecture for f in FAMILIES if f.hybrid}
+    assert hybrid == {"Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+                      "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"}  # fmt: skip
+    assert all(f.vllm_class == ("VllmVexactHybridForCausalLM" if f.hybrid else "VllmVexactForCausalLM") for f in FAMILIES)
+    from vexact_vllm.registry import vexact_architectures
+
+    assert vexact_architectures(["Qwen3_5ForCausalLM"]) == ["VllmVexactQwen3_5ForCausalLM"]
+    assert vexact_architectures(["VllmVexactQwen3_5ForCausalLM"]) == ["VllmVexactQwen3_5ForCausalLM"]
+
+
+def test_vision_language_names_map_onto_the_decoder():
+    from vexact_vllm.vllm_wrapper import _language_model_name
+
+    assert _language_model_name("model.language_model.layers.0.linear_attn.A_log") == "model.layers.0.linear_attn.A_log"
+    assert _language_model_name("model.visual.blocks.0.attn.qkv.weight") is None
+    assert _language_model_name("mtp.layers.0.mlp.gate.weight") is None
+    assert _language_model_name("lm_head.weight") == "lm_head.weight"
+
+
+def _engine(prefix_caching=False, tp=1, conv="auto", ssm="auto"):
+    cache = SimpleNamespace(enable_prefix_caching=prefix_caching, mamba_cache_dtype=conv, mamba_ssm_cache_dtype=ssm)
+    return SimpleNamespace(cache_config=cache, model_config=SimpleNamespace(dtype=torch.bfloat16)), tp
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(prefix_caching=True), "--no-enable-prefix-caching"), (dict(tp=2), "--tensor-parallel-size 1"),
+    (dict(ssm="bfloat16"), "--mamba-ssm-cache-dtype"), (dict(conv="float32"), "--mamba-cache-dtype"),
+])  # fmt: skip
+def test_engine_options_are_refused_with_what_to_do(options, match):
+    from vexact_vllm.engine_checks import refuse_unsupported_state_cache
+
+    with pytest.raises(UnsupportedModelError, match=match):
+        refuse_unsupported_state_cache(*_engine(**options))
+    refuse_unsupported_state_cache(*_engine(ssm="float32", conv="bfloat16"))  # the layout's own dtypes pass
