@@ -79,6 +79,17 @@ class IncrementalCache:
         return hv * d_v * d_k * 4 + rows * per_row + 4
 
 
+def chunk_map(starts: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sequence [NC], first row [NC], each sequence's first chunk [N]) of the chunks of rows
+    [starts[n], ends[n]), anchored at starts[n] (a host sync: grids are sized by the chunk count)."""
+    starts, ends = starts.long().cpu(), ends.long().cpu()
+    counts = (ends - starts + CHUNK - 1) // CHUNK
+    first = torch.cumsum(counts, 0) - counts
+    seq = torch.repeat_interleave(torch.arange(counts.shape[0]), counts)
+    rows = starts[seq] + (torch.arange(seq.shape[0]) - first[seq]) * CHUNK
+    return seq, rows, first
+
+
 def step_split(cu_seqlens: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
     """Rows of each sequence's step that the step kernel computes (int64 [N], on the device): the rows
     that complete its partial chunk (held > 0), or its single row (a decode at a chunk boundary). The
