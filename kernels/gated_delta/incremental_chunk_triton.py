@@ -20,17 +20,17 @@ from . import incremental_cache as layout
 from . import incremental_tiles_triton as tiles
 from .incremental_tiles_triton import (
     a_rows,
+    block_base,
     decayed_keys,
     delta_rows,
     gate_cumsum,
     gate_rows,
     normalized_rows,
     output_rows,
-    pick,
     pick_entries,
+    solve_row,
     solved_product,
     state_after,
-    substitute,
 )
 from .rules import L2NORM_EPS, SOFTPLUS_THRESHOLD, qk_scale
 
@@ -103,9 +103,11 @@ def _prepare_kernel(
         beta_r = tl.load(BETA + rows_r * HV + hv, mask=valid_r, other=0.0)
         G_r = pick_entries(G_c, rc[None, :] == pos[:, None])
         a_t = a_rows(k_r, k_c, beta_r, G_r, G_c, pos, rc, PRECISION, DOT_FP32)
+        d = block_base(tl.where(rc[None, :] < tile * ROWS, a_t, 0.0), t_c, pos, rc, PRECISION)
+        a_in = a_rows(k_r, k_r, beta_r, G_r, G_r, pos, pos, PRECISION, DOT_FP32)
         t_r = tl.full([ROWS, CHUNK], 0.0, tl.float32)
         for ii in range(ROWS):  # forward substitution, rows in order
-            t_row = substitute(pick(a_t, rr == ii), t_c, tile * ROWS + ii, rc)
+            t_row = solve_row(d, a_in, t_r, rr == ii, tile * ROWS + ii, rc, PRECISION)
             t_c = tl.where(rc[:, None] == tile * ROWS + ii, t_row[None, :], t_c)
             t_r = tl.where(rr[:, None] == ii, t_row[None, :], t_r)
         w = solved_product(t_r, y_c, PRECISION, DOT_FP32)

@@ -15,12 +15,12 @@ here): vLLM's recurrent step reads and writes the whole state every token.
 
 import triton
 import triton.language as tl
-from triton.language.standard import _sum_combine
 
 from . import incremental_cache as layout
 from . import incremental_tiles_triton as tiles
 from .incremental_tiles_triton import (
     a_rows,
+    block_base,
     decayed_keys,
     delta_rows,
     gate_cumsum,
@@ -29,9 +29,10 @@ from .incremental_tiles_triton import (
     output_rows,
     pick,
     pick_entries,
+    pick_one,
+    solve_row,
     solved_product,
     state_after,
-    substitute,
 )
 from .rules import L2NORM_EPS, SOFTPLUS_THRESHOLD, qk_scale
 
@@ -72,6 +73,11 @@ def _step_kernel(
         g_c = tl.load(CG + base * HV + hv, mask=old, other=0.0)
         beta_c = tl.load(CB + base * HV + hv, mask=old, other=0.0)
         t_c = tl.load(CT + (base[:, None] * HV + hv) * CHUNK + rc[None, :], mask=old[:, None], other=0.0)
+        pos = (held // ROWS) * ROWS + rr  # the first row's tile: its held rows (k, T) as tiles of their own
+        block = slot * (CHUNK - 1) + pos
+        k_b = tl.load(CK + (block[:, None] * HK + hk) * DK + ok[None, :], mask=(pos < held)[:, None] & mk[None, :],
+                      other=0.0)  # fmt: skip
+        t_b = tl.load(CT + (block[:, None] * HV + hv) * CHUNK + rc[None, :], mask=(pos < held)[:, None], other=0.0)
         decay = tl.exp(tl.load(A_LOG + hv).to(tl.float32))
         dt_bias = tl.load(DT_BIAS + hv).to(tl.float32)
         # 2. the rows, in order
@@ -79,6 +85,9 @@ def _step_kernel(
             row = start + p - held  # its packed row
             pos = (p // ROWS) * ROWS + rr  # its row tile's chunk positions
             own = pos == p
+            if p % ROWS == 0:  # a new row tile
+                k_b = tl.full([ROWS, BLOCK_K], 0.0, dt)
+                t_b = tl.full([ROWS, CHUNK], 0.0, tl.float32)
             rows_r = tl.where(own, row, 0)
             q_r = normalized_rows(Q, rows_r, own, hk, stride_qt, stride_qh, ok, eps, scale, DK).to(dt)
             k_r = normalized_rows(K, rows_r, own, hk, stride_kt, stride_kh, ok, eps, 1.0, DK).to(dt)
@@ -88,14 +97,20 @@ def _step_kernel(
             x_r = (v_r.to(tl.float32) * beta_r[:, None]).to(dt)
             at = rc == p
             k_c = tl.where(at[:, None], pick(k_r, own).to(dt)[None, :], k_c)
+            k_b = tl.where(own[:, None], k_r, k_b)
             x_c = tl.where(at[:, None], pick(x_r, own).to(dt)[None, :], x_c)
-            g_c = tl.where(at, tl.reduce(tl.where(own, g_r, 0.0), 0, _sum_combine), g_c)
-            beta_c = tl.where(at, tl.reduce(tl.where(own, beta_r, 0.0), 0, _sum_combine), beta_c)
+            g_c = tl.where(at, pick_one(g_r, own), g_c)
+            beta_c = tl.where(at, pick_one(beta_r, own), beta_c)
             G_c = gate_cumsum(g_c, rc)
             G_r = pick_entries(G_c, rc[None, :] == pos[:, None])
             a_t = a_rows(k_r, k_c, beta_r, G_r, G_c, pos, rc, PRECISION, DOT_FP32)
-            t_row = substitute(pick(a_t, own), t_c, p, rc)
+            first = (p // ROWS) * ROWS
+            before = tl.where(rc[:, None] < first, t_c, 0.0)  # T's rows before the tile
+            d = block_base(tl.where(rc[None, :] < first, a_t, 0.0), before, pos, rc, PRECISION)
+            a_in = a_rows(k_r, k_b, beta_r, G_r, G_r, pos, pos, PRECISION, DOT_FP32)
+            t_row = solve_row(d, a_in, t_b, own, p, rc, PRECISION)
             t_c = tl.where(at[:, None], t_row[None, :], t_c)
+            t_b = tl.where(own[:, None], t_row[None, :], t_b)
             t_r = tl.where(own[:, None], t_row[None, :], 0.0)
             w = solved_product(t_r, decayed_keys(k_c, beta_c, G_c, dt), PRECISION, DOT_FP32)
             u = solved_product(t_r, x_c, PRECISION, DOT_FP32)

@@ -3,17 +3,22 @@ operation, called by the chunk kernels (`incremental_triton.py`: training, prefi
 (`incremental_step_triton.py`: decode, the rows that complete a partial chunk).
 
 Invariant: every operation on a row runs in a tile of a fixed shape, with the row at its chunk position:
-rows of a chunk are processed ROWS at a time, row i of the chunk at place i % ROWS of its row tile, and
-every product is one tl.dot of the same shape in every kernel: [ROWS, DK] x [DK, CHUNK] (k.k, q.k),
-[ROWS, CHUNK] x [CHUNK, DK or BLOCK_V] (U, W, the causal product), [ROWS, DK] x [DK, BLOCK_V] (W S,
-q S), [BLOCK_V, CHUNK] x [CHUNK, DK] (the state update). The step kernel places its single row the same
-way and zeros elsewhere; rows of a dot are independent, and the rows past it enter its row only as
-exact zeros (masked A and P, T's zero columns past the row), so it gets the chunk kernel's bits.
-Sums along a tile use one shape each ([ROWS, DK] for the l2 norms, [CHUNK, CHUNK] for the gate sums and
-the substitution), and a value picked out of a tile is a masked sum with one nonzero term (exact).
-The kernels launch with the same num_warps (WARPS) and without FP contraction (no compiler choice
-may fuse a multiply-add in one kernel and not in the other); every dot names its accumulator (`dot`),
-so no pass may fold an addition into a dot in one kernel and not in the other.
+rows of a chunk are processed ROWS at a time (a row tile), row i of the chunk at place i % ROWS, and
+the step kernel places its single row the same way, with zeros in the tile's other places. Every sum
+that rounds is a tl.dot, whose order does not depend on the tile's layout (which the compiler picks per
+kernel, from the code around it): the products, on tensor cores or as fp32 FMAs in K order (`fdot`), of
+fixed shapes in every kernel: [ROWS, DK] x [DK, CHUNK] (k.k, q.k), [ROWS, DK] x [DK, ROWS] (k.k within
+the tile), [ROWS, CHUNK] x [CHUNK, CHUNK] and [ROWS, ROWS] x [ROWS, CHUNK] (the substitution: rows of T
+before the tile, then within it, row by row), [ROWS, CHUNK] x [CHUNK, DK or BLOCK_V] (W, U, the causal
+product), [ROWS, DK] x [DK, BLOCK_V] (W S, q S), [BLOCK_V, CHUNK] x [CHUNK, DK] (the state update); and the
+l2 norms' and the gate sums' fp32 FMA dots. Rows of a dot are independent, and the rows past a row
+enter it only as exact zeros (masked A and P, T's zero columns past the row), so the step gets the chunk
+kernels' bits. The only other sums pick one value out of a tile (a masked sum with one nonzero term:
+exact in any order). The kernels launch with the same num_warps (WARPS) and without FP contraction (no
+compiler choice may fuse a multiply-add in one kernel and not in the other); every dot names its
+accumulator, so no pass may fold an addition into a dot in one kernel and not in the other.
+`benchmarks/inspect_gated_delta.py` compiles the kernels for sm_90a and checks that each shared dot
+gets the same shape and MMA instruction in every kernel.
 """
 
 import triton
@@ -37,14 +42,34 @@ def dot(a, b, acc, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
     bits, so there the products are summed over the last axis of a broadcast fp32 product."""
     if DOT_FP32:
         prod = a.to(tl.float32)[:, None, :] * tl.trans(b.to(tl.float32))[None, :, :]
-        return acc + tl.reduce(prod, 2, _sum_combine)
-    return tl.dot(a, b, acc, input_precision=PRECISION)
+        out = acc + tl.reduce(prod, 2, _sum_combine)
+    else:
+        out = tl.dot(a, b, acc, input_precision=PRECISION)
+    return out
+
+
+@triton.jit
+def fdot(a, b, acc):
+    """acc + a @ b of fp32 tiles by fp32 FMAs: each element's products added in K order, whatever the layout."""
+    return tl.dot(a, b, acc, input_precision="ieee")
+
+
+@triton.jit
+def first_column(tile):
+    """Column 0 of tile [M, N], fp32 [M] (exact, as `pick`)."""
+    return tl.reduce(tl.where((tl.arange(0, tile.shape[1]) == 0)[None, :], tile, 0.0), 1, _sum_combine)
 
 
 @triton.jit
 def pick(tile, at):
     """The row of tile [M, N] where at [M] is True (a masked sum with one nonzero term: exact), fp32 [N]."""
     return tl.reduce(tl.where(at[:, None], tile.to(tl.float32), 0.0), 0, _sum_combine)
+
+
+@triton.jit
+def pick_one(vec, at):
+    """vec [N] where at [N] is True, fp32 (exact, as `pick`)."""
+    return tl.reduce(tl.where(at, vec.to(tl.float32), 0.0), 0, _sum_combine)
 
 
 @triton.jit
@@ -59,7 +84,9 @@ def normalized_rows(X, rows, valid, head, stride_t, stride_h, ok, eps, scale, D:
     mask = valid[:, None] & (ok < D)[None, :]
     x = tl.load(X + rows[:, None] * stride_t + head * stride_h + ok[None, :], mask=mask, other=0.0)
     x = x.to(tl.float32)
-    return x * tl.rsqrt(tl.reduce(x * x, 1, _sum_combine) + eps)[:, None] * scale
+    ones = tl.full([x.shape[1], 16], 1.0, tl.float32)
+    squares = fdot(x * x, ones, tl.full([x.shape[0], 16], 0.0, tl.float32))  # [ROWS, 16], equal columns
+    return x * tl.rsqrt(first_column(squares) + eps)[:, None] * scale
 
 
 @triton.jit
@@ -74,8 +101,11 @@ def gate_rows(A, B, rows, valid, hv, stride_at, stride_bt, decay, dt_bias, SOFTP
 
 @triton.jit
 def gate_cumsum(g, rc):
-    """G [C]: G_i = sum_{j <= i} g_j, one sum a row of a [C, C] tile (g [C], rc = arange(C))."""
-    return tl.reduce(tl.where(rc[None, :] <= rc[:, None], g[None, :], 0.0), 1, _sum_combine)
+    """G [C]: G_i = g_0 + g_1 + ... + g_i, added in that order (an FMA dot with a lower-triangular mask
+    of ones; g [C], rc = arange(C))."""
+    lower = tl.where(rc[None, :] <= rc[:, None], 1.0, 0.0)
+    g16 = tl.broadcast_to(g[:, None], [g.shape[0], 16])
+    return first_column(fdot(lower, g16, tl.full([g.shape[0], 16], 0.0, tl.float32)))
 
 
 @triton.jit
@@ -85,18 +115,27 @@ def decayed_keys(k_c, beta_c, G_c, dt: tl.constexpr):
 
 
 @triton.jit
-def a_rows(k_r, k_c, beta_r, G_r, G_c, pos, rc, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
-    """A [ROWS, C] of the row tile at chunk positions pos: beta_i (k_i . k_j) exp(G_i - G_j), j < i."""
+def a_rows(k_r, k_c, beta_r, G_r, G_c, pos, cols, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    """A [ROWS, N] of the row tile at chunk positions pos against the N rows of k_c at positions cols:
+    beta_i (k_i . k_j) exp(G_i - G_j) for j < i, else 0."""
     kk = dot(k_r, tl.trans(k_c), tl.full([k_r.shape[0], k_c.shape[0]], 0.0, tl.float32), PRECISION, DOT_FP32)
-    before = rc[None, :] < pos[:, None]
+    before = cols[None, :] < pos[:, None]
     return tl.where(before, beta_r[:, None] * kk * tl.exp(tl.where(before, G_r[:, None] - G_c[None, :], 0.0)), 0.0)
 
 
 @triton.jit
-def substitute(a_row, t_c, i, rc):
-    """Row i of T [C]: e_i - sum_l A_il T_l over T's C rows (rows >= i still 0), zeros past column i."""
-    solved = tl.reduce(a_row[:, None] * t_c, 0, _sum_combine)
-    return tl.where(rc <= i, tl.where(rc == i, 1.0, 0.0) - solved, 0.0)
+def block_base(a_off, t_c, pos, rc, PRECISION: tl.constexpr):
+    """D [ROWS, C] = E - A_off T of the row tile: e_i minus its sum over the rows of T before the tile
+    (a_off: the tile's A, columns before the tile; t_c: T, rows from the tile's first on 0)."""
+    e = tl.where(rc[None, :] == pos[:, None], 1.0, 0.0)
+    return tl.dot(-a_off, t_c, e, input_precision=PRECISION)
+
+
+@triton.jit
+def solve_row(d, a_in, t_b, own, i, rc, PRECISION: tl.constexpr):
+    """Row i of T [C] (own: its place in the row tile): D_i - sum_l A_il T_l over the tile's rows l < i
+    (a_in [ROWS, ROWS]: A within the tile; t_b: the tile's solved rows, 0 from row i on); 0 past column i."""
+    return tl.where(rc <= i, pick(tl.dot(-a_in, t_b, d, input_precision=PRECISION), own), 0.0)
 
 
 @triton.jit
@@ -128,7 +167,7 @@ def output_rows(q_r, G_r, pos, k_c, G_c, vn_c, h_t, rc, PRECISION: tl.constexpr,
 @triton.jit
 def state_after(s, k_c, G_c, vn_c, rc, CHUNK: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
     """S^T [BV, BK] after a full chunk: exp(G_last) S + sum_j V'_j dt(exp(G_last - G_j) k_j)^T."""
-    g_last = tl.reduce(tl.where(rc == CHUNK - 1, G_c, 0.0), 0, _sum_combine)
+    g_last = pick_one(G_c, rc == CHUNK - 1)
     decayed = (k_c.to(tl.float32) * tl.exp(g_last - G_c)[:, None]).to(k_c.dtype)
     return dot(tl.trans(vn_c), decayed, s * tl.exp(g_last), PRECISION, DOT_FP32)
 

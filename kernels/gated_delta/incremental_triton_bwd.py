@@ -21,8 +21,9 @@ from triton.language.standard import _sum_combine
 from . import incremental_cache as layout
 from . import incremental_tiles_triton as tiles
 
-# Warps of the backward programs (many [CHUNK, DK] fp32 tiles live at once).
-WARPS = 8
+# Launch options of the backward programs: many [CHUNK, DK] fp32 tiles live at once (8 warps), and one
+# stage (no multi-buffered loads) keeps the shared memory within an H100/H200 SM.
+LAUNCH = dict(num_warps=8, num_stages=1, enable_fp_fusion=False)
 
 
 @triton.jit
@@ -34,7 +35,16 @@ def _rows(X, rows, valid, head, H, cols, D: tl.constexpr):
 
 @triton.jit
 def _mm(a, b, acc, PRECISION: tl.constexpr):
-    return tl.dot(a, b, acc, input_precision=PRECISION)
+    """acc + a @ b: fp32 operands ("ieee"), or rounded to bf16 ("bf16": a bf16 model's gradients, as
+    flash-linear-attention's backward rounds them; half the shared memory of fp32 operands; "bf16-fp32":
+    the same values through an fp32 dot, for the interpreter, whose tl.dot misreads bf16)."""
+    if PRECISION == "bf16":
+        out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+    elif PRECISION == "bf16-fp32":
+        out = tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32), acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc, input_precision=PRECISION)
+    return out
 
 
 @triton.jit(do_not_specialize=["n_seqs"])
@@ -196,9 +206,8 @@ def chunk_backward(v, do, d_final, scratch: dict, bos, eos):
     n_seqs, device = bos.shape[0], v.device
     f32 = dict(dtype=torch.float32, device=device)
     block_k, _, block_v = tiles.block_sizes(d_k, d_v)
-    precision = "ieee" if v.dtype == torch.float32 else "tf32"
-    const = dict(DK=d_k, DV=d_v, BLOCK_K=block_k, BLOCK_V=block_v, CHUNK=layout.CHUNK, PRECISION=precision,
-                 num_warps=WARPS)  # fmt: skip
+    precision = "ieee" if v.dtype == torch.float32 else "bf16-fp32" if tiles.is_interpreted() else "bf16"
+    const = dict(DK=d_k, DV=d_v, BLOCK_K=block_k, BLOCK_V=block_v, CHUNK=layout.CHUNK, PRECISION=precision, **LAUNCH)
     n_chunks = scratch["seq"].shape[0]
     dh = torch.empty(max(n_chunks, 1), hv, d_v, d_k, **f32)
     dvn = torch.zeros(n_tokens, hv, d_v, **f32)
