@@ -1,5 +1,6 @@
 """Triton causal conv1d: the interpreter on CPU tensors (small shapes), the compiled kernels on CUDA.
-Accuracy against a float64 conv, decode == chunked prefill == training bit for bit, gradients."""
+Accuracy against a float64 conv, decode == chunked prefill == training bit for bit, the backward
+kernels' gradients against float64 autograd, deterministic."""
 
 import sys
 from pathlib import Path
@@ -59,6 +60,25 @@ def test_gradients_match_float64_autograd(conv, bias):
     (conv_reference(ref[0], ref[1], ref[2] if bias else None, cu) * dy.double()).sum().backward()
     for got, want in zip(leaves, ref):
         torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_backward_blocks_deterministic_and_accurate(conv, monkeypatch):
+    """Several token and channel blocks (the backward's partial sums of dw, db over token blocks of 8):
+    two runs give the same bits, and the gradients match float64 autograd."""
+    monkeypatch.setitem(conv.__globals__["conv_backward"].__globals__, "BLOCK_T", 8)
+    dtype = torch.float32
+    x, w, b, cu = conv_inputs([9, 2, 6, 1], 140, 4, dtype)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(6)).to(dtype)
+    grads = []
+    for _ in range(2):
+        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+        conv(*leaves, cu).backward(dy)
+        grads.append([t.grad for t in leaves])
+    assert all(torch.equal(a, b_) for a, b_ in zip(*grads)), "the backward is not deterministic"
+    ref = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    conv_reference(*ref, cu).backward(dy.double())
+    for got, want in zip(grads[0], ref):
+        torch.testing.assert_close(got.double(), want.grad, rtol=1e-5, atol=1e-5 * want.grad.abs().max().item())
 
 
 @pytest.mark.cuda
