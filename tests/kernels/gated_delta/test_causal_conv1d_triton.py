@@ -93,3 +93,24 @@ def test_cuda_schedules_at_qwen3_next_width(dtype):
     full = check_conv_schedules(causal_conv1d_triton, x, w, None, cu, seeds=(0,))
     want = conv_reference(x.cpu(), w.cpu(), None, cu.cpu())
     torch.testing.assert_close(full.double().cpu(), want, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_backward_at_qwen35_width():
+    """The backward kernels at Qwen3.5's conv width (2 * 16 * 128 + 48 * 128), bf16: deterministic, and
+    against float64 autograd to bf16's rounding."""
+    from vexact_vllm.kernels.gated_delta.causal_conv1d_triton import causal_conv1d_triton
+
+    x, w, b, cu = conv_inputs([300, 1, 77, 129], 10240, 4, torch.bfloat16, bias=False)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    grads = []
+    for _ in range(2):
+        leaves = [t.cuda().requires_grad_() for t in (x, w)]
+        causal_conv1d_triton(*leaves, None, cu.cuda()).backward(dy.cuda())
+        grads.append([t.grad.cpu() for t in leaves])
+    assert all(torch.equal(a, b_) for a, b_ in zip(*grads)), "the backward is not deterministic"
+    ref = [t.double().requires_grad_() for t in (x, w)]
+    conv_reference(*ref, None, cu).backward(dy.double())
+    for got, want in zip(grads[0], ref):
+        torch.testing.assert_close(got.double(), want.grad, rtol=3e-2, atol=3e-2 * want.grad.abs().max().item())
