@@ -1,7 +1,7 @@
 """Compile design C's Gated DeltaNet kernels (kernels/gated_delta/incremental_*triton*.py) for Hopper
 (sm_90a) on any machine, no GPU needed, and check what the bitwise invariant needs of the compiled code.
 
-    python benchmarks/inspect_gated_delta.py [--dtype bf16|fp32] [--rows 16] [--block-v 64] [--out DIR]
+    python benchmarks/inspect_gated_delta.py [--dtype bf16|fp32] [--rows 16] [--block-v 64] [--warps 4] [--out DIR]
 
 The step kernel reproduces a chunk kernel's row only if every shared routine
 (`incremental_tiles_triton.py`) compiles to the same arithmetic in both. Triton picks each tensor's layout
@@ -125,7 +125,8 @@ class Ttgir:
                 continue
             precision = re.search(r"inputPrecision = (\w+)", line)
             precision = {"0": "tf32", "1": "tf32x3", "2": "ieee"}.get(precision.group(1), precision.group(1)) if precision else "ieee"
-            a, b, out = re.findall(r"(?:tensor|!ttg\.memdesc)<(\d+x\d+x\w+)", line.split(" : ", 1)[1])[:3]
+            (ka, a), (kb, b), (_, out) = re.findall(r"(tensor|!ttg\.memdesc)<(\d+x\d+x\w+)", line.split(" : ", 1)[1])[:3]
+            a, b = (f"{x}{' (smem)' if kind.startswith('!') else ''}" for kind, x in ((ka, a), (kb, b)))
             layout = re.search(r"-> tensor<[^,]+, (#\w+)>", line).group(1)
             loc = re.search(r"loc\((#loc\d+)\)\s*$", line).group(1)
             frames = tuple(f"{os.path.basename(f)}:{n}" for f, n in self.chain(loc) if f.endswith("tiles_triton.py"))
@@ -150,7 +151,9 @@ def compile_kernel(name, kernel, constexprs, options, dtype, out_dir) -> tuple[T
         f.write(compiled.asm["ptx"])
     with open(os.path.join(out_dir, f"{name}.ttgir"), "w") as f:
         f.write(compiled.asm["ttgir"])
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    ptxas = os.path.join(tools, "ptxas-blackwell")  # the newer one: Triton 3.9's PTX is too new for `ptxas`
+    ptxas = ptxas if os.path.exists(ptxas) else os.path.join(tools, "ptxas")
     verbose = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.devnull], capture_output=True, text=True).stderr
     number = lambda pattern: int(m.group(1)) if (m := re.search(pattern, verbose)) else -1  # noqa: E731
     stats = {"shared": compiled.metadata.shared, "registers": number(r"Used (\d+) registers"),
@@ -163,15 +166,18 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     parser.add_argument("--rows", type=int, default=tiles.ROWS, help="row tile (incremental_tiles_triton.ROWS)")
     parser.add_argument("--block-v", type=int, default=tiles.BLOCK_V, help="v tile (incremental_tiles_triton.BLOCK_V)")
+    parser.add_argument("--warps", type=int, default=tiles.WARPS, help="forward warps (incremental_tiles_triton.WARPS)")
     parser.add_argument("--kernels", default=None, help="comma-separated subset (default: all)")
     parser.add_argument("--out", help="folder for each kernel's PTX and TTGIR")
     args = parser.parse_args(argv)
     out_dir = args.out or tempfile.mkdtemp(prefix="vexact-gdn-")
     os.makedirs(out_dir, exist_ok=True)
+    tiles.WARPS = args.warps
     table = specs(args.dtype, args.rows, args.block_v)
     names = args.kernels.split(",") if args.kernels else list(table)
     functions = _functions(tiles.__file__)
-    print(f"Triton {triton.__version__}, sm_90a, {args.dtype}, ROWS {args.rows}, BLOCK_V {args.block_v}; files in {out_dir}")
+    print(f"Triton {triton.__version__}, sm_90a, {args.dtype}, ROWS {args.rows}, BLOCK_V {args.block_v}, "
+          f"{args.warps} warps; files in {out_dir}")  # fmt: skip
     compiled, failures = {}, []
     for name in names:
         kernel, constexprs, options = table[name]

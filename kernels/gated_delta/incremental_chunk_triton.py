@@ -21,6 +21,7 @@ from . import incremental_tiles_triton as tiles
 from .incremental_tiles_triton import (
     a_rows,
     block_base,
+    computed,
     decayed_keys,
     delta_rows,
     gate_cumsum,
@@ -100,6 +101,7 @@ def _prepare_kernel(
         valid_r = rows_r < eos
         k_r = tl.load(KH + (rows_r[:, None] * HK + hk) * DK + ok[None, :], mask=valid_r[:, None] & mk[None, :],
                       other=0.0)  # fmt: skip
+        k_r = computed(k_r, valid_r)
         beta_r = tl.load(BETA + rows_r * HV + hv, mask=valid_r, other=0.0)
         G_r = pick_entries(G_c, rc[None, :] == pos[:, None])
         a_t = a_rows(k_r, k_c, beta_r, G_r, G_c, pos, rc, PRECISION, DOT_FP32)
@@ -172,6 +174,7 @@ def _state_kernel(
             valid_r = rows_r < eos
             w = tl.load(W + (rows_r[:, None] * HV + hv) * DK + ok[None, :], mask=valid_r[:, None] & mk[None, :],
                         other=0.0)  # fmt: skip
+            w = computed(w, valid_r)
             mvr = valid_r[:, None] & mv[None, :]
             u = tl.load(U + (rows_r[:, None] * HV + hv) * DV + ov[None, :], mask=mvr, other=0.0)
             vn = delta_rows(u, w, s, PRECISION, DOT_FP32)
@@ -183,6 +186,7 @@ def _state_kernel(
             tl.debug_barrier()  # this chunk's V' rows written by every thread before any reads them
             rows_c = start + rc
             vn_c = tl.load(VN + (rows_c[:, None] * HV + hv) * DV + ov[None, :], mask=mv[None, :], other=0.0)
+            vn_c = computed(vn_c, rows_c < eos)
             k_c = tl.load(KH + (rows_c[:, None] * HK + hk) * DK + ok[None, :], mask=mk[None, :], other=0.0)
             G_c = tl.load(GC + rows_c * HV + hv)
             s = state_after(s, k_c, G_c, vn_c, rc, CHUNK, PRECISION, DOT_FP32)
@@ -223,6 +227,7 @@ def _output_kernel(
         valid_r = rows_r < eos
         q_r = tl.load(QH + (rows_r[:, None] * HK + hk) * DK + ok[None, :], mask=valid_r[:, None] & mk[None, :],
                       other=0.0)  # fmt: skip
+        q_r = computed(q_r, valid_r)
         G_r = pick_entries(G_c, rc[None, :] == pos[:, None])
         o = output_rows(q_r, G_r, pos, k_c, G_c, vn_c, tl.trans(h), rc, PRECISION, DOT_FP32)
         tl.store(OUT + rows_r[:, None] * stride_ot + hv * stride_oh + ov[None, :], o.to(OUT.dtype.element_ty),

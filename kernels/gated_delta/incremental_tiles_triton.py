@@ -32,8 +32,9 @@ ROWS = 16
 # v columns per program (the N of the state products): one value for every kernel, so every dot over
 # the state has one shape.
 BLOCK_V = 64
-# Warps of every kernel that calls these routines: they fix the tiles' layouts, hence every sum's order.
-WARPS = 4
+# Warps of every kernel that calls these routines (one value: the MMA layouts follow it). 8 keeps the
+# chunk kernels free of register spills at d = 128 (`benchmarks/inspect_gated_delta.py`, sm_90a).
+WARPS = 8
 
 
 @triton.jit
@@ -58,6 +59,14 @@ def fdot(a, b, acc):
 def first_column(tile):
     """Column 0 of tile [M, N], fp32 [M] (exact, as `pick`)."""
     return tl.reduce(tl.where((tl.arange(0, tile.shape[1]) == 0)[None, :], tile, 0.0), 1, _sum_combine)
+
+
+@triton.jit
+def computed(rows, valid):
+    """rows [M, N] as a value computed in registers (rows not valid 0): a chunk kernel passes its loaded
+    row tiles through it, so that a wgmma (ROWS = 64) reads its first operand from registers in the chunk
+    kernels as in the step kernel, where the row is computed (one instruction variant in both)."""
+    return tl.where(valid[:, None], rows, 0.0).to(rows.dtype)
 
 
 @triton.jit
