@@ -99,3 +99,12 @@ def step_split(cu_seqlens: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
     to_boundary = torch.clamp(CHUNK - held.long(), max=CHUNK) % CHUNK  # 0 at a boundary
     head = torch.minimum(lengths, to_boundary)
     return torch.where((held == 0) & (lengths == 1), lengths, head)
+
+
+def check_decode_only(decode_only: bool, q: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+    """A decode-only step has one row a sequence (checked on the host only where cu_seqlens is there)."""
+    if not decode_only:
+        return
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    if q.shape[0] != lengths.shape[0] or (cu_seqlens.device.type == "cpu" and bool((lengths != 1).any())):
+        raise ValueError(f"decode_only needs one row a sequence, got cu_seqlens {cu_seqlens.tolist()}")

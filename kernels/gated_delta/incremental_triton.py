@@ -12,6 +12,7 @@ import torch
 
 from . import incremental_cache as layout
 from .checks import check_gated_delta_inputs, check_slots, check_state
+from .incremental_cache import check_decode_only
 from .incremental_chunk_triton import chunk_forward
 from .incremental_step_triton import step_forward
 from .incremental_triton_bwd import chunk_backward
@@ -76,20 +77,23 @@ def incremental_gated_delta_rule_triton(q, k, v, a, b, A_log, dt_bias, cu_seqlen
     return o, final
 
 
-def incremental_gated_delta_rule_cached_triton(q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_state):
-    """`incremental.incremental_gated_delta_rule_cached` on the Triton kernels. A decode-only step (one row
-    a sequence) is one launch and reads no host value; a step with longer rows syncs once for the split."""
+def incremental_gated_delta_rule_cached_triton(
+    q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_state, decode_only=False
+):
+    """`incremental.incremental_gated_delta_rule_cached` on the Triton kernels. decode_only (one row a
+    sequence): the step kernel alone, no host read (CUDA graphs); otherwise one host read for the split."""
     n_seqs = check_gated_delta_inputs(q, k, v, a, b, A_log, dt_bias, cu_seqlens)
     _check_gate_strides(a, b)
     check_slots(slots, has_state, n_seqs, cache.check(k, v))
+    check_decode_only(decode_only, q, cu_seqlens)
     cu = cu_seqlens.long()
     idx = slots.long()
     held = torch.where(has_state, cache.rows[idx].long(), 0)
-    head = layout.step_split(cu, held)
+    head = torch.ones_like(idx) if decode_only else layout.step_split(cu, held)
     read = torch.where(has_state, idx, -1)
     o = torch.empty(q.shape[0], v.shape[1], v.shape[2], dtype=v.dtype, device=v.device)
     step_forward(q, k, v, a, b, A_log, dt_bias, o, cache, cu[:-1], head, held, idx, read)
-    if q.shape[0] > n_seqs or bool((head < cu[1:] - cu[:-1]).any()):  # rows left for the chunk kernels
+    if not decode_only and bool((head < cu[1:] - cu[:-1]).any()):  # rows left for the chunk kernels
         read = torch.where(has_state | (head > 0), idx, -1)
         chunk_forward(q, k, v, a, b, A_log, dt_bias, cu[:-1] + head, cu[1:], cache.state, read, cache.state, idx, o,
                       cache=cache, cache_slot=idx)  # fmt: skip

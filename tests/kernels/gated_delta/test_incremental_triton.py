@@ -105,6 +105,27 @@ def test_one_row_tile_a_chunk(ops, modules, monkeypatch):
     check_schedules(*ops, inputs, h0, seeds=(1,))
 
 
+def test_decode_only_step(ops):
+    """decode_only (one launch, no host read): the decode rows after prefills, at held rows 4, 0 and 2."""
+    from gated_delta_reference import first_difference
+    from incremental_checks import fresh_cache, run_steps
+
+    forward, cached = ops
+    inputs = gdn_inputs([5, 9, 3], 1, 2, 16, 16, seed=6)
+    with torch.no_grad():
+        o, states = forward(**inputs)
+        cache, started = fresh_cache(inputs, [2, 0, 1], None, 1)
+
+        def step(**kw):
+            return cached(**kw, decode_only=bool(kw["q"].shape[0] == kw["cu_seqlens"].shape[0] - 1))
+
+        got = run_steps(step, inputs, [[(0, 4), (1, 8), (2, 2)], [(0, 1), (1, 1), (2, 1)]], [2, 0, 1], cache, started)
+    assert torch.equal(got, o), first_difference(got, o)
+    with pytest.raises(ValueError, match="decode_only"):
+        cached(**{n: inputs[n] for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias", "cu_seqlens")}, cache=cache,
+               slots=torch.tensor([0, 1, 2]), has_state=torch.tensor([True] * 3), decode_only=True)  # fmt: skip
+
+
 def test_gradients_match_float64_autograd(ops):
     inputs, h0 = random_case(3, F32)
     check_gradients(ops[0], inputs, h0, rtol=2e-5)
