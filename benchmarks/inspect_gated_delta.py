@@ -71,10 +71,10 @@ def specs(dtype: str, rows: int, block_v: int) -> dict:
     base = dict(DK=128, DV=128, BLOCK_K=128, ROWS=rows, CHUNK=64)
     back = dict(DK=128, DV=128, BLOCK_K=128, BLOCK_V=block_v, CHUNK=64, PRECISION="ieee" if dtype == "fp32" else "bf16")
     return {
-        "normalize": (chunk._normalize_kernel, dict(base, BLOCK_DV=128, SOFTPLUS_MAX=20.0), tiles.launch_options()),
-        "prepare": (chunk._prepare_kernel, dict(base, BLOCK_V=block_v, STORE_T=False, **dots), tiles.launch_options()),
-        "state": (chunk._state_kernel, dict(base, BLOCK_V=block_v, **dots), tiles.launch_options()),
-        "output": (chunk._output_kernel, dict(base, BLOCK_V=block_v, **dots), tiles.launch_options()),
+        "normalize": (chunk.normalize_kernel, dict(base, BLOCK_DV=128, SOFTPLUS_MAX=20.0), tiles.launch_options()),
+        "prepare": (chunk.prepare_kernel, dict(base, BLOCK_V=block_v, STORE_T=False, **dots), tiles.launch_options()),
+        "state": (chunk.state_kernel, dict(base, BLOCK_V=block_v, **dots), tiles.launch_options()),
+        "output": (chunk.output_kernel, dict(base, BLOCK_V=block_v, **dots), tiles.launch_options()),
         "step": (step._step_kernel, dict(base, BLOCK_V=block_v, SOFTPLUS_MAX=20.0, **dots), tiles.launch_options()),
         "bwd_state": (bwd._bwd_state_kernel, back, bwd.LAUNCH),
         "bwd_chunk": (bwd._bwd_chunk_kernel, back, bwd.LAUNCH),

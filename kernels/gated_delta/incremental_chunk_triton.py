@@ -1,7 +1,8 @@
 """Design C's chunk kernels (training, prefill, the chunk-aligned rows of a chunked-prefill step): math in
 `incremental.py`, the row-tile routines and their invariant in `incremental_tiles_triton.py`.
 
-Four launches over the chunks of rows [BOS[n], EOS[n]) (anchored at BOS[n], a chunk boundary):
+Four launches over the chunks of rows [BOS[n], EOS[n]) (anchored at BOS[n], a chunk boundary; launcher:
+`incremental_triton.chunk_forward`):
 1. normalise (chunk row tile, k head): q_hat, k_hat (dt), g, beta, x = dt(beta v) to scratch;
 2. prepare (chunk, v head): G; per row tile, A, then T by forward substitution row by row, U, W;
    every chunk at once (no state);
@@ -12,12 +13,9 @@ A sequence's last, partial chunk leaves its rows (k, x, g, beta, T, V') in cache
 (-1: none), for the step kernel to continue from.
 """
 
-import torch
 import triton
 import triton.language as tl
 
-from . import incremental_cache as layout
-from . import incremental_tiles_triton as tiles
 from .incremental_tiles_triton import (
     a_rows,
     block_base,
@@ -33,11 +31,10 @@ from .incremental_tiles_triton import (
     solved_product,
     state_after,
 )
-from .rules import L2NORM_EPS, SOFTPLUS_THRESHOLD, qk_scale
 
 
 @triton.jit(do_not_specialize=["n_chunks"])
-def _normalize_kernel(
+def normalize_kernel(
     Q, K, V, A, B, A_LOG, DT_BIAS, QH, KH, X, GR, BETA, EOS, CHUNK_SEQ, CHUNK_ROW, n_chunks,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt, HK, HV, RATIO, scale, eps,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, ROWS: tl.constexpr,
@@ -70,7 +67,7 @@ def _normalize_kernel(
 
 
 @triton.jit(do_not_specialize=["n_chunks"])
-def _prepare_kernel(
+def prepare_kernel(
     KH, X, GR, BETA, GC, W, U, TS, EOS, CHUNK_SEQ, CHUNK_ROW, CACHE_SLOT, CK, CX, CG, CB, CT, n_chunks, HK, HV, RATIO,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, ROWS: tl.constexpr,
     CHUNK: tl.constexpr, STORE_T: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -140,7 +137,7 @@ def _prepare_kernel(
 
 
 @triton.jit(do_not_specialize=["n_seqs"])
-def _state_kernel(
+def state_kernel(
     W, U, KH, GC, VN, H, H0, HT, BOS, EOS, CHUNK_START, READ, WRITE, CACHE_SLOT, CVN, n_seqs, HK, HV, RATIO,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, ROWS: tl.constexpr,
     CHUNK: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -197,7 +194,7 @@ def _state_kernel(
 
 
 @triton.jit(do_not_specialize=["n_chunks"])
-def _output_kernel(
+def output_kernel(
     QH, KH, GC, VN, H, OUT, EOS, CHUNK_SEQ, CHUNK_ROW, n_chunks, stride_ot, stride_oh, HK, HV, RATIO,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, ROWS: tl.constexpr,
     CHUNK: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -233,57 +230,3 @@ def _output_kernel(
         tl.store(OUT + rows_r[:, None] * stride_ot + hv * stride_oh + ov[None, :], o.to(OUT.dtype.element_ty),
                  mask=valid_r[:, None] & mv[None, :])  # fmt: skip
 
-
-def chunk_forward(q, k, v, a, b, A_log, dt_bias, bos, eos, h0, read, ht, write, out, cache=None, cache_slot=None,
-                  store_t=False) -> dict:  # fmt: skip
-    """The chunk kernels over rows [bos[n], eos[n]) of each sequence (bos[n] on a chunk boundary), from the
-    state h0[read[n]] (0 where read[n] < 0). o goes to out's rows [bos[n], eos[n]); the state after the last
-    full chunk (or 0 for read[n] < 0) to ht[write[n]] (write[n] >= 0); a partial last chunk's rows to
-    cache slot cache_slot[n] (an IncrementalCache; -1 or no cache: none). Returns the scratch (q_hat,
-    k_hat, x, g, beta, G, W, U, V', the chunk start states h, T if store_t) and the chunk map."""
-    n_tokens, hk, d_k = q.shape
-    hv, d_v = v.shape[1], v.shape[2]
-    n_seqs, device, dt = bos.shape[0], v.device, q.dtype
-    chunk, rows = layout.CHUNK, tiles.ROWS
-    seq, first, chunk_start = (t.to(device) for t in layout.chunk_map(bos, eos))
-    n_chunks = seq.shape[0]
-    f32 = dict(dtype=torch.float32, device=device)
-    s = {name: torch.empty(n_tokens, h, d, dtype=dt, device=device)
-         for name, h, d in (("q", hk, d_k), ("k", hk, d_k), ("x", hv, d_v), ("w", hv, d_k), ("u", hv, d_v), ("vnew", hv, d_v))}  # fmt: skip
-    s.update(g=torch.empty(n_tokens, hv, **f32), beta=torch.empty(n_tokens, hv, **f32), G=torch.empty(n_tokens, hv, **f32))
-    s["h"] = torch.empty(max(n_chunks, 1), hv, d_v, d_k, dtype=dt, device=device)
-    s["t"] = torch.empty(n_tokens if store_t else 1, hv, chunk, **f32)
-    if cache is None or cache_slot is None:
-        cache_slot = torch.full((n_seqs,), -1, dtype=torch.int64, device=device)
-        ck = cx = cvn = s["q"]
-        cg = cb = ct = s["g"]
-    else:
-        ck, cx, cg, cb, ct, cvn = cache.k, cache.x, cache.g, cache.beta, cache.t, cache.vnew
-    block_k, block_dv, block_v = tiles.block_sizes(d_k, d_v)
-    const = dict(DK=d_k, DV=d_v, BLOCK_K=block_k, ROWS=rows, CHUNK=chunk, **tiles.launch_options())
-    dots = tiles.dot_options(dt)
-    bos, eos = bos.long().contiguous(), eos.long().contiguous()
-    ratio = hv // hk
-    if n_chunks:
-        _normalize_kernel[(n_chunks * (chunk // rows), hk)](
-            q, k, v, a, b, A_log.contiguous(), dt_bias.contiguous(), s["q"], s["k"], s["x"], s["g"], s["beta"], eos,
-            seq, first, n_chunks, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            a.stride(0), b.stride(0), hk, hv, ratio, qk_scale(d_k), L2NORM_EPS,
-            BLOCK_DV=block_dv, SOFTPLUS_MAX=SOFTPLUS_THRESHOLD, **const,
-        )  # fmt: skip
-        _prepare_kernel[(n_chunks, hv)](
-            s["k"], s["x"], s["g"], s["beta"], s["G"], s["w"], s["u"], s["t"], eos, seq, first, cache_slot,
-            ck, cx, cg, cb, ct, n_chunks, hk, hv, ratio, BLOCK_V=block_v, STORE_T=store_t, **dots, **const,
-        )  # fmt: skip
-    if n_seqs:
-        _state_kernel[(triton.cdiv(d_v, block_v), n_seqs * hv)](
-            s["w"], s["u"], s["k"], s["G"], s["vnew"], s["h"], h0, ht, bos, eos, chunk_start, read, write,
-            cache_slot, cvn, n_seqs, hk, hv, ratio, BLOCK_V=block_v, **dots, **const,
-        )  # fmt: skip
-    if n_chunks:
-        _output_kernel[(n_chunks, hv, triton.cdiv(d_v, block_v))](
-            s["q"], s["k"], s["G"], s["vnew"], s["h"], out, eos, seq, first, n_chunks, out.stride(0), out.stride(1),
-            hk, hv, ratio, BLOCK_V=block_v, **dots, **const,
-        )  # fmt: skip
-    s.update(seq=seq, first=first, chunk_start=chunk_start)
-    return s

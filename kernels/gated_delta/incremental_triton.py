@@ -1,7 +1,8 @@
-"""Design C on Triton (the CUDA path of `incremental.py`): the training op with its autograd, and the
-cached step that sends each sequence's rows to the step kernel (`incremental_step_triton.py`: the rows that
-complete its partial chunk, or its decode row) and the rest, which start on a chunk boundary, to the chunk
-kernels (`incremental_chunk_triton.py`). Both give a row the same bits (`incremental_tiles_triton.py`).
+"""Design C on Triton (the CUDA path of `incremental.py`): the chunk kernels' launcher (`chunk_forward`),
+the training op with its autograd, and the cached step that sends each sequence's rows to the step kernel
+(`incremental_step_triton.py`: the rows that complete its partial chunk, or its decode row) and the rest,
+which start on a chunk boundary, to the chunk kernels (`incremental_chunk_triton.py`). Both give a row
+the same bits (`incremental_tiles_triton.py`).
 
 Backward (`incremental_triton_bwd.py`): the forward's scratch is recomputed, the chunks' gradients are
 taken in reverse (fp32), and autograd of the torch rules carries them to q, k, a, b, A_log, dt_bias
@@ -9,20 +10,77 @@ taken in reverse (fp32), and autograd of the torch rules carries them to q, k, a
 """
 
 import torch
+import triton
 
 from . import incremental_cache as layout
+from . import incremental_tiles_triton as tiles
 from .checks import check_gated_delta_inputs, check_slots, check_state
 from .incremental_cache import check_decode_only
-from .incremental_chunk_triton import chunk_forward
+from .incremental_chunk_triton import normalize_kernel, output_kernel, prepare_kernel, state_kernel
 from .incremental_step_triton import step_forward
 from .incremental_triton_bwd import chunk_backward
-from .rules import gates, normalized_qk
+from .rules import L2NORM_EPS, SOFTPLUS_THRESHOLD, gates, normalized_qk, qk_scale
 
 
 def _check_gate_strides(a, b):
     for name, t in (("a", a), ("b", b)):
         if t.shape[1] > 1 and t.stride(1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
+
+
+def chunk_forward(q, k, v, a, b, A_log, dt_bias, bos, eos, h0, read, ht, write, out, cache=None, cache_slot=None,
+                  store_t=False) -> dict:  # fmt: skip
+    """The chunk kernels over rows [bos[n], eos[n]) of each sequence (bos[n] on a chunk boundary), from the
+    state h0[read[n]] (0 where read[n] < 0). o goes to out's rows [bos[n], eos[n]); the state after the last
+    full chunk (or 0 for read[n] < 0) to ht[write[n]] (write[n] >= 0); a partial last chunk's rows to
+    cache slot cache_slot[n] (an IncrementalCache; -1 or no cache: none). Returns the scratch (q_hat,
+    k_hat, x, g, beta, G, W, U, V', the chunk start states h, T if store_t) and the chunk map."""
+    n_tokens, hk, d_k = q.shape
+    hv, d_v = v.shape[1], v.shape[2]
+    n_seqs, device, dt = bos.shape[0], v.device, q.dtype
+    chunk, rows = layout.CHUNK, tiles.ROWS
+    seq, first, chunk_start = (t.to(device) for t in layout.chunk_map(bos, eos))
+    n_chunks = seq.shape[0]
+    f32 = dict(dtype=torch.float32, device=device)
+    s = {name: torch.empty(n_tokens, h, d, dtype=dt, device=device)
+         for name, h, d in (("q", hk, d_k), ("k", hk, d_k), ("x", hv, d_v), ("w", hv, d_k), ("u", hv, d_v), ("vnew", hv, d_v))}  # fmt: skip
+    s.update(g=torch.empty(n_tokens, hv, **f32), beta=torch.empty(n_tokens, hv, **f32), G=torch.empty(n_tokens, hv, **f32))
+    s["h"] = torch.empty(max(n_chunks, 1), hv, d_v, d_k, dtype=dt, device=device)
+    s["t"] = torch.empty(n_tokens if store_t else 1, hv, chunk, **f32)
+    if cache is None or cache_slot is None:
+        cache_slot = torch.full((n_seqs,), -1, dtype=torch.int64, device=device)
+        ck = cx = cvn = s["q"]
+        cg = cb = ct = s["g"]
+    else:
+        ck, cx, cg, cb, ct, cvn = cache.k, cache.x, cache.g, cache.beta, cache.t, cache.vnew
+    block_k, block_dv, block_v = tiles.block_sizes(d_k, d_v)
+    const = dict(DK=d_k, DV=d_v, BLOCK_K=block_k, ROWS=rows, CHUNK=chunk, **tiles.launch_options())
+    dots = tiles.dot_options(dt)
+    bos, eos = bos.long().contiguous(), eos.long().contiguous()
+    ratio = hv // hk
+    if n_chunks:
+        normalize_kernel[(n_chunks * (chunk // rows), hk)](
+            q, k, v, a, b, A_log.contiguous(), dt_bias.contiguous(), s["q"], s["k"], s["x"], s["g"], s["beta"], eos,
+            seq, first, n_chunks, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            a.stride(0), b.stride(0), hk, hv, ratio, qk_scale(d_k), L2NORM_EPS,
+            BLOCK_DV=block_dv, SOFTPLUS_MAX=SOFTPLUS_THRESHOLD, **const,
+        )  # fmt: skip
+        prepare_kernel[(n_chunks, hv)](
+            s["k"], s["x"], s["g"], s["beta"], s["G"], s["w"], s["u"], s["t"], eos, seq, first, cache_slot,
+            ck, cx, cg, cb, ct, n_chunks, hk, hv, ratio, BLOCK_V=block_v, STORE_T=store_t, **dots, **const,
+        )  # fmt: skip
+    if n_seqs:
+        state_kernel[(triton.cdiv(d_v, block_v), n_seqs * hv)](
+            s["w"], s["u"], s["k"], s["G"], s["vnew"], s["h"], h0, ht, bos, eos, chunk_start, read, write,
+            cache_slot, cvn, n_seqs, hk, hv, ratio, BLOCK_V=block_v, **dots, **const,
+        )  # fmt: skip
+    if n_chunks:
+        output_kernel[(n_chunks, hv, triton.cdiv(d_v, block_v))](
+            s["q"], s["k"], s["G"], s["vnew"], s["h"], out, eos, seq, first, n_chunks, out.stride(0), out.stride(1),
+            hk, hv, ratio, BLOCK_V=block_v, **dots, **const,
+        )  # fmt: skip
+    s.update(seq=seq, first=first, chunk_start=chunk_start)
+    return s
 
 
 def _forward(q, k, v, a, b, A_log, dt_bias, cu_seqlens, initial_state, store_t=False):
