@@ -7,10 +7,11 @@ input dtype, to which every product's operands are rounded; S^T = the fp32 state
     G_i   = sum_{j <= i} g_j                                   one sum over the C gate slots
     x_j   = dt(beta_j v_j),  y_j = dt(beta_j exp(G_j) k_j)
     A_ij  = beta_i (k_i . k_j) exp(G_i - G_j)                  j < i, else 0
-    T_i   = e_i - sum_{l < i} A_il T_l                         forward substitution, rows in order
+    T_i   = e_i - sum_{l < i} A_il T_l                         forward substitution, rows in order (the
+                                                               kernels: rows before i's row tile, then its)
     U_i   = dt(T_i x),  W_i = dt(T_i y)                         (T_i rounded to dt)
-    V'_i  = dt(U_i - W_i S)                                    the chunk's delta values
-    o_i   = dt(q_i exp(G_i)) S + sum_{j <= i} dt((q_i . k_j) exp(G_i - G_j)) V'_j
+    V'_i  = dt(U_i - W_i dt(S))                                the chunk's delta values
+    o_i   = dt(q_i exp(G_i)) dt(S) + sum_{j <= i} dt((q_i . k_j) exp(G_i - G_j)) V'_j
     S    <- exp(G_{C-1}) S + sum_j dt(exp(G_{C-1} - G_j) k_j) V'_j^T      when the chunk is full
 This is the recurrence S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T,
 o_t = S_t^T q_t of `recurrent.py`, regrouped by chunks (the WY form flash-linear-attention uses), up to
@@ -23,8 +24,9 @@ boundary state) computes row p with the same operations on the same operands, ze
 same bits as row p of any prefill or training chunk. A step costs one row of each product, not the
 chunk (design B recomputes the chunk). The state after a chunk is the same product of the same full
 tiles whether one prefill or 64 decode steps filled it. The torch path (`incremental_torch.py`: every
-product a fixed-order row sum) and the Triton kernels (`incremental_triton.py`, `incremental_step_triton.py`:
-fixed-shape tiles, the step padding its row into the chunk kernels' row tile) agree only to rounding.
+product a fixed-order row sum) and the Triton kernels (`incremental_chunk_triton.py`,
+`incremental_step_triton.py`, launched by `incremental_triton.py`: fixed-shape tiles, the step padding its
+row into the chunk kernels' row tile) agree only to rounding.
 
 Entry points (T packed tokens, N sequences, cu_seqlens [N + 1]):
 - `incremental_gated_delta_rule`: training: from zero or given boundary states [N, HV, DV, DK] at each

@@ -4,8 +4,9 @@ in `incremental.py`; the shared row-tile routines and their invariant in `increm
 Program (v tile, sequence x v head) loads the slot's boundary state tile and the partial chunk's rows
 (k, x, g, beta, T, V') into chunk tiles, then computes its rows one at a time: each row through the
 routines the chunk kernels use, in a row tile of their shape with the row at its place (chunk position
-% ROWS) and zeros elsewhere: normalise, G, the row of A, one step of the forward substitution, its U, W,
-V' and o. A row at chunk position CHUNK - 1 completes the chunk: the state update of the full tiles,
+% ROWS) and zeros elsewhere: normalise, G, the row of A, one step of the forward substitution (T's rows
+before the row tile in one dot, the tile's earlier rows in another, as the chunk kernels solve a tile),
+its U, W, V' and o. A row at chunk position CHUNK - 1 completes the chunk: the state update of the full tiles,
 the product the chunk kernels compute. Then the rows go to the slot (or, after a full chunk, the state).
 
 Per step the program reads the state tile and the held rows once (a row at position p reads p rows)
