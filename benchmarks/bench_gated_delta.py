@@ -367,7 +367,7 @@ def _c_decode(x, device, held_rows: int):
         from vexact_vllm.kernels.gated_delta.incremental_step_triton import step_forward
 
         call = lambda: step_forward(x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"], out, cache,  # noqa: E731
-                                    idx, ones, held_t, idx, idx)  # fmt: skip
+                                    idx, ones, held_t, idx, idx, single=True)  # fmt: skip
     with torch.no_grad():
         return {"fwd_ms": _time_ms(call, device)}
 

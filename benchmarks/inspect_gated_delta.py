@@ -75,7 +75,10 @@ def specs(dtype: str, rows: int, block_v: int) -> dict:
         "prepare": (chunk.prepare_kernel, dict(base, BLOCK_V=block_v, STORE_T=False, **dots), tiles.launch_options()),
         "state": (chunk.state_kernel, dict(base, BLOCK_V=block_v, **dots), tiles.launch_options()),
         "output": (chunk.output_kernel, dict(base, BLOCK_V=block_v, **dots), tiles.launch_options()),
-        "step": (step._step_kernel, dict(base, BLOCK_V=block_v, SOFTPLUS_MAX=20.0, **dots), tiles.launch_options()),
+        "step": (step._step_kernel, dict(base, BLOCK_V=block_v, SOFTPLUS_MAX=20.0, SINGLE=False, **dots),
+                 tiles.launch_options()),
+        "decode": (step._step_kernel, dict(base, BLOCK_V=block_v, SOFTPLUS_MAX=20.0, SINGLE=True, **dots),
+                   tiles.launch_options()),
         "bwd_state": (bwd._bwd_state_kernel, back, bwd.LAUNCH),
         "bwd_chunk": (bwd._bwd_chunk_kernel, back, bwd.LAUNCH),
     }
@@ -193,17 +196,17 @@ def main(argv=None) -> int:
     def routine(frame: str) -> str:
         return functions.get(int(frame.split(":")[1]), "?")
 
-    if "step" in compiled:  # 1. every shared dot of the step has its twin in a chunk kernel
-        chunk_dots = {d for n in CHUNK_KERNELS if n in compiled for d in compiled[n].dots()}
-        for frames, sig in sorted(set(compiled["step"].dots())):
-            where = " <- ".join(routine(f) for f in frames)
+    chunk_dots = {d for n in CHUNK_KERNELS if n in compiled for d in compiled[n].dots()}
+    for name in [n for n in ("step", "decode") if n in compiled]:  # 1. every shared dot has its chunk twin
+        for frames, sig in sorted(set(compiled[name].dots())):
+            where = " <- ".join(routine(f) for f in frames if routine(f) != "_step_row")
             twin = (frames, sig) in chunk_dots
             same_routine = [s for f, s in chunk_dots if f == frames]
-            print(f"  step dot {where:40} {sig}  {'== chunk' if twin else 'NO TWIN'}")
+            print(f"  {name} dot {where:40} {sig}  {'== chunk' if twin else 'NO TWIN'}")
             if frames and not twin and same_routine:
-                failures.append(f"step's {where} dot {sig} differs from the chunk kernels' {same_routine}")
+                failures.append(f"{name}'s {where} dot {sig} differs from the chunk kernels' {same_routine}")
             elif frames and not twin:
-                failures.append(f"step's {where} dot {sig} has no chunk-kernel twin")
+                failures.append(f"{name}'s {where} dot {sig} has no chunk-kernel twin")
     for name in [n for n in compiled if not n.startswith("bwd")]:  # 2. reductions are exact picks
         for chain in compiled[name].reduces():
             routines = [routine(f) for f in chain if "tiles_triton" in f]

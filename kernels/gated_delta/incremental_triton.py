@@ -150,7 +150,7 @@ def incremental_gated_delta_rule_cached_triton(
     head = torch.ones_like(idx) if decode_only else layout.step_split(cu, held)
     read = torch.where(has_state, idx, -1)
     o = torch.empty(q.shape[0], v.shape[1], v.shape[2], dtype=v.dtype, device=v.device)
-    step_forward(q, k, v, a, b, A_log, dt_bias, o, cache, cu[:-1], head, held, idx, read)
+    step_forward(q, k, v, a, b, A_log, dt_bias, o, cache, cu[:-1], head, held, idx, read, single=decode_only)
     if not decode_only and bool((head < cu[1:] - cu[:-1]).any()):  # rows left for the chunk kernels
         read = torch.where(has_state | (head > 0), idx, -1)
         chunk_forward(q, k, v, a, b, A_log, dt_bias, cu[:-1] + head, cu[1:], cache.state, read, cache.state, idx, o,
