@@ -1,7 +1,7 @@
-"""Time the two Gated DeltaNet designs against flash-linear-attention's and vLLM's kernels, at
+"""Time the three Gated DeltaNet designs against flash-linear-attention's and vLLM's kernels, at
 Qwen3-Next / Qwen3.5 GDN shapes, and check on the device that decode == training for each design.
 
-    python benchmarks/bench_gated_delta.py [--v-heads 32,48] [--output F.json] [--jsonl F.jsonl]
+    python benchmarks/bench_gated_delta.py [--v-heads 32,48] [--rows 16] [--output F.json] [--jsonl F.jsonl]
     TRITON_INTERPRET=1 python benchmarks/bench_gated_delta.py --small    # CPU smoke run, tiny shapes
 
 Shapes: 16 k heads, 32 (Qwen3-Next-80B-A3B) or 48 v heads, d_k = d_v = 128, bf16 inputs, fp32 state.
@@ -17,21 +17,28 @@ Systems:
                  printed only where fla runs. Decode "B@p" = a step whose sequences hold p rows of a
                  partial chunk (p = 0, 31, 63; p = 63 commits a state); kernel time only (the step's
                  Python assembly of the partial rows is not timed: a production step reads them in-kernel)
+  C              chunk-anchored and incremental (kernels/gated_delta/incremental*.py): train forward and
+                 forward+backward (its chunked backward), prefill (the cached op from empty slots).
+                 Decode "C@p" = the step kernel for sequences holding p rows of a partial chunk (p = 0,
+                 31, 63; p = 63 commits a state): kernel time, its per-sequence indices precomputed as
+                 vLLM's metadata builder would. --rows sets its row tile (ROWS: 16 or 64)
   fla-chunk      flash-linear-attention's chunk_gated_delta_rule (pip fla-core; skipped if absent)
   fla-recurrent  its fused_recurrent_gated_delta_rule (decode)
   vllm-chunk     vLLM's vendored chunk_gated_delta_rule (train forward, prefill; skipped without vLLM)
   vllm-decode    vLLM's fused_recurrent_gated_delta_rule_packed_decode (its decode step)
 fla and vLLM get g and beta precomputed and l2-normalise q, k in their kernels; A and B take the raw
 a, b and compute the gates in-kernel. Timings are medians (triton.testing.do_bench on a GPU, wall
-clock on the CPU). "vs A" is the system's time over A's at the same case (below 1: faster than A).
+clock on the CPU). "vs A" is the system's time over A's at the same case (below 1: faster than A); "vs
+ref" over the reference of the choosing rule (docs/architecture.md): fla's chunk kernel for train and
+prefill (vLLM's where fla is absent), vLLM's decode step for decode.
 "max |o - A|" compares each system's output with A's. The check section runs a decode schedule of
 each design at the benchmark shape and reports whether it equals the training forward bit for bit
 (or the first differing element). The table prints last; --output gets every number, the device,
 the versions, the commit and the command; --jsonl writes docs/results.jsonl rows (one per case kind
 and one for the check; results_page.py's schema) for the lead to paste.
 
-On the CPU the full shapes are refused. With TRITON_INTERPRET=1 the smoke run takes A and B through
-their Triton kernels on the interpreter; without it, A's torch path only.
+On the CPU the full shapes are refused. With TRITON_INTERPRET=1 the smoke run takes A, B and C through
+their Triton kernels on the interpreter; without it, A's and C's torch paths.
 """
 
 from __future__ import annotations
@@ -55,7 +62,7 @@ PACKAGES = {"triton": ("triton",), "fla": ("fla-core", "flash-linear-attention")
 SMALL = {"hk": 2, "dk": 16, "dv": 16}
 # Sequence lengths of the decode == training check: several chunks of 64, exactly one, one row, one past.
 CHECK_LENGTHS = {"full": [130, 64, 1, 65], "small": [17, 1, 3]}
-# The smoke run (--small): one timed call a case, design B in chunks of 16 (the interpreter is slow).
+# The smoke run (--small): one timed call a case, designs B and C in chunks of 16 (the interpreter is slow).
 CPU_REPS = 3
 SMALL_CHUNK = 16
 
@@ -77,6 +84,23 @@ def _a_ops(device: str):
     from vexact_vllm.kernels import gated_delta_rule, gated_delta_rule_cached
 
     return gated_delta_rule, gated_delta_rule_cached
+
+
+def _c_ops(device: str):
+    """Design C's (training op, cached op), as `_a_ops` chooses A's."""
+    if device == "cpu" and _interpreted():
+        from vexact_vllm.kernels.gated_delta.incremental_triton import (
+            incremental_gated_delta_rule_cached_triton,
+            incremental_gated_delta_rule_triton,
+        )
+
+        return incremental_gated_delta_rule_triton, incremental_gated_delta_rule_cached_triton
+    from vexact_vllm.kernels.gated_delta.incremental import (
+        incremental_gated_delta_rule,
+        incremental_gated_delta_rule_cached,
+    )
+
+    return incremental_gated_delta_rule, incremental_gated_delta_rule_cached
 
 
 def _time_ms(fn, device: str) -> float:
@@ -146,6 +170,23 @@ def _b_train(x, device):
     with torch.no_grad():
         out = chunked_gated_delta_rule(**_rows(x))
         return {"fwd_ms": _time_ms(lambda: chunked_gated_delta_rule(**_rows(x)), device), "out": out}
+
+
+def _c_train(x, device):
+    forward, _ = _c_ops(device)
+    with torch.no_grad():
+        out, _ = forward(**_rows(x))
+        fwd = _time_ms(lambda: forward(**_rows(x)), device)
+    leaves = {k: (t.clone().requires_grad_() if t.is_floating_point() else t) for k, t in _rows(x).items()}
+    do = torch.randn_like(out)
+
+    def step():
+        o, _ = forward(**leaves)
+        (o.float() * do).sum().backward()
+        for t in leaves.values():
+            t.grad = None
+
+    return {"fwd_ms": fwd, "fwd_bwd_ms": _time_ms(step, device), "out": out}
 
 
 def _fla_chunk_run(x, chunk_fn, final_state=False):
@@ -228,6 +269,21 @@ def _b_prefill(x, device):
                 "out": out}  # fmt: skip
 
 
+def _c_prefill(x, device):
+    from vexact_vllm.kernels.gated_delta.incremental_cache import IncrementalCache
+
+    _, cached = _c_ops(device)
+    n = x["cu_seqlens"].shape[0] - 1
+    cache = IncrementalCache.empty(n, x["q"].shape[1], x["v"].shape[1], x["q"].shape[2], x["v"].shape[2],
+                                   x["v"].dtype, device)  # fmt: skip
+    slots = torch.arange(n, device=device)
+    fresh = torch.zeros(n, dtype=torch.bool, device=device)
+    with torch.no_grad():
+        out = cached(**_rows(x), cache=cache, slots=slots, has_state=fresh)
+        return {"fwd_ms": _time_ms(lambda: cached(**_rows(x), cache=cache, slots=slots, has_state=fresh), device),
+                "out": out}  # fmt: skip
+
+
 def _fla_prefill(x, device):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -283,6 +339,39 @@ def _b_decode(x, device, held_rows: int):
         return {"fwd_ms": _time_ms(call, device)}
 
 
+def _c_decode(x, device, held_rows: int):
+    """Design C's step kernel for one row of each sequence, which holds `held_rows` rows of a partial
+    chunk (of 64; scaled to the chunk in the smoke run) in its slot."""
+    from vexact_vllm.kernels.gated_delta import incremental_cache as layout
+    from vexact_vllm.kernels.gated_delta.incremental_cache import IncrementalCache
+
+    n, hv, dv = x["v"].shape
+    hk, dk = x["q"].shape[1], x["q"].shape[2]
+    held = held_rows * layout.CHUNK // 64
+    cache = IncrementalCache.empty(n, hk, hv, dk, dv, x["v"].dtype, device)
+    cache.state.copy_(_decode_start(x, device))
+    gen = torch.Generator().manual_seed(3)
+    for t in (cache.k, cache.x, cache.vnew, cache.t):  # any finite rows: the kernel's work does not depend on them
+        t.copy_((torch.randn(t.shape, generator=gen) * 0.1).to(t.dtype))
+    cache.g.fill_(-0.1)
+    cache.beta.fill_(0.5)
+    idx = torch.arange(n, device=device)
+    held_t = torch.full((n,), held, dtype=torch.int64, device=device)
+    ones = torch.ones(n, dtype=torch.int64, device=device)
+    out = torch.empty_like(x["v"])
+    if device == "cpu" and not _interpreted():  # the torch path: the op (it moves the slots' rows on)
+        _, cached = _c_ops(device)
+        cache.rows.fill_(held)
+        call = lambda: cached(**_rows(x), cache=cache, slots=idx, has_state=ones.bool())  # noqa: E731
+    else:
+        from vexact_vllm.kernels.gated_delta.incremental_step_triton import step_forward
+
+        call = lambda: step_forward(x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"], out, cache,  # noqa: E731
+                                    idx, ones, held_t, idx, idx, single=True)  # fmt: skip
+    with torch.no_grad():
+        return {"fwd_ms": _time_ms(call, device)}
+
+
 def _vllm_decode(x, device):
     from vllm.third_party.flash_linear_attention.ops import fused_recurrent_gated_delta_rule_packed_decode
 
@@ -328,13 +417,18 @@ def _fla_decode(x, device):
 
 
 SYSTEMS = {
-    "train": {"A": _a_train, "B": _b_train, "fla-chunk": _fla_train, "vllm-chunk": _vllm_train},
-    "prefill": {"A": _a_prefill, "B": _b_prefill, "fla-chunk": _fla_prefill, "vllm-chunk": _vllm_prefill},
+    "train": {"A": _a_train, "B": _b_train, "C": _c_train, "fla-chunk": _fla_train, "vllm-chunk": _vllm_train},
+    "prefill": {"A": _a_prefill, "B": _b_prefill, "C": _c_prefill, "fla-chunk": _fla_prefill,
+                "vllm-chunk": _vllm_prefill},
     "decode": {
         "A": _a_decode, "B@0": lambda x, d: _b_decode(x, d, 0), "B@31": lambda x, d: _b_decode(x, d, 31),
-        "B@63": lambda x, d: _b_decode(x, d, 63), "fla-recurrent": _fla_decode, "vllm-decode": _vllm_decode,
+        "B@63": lambda x, d: _b_decode(x, d, 63), "C@0": lambda x, d: _c_decode(x, d, 0),
+        "C@31": lambda x, d: _c_decode(x, d, 31), "C@63": lambda x, d: _c_decode(x, d, 63),
+        "fla-recurrent": _fla_decode, "vllm-decode": _vllm_decode,
     },
 }  # fmt: skip
+# The reference of the choosing rule for each case (docs/architecture.md), first available wins.
+REFERENCES = {"train": ("fla-chunk", "vllm-chunk"), "prefill": ("fla-chunk", "vllm-chunk"), "decode": ("vllm-decode",)}
 
 
 # ------------------------------------------------------------------------------ the bitwise check
@@ -360,11 +454,21 @@ def _check(shape: dict, hv: int, device: str, lengths: list[int]) -> list[dict]:
         from vexact_vllm.kernels.gated_delta import chunked
 
         designs["B"] = chunked
+    designs["C"] = "C"
     for name, chunked in designs.items():
         with torch.no_grad():
             if chunked is None:
                 want, _ = forward(**_rows(x))
                 cache = torch.full((len(lengths), hv, shape["dv"], shape["dk"]), float("nan"), device=device)
+            elif chunked == "C":
+                from vexact_vllm.kernels.gated_delta.incremental_cache import IncrementalCache
+
+                c_forward, c_cached = _c_ops(device)
+                want, _ = c_forward(**_rows(x))
+                cache = IncrementalCache.empty(len(lengths), shape["hk"], hv, shape["dk"], shape["dv"], torch.bfloat16,
+                                               device)  # fmt: skip
+                for t in cache.tensors()[:-1]:
+                    t.fill_(float("nan"))  # a slot's stale contents must never be read
             else:
                 want = chunked.chunked_gated_delta_rule(**_rows(x))
                 cache = chunked.ChunkAnchoredCache.empty(
@@ -383,6 +487,8 @@ def _check(shape: dict, hv: int, device: str, lengths: list[int]) -> list[dict]:
                     got[idx] = cached(
                         **step, cu_seqlens=step_cu, state_cache=cache, slots=slots, has_state=held
                     )
+                elif chunked == "C":
+                    got[idx] = c_cached(**step, cu_seqlens=step_cu, cache=cache, slots=slots, has_state=held)
                 else:
                     got[idx] = chunked.chunk_anchored_step(
                         **step, cu_seqlens=step_cu, cache=cache, slots=slots, has_state=held
@@ -399,7 +505,7 @@ def _runnable(name: str, device: str) -> str | None:
         return None
     if name.startswith("B"):
         return None if _interpreted() else "needs CUDA or TRITON_INTERPRET=1"
-    return None if name == "A" else "needs CUDA"
+    return None if name == "A" or name.startswith("C") else "needs CUDA"
 
 
 def _estimate_b_backward(rows: list[dict]) -> None:
@@ -462,8 +568,13 @@ def _run_case(
         status = row.get("skipped") or row.get("error") or f"fwd {fmt(row['fwd_ms'])} ms"
         print(f"{case:8} hv {hv} {size:>12}  {name:14} {status}", flush=True)
     ours = results.get("A")
+    ref = next((results[name] for name in REFERENCES[case] if name in results), None)
     for row in rows:
         got = results.get(row["system"])
+        if got is not None and ref is not None:
+            row["fwd_vs_ref"] = got["fwd_ms"] / ref["fwd_ms"]
+            if got.get("fwd_bwd_ms") is not None and ref.get("fwd_bwd_ms") is not None:
+                row["fwd_bwd_vs_ref"] = got["fwd_bwd_ms"] / ref["fwd_bwd_ms"]
         if got is None or ours is None:
             continue
         row["fwd_vs_a"] = got["fwd_ms"] / ours["fwd_ms"]
@@ -488,6 +599,7 @@ def main(argv=None) -> int:
     parser.add_argument("--jsonl", default=None, help="also write docs/results.jsonl rows to this file")
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    parser.add_argument("--rows", type=int, default=None, help="design C's row tile (default: its ROWS, 16)")
     args = parser.parse_args(argv)
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -506,10 +618,17 @@ def main(argv=None) -> int:
     if args.small:
         global CPU_REPS
         CPU_REPS = 1
+        from vexact_vllm.kernels.gated_delta import incremental_cache
+
+        incremental_cache.CHUNK = SMALL_CHUNK
         if device == "cpu" and _interpreted():
             from vexact_vllm.kernels.gated_delta import chunked_triton
 
             chunked_triton.CHUNK = SMALL_CHUNK
+    if args.rows or args.small:
+        from vexact_vllm.kernels.gated_delta import incremental_tiles_triton
+
+        incremental_tiles_triton.ROWS = min(args.rows or incremental_tiles_triton.ROWS, SMALL_CHUNK if args.small else 64)
     mode = " (Triton interpreter)" if device == "cpu" and _interpreted() else ""
     print(f"shape {shape}, v heads {v_heads}, bf16, device {device}{mode}", flush=True)
 

@@ -52,6 +52,7 @@ KERNEL_COMPANIONS = {
     "vexact_vllm.kernels.norms.rope_triton": ("vexact_vllm.kernels.norms.rms_norm_triton",),
     "vexact_vllm.kernels.moe.experts_triton": ("vexact_vllm.kernels.moe.core_triton", "vexact_vllm.kernels.gemm.tiles_triton"),
     "vexact_vllm.kernels.moe.experts_triton_bwd": ("vexact_vllm.kernels.moe.core_triton",),
+    "vexact_vllm.kernels.gated_delta.causal_conv1d_triton": ("vexact_vllm.kernels.gated_delta.causal_conv1d_triton_bwd",),
     "vexact_vllm.kernels.sampling.sample_triton": (
         "vexact_vllm.kernels.sampling.logprob_triton",
         "vexact_vllm.kernels.sampling.gumbel_triton",

@@ -9,15 +9,15 @@ order: a token's bits do not depend on the call's other rows, on where the call 
 holds the raw inputs before it) or on the grid. The state update runs after the conv, as its own
 launch (program per sequence and channel block: reads, then writes, its own slot only).
 
-Backward (training: no state): torch ops, deterministic; not batch-invariant (DESIGN rule 7):
-    da = dy * s * (1 + acc * (1 - s)),  s = 1 / (1 + exp(-acc))
-    dx[t] = sum_j w[:, j] * da[t + W - 1 - j] (same sequence),  dw[:, j] = sum_t da[t] * x[tap j of t]
+Backward (training: no state): `causal_conv1d_triton_bwd.py`, Triton kernels, deterministic; not
+batch-invariant (DESIGN rule 7).
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from .causal_conv1d_triton_bwd import conv_backward
 from .checks import check_conv_inputs
 from .rules import token_sequences
 
@@ -119,33 +119,6 @@ def _forward(x, weight, bias, cu_seqlens, conv_state, slots, has_state):
     return y
 
 
-def _conv_backward(dy, x, weight, bias, cu_seqlens):
-    """(dx, dweight, dbias) in the inputs' dtypes, by torch ops (module docstring)."""
-    n_tokens, _ = x.shape
-    width = weight.shape[1]
-    _, pos = token_sequences(cu_seqlens, n_tokens)
-    tokens = torch.arange(n_tokens, device=x.device)
-    w32 = weight.float()
-    taps = []
-    for j in range(width):
-        back = width - 1 - j
-        taps.append(torch.where((pos >= back)[:, None], x[(tokens - back).clamp(min=0)], 0).float())  # [T, C]
-    acc = bias.float().expand(x.shape) if bias is not None else torch.zeros(x.shape, device=x.device)
-    for j in range(width):
-        acc = acc + w32[:, j] * taps[j]
-    s = 1.0 / (1.0 + torch.exp(-acc))
-    da = dy.float() * s * (1.0 + acc * (1.0 - s))  # [T, C]
-    dx = torch.zeros_like(da)
-    for j in range(width):
-        back = width - 1 - j
-        later = (tokens + back).clamp(max=max(n_tokens - 1, 0))  # the token that reads t as its tap j
-        same = (pos[later] == pos + back) & (tokens + back < n_tokens)
-        dx = dx + torch.where(same[:, None], w32[:, j] * da[later], 0)
-    dw = torch.stack([(da * taps[j]).sum(0) for j in range(width)], dim=1)  # [C, W]
-    db = da.sum(0) if bias is not None else None
-    return dx.to(x.dtype), dw.to(weight.dtype), (db.to(bias.dtype) if db is not None else None)
-
-
 class _CausalConvFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, cu_seqlens):
@@ -155,7 +128,7 @@ class _CausalConvFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, bias, cu_seqlens = ctx.saved_tensors
-        dx, dw, db = _conv_backward(dy, x, weight, bias, cu_seqlens)
+        dx, dw, db = conv_backward(dy, x, weight, bias, cu_seqlens)
         return dx, dw, db, None
 
 

@@ -1,5 +1,6 @@
 """Triton causal conv1d: the interpreter on CPU tensors (small shapes), the compiled kernels on CUDA.
-Accuracy against a float64 conv, decode == chunked prefill == training bit for bit, gradients."""
+Accuracy against a float64 conv, decode == chunked prefill == training bit for bit, the backward
+kernels' gradients against float64 autograd, deterministic."""
 
 import sys
 from pathlib import Path
@@ -61,6 +62,25 @@ def test_gradients_match_float64_autograd(conv, bias):
         torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-5, atol=1e-5)
 
 
+def test_backward_blocks_deterministic_and_accurate(conv, monkeypatch):
+    """Several token and channel blocks (the backward's partial sums of dw, db over token blocks of 8):
+    two runs give the same bits, and the gradients match float64 autograd."""
+    monkeypatch.setitem(conv.__globals__["conv_backward"].__globals__, "BLOCK_T", 8)
+    dtype = torch.float32
+    x, w, b, cu = conv_inputs([9, 2, 6, 1], 140, 4, dtype)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(6)).to(dtype)
+    grads = []
+    for _ in range(2):
+        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+        conv(*leaves, cu).backward(dy)
+        grads.append([t.grad for t in leaves])
+    assert all(torch.equal(a, b_) for a, b_ in zip(*grads)), "the backward is not deterministic"
+    ref = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    conv_reference(*ref, cu).backward(dy.double())
+    for got, want in zip(grads[0], ref):
+        torch.testing.assert_close(got.double(), want.grad, rtol=1e-5, atol=1e-5 * want.grad.abs().max().item())
+
+
 @pytest.mark.cuda
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -73,3 +93,24 @@ def test_cuda_schedules_at_qwen3_next_width(dtype):
     full = check_conv_schedules(causal_conv1d_triton, x, w, None, cu, seeds=(0,))
     want = conv_reference(x.cpu(), w.cpu(), None, cu.cpu())
     torch.testing.assert_close(full.double().cpu(), want, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_backward_at_qwen35_width():
+    """The backward kernels at Qwen3.5's conv width (2 * 16 * 128 + 48 * 128), bf16: deterministic, and
+    against float64 autograd to bf16's rounding."""
+    from vexact_vllm.kernels.gated_delta.causal_conv1d_triton import causal_conv1d_triton
+
+    x, w, b, cu = conv_inputs([300, 1, 77, 129], 10240, 4, torch.bfloat16, bias=False)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    grads = []
+    for _ in range(2):
+        leaves = [t.cuda().requires_grad_() for t in (x, w)]
+        causal_conv1d_triton(*leaves, None, cu.cuda()).backward(dy.cuda())
+        grads.append([t.grad.cpu() for t in leaves])
+    assert all(torch.equal(a, b_) for a, b_ in zip(*grads)), "the backward is not deterministic"
+    ref = [t.double().requires_grad_() for t in (x, w)]
+    conv_reference(*ref, None, cu).backward(dy.double())
+    for got, want in zip(grads[0], ref):
+        torch.testing.assert_close(got.double(), want.grad, rtol=3e-2, atol=3e-2 * want.grad.abs().max().item())

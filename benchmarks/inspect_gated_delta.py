@@ -1,0 +1,222 @@
+"""Compile design C's Gated DeltaNet kernels (kernels/gated_delta/incremental_*triton*.py) for Hopper
+(sm_90a) on any machine, no GPU needed, and check what the bitwise invariant needs of the compiled code.
+
+    python benchmarks/inspect_gated_delta.py [--dtype bf16|fp32] [--rows 16] [--block-v 64] [--warps 4] [--out DIR]
+
+The step kernel reproduces a chunk kernel's row only if every shared routine
+(`incremental_tiles_triton.py`) compiles to the same arithmetic in both. Triton picks each tensor's layout
+per kernel, from the code around it, so the check is on the compiled TTGIR:
+1. every dot of a shared routine in the step kernel has a twin in a chunk kernel: the same routine and
+   call chain, operand shapes and types, precision, and MMA instruction (version, instrShape; FMA dots
+   add in K order, whatever their blocked layout);
+2. every tt.reduce of the forward kernels is an exact pick (`pick`, `pick_one`, `pick_entries`,
+   `first_column`: one nonzero term), never a sum that rounds (its tree would follow the layout);
+3. each kernel's shared memory fits an H100/H200 SM (227 KiB), with its registers and spills where the
+   bundled ptxas reports them.
+Exit status 1 when a check fails. Run it with the GPU host's Triton to check that version's choices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from vexact_vllm.kernels.gated_delta import incremental_chunk_triton as chunk
+from vexact_vllm.kernels.gated_delta import incremental_step_triton as step
+from vexact_vllm.kernels.gated_delta import incremental_tiles_triton as tiles
+from vexact_vllm.kernels.gated_delta import incremental_triton_bwd as bwd
+
+SHARED_LIMIT = 227 * 1024
+INTS = {"HK", "HV", "RATIO"}
+FLOATS = {"scale", "eps"}
+F32_POINTERS = {"A_LOG", "DT_BIAS", "GR", "BETA", "GC", "TS", "CG", "CB", "CT", "H0", "HT", "STATE", "DHT", "DH", "DVN",
+                "DH0", "DQ", "DK_", "DV_", "DG", "DBETA"}  # fmt: skip
+I64_POINTERS = {"EOS", "BOS", "CHUNK_SEQ", "CHUNK_ROW", "CACHE_SLOT", "CHUNK_START", "READ", "WRITE", "START", "COUNT",
+                "HELD", "SLOT"}  # fmt: skip
+EXACT_PICKS = {"pick", "pick_one", "pick_entries", "first_column"}
+CHUNK_KERNELS = ("normalize", "prepare", "state", "output")
+
+
+def signature(kernel, constexprs: dict, dtype: str) -> tuple[dict, dict]:
+    """(types, attrs) for ASTSource: pointers in the input dtype unless fp32 / int64 scratch, int32
+    scalars, divisibility 16 on pointers and strides (as the launchers' tensors specialise)."""
+    types, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            types[name] = "constexpr"
+        elif (name.isupper() or name.endswith("_")) and name not in INTS:
+            types[name] = "*fp32" if name in F32_POINTERS else "*i64" if name in I64_POINTERS else f"*{dtype}"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in FLOATS:
+            types[name] = "fp32"
+        else:
+            types[name] = "i32"
+            if name.startswith("stride"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return types, attrs
+
+
+def specs(dtype: str, rows: int, block_v: int) -> dict:
+    """name -> (kernel, constexprs, launch options) at Qwen3-Next / Qwen3.5's d_k = d_v = 128, chunks of 64."""
+    dots = dict(PRECISION="ieee" if dtype == "fp32" else "tf32", DOT_FP32=False)
+    base = dict(DK=128, DV=128, BLOCK_K=128, ROWS=rows, CHUNK=64)
+    back = dict(DK=128, DV=128, BLOCK_K=128, BLOCK_V=block_v, CHUNK=64, PRECISION="ieee" if dtype == "fp32" else "bf16")
+    return {
+        "normalize": (chunk.normalize_kernel, dict(base, BLOCK_DV=128, SOFTPLUS_MAX=20.0), tiles.launch_options()),
+        "prepare": (chunk.prepare_kernel, dict(base, BLOCK_V=block_v, STORE_T=False, **dots), tiles.launch_options()),
+        "state": (chunk.state_kernel, dict(base, BLOCK_V=block_v, **dots), tiles.launch_options()),
+        "output": (chunk.output_kernel, dict(base, BLOCK_V=block_v, **dots), tiles.launch_options()),
+        "step": (step._step_kernel, dict(base, BLOCK_V=block_v, SOFTPLUS_MAX=20.0, SINGLE=False, **dots),
+                 tiles.launch_options()),
+        "decode": (step._step_kernel, dict(base, BLOCK_V=block_v, SOFTPLUS_MAX=20.0, SINGLE=True, **dots),
+                   tiles.launch_options()),
+        "bwd_state": (bwd._bwd_state_kernel, back, bwd.LAUNCH),
+        "bwd_chunk": (bwd._bwd_chunk_kernel, back, bwd.LAUNCH),
+    }
+
+
+def _functions(path: str) -> dict[int, str]:
+    """line -> name of the function of a source file that holds it."""
+    names = {}
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.FunctionDef):
+            for line in range(node.lineno, node.end_lineno + 1):
+                names[line] = node.name
+    return names
+
+
+class Ttgir:
+    """A kernel's TTGIR: its layouts, and each op's call chain (file:line, innermost first)."""
+
+    def __init__(self, text: str):
+        self.text = text
+        self.layouts = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<.*>)$", text, re.M))
+        self.files = {k: (f, int(n)) for k, f, n in re.findall(r'^(#loc\d+) = loc\("([^"]+)":(\d+):\d+\)', text, re.M)}
+        self.calls = {k: (a, b) for k, a, b in re.findall(r"^(#loc\d+) = loc\(callsite\((#loc\d+) at (#loc\d+)\)\)", text, re.M)}
+        self.names = dict(re.findall(r'^(#loc\d+) = loc\("[^"]*"\((#loc\d+)\)\)', text, re.M))
+
+    def chain(self, loc: str) -> list[tuple[str, int]]:
+        while loc in self.names:
+            loc = self.names[loc]
+        if loc in self.calls:
+            inner, outer = self.calls[loc]
+            return self.chain(inner) + self.chain(outer)
+        return [self.files[loc]] if loc in self.files else []
+
+    def layout(self, name: str) -> str:
+        text = self.layouts.get(name, name)
+        if "nvidia_mma" in text:
+            version = re.search(r"versionMajor = (\d+)", text).group(1)
+            shape = re.search(r"instrShape = \[([\d, ]+)\]", text).group(1)
+            return f"mma v{version} {shape.replace(' ', '')}"
+        return "fma" if "blocked" in text else text
+
+    def dots(self) -> list[tuple[tuple, str]]:
+        """(call chain in the shared routines, 'A x B -> C layout precision') of every dot."""
+        found = []
+        for line in self.text.split("\n"):
+            if " = tt.dot " not in line and " = ttng.warp_group_dot " not in line:
+                continue
+            precision = re.search(r"inputPrecision = (\w+)", line)
+            precision = {"0": "tf32", "1": "tf32x3", "2": "ieee"}.get(precision.group(1), precision.group(1)) if precision else "ieee"
+            (ka, a), (kb, b), (_, out) = re.findall(r"(tensor|!ttg\.memdesc)<(\d+x\d+x\w+)", line.split(" : ", 1)[1])[:3]
+            a, b = (f"{x}{' (smem)' if kind.startswith('!') else ''}" for kind, x in ((ka, a), (kb, b)))
+            layout = re.search(r"-> tensor<[^,]+, (#\w+)>", line).group(1)
+            loc = re.search(r"loc\((#loc\d+)\)\s*$", line).group(1)
+            frames = tuple(f"{os.path.basename(f)}:{n}" for f, n in self.chain(loc) if f.endswith("tiles_triton.py"))
+            found.append((frames, f"{a} x {b} -> {out} {self.layout(layout)} {precision}"))
+        return found
+
+    def reduces(self) -> list[tuple[str, ...]]:
+        """The call chain of every tt.reduce."""
+        out = []
+        for start in re.finditer(r'"tt\.reduce"', self.text):
+            tail = re.search(r"\}\) : \([^)]*\) -> [^\n]*? loc\((#loc\d+)\)", self.text[start.end() :])
+            out.append(tuple(f"{os.path.basename(f)}:{n}" for f, n in self.chain(tail.group(1))))
+        return out
+
+
+def compile_kernel(name, kernel, constexprs, options, dtype, out_dir) -> tuple[Ttgir, dict]:
+    types, attrs = signature(kernel, constexprs, dtype)
+    compiled = triton.compile(ASTSource(fn=kernel, signature=types, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=options)  # fmt: skip
+    ptx = os.path.join(out_dir, f"{name}.ptx")
+    with open(ptx, "w") as f:
+        f.write(compiled.asm["ptx"])
+    with open(os.path.join(out_dir, f"{name}.ttgir"), "w") as f:
+        f.write(compiled.asm["ttgir"])
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    ptxas = os.path.join(tools, "ptxas-blackwell")  # the newer one: Triton 3.9's PTX is too new for `ptxas`
+    ptxas = ptxas if os.path.exists(ptxas) else os.path.join(tools, "ptxas")
+    verbose = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.devnull], capture_output=True, text=True).stderr
+    number = lambda pattern: int(m.group(1)) if (m := re.search(pattern, verbose)) else -1  # noqa: E731
+    stats = {"shared": compiled.metadata.shared, "registers": number(r"Used (\d+) registers"),
+             "spill_stores": number(r"(\d+) bytes spill stores")}  # fmt: skip
+    return Ttgir(compiled.asm["ttgir"]), stats
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    parser.add_argument("--rows", type=int, default=tiles.ROWS, help="row tile (incremental_tiles_triton.ROWS)")
+    parser.add_argument("--block-v", type=int, default=tiles.BLOCK_V, help="v tile (incremental_tiles_triton.BLOCK_V)")
+    parser.add_argument("--warps", type=int, default=tiles.WARPS, help="forward warps (incremental_tiles_triton.WARPS)")
+    parser.add_argument("--kernels", default=None, help="comma-separated subset (default: all)")
+    parser.add_argument("--out", help="folder for each kernel's PTX and TTGIR")
+    args = parser.parse_args(argv)
+    out_dir = args.out or tempfile.mkdtemp(prefix="vexact-gdn-")
+    os.makedirs(out_dir, exist_ok=True)
+    tiles.WARPS = args.warps
+    table = specs(args.dtype, args.rows, args.block_v)
+    names = args.kernels.split(",") if args.kernels else list(table)
+    functions = _functions(tiles.__file__)
+    print(f"Triton {triton.__version__}, sm_90a, {args.dtype}, ROWS {args.rows}, BLOCK_V {args.block_v}, "
+          f"{args.warps} warps; files in {out_dir}")  # fmt: skip
+    compiled, failures = {}, []
+    for name in names:
+        kernel, constexprs, options = table[name]
+        try:
+            compiled[name], stats = compile_kernel(name, kernel, constexprs, options, args.dtype, out_dir)
+        except Exception as e:  # a kernel that does not compile is a finding, not a crash
+            failures.append(f"{name}: does not compile: {str(e)[-1200:]}")
+            continue
+        print(f"{name:10} shared {stats['shared']:>7} B  registers {stats['registers']:>4}  spill stores {stats['spill_stores']}")
+        if stats["shared"] > SHARED_LIMIT:
+            failures.append(f"{name}: {stats['shared']} B of shared memory > {SHARED_LIMIT}")
+
+    def routine(frame: str) -> str:
+        return functions.get(int(frame.split(":")[1]), "?")
+
+    chunk_dots = {d for n in CHUNK_KERNELS if n in compiled for d in compiled[n].dots()}
+    for name in [n for n in ("step", "decode") if n in compiled]:  # 1. every shared dot has its chunk twin
+        for frames, sig in sorted(set(compiled[name].dots())):
+            where = " <- ".join(routine(f) for f in frames if routine(f) != "_step_row")
+            twin = (frames, sig) in chunk_dots
+            same_routine = [s for f, s in chunk_dots if f == frames]
+            print(f"  {name} dot {where:40} {sig}  {'== chunk' if twin else 'NO TWIN'}")
+            if frames and not twin and same_routine:
+                failures.append(f"{name}'s {where} dot {sig} differs from the chunk kernels' {same_routine}")
+            elif frames and not twin:
+                failures.append(f"{name}'s {where} dot {sig} has no chunk-kernel twin")
+    for name in [n for n in compiled if not n.startswith("bwd")]:  # 2. reductions are exact picks
+        for chain in compiled[name].reduces():
+            routines = [routine(f) for f in chain if "tiles_triton" in f]
+            if not routines or routines[0] not in EXACT_PICKS:
+                failures.append(f"{name}: a tt.reduce that may round, at {' <- '.join(chain)}")
+    for line in failures:
+        print("FAIL", line)
+    print("all checks passed" if not failures else f"{len(failures)} checks failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""Design C's chunk kernels (training, prefill, the chunk-aligned rows of a chunked-prefill step): math in
+`incremental.py`, the row-tile routines and their invariant in `incremental_tiles_triton.py`.
+
+Four launches over the chunks of rows [BOS[n], EOS[n]) (anchored at BOS[n], a chunk boundary; launcher:
+`incremental_triton.chunk_forward`):
+1. normalise (chunk row tile, k head): q_hat, k_hat (dt), g, beta, x = dt(beta v) to scratch;
+2. prepare (chunk, v head): G; per row tile, A, then T by forward substitution row by row, U, W;
+   every chunk at once (no state);
+3. state (v tile, sequence x v head): the chunks in order: h = dt(S) kept for 4, V' per row tile, the
+   state after a full chunk; the state after the last full chunk to HT[WRITE[n]];
+4. output (chunk, v head, v tile): o per row tile from h, q, k, G, V'.
+A sequence's last, partial chunk leaves its rows (k, x, g, beta, T, V') in cache slot CACHE_SLOT[n]
+(-1: none), for the step kernel to continue from.
+"""
+
+import triton
+import triton.language as tl
+
+from .incremental_tiles_triton import (
+    a_rows,
+    block_base,
+    computed,
+    decayed_keys,
+    delta_rows,
+    gate_cumsum,
+    gate_rows,
+    normalized_rows,
+    output_rows,
+    pick_entries,
+    solve_row,
+    solved_product,
+    state_after,
+)
+
+
+@triton.jit(do_not_specialize=["n_chunks"])
+def normalize_kernel(
+    Q, K, V, A, B, A_LOG, DT_BIAS, QH, KH, X, GR, BETA, EOS, CHUNK_SEQ, CHUNK_ROW, n_chunks,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt, HK, HV, RATIO, scale, eps,
+    DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, ROWS: tl.constexpr,
+    CHUNK: tl.constexpr, SOFTPLUS_MAX: tl.constexpr,
+):  # fmt: skip
+    """Program (row tile of a chunk, k head): the row tile's inputs, each row at place (chunk row % ROWS)."""
+    hk = tl.program_id(1)
+    c = tl.program_id(0) // (CHUNK // ROWS)
+    n = tl.load(CHUNK_SEQ + c)
+    rows = tl.load(CHUNK_ROW + c) + (tl.program_id(0) % (CHUNK // ROWS)) * ROWS + tl.arange(0, ROWS)
+    valid = rows < tl.load(EOS + n)
+    ok = tl.arange(0, BLOCK_K)
+    mk = valid[:, None] & (ok < DK)[None, :]
+    dt = QH.dtype.element_ty
+    q = normalized_rows(Q, rows, valid, hk, stride_qt, stride_qh, ok, eps, scale, DK)
+    k = normalized_rows(K, rows, valid, hk, stride_kt, stride_kh, ok, eps, 1.0, DK)
+    tl.store(QH + (rows[:, None] * HK + hk) * DK + ok[None, :], q.to(dt), mask=mk)
+    tl.store(KH + (rows[:, None] * HK + hk) * DK + ok[None, :], k.to(dt), mask=mk)
+    ov = tl.arange(0, BLOCK_DV)
+    mv = valid[:, None] & (ov < DV)[None, :]
+    for j in range(RATIO):
+        hv = hk * RATIO + j
+        decay = tl.exp(tl.load(A_LOG + hv).to(tl.float32))
+        g, beta = gate_rows(A, B, rows, valid, hv, stride_at, stride_bt, decay, tl.load(DT_BIAS + hv).to(tl.float32),
+                            SOFTPLUS_MAX)  # fmt: skip
+        tl.store(GR + rows * HV + hv, g, mask=valid)
+        tl.store(BETA + rows * HV + hv, beta, mask=valid)
+        v = tl.load(V + rows[:, None] * stride_vt + hv * stride_vh + ov[None, :], mask=mv, other=0.0)
+        tl.store(X + (rows[:, None] * HV + hv) * DV + ov[None, :], (v.to(tl.float32) * beta[:, None]).to(dt), mask=mv)
+
+
+@triton.jit(do_not_specialize=["n_chunks"])
+def prepare_kernel(
+    KH, X, GR, BETA, GC, W, U, TS, EOS, CHUNK_SEQ, CHUNK_ROW, CACHE_SLOT, CK, CX, CG, CB, CT, n_chunks, HK, HV, RATIO,
+    DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, ROWS: tl.constexpr,
+    CHUNK: tl.constexpr, STORE_T: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """Program (chunk, v head): 1. G; 2. per row tile: A, T rows in order, W, U; 3. a tail's rows to the cache."""
+    c = tl.program_id(0)
+    hv = tl.program_id(1)
+    hk = hv // RATIO
+    n = tl.load(CHUNK_SEQ + c)
+    eos = tl.load(EOS + n)
+    first = tl.load(CHUNK_ROW + c)
+    rc = tl.arange(0, CHUNK)
+    rr = tl.arange(0, ROWS)
+    rows_c = first + rc
+    valid_c = rows_c < eos
+    ok = tl.arange(0, BLOCK_K)
+    mk = ok < DK
+    k_c = tl.load(KH + (rows_c[:, None] * HK + hk) * DK + ok[None, :], mask=valid_c[:, None] & mk[None, :], other=0.0)
+    g_c = tl.load(GR + rows_c * HV + hv, mask=valid_c, other=0.0)
+    beta_c = tl.load(BETA + rows_c * HV + hv, mask=valid_c, other=0.0)
+    G_c = gate_cumsum(g_c, rc)
+    tl.store(GC + rows_c * HV + hv, G_c, mask=valid_c)
+    y_c = decayed_keys(k_c, beta_c, G_c, KH.dtype.element_ty)
+    t_c = tl.full([CHUNK, CHUNK], 0.0, tl.float32)
+    for tile in range(CHUNK // ROWS):
+        pos = tile * ROWS + rr
+        rows_r = first + pos
+        valid_r = rows_r < eos
+        k_r = tl.load(KH + (rows_r[:, None] * HK + hk) * DK + ok[None, :], mask=valid_r[:, None] & mk[None, :],
+                      other=0.0)  # fmt: skip
+        k_r = computed(k_r, valid_r)
+        beta_r = tl.load(BETA + rows_r * HV + hv, mask=valid_r, other=0.0)
+        G_r = pick_entries(G_c, rc[None, :] == pos[:, None])
+        a_t = a_rows(k_r, k_c, beta_r, G_r, G_c, pos, rc, PRECISION, DOT_FP32)
+        d = block_base(tl.where(rc[None, :] < tile * ROWS, a_t, 0.0), t_c, pos, rc, PRECISION)
+        a_in = a_rows(k_r, k_r, beta_r, G_r, G_r, pos, pos, PRECISION, DOT_FP32)
+        t_r = tl.full([ROWS, CHUNK], 0.0, tl.float32)
+        for ii in range(ROWS):  # forward substitution, rows in order
+            t_row = solve_row(d, a_in, t_r, rr == ii, tile * ROWS + ii, rc, PRECISION)
+            t_c = tl.where(rc[:, None] == tile * ROWS + ii, t_row[None, :], t_c)
+            t_r = tl.where(rr[:, None] == ii, t_row[None, :], t_r)
+        w = solved_product(t_r, y_c, PRECISION, DOT_FP32)
+        tl.store(W + (rows_r[:, None] * HV + hv) * DK + ok[None, :], w, mask=valid_r[:, None] & mk[None, :])
+        for iv in range((DV + BLOCK_V - 1) // BLOCK_V):
+            ov = iv * BLOCK_V + tl.arange(0, BLOCK_V)
+            mv = (ov < DV)[None, :]
+            x_c = tl.load(X + (rows_c[:, None] * HV + hv) * DV + ov[None, :], mask=valid_c[:, None] & mv, other=0.0)
+            u = solved_product(t_r, x_c, PRECISION, DOT_FP32)
+            tl.store(U + (rows_r[:, None] * HV + hv) * DV + ov[None, :], u, mask=valid_r[:, None] & mv)
+        if STORE_T:
+            tl.store(TS + (rows_r[:, None] * HV + hv) * CHUNK + rc[None, :], t_r, mask=valid_r[:, None])
+    slot = tl.load(CACHE_SLOT + n).to(tl.int64)
+    length = eos - first
+    if (slot >= 0) & (length < CHUNK):  # the sequence's partial last chunk: its rows to the cache
+        held = rc < length
+        base = slot * (CHUNK - 1) + rc  # [C]: the cache rows
+        tl.store(CG + base * HV + hv, g_c, mask=held)
+        tl.store(CB + base * HV + hv, beta_c, mask=held)
+        tl.store(CT + (base[:, None] * HV + hv) * CHUNK + rc[None, :], t_c, mask=held[:, None])
+        if hv % RATIO == 0:
+            tl.store(CK + (base[:, None] * HK + hk) * DK + ok[None, :], k_c, mask=held[:, None] & mk[None, :])
+        for iv in range((DV + BLOCK_V - 1) // BLOCK_V):
+            ov = iv * BLOCK_V + tl.arange(0, BLOCK_V)
+            mv = held[:, None] & (ov < DV)[None, :]
+            x_c = tl.load(X + (rows_c[:, None] * HV + hv) * DV + ov[None, :], mask=mv, other=0.0)
+            tl.store(CX + (base[:, None] * HV + hv) * DV + ov[None, :], x_c, mask=mv)
+
+
+@triton.jit(do_not_specialize=["n_seqs"])
+def state_kernel(
+    W, U, KH, GC, VN, H, H0, HT, BOS, EOS, CHUNK_START, READ, WRITE, CACHE_SLOT, CVN, n_seqs, HK, HV, RATIO,
+    DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, ROWS: tl.constexpr,
+    CHUNK: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """Program (v tile, sequence x v head): the chunks in order: h = dt(S) to H, V' per row tile, the
+    state after a full chunk; a partial chunk's V' rows to the cache; the state after the last full chunk
+    (or the zero state of a sequence that starts here) to HT[WRITE[n]]."""
+    iv = tl.program_id(0)
+    n = tl.program_id(1) // HV
+    hv = tl.program_id(1) % HV
+    hk = hv // RATIO
+    bos = tl.load(BOS + n).to(tl.int64)
+    eos = tl.load(EOS + n).to(tl.int64)
+    ok = tl.arange(0, BLOCK_K)
+    ov = iv * BLOCK_V + tl.arange(0, BLOCK_V)
+    mk, mv = ok < DK, ov < DV
+    tile = (hv * DV + ov[:, None]).to(tl.int64) * DK + ok[None, :]  # [BV, BK] in one state
+    live = mv[:, None] & mk[None, :]
+    read = tl.load(READ + n).to(tl.int64)
+    s = tl.load(H0 + read * HV * DV * DK + tile, mask=live & ((ok * 0 + read)[None, :] >= 0), other=0.0)
+    full = (eos - bos) // CHUNK
+    first_chunk = tl.load(CHUNK_START + n).to(tl.int64)
+    slot = tl.load(CACHE_SLOT + n).to(tl.int64)
+    rc = tl.arange(0, CHUNK)
+    rr = tl.arange(0, ROWS)
+    for c in range((eos - bos + CHUNK - 1) // CHUNK):
+        start = bos + c * CHUNK
+        tl.store(H + (first_chunk + c) * HV * DV * DK + tile, s.to(H.dtype.element_ty), mask=live)
+        for t in range(CHUNK // ROWS):
+            rows_r = start + t * ROWS + rr
+            valid_r = rows_r < eos
+            w = tl.load(W + (rows_r[:, None] * HV + hv) * DK + ok[None, :], mask=valid_r[:, None] & mk[None, :],
+                        other=0.0)  # fmt: skip
+            w = computed(w, valid_r)
+            mvr = valid_r[:, None] & mv[None, :]
+            u = tl.load(U + (rows_r[:, None] * HV + hv) * DV + ov[None, :], mask=mvr, other=0.0)
+            vn = delta_rows(u, w, s, PRECISION, DOT_FP32)
+            tl.store(VN + (rows_r[:, None] * HV + hv) * DV + ov[None, :], vn, mask=mvr)
+            if (slot >= 0) & (c == full):  # the partial last chunk: its V' rows to the cache
+                base = slot * (CHUNK - 1) + t * ROWS + rr
+                tl.store(CVN + (base[:, None] * HV + hv) * DV + ov[None, :], vn, mask=mvr)
+        if c < full:
+            tl.debug_barrier()  # this chunk's V' rows written by every thread before any reads them
+            rows_c = start + rc
+            vn_c = tl.load(VN + (rows_c[:, None] * HV + hv) * DV + ov[None, :], mask=mv[None, :], other=0.0)
+            vn_c = computed(vn_c, rows_c < eos)
+            k_c = tl.load(KH + (rows_c[:, None] * HK + hk) * DK + ok[None, :], mask=mk[None, :], other=0.0)
+            G_c = tl.load(GC + rows_c * HV + hv)
+            s = state_after(s, k_c, G_c, vn_c, rc, CHUNK, PRECISION, DOT_FP32)
+    write = tl.load(WRITE + n).to(tl.int64)
+    if (write >= 0) & ((full > 0) | (read < 0)):
+        tl.debug_barrier()  # every thread has read its tile of the slot before any writes it
+        tl.store(HT + write * HV * DV * DK + tile, s, mask=live)
+
+
+@triton.jit(do_not_specialize=["n_chunks"])
+def output_kernel(
+    QH, KH, GC, VN, H, OUT, EOS, CHUNK_SEQ, CHUNK_ROW, n_chunks, stride_ot, stride_oh, HK, HV, RATIO,
+    DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, ROWS: tl.constexpr,
+    CHUNK: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """Program (chunk, v head, v tile): o of each row tile from the chunk's start state h, q, k, G and V'."""
+    c = tl.program_id(0)
+    hv = tl.program_id(1)
+    hk = hv // RATIO
+    n = tl.load(CHUNK_SEQ + c)
+    eos = tl.load(EOS + n)
+    first = tl.load(CHUNK_ROW + c)
+    rc = tl.arange(0, CHUNK)
+    rr = tl.arange(0, ROWS)
+    rows_c = first + rc
+    valid_c = rows_c < eos
+    ok = tl.arange(0, BLOCK_K)
+    ov = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mk, mv = ok < DK, ov < DV
+    h = tl.load(H + c.to(tl.int64) * HV * DV * DK + (hv * DV + ov[:, None]) * DK + ok[None, :],
+                mask=mv[:, None] & mk[None, :], other=0.0)  # fmt: skip
+    k_c = tl.load(KH + (rows_c[:, None] * HK + hk) * DK + ok[None, :], mask=valid_c[:, None] & mk[None, :], other=0.0)
+    G_c = tl.load(GC + rows_c * HV + hv, mask=valid_c, other=0.0)
+    vn_c = tl.load(VN + (rows_c[:, None] * HV + hv) * DV + ov[None, :], mask=valid_c[:, None] & mv[None, :], other=0.0)
+    for t in range(CHUNK // ROWS):
+        pos = t * ROWS + rr
+        rows_r = first + pos
+        valid_r = rows_r < eos
+        q_r = tl.load(QH + (rows_r[:, None] * HK + hk) * DK + ok[None, :], mask=valid_r[:, None] & mk[None, :],
+                      other=0.0)  # fmt: skip
+        q_r = computed(q_r, valid_r)
+        G_r = pick_entries(G_c, rc[None, :] == pos[:, None])
+        o = output_rows(q_r, G_r, pos, k_c, G_c, vn_c, tl.trans(h), rc, PRECISION, DOT_FP32)
+        tl.store(OUT + rows_r[:, None] * stride_ot + hv * stride_oh + ov[None, :], o.to(OUT.dtype.element_ty),
+                 mask=valid_r[:, None] & mv[None, :])  # fmt: skip
+

@@ -1,0 +1,206 @@
+"""The row-tile arithmetic of design C's Triton kernels (math: `incremental.py`), one @triton.jit routine per
+operation, called by the chunk kernels (`incremental_triton.py`: training, prefill) and by the step kernel
+(`incremental_step_triton.py`: decode, the rows that complete a partial chunk).
+
+Invariant: every operation on a row runs in a tile of a fixed shape, with the row at its chunk position:
+rows of a chunk are processed ROWS at a time (a row tile), row i of the chunk at place i % ROWS, and
+the step kernel places its single row the same way, with zeros in the tile's other places. Every sum
+that rounds is a tl.dot, whose order does not depend on the tile's layout (which the compiler picks per
+kernel, from the code around it): the products, on tensor cores or as fp32 FMAs in K order (`fdot`), of
+fixed shapes in every kernel: [ROWS, DK] x [DK, CHUNK] (k.k, q.k), [ROWS, DK] x [DK, ROWS] (k.k within
+the tile), [ROWS, CHUNK] x [CHUNK, CHUNK] and [ROWS, ROWS] x [ROWS, CHUNK] (the substitution: rows of T
+before the tile, then within it, row by row), [ROWS, CHUNK] x [CHUNK, DK or BLOCK_V] (W, U, the causal
+product), [ROWS, DK] x [DK, BLOCK_V] (W S, q S), [BLOCK_V, CHUNK] x [CHUNK, DK] (the state update); and the
+l2 norms' and the gate sums' fp32 FMA dots. Rows of a dot are independent, and the rows past a row
+enter it only as exact zeros (masked A and P, T's zero columns past the row), so the step gets the chunk
+kernels' bits. The only other sums pick one value out of a tile (a masked sum with one nonzero term:
+exact in any order). The kernels launch with the same num_warps (WARPS) and without FP contraction (no
+compiler choice may fuse a multiply-add in one kernel and not in the other); every dot names its
+accumulator, so no pass may fold an addition into a dot in one kernel and not in the other.
+`benchmarks/inspect_gated_delta.py` compiles the kernels for sm_90a and checks that each shared dot
+gets the same shape and MMA instruction in every kernel.
+"""
+
+import triton
+import triton.language as tl
+from triton.language.standard import _sum_combine
+
+# Rows of a chunk per row tile (the M of every row product; tl.dot needs >= 16 on the GPU). Training
+# runs CHUNK / ROWS tiles a chunk, a decode step one; 64 gives the chunk kernels one dot a product (the
+# H200 benchmark decides, `benchmarks/bench_gated_delta.py --rows`).
+ROWS = 16
+# v columns per program (the N of the state products): one value for every kernel, so every dot over
+# the state has one shape.
+BLOCK_V = 64
+# Warps of every kernel that calls these routines (one value: the MMA layouts follow it). 8 keeps the
+# chunk kernels free of register spills at d = 128 (`benchmarks/inspect_gated_delta.py`, sm_90a).
+WARPS = 8
+
+
+@triton.jit
+def dot(a, b, acc, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    """acc + a @ b (fp32 accumulation). DOT_FP32, interpreter only: its tl.dot reads bf16 operands as raw
+    bits, so there the products are summed over the last axis of a broadcast fp32 product."""
+    if DOT_FP32:
+        prod = a.to(tl.float32)[:, None, :] * tl.trans(b.to(tl.float32))[None, :, :]
+        out = acc + tl.reduce(prod, 2, _sum_combine)
+    else:
+        out = tl.dot(a, b, acc, input_precision=PRECISION)
+    return out
+
+
+@triton.jit
+def fdot(a, b, acc):
+    """acc + a @ b of fp32 tiles by fp32 FMAs: each element's products added in K order, whatever the layout."""
+    return tl.dot(a, b, acc, input_precision="ieee")
+
+
+@triton.jit
+def first_column(tile):
+    """Column 0 of tile [M, N], fp32 [M] (exact, as `pick`)."""
+    return tl.reduce(tl.where((tl.arange(0, tile.shape[1]) == 0)[None, :], tile, 0.0), 1, _sum_combine)
+
+
+@triton.jit
+def computed(rows, valid):
+    """rows [M, N] as a value computed in registers (rows not valid 0): a chunk kernel passes its loaded
+    row tiles through it, so that a wgmma (ROWS = 64) reads its first operand from registers in the chunk
+    kernels as in the step kernel, where the row is computed (one instruction variant in both)."""
+    return tl.where(valid[:, None], rows, 0.0).to(rows.dtype)
+
+
+@triton.jit
+def pick(tile, at):
+    """The row of tile [M, N] where at [M] is True (a masked sum with one nonzero term: exact), fp32 [N]."""
+    return tl.reduce(tl.where(at[:, None], tile.to(tl.float32), 0.0), 0, _sum_combine)
+
+
+@triton.jit
+def pick_one(vec, at):
+    """vec [N] where at [N] is True, fp32 (exact, as `pick`)."""
+    return tl.reduce(tl.where(at, vec.to(tl.float32), 0.0), 0, _sum_combine)
+
+
+@triton.jit
+def pick_entries(vec, at):
+    """vec [N] at the places at [M, N] marks, one per row: fp32 [M] (exact, as `pick`)."""
+    return tl.reduce(tl.where(at, vec[None, :], 0.0), 1, _sum_combine)
+
+
+@triton.jit
+def normalized_rows(X, rows, valid, head, stride_t, stride_h, ok, eps, scale, D: tl.constexpr):
+    """l2(x) * scale of a row tile [ROWS, BK] of X[rows, head] (fp32; rows not valid are 0)."""
+    mask = valid[:, None] & (ok < D)[None, :]
+    x = tl.load(X + rows[:, None] * stride_t + head * stride_h + ok[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    ones = tl.full([x.shape[1], 16], 1.0, tl.float32)
+    squares = fdot(x * x, ones, tl.full([x.shape[0], 16], 0.0, tl.float32))  # [ROWS, 16], equal columns
+    return x * tl.rsqrt(first_column(squares) + eps)[:, None] * scale
+
+
+@triton.jit
+def gate_rows(A, B, rows, valid, hv, stride_at, stride_bt, decay, dt_bias, SOFTPLUS_MAX: tl.constexpr):
+    """(g, beta) fp32 [ROWS] of v head hv at `rows` (rules.py; 0 where not valid)."""
+    x = tl.load(A + rows * stride_at + hv, mask=valid, other=0.0).to(tl.float32) + dt_bias
+    soft = tl.where(x > SOFTPLUS_MAX, x, tl.log(1.0 + tl.exp(tl.minimum(x, SOFTPLUS_MAX))))
+    b = tl.load(B + rows * stride_bt + hv, mask=valid, other=0.0).to(tl.float32)
+    beta = tl.math.div_rn(1.0, 1.0 + tl.exp(-b)).to(B.dtype.element_ty).to(tl.float32)
+    return tl.where(valid, -decay * soft, 0.0), tl.where(valid, beta, 0.0)
+
+
+@triton.jit
+def gate_cumsum(g, rc):
+    """G [C]: G_i = g_0 + g_1 + ... + g_i, added in that order (an FMA dot with a lower-triangular mask
+    of ones; g [C], rc = arange(C))."""
+    lower = tl.where(rc[None, :] <= rc[:, None], 1.0, 0.0)
+    g16 = tl.broadcast_to(g[:, None], [g.shape[0], 16])
+    return first_column(fdot(lower, g16, tl.full([g.shape[0], 16], 0.0, tl.float32)))
+
+
+@triton.jit
+def decayed_keys(k_c, beta_c, G_c, dt: tl.constexpr):
+    """y [C, BK] = dt(beta_j exp(G_j) k_j), the right operand of W = T y."""
+    return (k_c.to(tl.float32) * (beta_c * tl.exp(G_c))[:, None]).to(dt)
+
+
+@triton.jit
+def a_rows(k_r, k_c, beta_r, G_r, G_c, pos, cols, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    """A [ROWS, N] of the row tile at chunk positions pos against the N rows of k_c at positions cols:
+    beta_i (k_i . k_j) exp(G_i - G_j) for j < i, else 0."""
+    kk = dot(k_r, tl.trans(k_c), tl.full([k_r.shape[0], k_c.shape[0]], 0.0, tl.float32), PRECISION, DOT_FP32)
+    before = cols[None, :] < pos[:, None]
+    return tl.where(before, beta_r[:, None] * kk * tl.exp(tl.where(before, G_r[:, None] - G_c[None, :], 0.0)), 0.0)
+
+
+@triton.jit
+def block_base(a_off, t_c, pos, rc, PRECISION: tl.constexpr):
+    """D [ROWS, C] = E - A_off T of the row tile: e_i minus its sum over the rows of T before the tile
+    (a_off: the tile's A, columns before the tile; t_c: T, rows from the tile's first on 0)."""
+    e = tl.where(rc[None, :] == pos[:, None], 1.0, 0.0)
+    return tl.dot(-a_off, t_c, e, input_precision=PRECISION)
+
+
+@triton.jit
+def solve_row(d, a_in, t_b, own, i, rc, PRECISION: tl.constexpr):
+    """Row i of T [C] (own: its place in the row tile): D_i - sum_l A_il T_l over the tile's rows l < i
+    (a_in [ROWS, ROWS]: A within the tile; t_b: the tile's solved rows, 0 from row i on); 0 past column i."""
+    return tl.where(rc <= i, pick(tl.dot(-a_in, t_b, d, input_precision=PRECISION), own), 0.0)
+
+
+@triton.jit
+def solved_product(t_r, z_c, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    """dt(T_r z) [ROWS, N]: U (z = x) or W (z = y) of the row tile's T rows t_r [ROWS, C] fp32."""
+    acc = tl.full([t_r.shape[0], z_c.shape[1]], 0.0, tl.float32)
+    return dot(t_r.to(z_c.dtype), z_c, acc, PRECISION, DOT_FP32).to(z_c.dtype)
+
+
+@triton.jit
+def delta_rows(u, w, s, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    """V' = dt(U - W S) [ROWS, BV]: u [ROWS, BV], w [ROWS, BK] (dt), s [BV, BK] fp32 (S^T)."""
+    ws = dot(w, tl.trans(s.to(w.dtype)), tl.full([w.shape[0], s.shape[0]], 0.0, tl.float32), PRECISION, DOT_FP32)
+    return (u.to(tl.float32) - ws).to(w.dtype)
+
+
+@triton.jit
+def output_rows(q_r, G_r, pos, k_c, G_c, vn_c, h_t, rc, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    """o fp32 [ROWS, BV] = dt(q_i exp(G_i)) S + sum_{j <= i} dt((q_i . k_j) exp(G_i - G_j)) V'_j;
+    h_t = dt(S) [BK, BV]."""
+    qk = dot(q_r, tl.trans(k_c), tl.full([q_r.shape[0], k_c.shape[0]], 0.0, tl.float32), PRECISION, DOT_FP32)
+    causal = rc[None, :] <= pos[:, None]
+    p = tl.where(causal, qk * tl.exp(tl.where(causal, G_r[:, None] - G_c[None, :], 0.0)), 0.0)
+    qg = (q_r.to(tl.float32) * tl.exp(G_r)[:, None]).to(q_r.dtype)
+    o = dot(qg, h_t, tl.full([q_r.shape[0], h_t.shape[1]], 0.0, tl.float32), PRECISION, DOT_FP32)
+    return dot(p.to(vn_c.dtype), vn_c, o, PRECISION, DOT_FP32)
+
+
+@triton.jit
+def state_after(s, k_c, G_c, vn_c, rc, CHUNK: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    """S^T [BV, BK] after a full chunk: exp(G_last) S + sum_j V'_j dt(exp(G_last - G_j) k_j)^T."""
+    g_last = pick_one(G_c, rc == CHUNK - 1)
+    decayed = (k_c.to(tl.float32) * tl.exp(g_last - G_c)[:, None]).to(k_c.dtype)
+    return dot(tl.trans(vn_c), decayed, s * tl.exp(g_last), PRECISION, DOT_FP32)
+
+
+def launch_options() -> dict:
+    """The compile options every design-C kernel launches with (module docstring)."""
+    return dict(num_warps=WARPS, enable_fp_fusion=False)
+
+
+def is_interpreted() -> bool:
+    return type(dot).__name__ == "InterpretedFunction"
+
+
+def dot_options(dtype) -> dict:
+    """PRECISION and DOT_FP32 of a launch for inputs of `dtype`."""
+    import torch
+
+    return dict(
+        PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        DOT_FP32=is_interpreted() and dtype != torch.float32,
+    )
+
+
+def block_sizes(d_k: int, d_v: int) -> tuple[int, int, int]:
+    """(BK, BDV, BV): the power-of-two tiles of the key and value dims, and the v tile of a program."""
+    block_k, block_dv = triton.next_power_of_2(d_k), triton.next_power_of_2(d_v)
+    return block_k, block_dv, min(BLOCK_V, block_dv)

@@ -1,0 +1,174 @@
+"""Checks of design C of the gated delta rule (kernels/gated_delta/incremental*.py), shared by its torch-path,
+interpreter and CUDA tests: random cases, a schedule driver over the IncrementalCache, the decode ==
+prefill == training checks, the float64 references of the outputs and the boundary states, and the
+gradient check.
+
+`forward(**inputs, initial_state=None) -> (o, states)` is the training op (states: after each sequence's
+last full chunk); `cached(q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_state) -> o` the
+inference op. The chunk is `incremental_cache.CHUNK` (tests shrink it).
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from gated_delta_reference import (
+    GDN_ROWS,
+    cache_slots,
+    first_difference,
+    gdn_inputs,
+    gdn_reference,
+    packed_cu,
+)
+
+from vexact_vllm.kernels.gated_delta import incremental_cache as layout
+
+NAMES = ("q", "k", "v", "a", "b", "A_log", "dt_bias")
+
+
+def random_case(seed: int, dtype, hk: int | None = None, device="cpu") -> tuple[dict, torch.Tensor]:
+    """(inputs, boundary states [N, HV, DV, DK]) of a seeded case: 3-4 sequences of 1 to 2 chunks and a
+    few rows (one of exactly a chunk, one of a single row), HK in {1, 2} (or hk), HV = 2 HK, DK, DV in
+    {16, 32}; every other sequence starts from a random boundary state, the others from 0."""
+    rng = random.Random(seed)
+    chunk = layout.CHUNK
+    lengths = [rng.randint(2, 2 * chunk + 3) for _ in range(rng.randint(1, 2))] + [chunk, 1]
+    rng.shuffle(lengths)
+    hk = hk or rng.choice([1, 2])
+    dk, dv = rng.choice([16, 32]), rng.choice([16, 32])
+    inputs = gdn_inputs(lengths, hk, 2 * hk, dk, dv, dtype=dtype, seed=seed, device=device)
+    gen = torch.Generator().manual_seed(seed + 100)
+    h0 = torch.randn(len(lengths), 2 * hk, dv, dk, generator=gen) * 0.3
+    h0[1::2] = 0.0
+    return inputs, h0.to(device)
+
+
+def reference(inputs: dict, h0: torch.Tensor | None = None, beta_rounding=None):
+    """float64 (o, states after each sequence's last full chunk) of the recurrence (gdn_reference)."""
+    cpu = {name: t.cpu() for name, t in inputs.items()}
+    h0 = None if h0 is None else h0.cpu()
+    o, _ = gdn_reference(**cpu, initial_state=h0, beta_rounding=beta_rounding)
+    cu = cpu["cu_seqlens"].tolist()
+    cut = [(cu[n + 1] - cu[n]) // layout.CHUNK * layout.CHUNK for n in range(len(cu) - 1)]
+    rows = torch.cat([torch.arange(cu[n], cu[n] + cut[n]) for n in range(len(cut))]).long()
+    part = {name: cpu[name][rows] for name in GDN_ROWS}
+    _, states = gdn_reference(**part, A_log=cpu["A_log"], dt_bias=cpu["dt_bias"], cu_seqlens=packed_cu(cut),
+                              initial_state=h0, beta_rounding=beta_rounding)  # fmt: skip
+    return o, states
+
+
+def run_steps(cached, inputs: dict, steps: list, slots: list[int], cache, started: list[bool]) -> torch.Tensor:
+    """Run `cached` over the steps [(seq, rows), ...] (rows of a sequence in order); a sequence continues
+    from its slot from its first step if started[seq], else it starts there. Returns o in packed order."""
+    cu = inputs["cu_seqlens"].tolist()
+    device = inputs["v"].device
+    done = [0] * (len(cu) - 1)
+    out = torch.full_like(inputs["v"], float("nan"))
+    for step in steps:
+        rows = torch.cat([torch.arange(cu[i] + done[i], cu[i] + done[i] + n) for i, n in step]).to(device)
+        step_cu = packed_cu([n for _, n in step], device)
+        step_slots = torch.tensor([slots[i] for i, _ in step], device=device)
+        has_state = torch.tensor([done[i] > 0 or started[i] for i, _ in step], device=device)
+        rest = {name: inputs[name][rows] for name in GDN_ROWS}
+        out[rows] = cached(**rest, A_log=inputs["A_log"], dt_bias=inputs["dt_bias"], cu_seqlens=step_cu, cache=cache,
+                           slots=step_slots, has_state=has_state)  # fmt: skip
+        for i, n in step:
+            done[i] += n
+    return out
+
+
+def fresh_cache(inputs: dict, slots: list[int], h0: torch.Tensor | None, spare: int):
+    """An IncrementalCache holding NaN everywhere (a slot's stale contents must never be read), except the
+    boundary states h0 (rows 0) of the sequences that continue: returns (cache, started)."""
+    q, v = inputs["q"], inputs["v"]
+    cache = layout.IncrementalCache.empty(len(slots) + spare, q.shape[1], v.shape[1], q.shape[2], v.shape[2],
+                                          v.dtype, v.device)  # fmt: skip
+    for t in cache.tensors()[:-1]:
+        t.fill_(float("nan"))
+    cache.rows.fill_(7)
+    started = [h0 is not None and bool(h0[n].abs().sum() > 0) for n in range(len(slots))]
+    for n, slot in enumerate(slots):
+        if started[n]:
+            cache.state[slot] = h0[n]
+            cache.rows[slot] = 0
+    return cache, started
+
+
+def check_schedules(forward, cached, inputs: dict, h0: torch.Tensor | None, seeds=(0, 1), max_chunk=None):
+    """Random schedules of decode steps and prefill chunks (seed 0: decode only) give the training
+    forward's outputs and boundary states bit for bit, and leave each slot holding its sequence's
+    partial-chunk row count. Returns the training (o, states)."""
+    cu = inputs["cu_seqlens"]
+    lengths = (cu[1:] - cu[:-1]).tolist()
+    with torch.no_grad():
+        o, states = forward(**inputs, initial_state=h0)
+        slots = cache_slots(len(lengths), 2)
+        for seed in seeds:
+            cache, started = fresh_cache(inputs, slots, h0, 2)
+            steps = random_schedule_c(lengths, seed, max_chunk or 2 * layout.CHUNK, 1.0 if seed == 0 else 0.4)
+            got = run_steps(cached, inputs, steps, slots, cache, started)
+            assert torch.equal(got, o), f"schedule seed {seed}: outputs: {first_difference(got, o)}"
+            held = cache.state[torch.tensor(slots, device=o.device)]
+            assert torch.equal(held, states), f"schedule seed {seed}: states: {first_difference(held, states)}"
+            rows = [int(cache.rows[s]) for s in slots]
+            assert rows == [n % layout.CHUNK for n in lengths], f"schedule seed {seed}: rows held {rows}"
+    return o, states
+
+
+def random_schedule_c(lengths: list[int], seed: int, max_chunk: int, decode_share: float) -> list:
+    """As gated_delta_reference.random_schedule, prefill chunks up to max_chunk rows."""
+    rng = random.Random(seed)
+    done = [0] * len(lengths)
+    steps = []
+    while any(d < n for d, n in zip(done, lengths)):
+        left = [i for i, (d, n) in enumerate(zip(done, lengths)) if d < n]
+        rng.shuffle(left)
+        step = []
+        for i in left[: rng.randint(1, len(left))]:
+            rows = min(1 if rng.random() < decode_share else rng.randint(1, max_chunk), lengths[i] - done[i])
+            step.append((i, rows))
+            done[i] += rows
+        steps.append(step)
+    return steps
+
+
+def check_every_row_count(forward, cached, hk, hv, dk, dv, dtype, device="cpu", seed=0):
+    """For every p = 0 .. CHUNK - 1, one sequence of CHUNK + 1 rows from a random boundary state: a prefill
+    of its first p rows (a partial chunk of p rows), a decode of row p (p rows held), then the rest in
+    one step (the step kernel completes the chunk, the chunk path takes the next): the training
+    forward's bits for every row and the state after the chunk."""
+    C = layout.CHUNK
+    inputs = gdn_inputs([C + 1] * C, hk, hv, dk, dv, dtype=dtype, seed=seed, device=device)
+    h0 = (torch.randn(C, hv, dv, dk, generator=torch.Generator().manual_seed(seed)) * 0.3).to(device)
+    with torch.no_grad():
+        o, states = forward(**inputs, initial_state=h0)
+        slots = list(range(C))
+        cache, started = fresh_cache(inputs, slots, h0, 1)
+        steps = [[(p, p) for p in range(1, C)], [(p, 1) for p in range(C)], [(p, C - p) for p in range(C)]]
+        got = run_steps(cached, inputs, steps, slots, cache, started)
+    for p in range(C):
+        rows = slice(p * (C + 1), (p + 1) * (C + 1))
+        assert torch.equal(got[rows], o[rows]), f"row count {p}: {first_difference(got[rows], o[rows])}"
+    assert torch.equal(cache.state[:C], states), f"states: {first_difference(cache.state[:C], states)}"
+    return o
+
+
+def check_gradients(forward, inputs: dict, h0: torch.Tensor, rtol: float) -> None:
+    """Gradients of every input and of the initial states, for a loss reading o and the boundary states,
+    against float64 autograd of the reference recurrence, relative to each gradient's largest entry."""
+    leaves = {n: inputs[n].clone().requires_grad_() for n in NAMES}
+    leaves["initial_state"] = h0.clone().requires_grad_()
+    gen = torch.Generator().manual_seed(4)
+    do = torch.randn(inputs["v"].shape, generator=gen).to(h0.device)
+    d_states = torch.randn(h0.shape, generator=gen).to(h0.device)
+    o, states = forward(**leaves, cu_seqlens=inputs["cu_seqlens"])
+    ((o.float() * do).sum() + (states * d_states).sum()).backward()
+    ref = {n: t.detach().cpu().double().requires_grad_() for n, t in leaves.items()}
+    rows = {n: ref[n] for n in NAMES}
+    want_o, want_states = reference({**rows, "cu_seqlens": inputs["cu_seqlens"]}, ref["initial_state"])
+    ((want_o * do.cpu().double()).sum() + (want_states * d_states.cpu().double()).sum()).backward()
+    for name, leaf in leaves.items():
+        want = ref[name].grad
+        err = float((leaf.grad.double().cpu() - want).abs().max() / want.abs().max())
+        assert err <= rtol, f"d {name}: largest error {err:.2e} of the largest gradient (tolerance {rtol:.0e})"
