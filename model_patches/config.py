@@ -20,6 +20,10 @@ SUPPORTED_MODEL_TYPES = {f.model_type: f.architecture for f in FAMILIES}
 SUPPORTED_ARCHITECTURES = tuple(SUPPORTED_MODEL_TYPES.values())
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Multimodal rotary (M-RoPE) fields of a vision-language config's rope parameters (Qwen3.5's text_config):
+# the rotated dims split into time, height and width sections, each rotated by its own position. A text
+# token's three positions are one and the same, so for text these fields do not change the rotation.
+MROPE_FIELDS = ("mrope_section", "mrope_interleaved")
 # YaRN: the rope of DeepSeek's checkpoints, checked against transformers for the MLA families only.
 MLA_ROPE_TYPES = ("yarn",)
 
@@ -208,6 +212,12 @@ class DecoderConfig:
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         rope = _rope_parameters(hf_config)
         partial_rotary_factor = float(rope.pop("partial_rotary_factor", 1.0))
+        mrope = {k: rope.pop(k) for k in MROPE_FIELDS if k in rope}
+        if mrope and not BY_MODEL_TYPE[model_type].hybrid:
+            raise UnsupportedModelError(
+                f"multimodal rotary positions ({', '.join(mrope)} in the rope parameters) are supported by "
+                "vexact-vllm for Qwen3.5's text model only; use a checkpoint without them"
+            )
         fields = dict(
             model_type=model_type,
             vocab_size=hf_config.vocab_size,
@@ -223,6 +233,7 @@ class DecoderConfig:
             rope_scaling=None if rope.get("rope_type", "default") == "default" else rope,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             partial_rotary_factor=partial_rotary_factor,
+            extra=mrope,  # M-RoPE: text positions rotate as one position (hybrid.py)
         )
         fields.update(BY_MODEL_TYPE[model_type].load().decoder_fields(hf_config))  # a family may set head_dim
         return cls(**fields)

@@ -130,9 +130,9 @@ FAMILIES: tuple[Family, ...] = (
     # Qwen3.5 (dense) and Qwen3.5-MoE: the text models, and the language models of the vision-language
     # checkpoints Qwen publishes (served text only; no built-in of their own).
     Family("qwen3_5_text", "Qwen3_5ForCausalLM", "Qwen3_5TextConfig", "qwen3_5", "Qwen3_5Decoder", dict(_HYBRID),
-           veomni=False, short_name="qwen3.5", hybrid=True),
+           short_name="qwen3.5", hybrid=True),
     Family("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", "qwen3_5", "Qwen3_5Decoder",
-           {k: v for k, v in {**_HYBRID, **_HYBRID_MOE}.items() if k != "intermediate_size"}, veomni=False,
+           {k: v for k, v in {**_HYBRID, **_HYBRID_MOE}.items() if k != "intermediate_size"},
            short_name="qwen3.5-moe", hybrid=True),
     Family("qwen3_5", "Qwen3_5ForConditionalGeneration", "Qwen3_5Config", "qwen3_5", "Qwen3_5Decoder", None,
            veomni=False, text_config=True, hybrid=True),

@@ -81,6 +81,9 @@ RELIED_ON = (
     "vllm.model_executor.models.config:VerifyAndUpdateConfig.verify_and_update_config",
     "vllm.config.vllm:VllmConfig.use_v2_model_runner",
     "vllm.envs:VLLM_BATCH_INVARIANT",
+    # one position per token for Qwen3.5's configs (engine_checks.text_positions, the model's post-condition)
+    "vllm.config.model:ModelConfig.uses_mrope",
+    "vllm.config.model:ModelConfig.hf_text_config",
 )
 
 

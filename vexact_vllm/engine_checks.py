@@ -182,12 +182,43 @@ def refuse_unsupported_state_cache(vllm_config, tensor_parallel_size: int) -> No
             )
 
 
+def text_positions(model_config) -> None:
+    """Qwen3.5's configs carry multimodal rotary fields (`mrope_section`, `mrope_interleaved`) in their
+    text config's rope parameters, which make vLLM's runner build three position rows per token (time,
+    height, width) and ask the model for vLLM's M-RoPE interface. vexact serves these checkpoints text
+    only, where a token's three positions are one and the same and the rotation is the plain one the
+    trainer runs (model_patches/hybrid.py); so the fields are dropped from vLLM's copy of the config
+    (never from the checkpoint), and vLLM gives the model one position per token. Image and video
+    inputs are refused at admission (request_validation.py)."""
+    from vllm.transformers_utils.config import uses_mrope
+
+    from vexact_vllm.model_patches.config import MROPE_FIELDS
+
+    hf_config = model_config.hf_config
+    for config in {id(c): c for c in (hf_config, hf_config.get_text_config(), model_config.hf_text_config)}.values():
+        params = getattr(config, "rope_parameters", None)
+        if not isinstance(params, dict):
+            continue
+        nested = params and all(isinstance(v, dict) or v is None for v in params.values())  # per layer type
+        for rope in params.values() if nested else [params]:
+            if rope:
+                for name in MROPE_FIELDS:
+                    rope.pop(name, None)
+    if uses_mrope(hf_config):
+        raise UnsupportedModelError(
+            "this checkpoint asks vLLM for multimodal rotary positions in a way vexact-vllm does not read "
+            "(mrope_section outside the rope parameters); serve a checkpoint whose text config keeps "
+            "mrope_section in rope_parameters, as Qwen3.5's do"
+        )
+
+
 class VexactModelConfig(VerifyAndUpdateConfig):
     """vLLM's per-architecture config hooks for every vexact architecture (registry.register_models)."""
 
     @staticmethod
     def verify_and_update_model_config(model_config) -> None:
         refuse_unsupported_model(model_config)
+        text_positions(model_config)
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:

@@ -8,6 +8,12 @@ method is wrapped instead (`wrap_validate_params`, a row of vllm_patches.py, ins
 process by `register()`). The wrap acts only for model configs with `model_impl == MODEL_IMPL`
 ("vexact"); every other model gets vLLM's validation unchanged.
 
+Images, video and audio are refused too: vexact architectures are served text only (the vision
+tower of Qwen3.5's vision-language checkpoints is not part of the vexact model). vLLM reaches for the
+model's multimodal processor as soon as a prompt carries such data; the vexact model has none, and
+`wrap_get_mm_processor` (a row of vllm_patches.py, `BaseRenderer.get_mm_processor`) turns vLLM's
+"not available for text-only models" into a refusal that says what to do.
+
 What is refused is decided by the allow-list of option_policy.py (`refuse_request_options`): every
 `SamplingParams` field is honoured, vLLM-internal, or refused when set (the options that change the
 distribution the trainer's log-probs describe, the ones vLLM applies inside the sampler the vexact
@@ -56,3 +62,24 @@ def wrap_validate_params(original):
         return original(self, params, *args, **kwargs)
 
     return _validate_params
+
+
+MULTIMODAL_REFUSAL = (
+    "images, video and audio are not supported with --model-impl vexact: vexact models are served text only "
+    "(the vision tower of a vision-language checkpoint is not part of the vexact model, so its outputs would "
+    "not be bitwise equal to the trainer's). Send text prompts only, or serve the checkpoint without "
+    "--model-impl vexact for multimodal requests"
+)
+
+
+def wrap_get_mm_processor(original):
+    """`BaseRenderer.get_mm_processor` (a row of vllm_patches.py): called for a prompt that carries
+    multimodal data; for a vexact model, the refusal above."""
+
+    @functools.wraps(original)
+    def get_mm_processor(self):
+        if getattr(self.model_config, "model_impl", None) == MODEL_IMPL:
+            raise RequestRefusedError(MULTIMODAL_REFUSAL)
+        return original(self)
+
+    return get_mm_processor

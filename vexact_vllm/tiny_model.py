@@ -212,7 +212,7 @@ def _stream_safetensors(path: Path, config: Qwen3Config, seed: int, dtype: torch
 
 
 def _save_with_transformers(
-    config: PretrainedConfig, path: Path, seed: int, dtype: torch.dtype, std: float = INIT_STD
+    config: PretrainedConfig, path: Path, seed: int, dtype: torch.dtype, std: float = INIT_STD, auto_class=None
 ) -> None:
     """Instantiate with transformers, re-initialise every tensor explicitly, `save_pretrained`. DeepSeek-V3's
     routers' `e_score_correction_bias` (a buffer, zero at init) is drawn ~ N(0, CORRECTION_BIAS_STD) and
@@ -222,7 +222,7 @@ zero-centred ones of Qwen3-Next / Qwen3.5 thus scale by 2)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = (auto_class or AutoModelForCausalLM).from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):  # tied lm_head appears once, as embed_tokens
             if "norm" in name:
@@ -322,6 +322,31 @@ def build_random_model(
         config = AutoConfig.for_model(model_type, **{**specials, "dtype": "bfloat16", **fields})
         config.vocab_size = max(config.vocab_size, tokenizer_len)
         _save_with_transformers(config, tmp, seed, torch.bfloat16, std)
+        return config
+
+    return _build(Path(path), force, True, write)
+
+
+def build_from_config_file(config_file: Path | str, path: Path | str, seed: int = 0, force: bool = False) -> Path:
+    """Build (or reuse) a random-weight checkpoint at `path` whose config.json is `config_file` as written
+    (a vision-language checkpoint's layout: text_config, vision_config, M-RoPE fields), with the tiny
+    tokenizer (its special ids replace the file's eos_token_id) and every weight drawn as the tiny ones,
+    the vision tower's included (transformers' image-text-to-text class for the config)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    layout = json.loads(Path(config_file).read_text())
+
+    def write(tmp: Path, tokenizer_len: int, special_id: int) -> PretrainedConfig:
+        text = layout.get("text_config", layout)
+        if text["vocab_size"] < tokenizer_len:
+            raise ValueError(f"vocab_size {text['vocab_size']} is below the tokenizer's {tokenizer_len}")
+        text["eos_token_id"] = special_id
+        (tmp / "config.json").write_text(json.dumps(layout, indent=2) + "\n")
+        config = AutoConfig.from_pretrained(str(tmp))
+        auto = AutoModelForImageTextToText if "vision_config" in layout else AutoModelForCausalLM
+        _save_with_transformers(config, tmp, seed, torch.bfloat16, auto_class=auto)
+        (tmp / "config.json").write_text(json.dumps(layout, indent=2) + "\n")  # the file's layout, not the re-save
+        config.bos_token_id = config.pad_token_id = config.eos_token_id = special_id
         return config
 
     return _build(Path(path), force, True, write)

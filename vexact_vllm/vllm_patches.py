@@ -8,6 +8,7 @@ unchanged.
 | --- | --- | --- |
 | `_ModelRegistry.inspect_model_cls`, `resolve_model_cls` | `registry.wrap_lookup` | map the checkpoint's architecture to its vexact class |
 | `InputProcessor._validate_params` | `request_validation.wrap_validate_params` | refuse unsupported sampling options at admission (HTTP 400) |
+| `BaseRenderer.get_mm_processor` | `request_validation.wrap_get_mm_processor` | refuse images, video and audio at admission (text only) |
 | `EngineArgs.create_engine_config` | `engine_checks.wrap_create_engine_config` | refuse unsupported engine options before vLLM builds its configuration (option_policy.py) |
 | `GPUModelRunner._sample` (V1 runner) | `sampler.v1.wrap_sample` | the vexact sampler on the V1 runner (CPU) |
 | `prompt_logprob.compute_prompt_logprobs_with_chunking` (runner v2) | `sampler.prompt_logprobs.wrap_prompt_logprobs` | prompt log-probs from the one log-prob function on runner v2 (GPU) |
@@ -48,7 +49,7 @@ from vexact_vllm.patching import Patch, PatchedProperty, PatchTable
 
 from .engine_checks import wrap_create_engine_config
 from .registry import wrap_lookup, wrap_worker_load_model
-from .request_validation import wrap_validate_params
+from .request_validation import wrap_get_mm_processor, wrap_validate_params
 from .sampler.prompt_logprobs import wrap_prompt_logprobs
 from .sampler.v1 import wrap_sample
 from .versions import SUPPORTED_TEXT
@@ -98,6 +99,7 @@ ROWS = (
           WRITTEN_FOR),
     Patch("vllm.v1.engine.input_processor:InputProcessor._validate_params", wrap_validate_params,
           ("self", "params", "supported_tasks"), WRITTEN_FOR),
+    Patch("vllm.renderers.base:BaseRenderer.get_mm_processor", wrap_get_mm_processor, ("self",), WRITTEN_FOR),
     Patch("vllm.engine.arg_utils:EngineArgs.create_engine_config", wrap_create_engine_config,
           ("self", "usage_context", "headless"), WRITTEN_FOR),
     Patch("vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample", wrap_sample,

@@ -155,6 +155,11 @@ class VllmVexactForCausalLM(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         refuse_unsupported_engine(vllm_config)  # post-condition: the front-end ran it already (engine_checks)
+        if vllm_config.model_config.uses_mrope:  # post-condition: engine_checks.text_positions ran
+            raise UnsupportedModelError(
+                "vLLM prepared multimodal rotary positions for a vexact model, which takes one position per "
+                "token; was the configuration built without the vexact plugin registered?"
+            )
         _full_cuda_graphs(vllm_config)
         _no_cpu_compilation(vllm_config)
         hf_config = vllm_config.model_config.hf_config

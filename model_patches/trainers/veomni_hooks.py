@@ -5,7 +5,9 @@ against VeOmni's signatures at install, undone by `uninstall()`):
 
 1. Modeling registry (`veomni.models.loader.MODELING_REGISTRY`, read by `build_foundation_model`
    through `get_model_class`): a local override per supported model type VeOmni registers
-   (`VEOMNI_MODEL_TYPES`: every family but DeepSeek-V2) returns the vexact class
+   (`VEOMNI_MODEL_TYPES`: every family but DeepSeek-V2 and Qwen3-Next, which VeOmni does not register, and
+   the vision-language rows of Qwen3.5, whose VeOmni class is its vision-language model; their text rows
+   `qwen3_5_text` and `qwen3_5_moe_text` are served) returns the vexact class
    of `veomni_classes` wherever VeOmni's own entry would return its `*ForCausalLM`; other heads of
    these types (the value model's `ForTokenClassification`, `ForSequenceClassification`) and every
    other model type stay VeOmni's. Under `MODELING_BACKEND=hf` VeOmni skips this registry and asks

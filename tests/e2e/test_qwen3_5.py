@@ -5,17 +5,26 @@ forward bit for bit (12 prompts x 24 tokens: the preemption composition's KV bud
 attention blocks, which a hybrid model's state blocks share; with fewer tokens nothing is preempted).
 Prefix caching is refused for these models, so the check skips its composition and
 says so. The other built-ins (tiny-qwen3.5-moe, tiny-qwen3-next) and the other compositions run by hand
-(`vexact-vllm check --model tiny-qwen3.5-moe --against-stock`)."""
+(`vexact-vllm check --model tiny-qwen3.5-moe --against-stock`).
+
+The vision-language checkpoints Qwen publishes (`Qwen3_5ForConditionalGeneration`,
+`Qwen3_5MoeForConditionalGeneration`) at the tiny size, their config.json written in the published layout
+(data/qwen3.5-config.json, data/qwen3.5-moe-config.json: text_config and vision_config, M-RoPE fields in
+the text config's rope parameters, partial rotary 0.25, layer_types): vLLM serves their text model with
+one position per token and the check passes; a prompt with an image is refused at admission."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from vexact_vllm.cli import main
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+DATA = Path(__file__).parent / "data"
 
 
 def test_chunked_prefill_and_preemption(tiny_model, tmp_path):
@@ -32,3 +41,62 @@ def test_chunked_prefill_and_preemption(tiny_model, tmp_path):
     assert all(r["tokens"] > 0 and r["mismatches"] == 0 for r in rows), rows
     assert "preemptions: 0" not in rows[1]["composition"]
     assert "prefix caching is off" in report["bisect"]
+
+
+@pytest.fixture(scope="module")
+def published_layout(tiny_cache):
+    """name -> a random-weight checkpoint whose config.json is the published layout (vision tower included)."""
+    from vexact_vllm.tiny_model import build_from_config_file
+
+    return lambda name: str(build_from_config_file(DATA / f"{name}-config.json", tiny_cache / f"published-{name}"))
+
+
+@pytest.mark.parametrize("name", ["qwen3.5", "qwen3.5-moe"])
+def test_published_layout_gets_one_position_per_token(published_layout, name):
+    """vLLM's configuration of a published-layout checkpoint under --model-impl vexact: no M-RoPE (the
+    runner gives one position per token), the vexact class; the checkpoint on disk keeps its fields."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vexact_vllm import MODEL_IMPL
+    from vexact_vllm.model_patches.config import DecoderConfig
+
+    path = published_layout(name)
+    config = EngineArgs(path, model_impl=MODEL_IMPL, enable_prefix_caching=False, max_model_len=256).create_engine_config()
+    model_config = config.model_config
+    assert not model_config.uses_mrope
+    assert model_config.architecture.startswith("VllmVexactQwen3_5")
+    assert "mrope_section" not in model_config.hf_text_config.rope_parameters
+    assert DecoderConfig.from_hf(model_config.hf_config).rotary_dim == 16
+    on_disk = json.loads((Path(path) / "config.json").read_text())["text_config"]["rope_parameters"]
+    assert on_disk["mrope_section"] == [3, 3, 2] and on_disk["mrope_interleaved"] is True
+
+
+def test_published_layout_checks(published_layout, tmp_path):
+    out = tmp_path / "report.json"
+    rc = main([
+        "check", "--model", published_layout("qwen3.5"), "--num-prompts", "6", "--max-tokens", "12",
+        "--micro-batches", "0", "--json", "--output", str(out), "--quiet", "--compositions", "batch,chunked-prefill",
+    ])  # fmt: skip
+    report = json.loads(out.read_text())
+    assert rc == 0 and report["passed"], report
+    assert all(r["tokens"] > 0 and r["mismatches"] == 0 for r in report["rows"]), report["rows"]
+
+
+def test_images_are_refused_at_admission(published_layout):
+    """A prompt with an image gets the vexact refusal (what to do) before any engine step; text still runs."""
+    from PIL import Image
+    from vllm import LLM, SamplingParams
+
+    from vexact_vllm import MODEL_IMPL
+    from vexact_vllm.request_validation import RequestRefusedError
+
+    llm = LLM(published_layout("qwen3.5"), model_impl=MODEL_IMPL, dtype="bfloat16", max_model_len=256,
+              block_size=32, kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False)  # fmt: skip
+    try:
+        image = Image.new("RGB", (16, 16))
+        with pytest.raises(RequestRefusedError, match="text prompts only"):
+            llm.generate({"prompt_token_ids": [5, 17, 42], "multi_modal_data": {"image": image}}, SamplingParams(max_tokens=2))
+        out = llm.generate({"prompt_token_ids": [5, 17, 42]}, SamplingParams(max_tokens=2, seed=0))
+        assert len(out[0].outputs[0].token_ids) == 2
+    finally:
+        llm.llm_engine.engine_core.shutdown()

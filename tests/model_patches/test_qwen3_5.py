@@ -177,3 +177,18 @@ def test_unknown_layer_types_and_tensor_parallelism_are_refused():
         DecoderConfig.from_hf(BY_MODEL_TYPE["qwen3"].hf_config_class()(
             **{**BY_MODEL_TYPE["qwen3"].tiny, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
                                                                    "partial_rotary_factor": 0.5}}))  # fmt: skip
+
+
+def test_multimodal_rotary_fields_are_text_positions():
+    """Qwen3.5's published configs carry M-RoPE fields: a text token's three positions are one, so the
+    decoder reads the plain rotation (the fields kept as information); a family that rotates whole heads
+    by one position refuses them."""
+    rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_section": [3, 3, 2],
+            "mrope_interleaved": True}  # fmt: skip
+    config = DecoderConfig.from_hf(_config("qwen3_5_text", rope_parameters=dict(rope)))
+    assert config.rope_scaling is None and config.rotary_dim == 16 and config.rope_theta == 1e7
+    assert config.extra == {"mrope_section": [3, 3, 2], "mrope_interleaved": True}
+    qwen3 = BY_MODEL_TYPE["qwen3"]
+    with pytest.raises(UnsupportedModelError, match="mrope_section"):
+        DecoderConfig.from_hf(qwen3.hf_config_class()(**{**qwen3.tiny, "rope_parameters": {
+            "rope_type": "default", "rope_theta": 1e4, "mrope_section": [8, 4, 4]}}))  # fmt: skip

@@ -78,3 +78,15 @@ def test_install_wraps_the_frontend_check_once():
     assert getattr(wrapped, "_vexact", False)
     vllm_patches.install()
     assert InputProcessor._validate_params is wrapped
+
+
+def test_multimodal_data_is_refused_for_vexact_models_only():
+    """vLLM asks the renderer for the multimodal processor as soon as a prompt carries images, video or
+    audio; for a vexact model that is the refusal with what to do, for any other model vLLM's own answer."""
+    from vexact_vllm.request_validation import RequestRefusedError, wrap_get_mm_processor
+
+    processor = object()
+    get = wrap_get_mm_processor(lambda self: processor)
+    with pytest.raises(RequestRefusedError, match="Send text prompts only"):
+        get(SimpleNamespace(model_config=VEXACT))
+    assert get(SimpleNamespace(model_config=STOCK)) is processor

@@ -20,12 +20,14 @@ def main(model: str, out: str, temperatures: list[float], prepare=None, tp: int 
     `tp`: vLLM's tensor-parallel size (on CPU, one group of cores per rank)."""
     import os
 
-    from vexact_vllm.cli.check import cpu_thread_binding, tokenize
+    from vexact_vllm.cli.check import cpu_thread_binding, has_state_layers, tokenize
     from vexact_vllm.cli.rollout import RolloutSettings, generate, shutdown_engine, start_engine
 
     if tp > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tp))
     extra = {"tensor_parallel_size": tp} if tp > 1 else {}
+    if has_state_layers(model):  # prefix caching is refused for the hybrids (engine_checks.py)
+        extra["enable_prefix_caching"] = False
     settings = RolloutSettings(model=model, max_model_len=256, max_tokens=12, extra=extra)
     prompt_ids = tokenize(model, list(PROMPTS), settings.max_model_len, settings.max_tokens)
     llm = start_engine(settings)

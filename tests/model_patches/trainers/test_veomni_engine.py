@@ -47,10 +47,10 @@ from .veomni_cpu import (  # noqa: E402
 )
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "deepseek_v3"])
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "deepseek_v3", "qwen3_5_text"])
 def veomni_engine(tiny_model, request):
     """verl's VeOmni actor engine holding the model VeOmni built from a tiny family (dense, MoE, DeepSeek-V3
-    through VeOmni's registry row for its DeepSeek-V3 model);
+    through VeOmni's registry row for its DeepSeek-V3 model, Qwen3.5's hybrid through its qwen3_5_text row);
     `engine.vexact_arch` names the family."""
     import torch.distributed as dist
     from veomni.models.auto import build_foundation_model
@@ -147,12 +147,12 @@ def test_engine_backward_through_log_probs(veomni_engine, masked_rollouts, monke
         veomni_engine.forward_backward_batch(actor_batch(rollouts, 0.7, 2), loss_function=loss_function)
     grads = {n: p.grad for n, p in model.named_parameters()}
     assert all(g is not None and bool(torch.isfinite(g).all()) for g in grads.values()), "missing/non-finite"
-    layer = model.model.layers[0]
+    layer = next(layer for layer in model.model.layers if hasattr(layer, "self_attn"))  # hybrids: layer 1
     mlp = (
         [("down_proj", layer.mlp.down_proj.weight)]
         if hasattr(layer.mlp, "down_proj")
         else [("router", layer.mlp.gate.weight), ("experts.gate_up_proj", layer.mlp.experts.gate_up_proj)]
-    )  # MoE layer 0
+    )  # MoE: the first attention layer's
     attn = layer.self_attn
     q = ("q_proj", attn.q_proj.weight) if hasattr(attn, "q_proj") else ("q_a_proj", attn.q_a_proj.weight)  # q LoRA
     for name, p in [("lm_head", model.lm_head.weight), q, *mlp]:

@@ -68,10 +68,11 @@ def test_verl_actor_log_probs_equal_vllm(hooks, unmasked, vllm_rollouts, tiny_mo
 
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature", TEMPERATURES)
-@pytest.mark.parametrize(("arch", "tp"), [("qwen3", 1), ("qwen3_moe", 2), ("deepseek_v3", 1)])
+@pytest.mark.parametrize(("arch", "tp"), [("qwen3", 1), ("qwen3_moe", 2), ("deepseek_v3", 1), ("qwen3_5_text", 1)])
 def test_verl_masked_vocabulary_equals_masked_rollout(hooks, masked_rollouts_of, tiny_model, temperature, arch, tp):
     """vLLM under verl's compute_logits mask (ids >= len(tokenizer) at -inf) vs verl's trainer with
-    the mask it builds from its own tokenizer: equal (dense, MoE and DeepSeek-V3's MLA; vLLM unsharded or at
+    the mask it builds from its own tokenizer: equal (dense, MoE, DeepSeek-V3's MLA and Qwen3.5's Gated
+    DeltaNet hybrid; vLLM unsharded or at
     tensor-parallel size 2, as verl's `rollout.tensor_model_parallel_size=2` starts it, against the
     unsharded trainer); without the mask: not equal."""
     engine = build_engine(tiny_model(arch))
