@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu.sh tests [PYTEST ARGS]   the CUDA tests (pytest -m cuda: kernels, sampler graphs, TP rules)
 #   bash scripts/gpu.sh check [MODEL ...]     vexact-vllm check --against-stock on each built-in model (default:
-#                                             every tiny model, DeepSeek-V3 and V2-Lite included, and
+#                                             every tiny model, DeepSeek-V3, V2-Lite and the Qwen3.5 / Qwen3-Next hybrids included, and
 #                                             qwen3-1.7b-shape), then on qwen3-1.7b-shape with four 2,700-3,300-token
 #                                             prompts (past the attention's 2,048-key split), then --prompt-logprobs 5
 #                                             (tiny Qwen3, Qwen3-MoE, DeepSeek-V3, the long prompts on the 1.7B
@@ -21,8 +21,8 @@
 #                                             FSDP and VeOmni engines: 0 with vexact, non-zero with stock
 #   bash scripts/gpu.sh mla                   DeepSeek's MLA sizes: their CUDA tests, benchmarks/bench_mla.py (192/128 attention
 #                                             against FA3 and stock's latent decode), bench_trainer on 4 Moonlight layers
-#   bash scripts/gpu.sh gdn                   the Gated DeltaNet kernels: their CUDA tests at Qwen3-Next/Qwen3.5 shapes,
-#                                             then benchmarks/bench_gated_delta.py (designs A and B against fla and
+#   bash scripts/gpu.sh gdn                   the Gated DeltaNet kernels: design C's sm_90a twin-dot inspection, their CUDA tests at Qwen3-Next/Qwen3.5 shapes,
+#                                             then benchmarks/bench_gated_delta.py (designs A, B and C against fla and
 #                                             vLLM where importable: pip install fla-core==0.6.0 for fla)
 #   bash scripts/gpu.sh all                   tests, check, bench, verl, mla, gdn
 #
@@ -69,7 +69,7 @@ tests() {
 
 check() {
   local models=("$@") model prompts
-  [ ${#models[@]} -gt 0 ] || models=(tiny-qwen3 tiny-qwen2 tiny-llama tiny-qwen3-moe tiny-deepseek-v3 tiny-deepseek-v2-lite qwen3-1.7b-shape)
+  [ ${#models[@]} -gt 0 ] || models=(tiny-qwen3 tiny-qwen2 tiny-llama tiny-qwen3-moe tiny-deepseek-v3 tiny-deepseek-v2-lite tiny-qwen3.5 tiny-qwen3.5-moe tiny-qwen3-next qwen3-1.7b-shape)
   for model in "${models[@]}"; do
     run "check-$model" "$py" -m vexact_vllm.cli check --model "$model" --against-stock --quiet
   done
@@ -134,6 +134,7 @@ mla() {
 }
 
 gdn() {
+  run gdn-inspect "$py" benchmarks/inspect_gated_delta.py
   run gdn-tests "$py" -m pytest -q -m cuda tests/kernels -k "gated or conv1d"
   run gdn-bench "$py" benchmarks/bench_gated_delta.py --output "${OUT:-.}/bench_gated_delta.json" \
     --jsonl "${OUT:-.}/gdn_results.jsonl"
