@@ -45,20 +45,21 @@ def smoke_run(tmp_path_factory):
     return done.stdout, json.loads((out / "r.json").read_text()), out / "r.jsonl"
 
 
-def test_smoke_run_checks_and_times_both_designs(smoke_run):
+def test_smoke_run_checks_and_times_every_design(smoke_run):
     stdout, report, _ = smoke_run
     rows = report["rows"]
     checks = {r["system"]: r for r in rows if r["case"] == "check"}
-    assert set(checks) == {"A", "B"}
+    assert set(checks) == {"A", "B", "C"}
     assert all(r["decode_equals_training"] and r["first_difference"] is None for r in checks.values())
     by = {(r["case"], r["system"]): r for r in rows if r["case"] != "check"}
     assert by[("train", "A")]["fwd_ms"] > 0 and by[("train", "A")]["fwd_bwd_ms"] > 0
     assert by[("train", "B")]["fwd_ms"] > 0 and "fwd_bwd_ms" not in by[("train", "B")]
+    assert by[("train", "C")]["fwd_ms"] > 0 and by[("train", "C")]["fwd_bwd_ms"] > 0
     for case in ("train", "prefill", "decode"):
         assert by[(case, "A")]["fwd_vs_a"] == 1.0 and by[(case, "A")]["max_abs_diff_vs_a"] == 0.0
-    for case in ("train", "prefill"):  # the two designs compute one function: close, not equal (bf16 dots)
-        assert 0 < by[(case, "B")]["max_abs_diff_vs_a"] < 0.05
-    assert all(by[("decode", f"B@{p}")]["fwd_ms"] > 0 for p in (0, 31, 63))
+    for case in ("train", "prefill"):  # the designs compute one function: close, not equal (bf16 dots)
+        assert all(0 < by[(case, d)]["max_abs_diff_vs_a"] < 0.05 for d in ("B", "C"))
+    assert all(by[("decode", f"{d}@{p}")]["fwd_ms"] > 0 for d in ("B", "C") for p in (0, 31, 63))
     for name in ("fla-chunk", "vllm-chunk", "fla-recurrent", "vllm-decode"):
         case = "decode" if name in ("fla-recurrent", "vllm-decode") else "train"
         assert by[(case, name)]["skipped"] == "needs CUDA"
