@@ -116,6 +116,26 @@ def check_schedules(forward, cached, inputs: dict, h0: torch.Tensor | None, seed
     return o, states
 
 
+def check_cached_rows(cached, inputs: dict, h0: torch.Tensor | None, p: int) -> None:
+    """A prefill of a sequence's first p rows (< CHUNK; the chunk kernels) and p decode steps (the step
+    kernel) leave the same bits in every per-row tensor of its cache slot and the same outputs; a
+    failure names the first tensor that differs (T rows reach o only rounded to the input dtype, so a
+    difference there can hide from the outputs)."""
+    assert 0 < p < layout.CHUNK
+    rows = {name: (t[:p] if name in GDN_ROWS else t) for name, t in inputs.items()}
+    rows["cu_seqlens"] = packed_cu([p], inputs["v"].device)
+    held, outs = [], []
+    for steps in ([[(0, p)]], [[(0, 1)]] * p):
+        cache, started = fresh_cache(rows, [0], h0, 1)
+        with torch.no_grad():
+            outs.append(run_steps(cached, rows, steps, [0], cache, started))
+        held.append(cache)
+    for name in ("k", "x", "g", "beta", "t", "vnew"):
+        a, b = getattr(held[0], name)[0, :p], getattr(held[1], name)[0, :p]
+        assert torch.equal(a, b), f"cached {name} after {p} rows: prefill vs decode steps: {first_difference(a, b)}"
+    assert torch.equal(outs[0], outs[1]), f"outputs: {first_difference(outs[0], outs[1])}"
+
+
 def random_schedule_c(lengths: list[int], seed: int, max_chunk: int, decode_share: float) -> list:
     """As gated_delta_reference.random_schedule, prefill chunks up to max_chunk rows."""
     rng = random.Random(seed)

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # the sibling helper modules (im
 
 from gated_delta_reference import gdn_inputs, truncate_to_bf16  # noqa: E402
 from incremental_checks import (  # noqa: E402
+    check_cached_rows,
     check_every_row_count,
     check_gradients,
     check_schedules,
@@ -96,6 +97,12 @@ def test_schedules_match_training_bitwise(ops, modules, monkeypatch, dtype, seed
 
 def test_every_row_count_of_a_partial_chunk(ops):
     check_every_row_count(*ops, 1, 1, 16, 16, BF16)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_cached_rows_of_prefill_and_decode_are_equal(ops, dtype):
+    inputs, h0 = random_case(4, dtype, hk=1)
+    check_cached_rows(ops[1], inputs, h0[:1], 7)
 
 
 def test_one_row_tile_a_chunk(ops, modules, monkeypatch):
@@ -176,6 +183,18 @@ def test_cuda_schedules_at_qwen_shapes(hk, hv, dtype):
 def test_cuda_every_row_count(hv, dtype):
     """Each of the 64 row counts of a chunk: a prefill of p rows, the decode of row p, the rest."""
     check_every_row_count(*_cuda_ops(), 16, hv, 128, 128, dtype, device="cuda")
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("hv,dtype", [(32, BF16), (48, BF16), (48, F32)], ids=str)
+@pytest.mark.parametrize("p", [6, 37, 63])
+def test_cuda_cached_rows_of_prefill_and_decode_are_equal(hv, dtype, p):
+    """The cache slot's per-row tensors (T included, which reaches o only rounded) after a prefill of p
+    rows and after p decode steps, at Qwen3.5 / Qwen3-Next heads."""
+    inputs = gdn_inputs([p], 16, hv, 128, 128, dtype=dtype, seed=7, device="cuda")
+    h0 = (torch.randn(1, hv, 128, 128, generator=torch.Generator().manual_seed(7)) * 0.1).cuda()
+    check_cached_rows(_cuda_ops()[1], inputs, h0, p)
 
 
 @pytest.mark.cuda
