@@ -12,7 +12,9 @@ against VeOmni's signatures at install, undone by `uninstall()`):
    these types (the value model's `ForTokenClassification`, `ForSequenceClassification`) and every
    other model type stay VeOmni's. Under `MODELING_BACKEND=hf` VeOmni skips this registry and asks
    transformers' `AutoModelForCausalLM`, which `transformers_hooks.install()` already points at the
-   vexact training classes.
+   vexact training classes. Refused with what to do, in the same registry: the vision-language
+   architecture of Qwen3.5's rows (VeOmni's entry would build its own model) and the model types VeOmni
+   lacks (an entry `install()` writes and `uninstall()` removes; MODELING_BACKEND=hf builds them as ours).
 2. Kernel registry (`veomni.ops.kernel_registry.KERNEL_REGISTRY`): `vexact_causal_lm_loss` under the
    name "vexact" for the `cross_entropy_loss` op (causal; seq_cls maps to VeOmni's eager
    wrapper, as its chunk_loss does), so `cross_entropy_loss_implementation=vexact` binds it into
@@ -37,9 +39,9 @@ from __future__ import annotations
 from contextlib import contextmanager
 from functools import partial
 
-from vexact_vllm.patching import Patch, PatchTable
+from vexact_vllm.patching import Patch, PatchError, PatchTable
 
-from ..families import FAMILIES
+from ..families import BY_MODEL_TYPE, FAMILIES
 from .veomni_classes import VEOMNI_CLASSES, VEXACT_KERNEL_NAME, vexact_causal_lm_loss
 
 # What VeOmni's registry entries attach to its own classes for loading (Qwen3-MoE: the converter that
@@ -62,6 +64,30 @@ def _modeling_entry(model_type: str, veomni_entry):
             if name in vars(cls):
                 setattr(ours, name, vars(cls)[name])
         return ours
+
+    build.vexact_model_type = model_type
+    return build
+
+
+def _refusing_entry(model_type: str, veomni_entry=None):
+    """A registry entry for a family VeOmni cannot build as ours: its architecture raises a ValueError that
+    says what to do; other heads go to VeOmni's own entry (veomni_entry, None where VeOmni has none)."""
+    family = BY_MODEL_TYPE[model_type]
+
+    def build(architecture):
+        if veomni_entry is None:
+            raise ValueError(
+                f"VeOmni has no model for model type {model_type!r} ({architecture}); set MODELING_BACKEND=hf: "
+                "VeOmni then builds it through transformers' AutoModelForCausalLM, which vexact-vllm points at "
+                "its own class"
+            )
+        if architecture == family.architecture:
+            raise ValueError(
+                f"VeOmni builds its own vision-language model for {architecture} checkpoints (model type "
+                f"{model_type!r}), not vexact-vllm's, which serves their text model only: train from the text "
+                f"model's config (model type {model_type + '_text'!r}), which VeOmni builds as vexact-vllm's class"
+            )
+        return veomni_entry(architecture)
 
     build.vexact_model_type = model_type
     return build
@@ -112,6 +138,12 @@ WRITTEN_FOR = "VeOmni 0.1.12"
 # The families whose model type VeOmni's modeling registry has (DeepSeek-V2 has no VeOmni model: VeOmni
 # builds it through transformers, MODELING_BACKEND=hf, where transformers_hooks gives it ours).
 VEOMNI_MODEL_TYPES = tuple(f.model_type for f in FAMILIES if f.veomni)
+# The vision-language rows (Qwen3.5's): VeOmni's entry builds its vision-language model, which is not
+# ours; that architecture is refused with what to do (`_refusing_entry`).
+VEOMNI_VISION_TYPES = tuple(f.model_type for f in FAMILIES if not f.veomni and f.text_config)
+# The families VeOmni's registry lacks (DeepSeek-V2, Qwen3-Next): install() writes an entry that refuses
+# with what to do, uninstall() removes it.
+VEOMNI_MISSING_TYPES = tuple(f.model_type for f in FAMILIES if not f.veomni and not f.text_config)
 
 # The whole patch set, one row per target (vexact_vllm.patching).
 PATCHES = PatchTable(
@@ -121,6 +153,11 @@ PATCHES = PatchTable(
             Patch(f"veomni.models.loader:MODELING_REGISTRY[{model_type}]", partial(_modeling_entry, model_type),
                   ("architecture",), WRITTEN_FOR)
             for model_type in VEOMNI_MODEL_TYPES
+        ),
+        *(
+            Patch(f"veomni.models.loader:MODELING_REGISTRY[{model_type}]", partial(_refusing_entry, model_type),
+                  ("architecture",), WRITTEN_FOR)
+            for model_type in VEOMNI_VISION_TYPES
         ),
         Patch("veomni.ops.kernels.cross_entropy:install_loss_mapping", _loss_mapping_installer, ("impl",),
               WRITTEN_FOR),
@@ -132,6 +169,13 @@ def install() -> None:
     if not PATCHES.is_installed():
         _register_kernels()
     PATCHES.install()
+    from veomni.models.loader import MODELING_REGISTRY
+
+    for model_type in VEOMNI_MISSING_TYPES:
+        if model_type not in MODELING_REGISTRY.valid_keys():
+            PATCHES.set_item(MODELING_REGISTRY, model_type, _refusing_entry(model_type))
+        elif getattr(MODELING_REGISTRY[model_type], "vexact_model_type", None) is None:
+            raise PatchError(f"VeOmni now registers {model_type!r}: add its family to VeOmni's rows (families.py)")
 
 
 uninstall = PATCHES.uninstall  # VeOmni's registry entries, its installer and the LOSS_MAPPING entries

@@ -73,7 +73,9 @@ def test_install_is_idempotent_and_reversible():
         cross_entropy.install_loss_mapping("vexact")  # what apply_ops_config does for the selection
         assert LOSS_MAPPING["ForCausalLM"] is vexact_causal_lm_loss
         assert LOSS_MAPPING["ForConditionalGeneration"] is vexact_causal_lm_loss
+        assert all(t in MODELING_REGISTRY.valid_keys() for t in veomni_hooks.VEOMNI_MISSING_TYPES)
     assert not veomni_hooks.is_installed()
+    assert not any(t in MODELING_REGISTRY.valid_keys() for t in veomni_hooks.VEOMNI_MISSING_TYPES)
     assert {t: MODELING_REGISTRY[t] for t in veomni_hooks.VEOMNI_MODEL_TYPES} == before
     assert MODELING_REGISTRY._local_mapping == local
     assert cross_entropy.install_loss_mapping is installer
@@ -100,6 +102,32 @@ def test_other_heads_and_types_stay_veomni(hooks, tiny_model):
     assert get_model_class(moe).__name__ == "VeOmniVexactQwen3MoeForCausalLM"  # a family of the table
     other = AutoConfig.for_model("gpt_oss", architectures=["GptOssForCausalLM"])
     assert get_model_class(other).__module__.startswith("veomni.")  # not one: VeOmni's own
+
+
+@pytest.mark.parametrize(
+    "model_type,architecture,match",
+    [("qwen3_next", "Qwen3NextForCausalLM", "MODELING_BACKEND=hf"),
+     ("deepseek_v2", "DeepseekV2ForCausalLM", "MODELING_BACKEND=hf"),
+     ("qwen3_5", "Qwen3_5ForConditionalGeneration", "model type 'qwen3_5_text'"),
+     ("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", "model type 'qwen3_5_moe_text'")],
+)  # fmt: skip
+def test_what_veomni_cannot_build_as_ours_is_refused(hooks, model_type, architecture, match):
+    """VeOmni lacks Qwen3-Next and DeepSeek-V2, and builds its own vision-language model for Qwen3.5's
+    published checkpoints: each says what to do instead of training a model that is not the rollout's."""
+    from veomni.models.loader import get_model_class
+
+    with pytest.raises(ValueError, match=match):
+        get_model_class(AutoConfig.for_model(model_type, architectures=[architecture]))
+
+
+def test_the_hf_backend_builds_ours_where_veomni_has_no_model(hooks, tiny_model, monkeypatch):
+    """What the refusal tells users to do works: MODELING_BACKEND=hf builds the vexact class."""
+    monkeypatch.setenv("MODELING_BACKEND", "hf")
+    from vexact_vllm.model_patches.trainers import transformers_hooks
+
+    with transformers_hooks.installed():
+        model = _build(_config(tiny_model, "qwen3_next"))
+    assert type(model).__name__ == "VexactQwen3NextForCausalLM"
 
 
 def test_vexact_loss_kernel_through_veomni_registries(hooks, tiny_model):
