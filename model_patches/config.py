@@ -8,7 +8,7 @@ that says what to do.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -122,6 +122,16 @@ class LinearAttentionConfig:
     def conv_dim(self) -> int:
         """C: the conv's channels, q | k | v = 2 HK DK + HV DV."""
         return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+
+    def shard(self, size: int) -> LinearAttentionConfig:
+        """One rank's layers in a tensor-parallel group of `size`: HK / size key heads and the HV / size value
+        heads that read them (model_patches/gated_delta.py); refused unless `size` divides HK."""
+        if self.num_k_heads % size:
+            raise UnsupportedModelError(
+                f"--tensor-parallel-size {size} does not divide the {self.num_k_heads} linear-attention key heads "
+                "(linear_num_key_heads); use a tensor-parallel size that divides it"
+            )
+        return replace(self, num_k_heads=self.num_k_heads // size, num_v_heads=self.num_v_heads // size)
 
 
 @dataclass

@@ -35,6 +35,7 @@ row times the weight once and multiplies by silu(z) in fp32 (transformers rounds
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 from torch import nn
@@ -42,9 +43,9 @@ from torch import nn
 from vexact_vllm.kernels import causal_conv1d, gated_delta_rule, gated_delta_rule_cached, silu_and_mul
 
 from .attention_context import AttentionContext, Sequences
-from .config import DecoderConfig, LinearAttentionConfig, UnsupportedModelError
-from .layers import Linear, RMSNorm, RotaryCache
-from .tensor_parallel import TensorParallel
+from .config import DecoderConfig, LinearAttentionConfig
+from .layers import Linear, RMSNorm, RotaryCache, take_rows
+from .tensor_parallel import TensorParallel, mark_shard
 
 
 def state_shapes(linear: LinearAttentionConfig) -> tuple[tuple[int, ...], ...]:
@@ -70,24 +71,45 @@ class CausalConv1d(nn.Module):
 
 class GatedDeltaNet(nn.Module):
     """The layer's conv, gates, recurrence, gated norm and out_proj; a family subclass adds its input
-    projections and `project`. Tensor parallelism is refused (not built yet)."""
+    projections and `project`.
+
+    With `tp` (tensor_parallel.py: column-parallel only) rank r holds key heads [r HK_r, (r + 1) HK_r)
+    (HK_r = HK / T) and the value heads that read them, [r HV_r, (r + 1) HV_r): their projection rows,
+    conv channels (q, k and v blocks), gates and recurrence, all per head or per channel, so each is the
+    unsharded layer's arithmetic on those heads. `self.linear` is the rank's geometry (`shard`), which
+    also sizes its states. The heads' outputs are gathered (rank order = head order), out_proj computes
+    the rank's H / T columns from all of them, and those are gathered: no partial sum anywhere."""
 
     def __init__(self, config: DecoderConfig, layer_idx: int, tp: TensorParallel | None = None):
         super().__init__()
-        if tp is not None:
-            raise UnsupportedModelError(
-                "tensor parallelism is not supported yet for the Gated DeltaNet layers of Qwen3-Next / Qwen3.5 "
-                "with --model-impl vexact; use --tensor-parallel-size 1 (pipeline parallelism works)"
-            )
-        lin = self.linear = config.linear
-        self.layer_idx = layer_idx
+        whole = config.linear
+        lin = self.linear = whole if tp is None else whole.shard(tp.size)
+        self.tp, self.whole, self.layer_idx = tp, whole, layer_idx
+        rank = 0 if tp is None else tp.rank
+        self.k_first, self.v_first = rank * lin.num_k_heads, rank * lin.num_v_heads  # the rank's first heads
         self.conv1d = CausalConv1d(lin.conv_dim, lin.conv_kernel)
         self.dt_bias = nn.Parameter(torch.ones(lin.num_v_heads))
         self.A_log = nn.Parameter(torch.empty(lin.num_v_heads))
         self.norm = RMSNorm(lin.head_v_dim, config.rms_norm_eps)  # the gated norm's weight (ones at init)
-        self.out_proj = Linear(lin.num_v_heads * lin.head_v_dim, config.hidden_size)
+        self.out_proj = Linear(whole.num_v_heads * whole.head_v_dim, config.hidden_size, tp=tp)
         self.splits = (lin.num_k_heads * lin.head_k_dim, lin.num_k_heads * lin.head_k_dim,
                        lin.num_v_heads * lin.head_v_dim)  # fmt: skip
+        if tp is not None:
+            mark_shard(self.conv1d.weight, partial(take_rows, blocks=self.channel_blocks()))
+            for p in (self.dt_bias, self.A_log):
+                mark_shard(p, partial(take_rows, blocks=[self.v_heads(1)]))
+
+    def v_heads(self, width: int) -> tuple[int, int]:
+        """[start, stop) of the rank's value heads in a whole tensor of `width` rows per value head."""
+        return self.v_first * width, (self.v_first + self.linear.num_v_heads) * width
+
+    def channel_blocks(self) -> list[tuple[int, int]]:
+        """The rank's conv channels in the whole layer's q | k | v order: its q, k and v heads' blocks."""
+        w, lin = self.whole, self.linear
+        k = (self.k_first * w.head_k_dim, (self.k_first + lin.num_k_heads) * w.head_k_dim)
+        qk = w.num_k_heads * w.head_k_dim
+        v = self.v_heads(w.head_v_dim)
+        return [k, (qk + k[0], qk + k[1]), (2 * qk + v[0], 2 * qk + v[1])]
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(qkv [T, C] in q | k | v channel order, z [T, HV, DV], b [T, HV], a [T, HV]): the family's."""
@@ -101,10 +123,19 @@ class GatedDeltaNet(nn.Module):
         o = self.mix(qkv, a.contiguous(), b.contiguous(), seqs)  # [n, HV, DV]
         normed = self.norm(o)  # rms_norm per v head, rounded once
         o = silu_and_mul(torch.cat([z, normed], dim=-1))  # silu(z) * normed in fp32, rounded once  [n, HV, DV]
-        out = self.out_proj(o.reshape(n, -1))  # [n, H]
+        out = self.out(o.reshape(n, -1))  # [n, H]
         if n == t:
             return out
         return torch.cat([out, out.new_zeros(t - n, out.shape[1])])  # padding rows: zeros
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        """out_proj of the heads' outputs [n, HV DV] (the rank's heads with `tp`: gathered first, the
+        rank's columns gathered after): [n, H]."""
+        if self.tp is None:
+            return self.out_proj(o)
+        w = self.whole
+        full = self.tp.gather(o, w.num_v_heads * w.head_v_dim)
+        return self.tp.gather(self.out_proj(full), self.out_proj.config_n)
 
     def mix(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seqs: Sequences) -> torch.Tensor:
         """The conv and the recurrence over the call's sequences, from zero (training) or from each

@@ -31,7 +31,7 @@ from vexact_vllm.kernels import apply_rope
 from .attention_context import AttentionContext
 from .config import DecoderConfig, UnsupportedModelError
 from .layers import Decoder, DecoderLayer, Linear, PackedLinear, RotaryCache, ZeroCentredRMSNorm, sigmoid_gate
-from .tensor_parallel import TensorParallel
+from .tensor_parallel import TensorParallel, kv_heads
 
 
 class GatedSelfAttention(nn.Module):
@@ -40,20 +40,21 @@ class GatedSelfAttention(nn.Module):
 
     def __init__(self, config: DecoderConfig, layer_idx: int, tp: TensorParallel | None = None):
         super().__init__()
-        if tp is not None:
-            raise UnsupportedModelError(
-                "tensor parallelism is not supported yet for Qwen3-Next / Qwen3.5 with --model-impl vexact; "
-                "use --tensor-parallel-size 1 (pipeline parallelism works)"
-            )
-        self.layer_idx = layer_idx
+        self.layer_idx, self.tp = layer_idx, tp
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.value_head_dim, self.scale = self.head_dim, config.attention_scale
         h, d, bias = config.hidden_size, self.head_dim, config.qkv_bias
-        self.q_proj = Linear(h, self.num_heads * 2 * d, bias)
-        self.k_proj = Linear(h, self.num_kv_heads * d, bias)
-        self.v_proj = Linear(h, self.num_kv_heads * d, bias)
+        kv_rows = None
+        if tp is not None:  # as layers.SelfAttention: the rank's query heads (q and gate rows) and their kv heads
+            first, self.num_kv_heads = kv_heads(config.num_heads, config.num_kv_heads, tp)
+            self.num_heads //= tp.size
+            kv_rows = (first * d, (first + self.num_kv_heads) * d)
+        self.q_proj = Linear(h, config.num_heads * 2 * d, bias, tp)
+        self.k_proj = Linear(h, config.num_kv_heads * d, bias, tp, kv_rows)
+        self.v_proj = Linear(h, config.num_kv_heads * d, bias, tp, kv_rows)
         self.qkv_proj = PackedLinear([self.q_proj, self.k_proj, self.v_proj])
-        self.o_proj = Linear(self.num_heads * d, h, config.o_bias)
+        self.o_proj = Linear(config.num_heads * d, h, config.o_bias, tp)
+        self.sizes = (config.num_heads * d, h)
         self.q_norm = ZeroCentredRMSNorm(d, config.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(d, config.rms_norm_eps)
 
@@ -67,8 +68,10 @@ class GatedSelfAttention(nn.Module):
         qk_norm = (self.q_norm.scale(), self.k_norm.scale(), self.q_norm.eps)
         q, k = apply_rope(q, k, positions, rope.get(x.device), qk_norm)
         out = attn.attend(self.layer_idx, q, k, v, self.scale)  # [T, Hq, D]
-        out = sigmoid_gate(out, gate)
-        return self.o_proj(out.reshape(t, self.num_heads * d))  # [T, H]
+        out = sigmoid_gate(out, gate).reshape(t, self.num_heads * d)
+        if self.tp is None:
+            return self.o_proj(out)  # [T, H]
+        return self.tp.gather(self.o_proj(self.tp.gather(out, self.sizes[0])), self.sizes[1])
 
 
 def linear_attention_layers(hf_config) -> tuple[int, ...]:

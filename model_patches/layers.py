@@ -13,6 +13,7 @@ views of one persistent tensor, so no concatenation happens per step.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from itertools import islice
 
 import torch
@@ -36,12 +37,19 @@ from .pipeline_parallel import PipelineStage, placed, stage_layers
 from .tensor_parallel import TensorParallel, kv_heads, mark_shard
 
 
+def take_rows(full: torch.Tensor, blocks: list[tuple[int, int]]) -> torch.Tensor:
+    """The rows [start, stop) of each block of a whole tensor, stacked in the blocks' order (a view for one)."""
+    parts = [full.narrow(0, start, stop - start) for start, stop in blocks]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b) with the batch-invariant GEMM; weight [out, in] as in nn.Linear.
 
     With `tp`, the rank's block of the output columns (tensor_parallel.py): weight [out / T, in]
-    (or the `rows` [start, stop) given), launched with the whole layer's configuration (`config_n` =
-    out), so each column has the bits of the unsharded layer's."""
+    (or the `rows` [start, stop) given, or several such blocks, stacked in their order), launched with
+    the whole layer's configuration (`config_n` = out), so each column has the bits of the unsharded
+    layer's."""
 
     def __init__(
         self,
@@ -49,19 +57,19 @@ class Linear(nn.Module):
         out_features: int,
         bias: bool = False,
         tp: TensorParallel | None = None,
-        rows: tuple[int, int] | None = None,
+        rows: tuple[int, int] | list[tuple[int, int]] | None = None,
     ):
         super().__init__()
         self.config_n = None if tp is None else out_features
         if tp is not None:
-            start, stop = rows or tp.bounds(out_features)
-            out_features = stop - start
+            blocks = rows if isinstance(rows, list) else [rows or tp.bounds(out_features)]
+            out_features = sum(stop - start for start, stop in blocks)
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         if tp is not None:
             for p in (self.weight, self.bias):
                 if p is not None:
-                    mark_shard(p, lambda full, a=start, n=out_features: full.narrow(0, a, n))
+                    mark_shard(p, partial(take_rows, blocks=blocks))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, config_n=self.config_n)

@@ -209,19 +209,28 @@ class GatedSharedExpertMoeBlock(nn.Module):
         out = fused_moe(x, ...) + sigmoid(shared_expert_gate(x)) * shared_expert(x)
     the gate logit rounded to the model dtype (transformers' Linear), the product in fp32 rounded once
     (layers.sigmoid_gate; transformers rounds the sigmoid first), then one add in the model dtype in
-    transformers' order (routed + shared). Tensor parallelism is refused by the hybrid layers."""
+    transformers' order (routed + shared). With `tp` the experts and the shared expert are sharded as
+    `SparseMoeBlock`'s and `MLP`'s; the router and the shared expert's gate run on the full x on every rank."""
 
     def __init__(self, config: DecoderConfig, tp: TensorParallel | None = None):
         super().__init__()
         moe = config.moe
-        self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
+        self.top_k, self.norm_topk_prob, self.tp = moe.top_k, moe.norm_topk_prob, tp
+        self.sizes = (moe.intermediate_size, config.hidden_size)
         self.gate = Router(moe.num_experts, config.hidden_size)
-        self.experts = Experts(moe.num_experts, config.hidden_size, moe.intermediate_size)
-        self.shared_expert = MLP(config, None, moe.shared_intermediate_size)
-        self.shared_expert_gate = Linear(config.hidden_size, 1)
+        self.experts = Experts(moe.num_experts, config.hidden_size, moe.intermediate_size, tp)
+        self.shared_expert = MLP(config, tp, moe.shared_intermediate_size)
+        self.shared_expert_gate = Linear(config.hidden_size, 1)  # replicated
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)  # [T, k] fp32, [T, k] int64
-        routed = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights)  # [T, H]
+        w_gate_up, w_down = self.experts.gate_up_proj, self.experts.down_proj
+        if self.tp is None:
+            routed = fused_moe(x, w_gate_up, w_down, ids, weights)  # [T, H]
+        else:
+            inter, hidden = self.sizes
+            routed = fused_moe_sharded(x, w_gate_up, w_down, ids, weights, lambda a: self.tp.gather(a, inter), inter,
+                                       hidden)  # fmt: skip
+            routed = self.tp.gather(routed, hidden)
         shared = sigmoid_gate(self.shared_expert(x), self.shared_expert_gate(x))  # [T, H] * [T, 1]
         return routed + shared

@@ -15,6 +15,8 @@ over ranks, an all-reduce), the input is all-gathered first and the layer is col
                 gather -> [M, I]                            -> down_proj: the rank's H / T columns
                 gather -> [M, H]
     MoE         the same per expert (experts' I and H sharded); routing on the full hidden state
+    Gated       in_proj: the rank's key heads and their value heads (conv channels, gates, recurrence
+    DeltaNet    per head) -> gather the heads -> out_proj: the rank's H / T columns -> gather
     lm_head     the rank's vocabulary columns               -> gather -> full fp32 logits [M, V]
 An all-gather moves data and adds nothing, so its result is exact whatever the communication
 algorithm, the message size or the topology; no all-reduce appears anywhere. Exact already without

@@ -133,7 +133,8 @@ def refuse_unsupported_engine(vllm_config) -> None:
         pipeline_stages(config.num_layers, parallel.pipeline_parallel_size, get_pp_indices)
     check_tensor_parallel(config.num_heads, config.num_kv_heads, parallel.tensor_parallel_size)
     if config.linear is not None:
-        refuse_unsupported_state_cache(vllm_config, parallel.tensor_parallel_size)
+        config.linear.shard(parallel.tensor_parallel_size)  # the linear-attention heads split evenly
+        refuse_unsupported_state_cache(vllm_config)
     if getattr(parallel, "enable_expert_parallel", False):
         raise UnsupportedModelError(
             "expert parallelism is not supported yet with --model-impl vexact (each rank would hold other "
@@ -155,9 +156,9 @@ def refuse_unsupported_engine(vllm_config) -> None:
         )
 
 
-def refuse_unsupported_state_cache(vllm_config, tensor_parallel_size: int) -> None:
-    """A hybrid model's (Gated DeltaNet layers: Qwen3-Next, Qwen3.5) engine options: prefix caching and
-    tensor parallelism are refused, and the state caches' dtypes are the model's (state_cache.py)."""
+def refuse_unsupported_state_cache(vllm_config) -> None:
+    """A hybrid model's (Gated DeltaNet layers: Qwen3-Next, Qwen3.5) engine options: prefix caching is
+    refused, and the state caches' dtypes are the model's (state_cache.py)."""
     cache = vllm_config.cache_config
     if cache.enable_prefix_caching:
         raise UnsupportedModelError(
@@ -166,11 +167,6 @@ def refuse_unsupported_state_cache(vllm_config, tensor_parallel_size: int) -> No
             "bitwise equal to the trainer yet, and it does not serve approximately. Serve with "
             "--no-enable-prefix-caching (LLM(..., enable_prefix_caching=False); in verl "
             "actor_rollout_ref.rollout.enable_prefix_caching=False)"
-        )
-    if tensor_parallel_size > 1:
-        raise UnsupportedModelError(
-            "tensor parallelism is not supported yet for Qwen3-Next / Qwen3.5 with --model-impl vexact; use "
-            "--tensor-parallel-size 1 (pipeline parallelism works)"
         )
     model_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
     for option, value, allowed in (("--mamba-cache-dtype", cache.mamba_cache_dtype, ("auto", model_dtype)),

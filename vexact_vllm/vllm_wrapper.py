@@ -183,7 +183,8 @@ class VllmVexactForCausalLM(nn.Module):
         def cache_layer(i: int) -> nn.Module:
             """Layer i's cache: vLLM's paged KV cache for attention, state slots for Gated DeltaNet."""
             if is_state_layer(self.model.layers[i]):
-                return GatedDeltaStateLayer(c.linear, dtype, f"{prefix}model.layers.{i}.{STATE_LAYER_SUFFIX}", vllm_config)
+                linear = self.model.layers[i].mixer.linear  # this rank's heads
+                return GatedDeltaStateLayer(linear, dtype, f"{prefix}model.layers.{i}.{STATE_LAYER_SUFFIX}", vllm_config)
             return layer_cls(
                 attn.num_heads,
                 attn.head_dim,
@@ -397,7 +398,8 @@ class VllmVexactHybridForCausalLM(VllmVexactForCausalLM):
 
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
-        return state_shapes(DecoderConfig.from_hf(vllm_config.model_config.hf_config).linear)
+        linear = DecoderConfig.from_hf(vllm_config.model_config.hf_config).linear
+        return state_shapes(linear.shard(vllm_config.parallel_config.tensor_parallel_size))  # a rank's heads
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):

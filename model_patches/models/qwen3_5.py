@@ -34,11 +34,11 @@ class Qwen3_5GatedDeltaNet(GatedDeltaNet):
 
     def __init__(self, config: DecoderConfig, layer_idx: int, tp=None):
         super().__init__(config, layer_idx, tp)
-        lin, h = config.linear, config.hidden_size
-        self.in_proj_qkv = Linear(h, lin.conv_dim)
-        self.in_proj_z = Linear(h, lin.num_v_heads * lin.head_v_dim)
-        self.in_proj_b = Linear(h, lin.num_v_heads)
-        self.in_proj_a = Linear(h, lin.num_v_heads)
+        w, h = self.whole, config.hidden_size  # with tp: the rank's channels and value heads of each
+        self.in_proj_qkv = Linear(h, w.conv_dim, tp=tp, rows=self.channel_blocks())
+        self.in_proj_z = Linear(h, w.num_v_heads * w.head_v_dim, tp=tp, rows=self.v_heads(w.head_v_dim))
+        self.in_proj_b = Linear(h, w.num_v_heads, tp=tp, rows=self.v_heads(1))
+        self.in_proj_a = Linear(h, w.num_v_heads, tp=tp, rows=self.v_heads(1))
         self.in_proj = PackedLinear([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
 
     def project(self, x: torch.Tensor):

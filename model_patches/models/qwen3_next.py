@@ -31,9 +31,12 @@ class Qwen3NextGatedDeltaNet(GatedDeltaNet):
 
     def __init__(self, config: DecoderConfig, layer_idx: int, tp=None):
         super().__init__(config, layer_idx, tp)
-        lin, h = config.linear, config.hidden_size
-        self.in_proj_qkvz = Linear(h, 2 * lin.num_k_heads * lin.head_k_dim + 2 * lin.num_v_heads * lin.head_v_dim)
-        self.in_proj_ba = Linear(h, 2 * lin.num_v_heads)
+        w, h = self.whole, config.hidden_size
+        group = 2 * w.head_k_dim + 2 * (w.num_v_heads // w.num_k_heads) * w.head_v_dim  # rows per key head
+        ba = 2 * (w.num_v_heads // w.num_k_heads)
+        heads = (self.k_first, self.k_first + self.linear.num_k_heads)  # with tp: the rank's key heads' groups
+        self.in_proj_qkvz = Linear(h, w.num_k_heads * group, tp=tp, rows=(heads[0] * group, heads[1] * group))
+        self.in_proj_ba = Linear(h, w.num_k_heads * ba, tp=tp, rows=(heads[0] * ba, heads[1] * ba))
         self.in_proj = PackedLinear([self.in_proj_qkvz, self.in_proj_ba])
 
     def project(self, x: torch.Tensor):

@@ -165,14 +165,16 @@ def test_state_layout():
     assert state_dtypes(torch.bfloat16) == (torch.bfloat16, torch.float32)
 
 
-def test_unknown_layer_types_and_tensor_parallelism_are_refused():
+def test_unknown_layer_types_and_head_splits_are_refused():
     config = _config("qwen3_5_text")
     config.layer_types = ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]
     with pytest.raises(UnsupportedModelError, match="sliding"):
         DecoderConfig.from_hf(config)
-    tp = TensorParallel(0, 2, lambda x: x)
-    with pytest.raises(UnsupportedModelError, match="--tensor-parallel-size 1"):
-        build_decoder(DecoderConfig.from_hf(_config("qwen3_5_text")), tp)
+    whole = DecoderConfig.from_hf(_config("qwen3_5_text"))
+    assert state_shapes(whole.linear.shard(2)) == ((3, 2 * 1 * 32 + 2 * 32), (2, 32, 32))  # a rank's states
+    tp = TensorParallel(0, 4, lambda x: x)
+    with pytest.raises(UnsupportedModelError, match="does not divide the 2 linear-attention key heads"):
+        build_decoder(whole, tp)
     with pytest.raises(UnsupportedModelError, match="partial_rotary_factor"):
         DecoderConfig.from_hf(BY_MODEL_TYPE["qwen3"].hf_config_class()(
             **{**BY_MODEL_TYPE["qwen3"].tiny, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,

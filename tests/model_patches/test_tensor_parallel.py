@@ -91,6 +91,17 @@ def _config(model_type: str, rng: random.Random, tp: int) -> DecoderConfig:
     if model_type == "qwen3_moe":
         fields.update(num_experts=rng.choice([3, 5]), num_experts_per_tok=2, moe_intermediate_size=rng.choice([20, 33]),
                       mlp_only_layers=[rng.choice([0, 1])])  # fmt: skip
+    if family.hybrid:  # Gated DeltaNet: its key heads split over the ranks, the value heads 1 or 2 per key head
+        key_heads = tp * rng.choice([1, 2])
+        fields.update(linear_num_key_heads=key_heads, linear_num_value_heads=key_heads * rng.choice([1, 2]),
+                      linear_key_head_dim=rng.choice([8, 16]), linear_value_head_dim=rng.choice([8, 16]),
+                      linear_conv_kernel_dim=rng.choice([2, 3, 4]), head_dim=16,
+                      layer_types=rng.sample(["linear_attention", "full_attention"], 2))  # fmt: skip
+        if "num_experts" in family.tiny:
+            fields.update(num_experts=rng.choice([3, 5]), moe_intermediate_size=rng.choice([20, 33]),
+                          shared_expert_intermediate_size=rng.choice([24, 36]))  # fmt: skip
+        if model_type == "qwen3_next":
+            fields["mlp_only_layers"] = [rng.choice([0, 1])]
     return DecoderConfig.from_hf(family.hf_config_class()(**fields))
 
 
@@ -134,8 +145,7 @@ def rank_decoder(config, tp, state: dict):
 
 
 @pytest.mark.parametrize("seed", range(6))
-# The hybrid families (Qwen3-Next, Qwen3.5) refuse tensor parallelism (test_qwen3_5.py).
-@pytest.mark.parametrize("model_type", [f.model_type for f in FAMILIES if f.tiny is not None and "layer_types" not in f.tiny])
+@pytest.mark.parametrize("model_type", [f.model_type for f in FAMILIES if f.tiny is not None])
 def test_every_rank_reproduces_the_unsharded_decoder(model_type, seed):
     rng = random.Random(f"{model_type}-{seed}")
     tp = [2, 4, 8][seed % 3]
@@ -158,9 +168,11 @@ def test_every_rank_reproduces_the_unsharded_decoder(model_type, seed):
     outs = group.run(rank)
     for r, out in enumerate(outs):
         assert torch.equal(out, want), (model_type, tp, r, config)
-    per_layer = 4  # attention: heads, o_proj; MLP or MoE: activation, down_proj
-    shared = sum(getattr(layer.mlp, "shared_experts", None) is not None for layer in whole.layers)
-    assert group.calls == per_layer * config.num_layers + 2 * shared  # DeepSeek's shared experts: the same two
+    per_layer = 4  # attention or Gated DeltaNet: heads, o_proj / out_proj; MLP or MoE: activation, down_proj
+    # DeepSeek's shared experts and the hybrids' shared expert: the same two
+    shared = sum(getattr(layer.mlp, "shared_experts", None) is not None or hasattr(layer.mlp, "shared_expert")
+                 for layer in whole.layers)  # fmt: skip
+    assert group.calls == per_layer * config.num_layers + 2 * shared
 
 
 @pytest.mark.parametrize("n,size", [(7, 2), (8, 4), (130, 8), (3, 4)])

@@ -24,10 +24,15 @@ def test_hybrid_class_declares_the_layers_state_layout():
     from vexact_vllm.vllm_wrapper import VllmVexactHybridForCausalLM
 
     hf = _hf_config()
-    vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf, dtype=torch.bfloat16))
+    model = SimpleNamespace(hf_config=hf, dtype=torch.bfloat16)
+    vllm_config = SimpleNamespace(model_config=model, parallel_config=SimpleNamespace(tensor_parallel_size=1))
     cls = VllmVexactHybridForCausalLM
     assert cls.is_hybrid and cls.has_inner_state
-    assert cls.get_mamba_state_shape_from_config(vllm_config) == state_shapes(DecoderConfig.from_hf(hf).linear)
+    linear = DecoderConfig.from_hf(hf).linear
+    assert cls.get_mamba_state_shape_from_config(vllm_config) == state_shapes(linear)
+    vllm_config.parallel_config.tensor_parallel_size = 2  # a rank's heads: half the channels and value heads
+    assert cls.get_mamba_state_shape_from_config(vllm_config) == state_shapes(linear.shard(2))
+    assert state_shapes(linear.shard(2))[1][0] * 2 == state_shapes(linear)[1][0]
     assert cls.get_mamba_state_dtype_from_config(vllm_config) == state_dtypes(torch.bfloat16) == (
         torch.bfloat16, torch.float32)  # fmt: skip
     with pytest.raises(UnsupportedModelError, match="--no-enable-prefix-caching"):
@@ -54,13 +59,13 @@ def test_vision_language_names_map_onto_the_decoder():
     assert _language_model_name("lm_head.weight") == "lm_head.weight"
 
 
-def _engine(prefix_caching=False, tp=1, conv="auto", ssm="auto"):
+def _engine(prefix_caching=False, conv="auto", ssm="auto"):
     cache = SimpleNamespace(enable_prefix_caching=prefix_caching, mamba_cache_dtype=conv, mamba_ssm_cache_dtype=ssm)
-    return SimpleNamespace(cache_config=cache, model_config=SimpleNamespace(dtype=torch.bfloat16)), tp
+    return (SimpleNamespace(cache_config=cache, model_config=SimpleNamespace(dtype=torch.bfloat16)),)
 
 
 @pytest.mark.parametrize("options,match", [
-    (dict(prefix_caching=True), "--no-enable-prefix-caching"), (dict(tp=2), "--tensor-parallel-size 1"),
+    (dict(prefix_caching=True), "--no-enable-prefix-caching"),
     (dict(ssm="bfloat16"), "--mamba-ssm-cache-dtype"), (dict(conv="float32"), "--mamba-cache-dtype"),
 ])  # fmt: skip
 def test_engine_options_are_refused_with_what_to_do(options, match):
