@@ -135,7 +135,8 @@ def test_sleep_and_wake_up_keep_the_contract(synced, trainers):
     """verl's sleep(level=2) / wake_up(weights) / sync / wake_up(kv_cache) cycle, weights NaN before the
     sync and the KV cache NaN after the wake-up (a sleep discards both on a GPU; see weight_sync_run.py),
     the hybrids' Gated DeltaNet state slots included: the same rollouts (tokens and log-probs) as right
-    after the first sync, equal to the updated trainer's."""
+    after the first sync, equal to the updated trainer's. Qwen3.5's sync there carries a vision-language
+    trainer's names (`model.language_model.*` and a vision-tower tensor, skipped)."""
     woken, post = synced[2]["woken"], synced[2]["post"]
     config = trainers[0].decoder_config
     state_layers = 0 if config.linear is None else len(config.linear.layers)

@@ -24,7 +24,8 @@ own sender (verl's colocated trainer rank r feeds rollout rank r, socket `rank-r
    wake_up do nothing, so the engine-level part runs (scheduler paused and resumed, prefix cache
    reset) and what a sleep discards on a GPU is simulated: every parameter set to NaN in place before
    the sync, and after the KV cache's wake-up every cache tensor (the paged K/V of the attention layers,
-   the Gated DeltaNet layers' state slots) set to NaN.
+   the Gated DeltaNet layers' state slots) set to NaN. Qwen3.5's sync there sends the names of a
+   vision-language trainer (`model.language_model.*`, a vision-tower tensor).
 Writes OUT_DIR/NAME/rollouts.json ({"pre", "post", "woken": [Rollout], "probes": [[Rollout]],
 "params": {...}, "discarded": [{"kv", "state"}], "perturbed": [name]}) and the perturbed trainer
 (OUT_DIR/NAME/perturbed, a Hugging Face checkpoint) for the test to score, NAME the model directory's.
@@ -167,6 +168,16 @@ def perturb(trainer) -> dict:
         for name in perturbed(trainer):
             tensors[name].copy_(state[name])  # round to the trainer's dtype, in place
     return state
+
+
+def vision_language_names(weights) -> list[tuple[str, object]]:
+    """The tensors as a Qwen3.5 vision-language trainer (`Qwen3_5ForConditionalGeneration`) names them:
+    the language model's under `model.language_model.`, and a vision-tower tensor, which the vLLM model
+    (served text only) skips."""
+    import torch
+
+    renamed = [("model.language_model." + n[len("model."):] if n.startswith("model.") else n, t) for n, t in weights]
+    return [*renamed, ("model.visual.patch_embed.proj.weight", torch.zeros(8, 3, 2, 2, 2))]
 
 
 def sync_weights(llm, weights, tp: int = 1) -> None:
@@ -347,7 +358,7 @@ def run(model: str, out: Path, tp: int) -> None:
         llm.sleep(level=2)
         llm.wake_up(tags=["weights"])
         llm.collective_rpc(discard_weights)
-        sync_weights(llm, weights, tp)
+        sync_weights(llm, vision_language_names(weights) if trainer.config.model_type == "qwen3_5_text" else weights, tp)
         llm.wake_up(tags=["kv_cache"])
         result["discarded"] = llm.collective_rpc(discard_cache)
         llm.reset_prefix_cache()
