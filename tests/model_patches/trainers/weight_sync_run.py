@@ -87,8 +87,6 @@ PERTURBED_DEEPSEEK = (
     "model.layers.3.mlp.gate.e_score_correction_bias",
     "model.norm.weight",
 )
-# The hybrids (Qwen3-Next's fused Gated DeltaNet projections, Qwen3.5's separate ones): one tensor of every
-# kind the trainer holds (`every_kind`), each synced and probed on its own before the whole state.
 PROMPTS = (
     "The quick brown fox jumps over the lazy dog.",
     "Reinforcement learning needs on-policy samples;",
@@ -126,7 +124,8 @@ def fp32_state(trainer) -> dict:
 
 
 def every_kind(names) -> tuple[str, ...]:
-    """One tensor of every kind (its name with the layer index left out), the layer taken in turn among
+    """The hybrids' perturbed tensors (Qwen3-Next's fused Gated DeltaNet projections, Qwen3.5's separate
+    ones): one tensor of every kind (its name with the layer index left out), the layer taken in turn among
     those that hold the kind, so the kinds spread over the layers: every parameter of the Gated DeltaNet
     layers (projections, conv, A_log, dt_bias, the gated norm, out_proj), of the gated attention, of the
     MoE with its shared expert and gate, and the embedding, norm and lm_head."""
@@ -269,7 +268,7 @@ def discard_weights(worker) -> int:
     return len(params)
 
 
-def discard_cache(worker) -> int:
+def discard_cache(worker) -> dict[str, int]:
     """Runs in the vLLM worker: what a sleep leaves in the KV cache on a GPU at any level (memory released,
     re-mapped with undefined contents at wake-up), written in place as NaN: every full-attention layer's
     paged K/V and every Gated DeltaNet layer's state slots (conv and recurrent states). A fresh request must
