@@ -46,7 +46,7 @@ PROFILES = {
 }  # fmt: skip
 # Every text row of the family table; a vision-language row (Qwen3.5's) is drawn as its language model's row.
 FAMILIES = tuple(f.model_type for f in FAMILY_TABLE if not f.text_config)
-HYBRIDS = frozenset(f.model_type for f in FAMILY_TABLE if f.hybrid)
+HYBRIDS = frozenset(f for f in FAMILIES if BY_MODEL_TYPE[f].hybrid)  # Gated DeltaNet: Qwen3-Next, Qwen3.5
 TEMPERATURES = (0.0, 0.005, 0.3, 0.7, 1.0, 1.3)
 SHARED = ("batch", "shuffled", "prefix-cache", "alone")
 FRESH = {"cpu": ("chunked-prefill", "preemption"), "cuda": ("chunked-prefill", "preemption", "eager")}
