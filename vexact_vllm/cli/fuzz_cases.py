@@ -8,7 +8,7 @@ What varies (each within what the kernels and the families support):
   q LoRA, routing, shared experts, dense first layers, YaRN; the Gated DeltaNet hybrids Qwen3-Next, Qwen3.5 and
   Qwen3.5-MoE: the linear-attention key and value heads (value heads a multiple of key heads) and head dims, the layer
   pattern (1-3 Gated DeltaNet layers per full-attention layer, either kind last), the conv width (2-4), the partial
-  rotary factor, experts with a gated shared expert) and its options: hidden size, layers, head_dim (32, 64, 128, and
+  rotary factor, Qwen3.5's M-RoPE sections or none, experts with a gated shared expert) and its options: hidden size, layers, head_dim (32, 64, 128, and
   256 on CUDA), query heads and the GQA ratio, experts (2-16), experts per token and dense layers, intermediate size, vocabulary larger than the
   tokenizer by a random amount, tied or untied embeddings, q/k/v, o and MLP biases where the family
   has them, RoPE theta and scaling (default, linear, llama3), weight scale;
@@ -93,6 +93,7 @@ class FuzzCase:
             out.update(linear_heads=f"{f['linear_num_key_heads']}/{f['linear_num_value_heads']}",
                        linear_head_dims=f"{f['linear_key_head_dim']}/{f['linear_value_head_dim']}",
                        conv=f["linear_conv_kernel_dim"], rotary=partial_rotary_factor(f),
+                       mrope="mrope_section" in f["rope_parameters"],
                        layer_pattern="".join(kinds[t] for t in layer_types(f)))  # fmt: skip
         out["biases"] = [name for name in ("attention_bias", "mlp_bias") if f.get(name)]
         return out
@@ -120,7 +121,7 @@ class FuzzCase:
             layers += (f" {m['layer_pattern']}, Gated DeltaNet heads {m['linear_heads']} x {m['linear_head_dims']} "
                        f"conv {m['conv']}")  # fmt: skip
         intermediate = f", intermediate {m['intermediate']}" if m["intermediate"] else ""
-        rotary = f" (rotary {m['rotary']:g})" if "rotary" in m else ""
+        rotary = f" (rotary {m['rotary']:g}{', M-RoPE sections' if m['mrope'] else ''})" if "rotary" in m else ""
         model = (f"{m['family']}, hidden {m['hidden']}, {layers}, heads {m['heads']}/{m['kv_heads']} x "
                  f"{m['head_dim']}{intermediate}{moe}, vocab {m['vocab']} "
                  f"{'tied' if m['tied'] else 'untied'}, rope {m['rope']}{rotary}"
@@ -246,10 +247,18 @@ def _hybrid_fields(rng: random.Random, family: str, fields: dict, limits: dict) 
             kinds[-1] = "full_attention"
         out["layer_types"] = kinds
     factor = rng.choice([f for f in (0.25, 0.5, 1.0) if int(head_dim * f) > 0 and int(head_dim * f) % 2 == 0])
+    rope = dict(fields["rope_parameters"])
     if rng.random() < 0.5:
-        out["rope_parameters"] = {**fields["rope_parameters"], "partial_rotary_factor": factor}
+        rope["partial_rotary_factor"] = factor
     else:
         out["partial_rotary_factor"] = factor
+    half = int(head_dim * factor) // 2
+    if family.startswith("qwen3_5") and rope["rope_type"] == "default" and half >= 3 and rng.random() < 0.4:
+        # Qwen3.5's published configs: M-RoPE sections over the rotated pairs (a text token rotates as one position)
+        t = rng.randint(1, half - 2)
+        h = rng.randint(1, half - 1 - t)
+        rope.update(mrope_section=[t, h, half - t - h], mrope_interleaved=rng.random() < 0.7)
+    out["rope_parameters"] = rope
     if family in ("qwen3_next", "qwen3_5_moe_text"):
         experts = rng.choice((2, 4, 8, 16))
         out.update(num_experts=experts, num_experts_per_tok=rng.randint(1, min(4, experts)),

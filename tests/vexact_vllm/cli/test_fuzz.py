@@ -72,6 +72,9 @@ def test_hybrid_cases_are_valid_configs_and_vary(profile):
         assert hf.layer_types == kinds and set(kinds) == {"linear_attention", "full_attention"}
         assert limits["hybrid_layers"][0] <= len(kinds) <= limits["hybrid_layers"][1]
         assert hf.rope_parameters["partial_rotary_factor"] == partial_rotary_factor(f)
+        if "mrope_section" in f["rope_parameters"]:  # one section per position row, over the rotated pairs
+            assert c.model_type.startswith("qwen3_5") and min(f["rope_parameters"]["mrope_section"]) >= 1
+            assert 2 * sum(f["rope_parameters"]["mrope_section"]) == int(f["head_dim"] * partial_rotary_factor(f))
         config = DecoderConfig.from_hf(hf)
         lin = config.linear
         assert lin.layers == tuple(i for i, t in enumerate(kinds) if t == "linear_attention")
@@ -90,6 +93,7 @@ def test_hybrid_cases_are_valid_configs_and_vary(profile):
     assert {partial_rotary_factor(c.fields) for c in cases} == {0.25, 0.5, 1.0}
     assert {layer_types(c.fields)[-1] for c in cases} == {"linear_attention", "full_attention"}
     assert {layer_types(c.fields)[0] for c in cases} == {"linear_attention", "full_attention"}
+    assert any("mrope_section" in c.fields["rope_parameters"] for c in cases)
     assert any("full_attention_interval" in c.fields for c in cases) and any("layer_types" in c.fields for c in cases)
     ratios = {c.fields["linear_num_value_heads"] // c.fields["linear_num_key_heads"] for c in cases}
     assert 1 in ratios and max(ratios) > 1
