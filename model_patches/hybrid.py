@@ -87,6 +87,18 @@ def linear_attention_layers(hf_config) -> tuple[int, ...]:
     return tuple(i for i, t in enumerate(layer_types) if t == "linear_attention")
 
 
+def check_attention_gate(hf_config) -> None:
+    """The full-attention layers always gate their output, as transformers' Qwen3NextAttention and
+    Qwen3_5Attention do (q_proj holds each head's query and its gate); `attn_output_gate: false`, a field
+    only stock vLLM reads, is refused."""
+    if not getattr(hf_config, "attn_output_gate", True):
+        raise UnsupportedModelError(
+            "attn_output_gate=false is not supported by vexact-vllm: the Qwen3-Next / Qwen3.5 attention gates "
+            "its output, as transformers' model does (q_proj holds each head's query and its gate); serve a "
+            "checkpoint whose attention is gated (drop attn_output_gate from config.json)"
+        )
+
+
 class HybridDecoder(Decoder):
     """Gated DeltaNet layers at `config.linear.layers`, `GatedSelfAttention` elsewhere, zero-centred
     norms. A family subclasses it with its `linear_attention` (its Gated DeltaNet class) and `mlp`."""

@@ -43,7 +43,7 @@ from vexact_vllm.model_patches.families import BY_MODEL_TYPE
 from vexact_vllm.model_patches.pipeline_parallel import pipeline_stages
 from vexact_vllm.model_patches.tensor_parallel import check_tensor_parallel
 
-from .option_policy import refuse_engine_args, refuse_engine_config
+from .option_policy import HYBRID_ENGINE, refuse_engine_args, refuse_engine_config
 from .versions import note_version
 
 LOGITS_PROCESSOR_PLUGINS = "vllm.logits_processors"  # vLLM's entry-point group (LOGITSPROCS_GROUP)
@@ -157,17 +157,13 @@ def refuse_unsupported_engine(vllm_config) -> None:
 
 
 def refuse_unsupported_state_cache(vllm_config) -> None:
-    """A hybrid model's (Gated DeltaNet layers: Qwen3-Next, Qwen3.5) engine options: prefix caching is
-    refused, and the state caches' dtypes are the model's (state_cache.py)."""
+    """A hybrid model's (Gated DeltaNet layers: Qwen3-Next, Qwen3.5) engine options: prefix caching only at
+    option_policy.HYBRID_ENGINE's value, and the state caches' dtypes are the model's (state_cache.py)."""
     cache = vllm_config.cache_config
-    if cache.enable_prefix_caching:
-        raise UnsupportedModelError(
-            "prefix caching is not supported for Qwen3-Next / Qwen3.5 (Gated DeltaNet) with --model-impl vexact: "
-            "vLLM restores their recurrent states from prefix-cache blocks in a way vexact-vllm has not made "
-            "bitwise equal to the trainer yet, and it does not serve approximately. Serve with "
-            "--no-enable-prefix-caching (LLM(..., enable_prefix_caching=False); in verl "
-            "actor_rollout_ref.rollout.enable_prefix_caching=False)"
-        )
+    values = {"enable_prefix_caching": cache.enable_prefix_caching}
+    for option, (allowed, message) in HYBRID_ENGINE.items():
+        if values[option] != allowed:
+            raise UnsupportedModelError(message)
     model_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
     for option, value, allowed in (("--mamba-cache-dtype", cache.mamba_cache_dtype, ("auto", model_dtype)),
                                    ("--mamba-ssm-cache-dtype", cache.mamba_ssm_cache_dtype, ("auto", "float32"))):  # fmt: skip

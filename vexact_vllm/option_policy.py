@@ -328,6 +328,18 @@ REFUSED_ENGINE = (
             "decoding, LoRA and custom logits processors are refused)", "see the message", where=CONFIG_HOOK),
 )  # fmt: skip
 
+# A hybrid model's (Gated DeltaNet layers: Qwen3-Next, Qwen3.5) engine: each of these LLM(...) arguments only
+# at its value, the message refusing any other (engine_checks.refuse_unsupported_state_cache, on the resolved
+# configuration). The fuzzer draws hybrid engines with these values.
+HYBRID_ENGINE: dict[str, tuple[Any, str]] = {
+    "enable_prefix_caching": (False,
+        "prefix caching is not supported for Qwen3-Next / Qwen3.5 (Gated DeltaNet) with --model-impl vexact: "
+        "vLLM restores their recurrent states from prefix-cache blocks in a way vexact-vllm has not made "
+        "bitwise equal to the trainer yet, and it does not serve approximately. Serve with "
+        "--no-enable-prefix-caching (LLM(..., enable_prefix_caching=False); in verl "
+        "actor_rollout_ref.rollout.enable_prefix_caching=False)"),
+}  # fmt: skip
+
 
 def groups(side: str) -> dict[str, tuple]:
     """The lists of one side ("request" or "engine"), by name."""

@@ -24,7 +24,7 @@ import torch
 
 from ..config import DecoderConfig, LinearAttentionConfig, MoeConfig
 from ..gated_delta import GatedDeltaNet
-from ..hybrid import HybridDecoder, linear_attention_layers
+from ..hybrid import HybridDecoder, check_attention_gate, linear_attention_layers
 from ..layers import MLP, Linear, PackedLinear
 from ..moe import GatedSharedExpertMoeBlock, check_expert_tensors
 
@@ -53,6 +53,7 @@ def is_moe(hf_config) -> bool:
 
 def decoder_fields(hf_config) -> dict:
     """What a Qwen3.5 (text) config adds to the shared DecoderConfig."""
+    check_attention_gate(hf_config)
     bias = bool(getattr(hf_config, "attention_bias", False))
     moe = None
     if is_moe(hf_config):

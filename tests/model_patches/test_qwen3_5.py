@@ -165,7 +165,7 @@ def test_state_layout():
     assert state_dtypes(torch.bfloat16) == (torch.bfloat16, torch.float32)
 
 
-def test_unknown_layer_types_and_head_splits_are_refused():
+def test_unknown_layer_types_ungated_attention_and_head_splits_are_refused():
     config = _config("qwen3_5_text")
     config.layer_types = ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]
     with pytest.raises(UnsupportedModelError, match="sliding"):
@@ -175,6 +175,10 @@ def test_unknown_layer_types_and_head_splits_are_refused():
     tp = TensorParallel(0, 4, lambda x: x)
     with pytest.raises(UnsupportedModelError, match="does not divide the 2 linear-attention key heads"):
         build_decoder(whole, tp)
+    for arch in ARCHS:  # transformers' attention always gates its output; stock vLLM's reads this field
+        with pytest.raises(UnsupportedModelError, match="attn_output_gate"):
+            DecoderConfig.from_hf(_config(arch, attn_output_gate=False))
+        assert DecoderConfig.from_hf(_config(arch, attn_output_gate=True)).linear is not None
     with pytest.raises(UnsupportedModelError, match="partial_rotary_factor"):
         DecoderConfig.from_hf(BY_MODEL_TYPE["qwen3"].hf_config_class()(
             **{**BY_MODEL_TYPE["qwen3"].tiny, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,

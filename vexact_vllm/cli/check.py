@@ -28,6 +28,7 @@ import torch
 
 from vexact_vllm import __version__
 from vexact_vllm.kernels.settings import refresh_settings
+from vexact_vllm.option_policy import HYBRID_ENGINE
 from vexact_vllm.registry import SERVE_ADVICE
 
 from .args import existing_file, micro_batches, positive_int, prompt_top_k, temperature
@@ -100,7 +101,7 @@ def stock_settings(settings: RolloutSettings, model_path: str) -> RolloutSetting
     return stock
 
 
-# Why a hybrid model's check runs without prefix caching (engine_checks.refuse_unsupported_state_cache).
+# Why a hybrid model's check runs without prefix caching (option_policy.HYBRID_ENGINE).
 HYBRID_NOTE = "is refused for Gated DeltaNet models (Qwen3-Next, Qwen3.5) with --model-impl vexact"
 
 
@@ -395,7 +396,7 @@ def _run(args, model_path: str, dtype: str, prompts: list[str], console) -> tupl
         prompt_logprobs=args.prompt_logprobs,
     )
     if hybrid:
-        settings.extra["enable_prefix_caching"] = False
+        settings.extra["enable_prefix_caching"] = HYBRID_ENGINE["enable_prefix_caching"][0]
     if "prefix-cache" in names:
         settings.shared_prefix = shared_prefix(model_path, settings.block_size)
         longest = len(settings.shared_prefix) + max(map(len, prompt_ids)) + 2 * args.max_tokens  # continued

@@ -4,8 +4,11 @@ A case is a pure function of (seed, index, profile, limits): `draw_case` uses on
 `random.Random`, so `vexact-vllm fuzz --seed S --case I` rebuilds exactly the case that failed.
 
 What varies (each within what the kernels and the families support):
-- the family (every row of the family table: Qwen3, Qwen2, Llama, Qwen3-MoE, DeepSeek-V3 and V2: their MLA sizes,
-  q LoRA, routing, shared experts, dense first layers, YaRN) and its options: hidden size, layers, head_dim (32, 64, 128, and
+- the family (every text row of the family table: Qwen3, Qwen2, Llama, Qwen3-MoE, DeepSeek-V3 and V2: their MLA sizes,
+  q LoRA, routing, shared experts, dense first layers, YaRN; the Gated DeltaNet hybrids Qwen3-Next, Qwen3.5 and
+  Qwen3.5-MoE: the linear-attention key and value heads (value heads a multiple of key heads) and head dims, the layer
+  pattern (1-3 Gated DeltaNet layers per full-attention layer, either kind last), the conv width (2-4), the partial
+  rotary factor, Qwen3.5's M-RoPE sections or none, experts with a gated shared expert) and its options: hidden size, layers, head_dim (32, 64, 128, and
   256 on CUDA), query heads and the GQA ratio, experts (2-16), experts per token and dense layers, intermediate size, vocabulary larger than the
   tokenizer by a random amount, tied or untied embeddings, q/k/v, o and MLP biases where the family
   has them, RoPE theta and scaling (default, linear, llama3), weight scale;
@@ -13,7 +16,8 @@ What varies (each within what the kernels and the families support):
 - per request: temperature (greedy, below vLLM's 0.01 floor, and several others mixed in one batch),
   top-k, top-p, min-p, output length;
 - the engine: KV block size, max_num_seqs, a token budget that forces chunked prefill, prefix
-  caching on or off, CUDA graphs or eager, async scheduling (CUDA);
+  caching on or off, CUDA graphs or eager, async scheduling (CUDA); a hybrid's engine keeps the values
+  option_policy.HYBRID_ENGINE gives (no prefix caching), as vexact refuses others;
 - the compositions (see rollout.py): batch and shuffled always, prefix-cache when caching is on,
   alone for small batches, and a random subset of the ones that need their own engine.
 """
@@ -26,18 +30,23 @@ from dataclasses import asdict, dataclass, field
 
 from vexact_vllm.model_patches.families import BY_MODEL_TYPE
 from vexact_vllm.model_patches.families import FAMILIES as FAMILY_TABLE
+from vexact_vllm.option_policy import HYBRID_ENGINE
 from vexact_vllm.tiny_model import TOKENIZER_VOCAB_SIZE
 
 # Size limits per profile: CPU cases must run in CI in seconds, CUDA cases may be larger.
+# hybrid_layers: a hybrid's layers (at least one Gated DeltaNet and one full-attention layer);
+# linear_head_dims: its Gated DeltaNet key and value head dims (multiples of 8; the kernels pad to powers of 2).
 PROFILES = {
     "cpu": dict(layers=(1, 2), hidden=(64, 96, 128, 192), head_dims=(16, 32, 64), max_heads=8,
-                prompts=(2, 6), max_tokens=(1, 12), block_sizes=(16, 32, 64)),
+                prompts=(2, 6), max_tokens=(1, 12), block_sizes=(16, 32, 64),
+                hybrid_layers=(2, 4), linear_head_dims=(8, 16, 24, 32)),
     "cuda": dict(layers=(1, 4), hidden=(128, 256, 384, 512, 1024), head_dims=(32, 64, 64, 128, 128, 256),
-                 max_heads=16, prompts=(3, 24), max_tokens=(1, 48), block_sizes=(16, 32, 64, 128)),
+                 max_heads=16, prompts=(3, 24), max_tokens=(1, 48), block_sizes=(16, 32, 64, 128),
+                 hybrid_layers=(2, 8), linear_head_dims=(32, 64, 96, 128, 128)),
 }  # fmt: skip
-# Every row of the family table but the Gated DeltaNet hybrids: their shapes (linear heads, layer patterns,
-# conv widths, partial rotary) and their engine rules (no prefix caching) are not drawn yet.
-FAMILIES = tuple(f.model_type for f in FAMILY_TABLE if not f.hybrid)
+# Every text row of the family table; a vision-language row (Qwen3.5's) is drawn as its language model's row.
+FAMILIES = tuple(f.model_type for f in FAMILY_TABLE if not f.text_config)
+HYBRIDS = frozenset(f for f in FAMILIES if BY_MODEL_TYPE[f].hybrid)  # Gated DeltaNet: Qwen3-Next, Qwen3.5
 TEMPERATURES = (0.0, 0.005, 0.3, 0.7, 1.0, 1.3)
 SHARED = ("batch", "shuffled", "prefix-cache", "alone")
 FRESH = {"cpu": ("chunked-prefill", "preemption"), "cuda": ("chunked-prefill", "preemption", "eager")}
@@ -72,12 +81,20 @@ class FuzzCase:
             "family": self.model_type, "hidden": f["hidden_size"], "layers": f["num_hidden_layers"],
             "heads": f["num_attention_heads"], "kv_heads": f["num_key_value_heads"],
             "head_dim": f.get("head_dim") or f["hidden_size"] // f["num_attention_heads"],
-            "intermediate": f["intermediate_size"], "vocab": f["vocab_size"], "tied": f["tie_word_embeddings"],
+            "intermediate": f.get("intermediate_size"), "vocab": f["vocab_size"], "tied": f["tie_word_embeddings"],
             "rope": f["rope_parameters"]["rope_type"], "weight_std": self.weight_std,
         }  # fmt: skip
         if "num_experts" in f:
             out.update(experts=f["num_experts"], experts_per_token=f["num_experts_per_tok"],
-                       moe_intermediate=f["moe_intermediate_size"], dense_layers=len(f["mlp_only_layers"]))  # fmt: skip
+                       moe_intermediate=f["moe_intermediate_size"], dense_layers=len(f.get("mlp_only_layers", [])),
+                       shared_intermediate=f.get("shared_expert_intermediate_size"))  # fmt: skip
+        if self.model_type in HYBRIDS:
+            kinds = {"linear_attention": "L", "full_attention": "F"}
+            out.update(linear_heads=f"{f['linear_num_key_heads']}/{f['linear_num_value_heads']}",
+                       linear_head_dims=f"{f['linear_key_head_dim']}/{f['linear_value_head_dim']}",
+                       conv=f["linear_conv_kernel_dim"], rotary=partial_rotary_factor(f),
+                       mrope="mrope_section" in f["rope_parameters"],
+                       layer_pattern="".join(kinds[t] for t in layer_types(f)))  # fmt: skip
         out["biases"] = [name for name in ("attention_bias", "mlp_bias") if f.get(name)]
         return out
 
@@ -97,11 +114,17 @@ class FuzzCase:
         moe = ""
         if "experts" in m:
             moe = f", {m['experts']} experts top-{m['experts_per_token']} of {m['moe_intermediate']}"
+            moe += f" + shared {m['shared_intermediate']}" if m["shared_intermediate"] else ""
             moe += f" ({m['dense_layers']} dense layers)" if m["dense_layers"] else ""
         layers = f"{m['layers']} layer{'s' if m['layers'] != 1 else ''}"
+        if "layer_pattern" in m:  # L: Gated DeltaNet, F: full attention
+            layers += (f" {m['layer_pattern']}, Gated DeltaNet heads {m['linear_heads']} x {m['linear_head_dims']} "
+                       f"conv {m['conv']}")  # fmt: skip
+        intermediate = f", intermediate {m['intermediate']}" if m["intermediate"] else ""
+        rotary = f" (rotary {m['rotary']:g}{', M-RoPE sections' if m['mrope'] else ''})" if "rotary" in m else ""
         model = (f"{m['family']}, hidden {m['hidden']}, {layers}, heads {m['heads']}/{m['kv_heads']} x "
-                 f"{m['head_dim']}, intermediate {m['intermediate']}{moe}, vocab {m['vocab']} "
-                 f"{'tied' if m['tied'] else 'untied'}, rope {m['rope']}"
+                 f"{m['head_dim']}{intermediate}{moe}, vocab {m['vocab']} "
+                 f"{'tied' if m['tied'] else 'untied'}, rope {m['rope']}{rotary}"
                  f"{''.join(f', {b}' for b in m['biases'])}")  # fmt: skip
         temps = sorted({o["temperature"] for o in self.per_request})
         truncation = sorted({k for o in self.per_request for k in ("top_k", "top_p", "min_p") if k in o})
@@ -125,6 +148,21 @@ class FuzzCase:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def layer_types(fields: dict) -> list[str]:
+    """A hybrid's layer kinds: its `layer_types`, or transformers' rule for `full_attention_interval` n
+    (layer i is full attention when (i + 1) % n == 0, Gated DeltaNet otherwise)."""
+    if "layer_types" in fields:
+        return list(fields["layer_types"])
+    n = fields["full_attention_interval"]
+    return ["full_attention" if (i + 1) % n == 0 else "linear_attention" for i in range(fields["num_hidden_layers"])]
+
+
+def partial_rotary_factor(fields: dict) -> float:
+    """The rotated share of a hybrid's attention head dims: in the rope parameters or, as Qwen3-Next's
+    config.json has it, beside them (transformers reads the first, then the second)."""
+    return fields["rope_parameters"].get("partial_rotary_factor", fields.get("partial_rotary_factor"))
 
 
 def _log_uniform_int(rng: random.Random, lo: int, hi: int) -> int:
@@ -164,7 +202,7 @@ def _model_fields(rng: random.Random, family: str, limits: dict) -> dict:
     if family == "llama":
         fields["attention_bias"] = rng.random() < 0.3
         fields["mlp_bias"] = rng.random() < 0.3
-    elif family in ("qwen3", "qwen3_moe"):
+    elif family in ("qwen3", "qwen3_moe") or family in HYBRIDS:
         fields["attention_bias"] = rng.random() < 0.2
     if family.startswith("deepseek"):
         fields.update(_deepseek_fields(rng, family, hidden), num_key_value_heads=heads)  # K and V per head
@@ -176,7 +214,60 @@ def _model_fields(rng: random.Random, family: str, limits: dict) -> dict:
             decoder_sparse_step=rng.choice((1, 1, 2)),
             mlp_only_layers=[i for i in range(fields["num_hidden_layers"]) if rng.random() < 0.25],
         )  # fmt: skip
+    if family in HYBRIDS:
+        fields.update(_hybrid_fields(rng, family, fields, limits))
+        if family == "qwen3_5_moe_text":  # an MoE block on every layer, no dense MLP
+            del fields["intermediate_size"]
     return fields
+
+
+def _hybrid_fields(rng: random.Random, family: str, fields: dict, limits: dict) -> dict:
+    """Qwen3-Next / Qwen3.5: the Gated DeltaNet heads (value heads a multiple of key heads) and head dims,
+    the conv width, the layer pattern (`per_full` Gated DeltaNet layers per full-attention layer, as
+    `full_attention_interval` or as `layer_types` starting anywhere in the pattern; either kind last, one
+    of each at least), the partial rotary factor; the experts and the gated shared expert of the MoE
+    variants (Qwen3-Next's dense layers through mlp_only_layers and decoder_sparse_step)."""
+    hidden, head_dim = fields["hidden_size"], fields["head_dim"]
+    k_heads = rng.choice((1, 2, 4))
+    v_heads = k_heads * rng.choice([r for r in (1, 2, 3, 4) if k_heads * r <= limits["max_heads"]])
+    layers = rng.randint(*limits["hybrid_layers"])
+    out = dict(
+        num_hidden_layers=layers, linear_num_key_heads=k_heads, linear_num_value_heads=v_heads,
+        linear_key_head_dim=rng.choice(limits["linear_head_dims"]),
+        linear_value_head_dim=rng.choice(limits["linear_head_dims"]), linear_conv_kernel_dim=rng.randint(2, 4),
+    )  # fmt: skip
+    per_full = rng.randint(1, 3)
+    if layers > per_full and rng.random() < 0.5:
+        out["full_attention_interval"] = per_full + 1
+    else:
+        pattern = ["linear_attention"] * per_full + ["full_attention"]
+        start = rng.randrange(len(pattern))
+        kinds = [pattern[(start + i) % len(pattern)] for i in range(layers)]
+        if "full_attention" not in kinds:  # fewer layers than the pattern: end on full attention
+            kinds[-1] = "full_attention"
+        out["layer_types"] = kinds
+    factor = rng.choice([f for f in (0.25, 0.5, 1.0) if int(head_dim * f) > 0 and int(head_dim * f) % 2 == 0])
+    rope = dict(fields["rope_parameters"])
+    if rng.random() < 0.5:
+        rope["partial_rotary_factor"] = factor
+    else:
+        out["partial_rotary_factor"] = factor
+    half = int(head_dim * factor) // 2
+    if family.startswith("qwen3_5") and rope["rope_type"] == "default" and half >= 3 and rng.random() < 0.4:
+        # Qwen3.5's published configs: M-RoPE sections over the rotated pairs (a text token rotates as one position)
+        t = rng.randint(1, half - 2)
+        h = rng.randint(1, half - 1 - t)
+        rope.update(mrope_section=[t, h, half - t - h], mrope_interleaved=rng.random() < 0.7)
+    out["rope_parameters"] = rope
+    if family in ("qwen3_next", "qwen3_5_moe_text"):
+        experts = rng.choice((2, 4, 8, 16))
+        out.update(num_experts=experts, num_experts_per_tok=rng.randint(1, min(4, experts)),
+                   moe_intermediate_size=32 * rng.randint(1, max(1, hidden // 32)),
+                   shared_expert_intermediate_size=32 * rng.randint(1, max(1, hidden // 32)))  # fmt: skip
+    if family == "qwen3_next":
+        out.update(norm_topk_prob=rng.random() < 0.7, decoder_sparse_step=rng.choice((1, 1, 2)),
+                   mlp_only_layers=[i for i in range(layers) if rng.random() < 0.25])  # fmt: skip
+    return out
 
 
 def _deepseek_fields(rng: random.Random, family: str, hidden: int) -> dict:
@@ -220,8 +311,10 @@ def _request_options(rng: random.Random, limits: dict) -> dict:
     return options
 
 
-def _engine(rng: random.Random, profile: str) -> dict:
+def _engine(rng: random.Random, profile: str, hybrid: bool) -> dict:
     engine = {"enable_prefix_caching": rng.random() < 0.8, "max_num_seqs": rng.choice((2, 3, 8, 256))}
+    if hybrid:  # the only values vexact serves a Gated DeltaNet model with
+        engine.update({option: value for option, (value, _) in HYBRID_ENGINE.items()})
     if rng.random() < 0.4:  # a token budget below the prompts: chunked prefill in every composition
         engine["enable_chunked_prefill"] = True
         engine["max_num_batched_tokens"] = max(engine["max_num_seqs"], rng.choice((16, 48, 128, 512)))
@@ -239,7 +332,7 @@ def draw_case(seed: int, index: int, profile: str, max_prompt_len: int) -> FuzzC
     limits = PROFILES[profile]
     family = rng.choice(FAMILIES)
     n_prompts = rng.randint(*limits["prompts"])
-    engine = _engine(rng, profile)
+    engine = _engine(rng, profile, family in HYBRIDS)
     block_size = rng.choice(limits["block_sizes"])
     compositions = ["batch", "shuffled"]
     if engine["enable_prefix_caching"]:
