@@ -85,6 +85,7 @@ class Experts(nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TensorParallel | None = None):
         super().__init__()
+        self.tp, self.sizes = tp, (intermediate_size, hidden_size)
         inter, hidden = intermediate_size, hidden_size
         if tp is not None:
             inter, hidden = (b - a for a, b in (tp.bounds(intermediate_size), tp.bounds(hidden_size)))
@@ -94,6 +95,16 @@ class Experts(nn.Module):
             mark_shard(self.gate_up_proj, lambda full: tp.take_halves(full, 1), tp.take)
             mark_shard(self.down_proj, lambda full: tp.take(full, 1), tp.take)
 
+    def routed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum [T, H] for x [T, H] and the routing (ids, weights [T, k]); with
+        `tp` each rank's expert columns, the activation and the output gathered (tensor_parallel.py)."""
+        if self.tp is None:
+            return fused_moe(x, self.gate_up_proj, self.down_proj, ids, weights)
+        inter, hidden = self.sizes
+        out = fused_moe_sharded(x, self.gate_up_proj, self.down_proj, ids, weights, lambda a: self.tp.gather(a, inter),
+                                inter, hidden)  # fmt: skip
+        return self.tp.gather(out, hidden)
+
 
 class SparseMoeBlock(nn.Module):
     """Router + experts (see the module docstring). Forward hooks on `gate` see the router logits
@@ -102,20 +113,14 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, config: DecoderConfig, tp: TensorParallel | None = None):
         super().__init__()
         moe = config.moe
-        self.top_k, self.norm_topk_prob, self.tp = moe.top_k, moe.norm_topk_prob, tp
-        self.sizes = (moe.intermediate_size, config.hidden_size)
+        self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
         self.gate = Router(moe.num_experts, config.hidden_size)  # replicated: routing on the full x
         self.experts = Experts(moe.num_experts, config.hidden_size, moe.intermediate_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)  # [T, E] fp32
         weights, ids = route(logits, self.top_k, self.norm_topk_prob)  # [T, k] fp32, [T, k] int64
-        w_gate_up, w_down = self.experts.gate_up_proj, self.experts.down_proj
-        if self.tp is None:
-            return fused_moe(x, w_gate_up, w_down, ids, weights)  # [T, H]
-        inter, hidden = self.sizes
-        out = fused_moe_sharded(x, w_gate_up, w_down, ids, weights, lambda a: self.tp.gather(a, inter), inter, hidden)
-        return self.tp.gather(out, hidden)  # [T, H]
+        return self.experts.routed(x, ids, weights)  # [T, H]
 
 
 # Checkpoints on disk (and verl's weight sync, which unfuses the experts) name each expert's tensors.
@@ -151,7 +156,6 @@ class SharedExpertsMoeBlock(nn.Module):
     def __init__(self, config: DecoderConfig, tp: TensorParallel | None = None):
         super().__init__()
         moe = self.moe = config.moe
-        self.tp, self.sizes = tp, (moe.intermediate_size, config.hidden_size)
         self.gate = Router(moe.num_experts, config.hidden_size, moe.correction_bias)
         self.experts = Experts(moe.num_experts, config.hidden_size, moe.intermediate_size, tp)
         self.shared_experts = MLP(config, tp, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
@@ -172,14 +176,7 @@ class SharedExpertsMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(self.gate(x))  # [T, k] fp32, [T, k] int64
-        w_gate_up, w_down = self.experts.gate_up_proj, self.experts.down_proj
-        if self.tp is None:
-            out = fused_moe(x, w_gate_up, w_down, ids, weights)  # [T, H]
-        else:
-            inter, hidden = self.sizes
-            out = fused_moe_sharded(x, w_gate_up, w_down, ids, weights, lambda a: self.tp.gather(a, inter), inter,
-                                    hidden)  # fmt: skip
-            out = self.tp.gather(out, hidden)  # [T, H]
+        out = self.experts.routed(x, ids, weights)  # [T, H]
         if self.shared_experts is None:
             return out
         return out + self.shared_experts(x)  # [T, H]: one add, routed + shared
@@ -215,8 +212,7 @@ class GatedSharedExpertMoeBlock(nn.Module):
     def __init__(self, config: DecoderConfig, tp: TensorParallel | None = None):
         super().__init__()
         moe = config.moe
-        self.top_k, self.norm_topk_prob, self.tp = moe.top_k, moe.norm_topk_prob, tp
-        self.sizes = (moe.intermediate_size, config.hidden_size)
+        self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
         self.gate = Router(moe.num_experts, config.hidden_size)
         self.experts = Experts(moe.num_experts, config.hidden_size, moe.intermediate_size, tp)
         self.shared_expert = MLP(config, tp, moe.shared_intermediate_size)
@@ -224,13 +220,6 @@ class GatedSharedExpertMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)  # [T, k] fp32, [T, k] int64
-        w_gate_up, w_down = self.experts.gate_up_proj, self.experts.down_proj
-        if self.tp is None:
-            routed = fused_moe(x, w_gate_up, w_down, ids, weights)  # [T, H]
-        else:
-            inter, hidden = self.sizes
-            routed = fused_moe_sharded(x, w_gate_up, w_down, ids, weights, lambda a: self.tp.gather(a, inter), inter,
-                                       hidden)  # fmt: skip
-            routed = self.tp.gather(routed, hidden)
+        routed = self.experts.routed(x, ids, weights)  # [T, H]
         shared = sigmoid_gate(self.shared_expert(x), self.shared_expert_gate(x))  # [T, H] * [T, 1]
         return routed + shared
