@@ -87,9 +87,10 @@ _DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "or
 
 # Qwen3-Next / Qwen3.5's hybrid decoder at the tiny size: Gated DeltaNet and gated full attention
 # alternating (two of each), heads of 64 of which 16 rotate, 2 key and 4 value heads of 32 in the
-# Gated DeltaNet layers (two value heads per key head, as the real models' 16 / 32), conv width 4.
+# Gated DeltaNet layers (two value heads per key head, as the real models' 16 / 32), conv width 4;
+# 8,192 positions, so the check runs prompts of several chunks past the attention's 2,048-key split.
 _HYBRID = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, rms_norm_eps=1e-6,
+               num_key_value_heads=2, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-6,
                tie_word_embeddings=False, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
                linear_value_head_dim=32, linear_conv_kernel_dim=4,
                layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
