@@ -139,6 +139,10 @@ def test_query_chunking_does_not_matter(monkeypatch):
     for chunk in (1, 13, 1000):
         monkeypatch.setattr(causal, "_QUERY_CHUNK", chunk)
         assert torch.equal(varlen_attention(q, k, v, cu, 0.3), full), chunk
+    monkeypatch.setattr(causal, "_QUERY_CHUNK", 64)
+    for budget in (1, 1 << 22):  # one query and one key tile at a time; every query of a chunk, every tile
+        monkeypatch.setattr(causal, "_PRODUCT_BUDGET", budget)
+        assert torch.equal(varlen_attention(q, k, v, cu, 0.3), full), budget
 
 
 def test_thread_count_does_not_matter(threads):
