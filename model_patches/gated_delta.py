@@ -44,7 +44,7 @@ from vexact_vllm.kernels import causal_conv1d, gated_delta_rule, gated_delta_rul
 
 from .attention_context import AttentionContext, Sequences
 from .config import DecoderConfig, LinearAttentionConfig
-from .layers import Linear, RMSNorm, RotaryCache, take_rows
+from .layers import Linear, RMSNorm, RotaryCache, gathered_linear, take_rows
 from .tensor_parallel import TensorParallel, mark_shard
 
 
@@ -123,19 +123,10 @@ class GatedDeltaNet(nn.Module):
         o = self.mix(qkv, a.contiguous(), b.contiguous(), seqs)  # [n, HV, DV]
         normed = self.norm(o)  # rms_norm per v head, rounded once
         o = silu_and_mul(torch.cat([z, normed], dim=-1))  # silu(z) * normed in fp32, rounded once  [n, HV, DV]
-        out = self.out(o.reshape(n, -1))  # [n, H]
+        out = gathered_linear(self.out_proj, o.reshape(n, -1), self.tp)  # [n, H]
         if n == t:
             return out
         return torch.cat([out, out.new_zeros(t - n, out.shape[1])])  # padding rows: zeros
-
-    def out(self, o: torch.Tensor) -> torch.Tensor:
-        """out_proj of the heads' outputs [n, HV DV] (the rank's heads with `tp`: gathered first, the
-        rank's columns gathered after): [n, H]."""
-        if self.tp is None:
-            return self.out_proj(o)
-        w = self.whole
-        full = self.tp.gather(o, w.num_v_heads * w.head_v_dim)
-        return self.tp.gather(self.out_proj(full), self.out_proj.config_n)
 
     def mix(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seqs: Sequences) -> torch.Tensor:
         """The conv and the recurrence over the call's sequences, from zero (training) or from each

@@ -30,7 +30,16 @@ from vexact_vllm.kernels import apply_rope
 
 from .attention_context import AttentionContext
 from .config import DecoderConfig, UnsupportedModelError
-from .layers import Decoder, DecoderLayer, Linear, PackedLinear, RotaryCache, ZeroCentredRMSNorm, sigmoid_gate
+from .layers import (
+    Decoder,
+    DecoderLayer,
+    Linear,
+    PackedLinear,
+    RotaryCache,
+    ZeroCentredRMSNorm,
+    gathered_linear,
+    sigmoid_gate,
+)
 from .tensor_parallel import TensorParallel, kv_heads
 
 
@@ -54,7 +63,6 @@ class GatedSelfAttention(nn.Module):
         self.v_proj = Linear(h, config.num_kv_heads * d, bias, tp, kv_rows)
         self.qkv_proj = PackedLinear([self.q_proj, self.k_proj, self.v_proj])
         self.o_proj = Linear(config.num_heads * d, h, config.o_bias, tp)
-        self.sizes = (config.num_heads * d, h)
         self.q_norm = ZeroCentredRMSNorm(d, config.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(d, config.rms_norm_eps)
 
@@ -68,10 +76,7 @@ class GatedSelfAttention(nn.Module):
         qk_norm = (self.q_norm.scale(), self.k_norm.scale(), self.q_norm.eps)
         q, k = apply_rope(q, k, positions, rope.get(x.device), qk_norm)
         out = attn.attend(self.layer_idx, q, k, v, self.scale)  # [T, Hq, D]
-        out = sigmoid_gate(out, gate).reshape(t, self.num_heads * d)
-        if self.tp is None:
-            return self.o_proj(out)  # [T, H]
-        return self.tp.gather(self.o_proj(self.tp.gather(out, self.sizes[0])), self.sizes[1])
+        return gathered_linear(self.o_proj, sigmoid_gate(out, gate).reshape(t, self.num_heads * d), self.tp)  # [T, H]
 
 
 def linear_attention_layers(hf_config) -> tuple[int, ...]:

@@ -43,6 +43,15 @@ def take_rows(full: torch.Tensor, blocks: list[tuple[int, int]]) -> torch.Tensor
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def gathered_linear(proj: Linear, x: torch.Tensor, tp: TensorParallel | None) -> torch.Tensor:
+    """A layer vLLM runs row-parallel, run column-parallel (tensor_parallel.py): x, this rank's block of
+    proj's input columns, gathered to the whole K; the rank's output columns computed; those gathered.
+    The unsharded layer's output on every rank; proj(x) without tp."""
+    if tp is None:
+        return proj(x)
+    return tp.gather(proj(tp.gather(x, proj.weight.shape[1])), proj.config_n)
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b) with the batch-invariant GEMM; weight [out, in] as in nn.Linear.
 
@@ -286,7 +295,7 @@ class MLP(nn.Module):
     def __init__(self, config: DecoderConfig, tp: TensorParallel | None = None, intermediate_size: int | None = None):
         super().__init__()
         h, i, b = config.hidden_size, intermediate_size or config.intermediate_size, config.mlp_bias
-        self.tp, self.sizes = tp, (i, h)
+        self.tp = tp
         self.gate_proj = Linear(h, i, b, tp)
         self.up_proj = Linear(h, i, b, tp)
         self.gate_up_proj = PackedLinear([self.gate_proj, self.up_proj])
@@ -294,10 +303,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]: gate then up, as silu_and_mul takes them
-        if self.tp is None:
-            return self.down_proj(silu_and_mul(gate_up))
-        act = self.tp.gather(silu_and_mul(gate_up), self.sizes[0])  # [T, I]
-        return self.tp.gather(self.down_proj(act), self.sizes[1])  # [T, H]
+        return gathered_linear(self.down_proj, silu_and_mul(gate_up), self.tp)  # [T, H]
 
 
 class SelfAttention(nn.Module):
@@ -335,7 +341,6 @@ class SelfAttention(nn.Module):
         self.v_proj = Linear(h, kv_size, config.qkv_bias, tp, kv_rows)
         self.qkv_proj = PackedLinear([self.q_proj, self.k_proj, self.v_proj])
         self.o_proj = Linear(q_size, h, config.o_bias, tp)
-        self.sizes = (q_size, h)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -356,10 +361,7 @@ class SelfAttention(nn.Module):
             qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         q, k = apply_rope(q, k, positions, rope.get(x.device), qk_norm)
         out = attn.attend(self.layer_idx, q, k, v, self.scale)  # [T, Hq, D]
-        out = out.reshape(t, self.num_heads * self.head_dim)
-        if self.tp is None:
-            return self.o_proj(out)
-        return self.tp.gather(self.o_proj(self.tp.gather(out, self.sizes[0])), self.sizes[1])  # [T, H]
+        return gathered_linear(self.o_proj, out.reshape(t, self.num_heads * self.head_dim), self.tp)  # [T, H]
 
 
 class DecoderLayer(nn.Module):

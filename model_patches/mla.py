@@ -47,7 +47,7 @@ from vexact_vllm.kernels import apply_rope, head_linear
 
 from .attention_context import AttentionContext
 from .config import DecoderConfig
-from .layers import Linear, RMSNorm, RotaryCache
+from .layers import Linear, RMSNorm, RotaryCache, gathered_linear
 from .tensor_parallel import TensorParallel, kv_heads
 
 # transformers' DeepseekV3RMSNorm default: q_a_layernorm and kv_a_layernorm are built without the
@@ -93,7 +93,6 @@ class MlaAttention(nn.Module):
         self.kv_b_proj = Linear(mla.kv_lora_rank, config.num_heads * (self.nope + self.v_head_dim), False, tp)
         o_in = config.num_heads * self.v_head_dim
         self.o_proj = Linear(o_in, h, bias, tp)
-        self.sizes = (o_in, h)
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK^T [Hr, C, Dn], W_UV [Hr, Dv, C]): views of this rank's kv_b_proj.weight rows."""
@@ -118,6 +117,4 @@ class MlaAttention(nn.Module):
         kv = torch.cat([c.view(t, 1, rank), k_rot], dim=-1)  # [T, 1, C + Dr]
         out = attn.attend(self.layer_idx, q, kv, kv[..., :rank], self.scale)  # [T, Hr, C]
         out = head_linear(out, w_uv).reshape(t, heads * self.v_head_dim)  # [T, Hr * Dv]
-        if self.tp is None:
-            return self.o_proj(out)
-        return self.tp.gather(self.o_proj(self.tp.gather(out, self.sizes[0])), self.sizes[1])  # [T, H]
+        return gathered_linear(self.o_proj, out, self.tp)  # [T, H]
