@@ -443,6 +443,10 @@ def forward_config(head_dim: int, group: int, head_dim_v: int | None = None) -> 
     ValueError if none."""
     check_head_dims(head_dim, head_dim_v)
     block_m, num_warps, num_stages = FWD_CONFIGS[head_block(head_dim)]
+    if head_dim_v not in (None, head_dim) and head_dim % 16:
+        # Triton 3.6's 4-warp build of these pairs (40/24, 56/8: an odd multiple of 8 with a different
+        # value size) reads shared memory out of range on the H200; 8 warps run them.
+        num_warps = max(num_warps, 8)
     if group > block_m:
         raise ValueError(f"Triton attention needs Hq / Hkv <= {block_m} for head_dim {head_dim}, got {group}")
     return block_m, num_warps, num_stages

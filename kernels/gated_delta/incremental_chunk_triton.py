@@ -102,11 +102,11 @@ def prepare_kernel(
         beta_r = tl.load(BETA + rows_r * HV + hv, mask=valid_r, other=0.0)
         G_r = pick_entries(G_c, rc[None, :] == pos[:, None])
         a_t = a_rows(k_r, k_c, beta_r, G_r, G_c, pos, rc, PRECISION, DOT_FP32)
-        d = block_base(tl.where(rc[None, :] < tile * ROWS, a_t, 0.0), t_c, pos, rc, PRECISION)
+        d = block_base(tl.where(rc[None, :] < tile * ROWS, a_t, 0.0), t_c, pos, rc)
         a_in = a_rows(k_r, k_r, beta_r, G_r, G_r, pos, pos, PRECISION, DOT_FP32)
         t_r = tl.full([ROWS, CHUNK], 0.0, tl.float32)
         for ii in range(ROWS):  # forward substitution, rows in order
-            t_row = solve_row(d, a_in, t_r, rr == ii, tile * ROWS + ii, rc, PRECISION)
+            t_row = solve_row(d, a_in, t_r, rr == ii, tile * ROWS + ii, rc)
             t_c = tl.where(rc[:, None] == tile * ROWS + ii, t_row[None, :], t_c)
             t_r = tl.where(rr[:, None] == ii, t_row[None, :], t_r)
         w = solved_product(t_r, y_c, PRECISION, DOT_FP32)

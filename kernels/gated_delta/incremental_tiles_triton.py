@@ -8,10 +8,11 @@ the step kernel places its single row the same way, with zeros in the tile's oth
 that rounds is a tl.dot, whose order does not depend on the tile's layout (which the compiler picks per
 kernel, from the code around it): the products, on tensor cores or as fp32 FMAs in K order (`fdot`), of
 fixed shapes in every kernel: [ROWS, DK] x [DK, CHUNK] (k.k, q.k), [ROWS, DK] x [DK, ROWS] (k.k within
-the tile), [ROWS, CHUNK] x [CHUNK, CHUNK] and [ROWS, ROWS] x [ROWS, CHUNK] (the substitution: rows of T
-before the tile, then within it, row by row), [ROWS, CHUNK] x [CHUNK, DK or BLOCK_V] (W, U, the causal
-product), [ROWS, DK] x [DK, BLOCK_V] (W S, q S), [BLOCK_V, CHUNK] x [CHUNK, DK] (the state update); and the
-l2 norms' and the gate sums' fp32 FMA dots. Rows of a dot are independent, and the rows past a row
+the tile), [ROWS, CHUNK] x [CHUNK, DK or BLOCK_V] (W, U, the causal product), [ROWS, DK] x [DK, BLOCK_V]
+(W S, q S), [BLOCK_V, CHUNK] x [CHUNK, DK] (the state update); and fp32 FMA dots for the l2 norms, the gate
+sums and the substitution ([ROWS, CHUNK] x [CHUNK, CHUNK], then [ROWS, ROWS] x [ROWS, CHUNK]: rows of T
+before the tile, then within it, row by row; as tf32 tensor-core dots its sums differ between the chunk and
+the step kernel on the H200 from the fourth row of T on, as FMA dots they agree). Rows of a dot are independent, and the rows past a row
 enter it only as exact zeros (masked A and P, T's zero columns past the row), so the step gets the chunk
 kernels' bits. The only other sums pick one value out of a tile (a masked sum with one nonzero term:
 exact in any order). The kernels launch with the same num_warps (WARPS) and without FP contraction (no
@@ -133,18 +134,18 @@ def a_rows(k_r, k_c, beta_r, G_r, G_c, pos, cols, PRECISION: tl.constexpr, DOT_F
 
 
 @triton.jit
-def block_base(a_off, t_c, pos, rc, PRECISION: tl.constexpr):
+def block_base(a_off, t_c, pos, rc):
     """D [ROWS, C] = E - A_off T of the row tile: e_i minus its sum over the rows of T before the tile
     (a_off: the tile's A, columns before the tile; t_c: T, rows from the tile's first on 0)."""
     e = tl.where(rc[None, :] == pos[:, None], 1.0, 0.0)
-    return tl.dot(-a_off, t_c, e, input_precision=PRECISION)
+    return fdot(-a_off, t_c, e)
 
 
 @triton.jit
-def solve_row(d, a_in, t_b, own, i, rc, PRECISION: tl.constexpr):
+def solve_row(d, a_in, t_b, own, i, rc):
     """Row i of T [C] (own: its place in the row tile): D_i - sum_l A_il T_l over the tile's rows l < i
     (a_in [ROWS, ROWS]: A within the tile; t_b: the tile's solved rows, 0 from row i on); 0 past column i."""
-    return tl.where(rc <= i, pick(tl.dot(-a_in, t_b, d, input_precision=PRECISION), own), 0.0)
+    return tl.where(rc <= i, pick(fdot(-a_in, t_b, d), own), 0.0)
 
 
 @triton.jit

@@ -272,6 +272,33 @@ def test_accuracy_and_gradients_cuda(compiled, dtype):
         assert err < {torch.bfloat16: 5e-2, torch.float32: 1e-3}[dtype], err
 
 
+def _mixed_pairs(n: int, seed: int) -> list[tuple[int, int]]:
+    """(40, 24), (56, 8) (the pairs Triton 3.6 once faulted on) and n random pairs of multiples of 8, D != Dv."""
+    gen = torch.Generator().manual_seed(seed)
+    pairs = [(40, 24), (56, 8)]
+    while len(pairs) < n + 2:
+        d, dv = (8 * int(x) for x in torch.randint(1, 33, (2,), generator=gen))
+        if d != dv:
+            pairs.append((d, dv))
+    return pairs
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("head_dim,head_dim_v", _mixed_pairs(6, seed=11))
+def test_mixed_head_sizes_cuda(compiled, head_dim, head_dim_v):
+    """Any two head sizes: training (forward, backward) runs, and chunked prefill and decode give its bits."""
+    q, k, v, cu = packed_inputs((1, 63, 64, 65, 1000), 8, 2, head_dim, torch.bfloat16, device="cuda",
+                                head_dim_v=head_dim_v)  # fmt: skip
+    scale = head_dim**-0.5
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    train = compiled.varlen_attention(*leaves, cu, scale)
+    train.float().sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in leaves)
+    for chunk in (1000, 37, 1):
+        assert torch.equal(_run_chunked(compiled, q, k, v, cu, 16, chunk, scale), train.detach()), chunk
+
+
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("keys", [256, 2048])
