@@ -34,7 +34,6 @@ row times the weight once and multiplies by silu(z) in fp32 (transformers rounds
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -135,11 +134,11 @@ class GatedDeltaNet(nn.Module):
             qkv = causal_conv1d(qkv, self.conv1d.taps(), None, seqs.cu_seqlens)  # [n, C]
             q, k, v = self._heads(qkv)
             return gated_delta_rule(q, k, v, a, b, self.A_log, self.dt_bias, seqs.cu_seqlens)[0]
-        with _contiguous_slots(seqs.states, seqs.slots) as (conv, ssm, slots):
-            qkv = causal_conv1d(qkv, self.conv1d.taps(), None, seqs.cu_seqlens, conv, slots, seqs.has_state)
-            q, k, v = self._heads(qkv)
-            return gated_delta_rule_cached(q, k, v, a, b, self.A_log, self.dt_bias, seqs.cu_seqlens, ssm, slots,
-                                           seqs.has_state)  # fmt: skip
+        conv, ssm = seqs.states  # each slot contiguous, the slots at vLLM's page stride: the kernels take both
+        qkv = causal_conv1d(qkv, self.conv1d.taps(), None, seqs.cu_seqlens, conv, seqs.slots, seqs.has_state)
+        q, k, v = self._heads(qkv)
+        return gated_delta_rule_cached(q, k, v, a, b, self.A_log, self.dt_bias, seqs.cu_seqlens, ssm, seqs.slots,
+                                       seqs.has_state)  # fmt: skip
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [n, HK, DK], k [n, HK, DK], v [n, HV, DV]: views of the conv's output channels."""
@@ -147,23 +146,6 @@ class GatedDeltaNet(nn.Module):
         q, k, v = qkv.split(self.splits, dim=-1)
         return (q.view(n, lin.num_k_heads, lin.head_k_dim), k.view(n, lin.num_k_heads, lin.head_k_dim),
                 v.view(n, lin.num_v_heads, lin.head_v_dim))  # fmt: skip
-
-
-@contextmanager
-def _contiguous_slots(states: tuple[torch.Tensor, ...], slots: torch.Tensor):
-    """(conv, ssm, slots) the kernels take: the cache tensors themselves where contiguous, else (vLLM's
-    hybrid cache lays each slot's states out in one page, so a state tensor strides over the pages) a
-    contiguous copy of the call's slots, slots 0..N-1, written back after the call. Copies move bits:
-    exact either way; the copy costs a read and a write of each sequence's states per layer and step."""
-    conv, ssm = states
-    if conv.is_contiguous() and ssm.is_contiguous():
-        yield conv, ssm, slots
-        return
-    idx = slots.long()
-    conv_rows, ssm_rows = conv[idx], ssm[idx]  # [N, W - 1, C], [N, HV, DV, DK], contiguous copies
-    yield conv_rows, ssm_rows, torch.arange(idx.shape[0], dtype=slots.dtype, device=slots.device)
-    conv[idx] = conv_rows
-    ssm[idx] = ssm_rows
 
 
 def init_weights(module: GatedDeltaNet, std: float) -> None:

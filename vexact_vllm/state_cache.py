@@ -7,9 +7,12 @@ it owns, a vLLM state layer (`MambaBase`) registered in vLLM's forward context u
 the shapes and dtypes `gated_delta.state_shapes` / `state_dtypes` give, so vLLM's hybrid cache
 allocates one slot of each state per running request beside the ordinary paged KV cache of the full
 attention layers, and binds them to the layer (`kv_cache`). Its backend, `VexactStateBackend`, builds
-per step from vLLM's common metadata, on the device and with no host sync:
+per step from vLLM's common metadata, on the device and with no host sync, into persistent buffers
+(a CUDA graph replays the addresses it captured):
     cu_seqlens    [N + 1]  the step's rows per request (query_start_loc)
-    slots         [N]      each request's state slot (the first block of its state block table)
+    slots         [N]      each request's state slot (the first block of its state block table); -1 for
+                           a request with no rows (a CUDA graph's padding), whose state the kernels
+                           neither read nor write
     context_lens  [N]      tokens the request's state already holds (seq_len - query_len)
     has_state     [N]      context_lens > 0: False where a request starts in this step, from a zero
                            state, including a request preempted and recomputed from its prompt
@@ -62,6 +65,14 @@ class VexactStateMetadataBuilder(AttentionMetadataBuilder[VexactStateMetadata]):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        scheduler = vllm_config.scheduler_config
+        # Persistent: a CUDA graph reads the addresses it was captured with at every replay, so what the
+        # builder computes goes into these (vLLM's own metadata tensors are persistent already). Padded
+        # request counts stay within the tokens of a step, so this bounds them.
+        capacity = scheduler.max_num_seqs + scheduler.max_num_batched_tokens
+        self._slots = torch.zeros(capacity, dtype=torch.int32, device=device)
+        self._context = torch.zeros(capacity, dtype=torch.int32, device=device)
+        self._has_state = torch.zeros(capacity, dtype=torch.bool, device=device)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -69,13 +80,18 @@ class VexactStateMetadataBuilder(AttentionMetadataBuilder[VexactStateMetadata]):
         m = common_attn_metadata
         n = m.num_reqs
         cu = m.query_start_loc[: n + 1]
-        context = (m.seq_lens[:n] - (cu[1:] - cu[:-1])).to(torch.int32)
+        slots, context, has_state = self._slots[:n], self._context[:n], self._has_state[:n]
+        query_lens = cu[1:] - cu[:-1]
+        # A request with no rows is a CUDA graph's padding: slot -1, its (stale) block table row unread.
+        torch.where(query_lens > 0, m.block_table_tensor[:n, 0], -1, out=slots)
+        torch.sub(m.seq_lens[:n], query_lens, out=context)
+        torch.gt(context, 0, out=has_state)
         return VexactStateMetadata(
             num_actual_tokens=m.num_actual_tokens,
             cu_seqlens=cu,
-            slots=m.block_table_tensor[:n, 0],
+            slots=slots,
             context_lens=context,
-            has_state=context > 0,
+            has_state=has_state,
         )
 
 

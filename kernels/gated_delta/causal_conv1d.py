@@ -23,7 +23,7 @@ import torch
 
 from ..dispatch import backend_for
 from .checks import check_conv_inputs
-from .rules import token_sequences
+from .rules import stateful, token_sequences
 
 
 class _SiLU(torch.autograd.Function):
@@ -54,8 +54,8 @@ def conv_taps_torch(x, conv_state, slots, has_state, seq, pos, width):
             before = torch.zeros_like(own)
         else:
             row = (width - 1 - back + pos).clamp(min=0, max=width - 2)  # state row of an earlier input
-            before = conv_state[slots.long()[seq], row]  # [T, C]
-            before = torch.where(has_state[seq][:, None], before, torch.zeros_like(before))
+            before = conv_state[slots.long().clamp(min=0)[seq], row]  # [T, C]
+            before = torch.where(stateful(slots, has_state)[seq][:, None], before, torch.zeros_like(before))
         taps.append(torch.where(inside, own, before))
     return torch.stack(taps)
 
@@ -69,8 +69,8 @@ def next_conv_state_torch(x, cu_seqlens, conv_state, slots, has_state, width):
         lengths[:, None] - (width - 1) + rows[None, :]
     )  # [N, W - 1]: position relative to the call's first row
     own = x[(cu[:-1, None] + src).clamp(min=0, max=max(x.shape[0] - 1, 0))]  # [N, W - 1, C]
-    old = conv_state[slots.long()[:, None], (width - 1 + src).clamp(min=0, max=width - 2)]
-    old = torch.where(has_state[:, None, None], old, torch.zeros_like(old))
+    old = conv_state[slots.long().clamp(min=0)[:, None], (width - 1 + src).clamp(min=0, max=width - 2)]
+    old = torch.where(stateful(slots, has_state)[:, None, None], old, torch.zeros_like(old))
     if x.shape[0] == 0:
         return old
     return torch.where((src >= 0)[:, :, None], own, old)
@@ -87,7 +87,8 @@ def causal_conv1d_torch(x, weight, bias, cu_seqlens, conv_state=None, slots=None
     y = _SiLU.apply(acc).to(x.dtype)
     if conv_state is not None:
         new_state = next_conv_state_torch(x, cu_seqlens, conv_state, slots, has_state, width)
-        conv_state[slots.long()] = new_state
+        keep = slots >= 0  # -1: no slot
+        conv_state[slots.long()[keep]] = new_state[keep]
     return y
 
 
@@ -114,8 +115,10 @@ def causal_conv1d(
 
     Training: no state (every sequence starts at position 0; gradients for x, weight, bias).
     Inference (prefill, chunked prefill, decode: one row per sequence): conv_state [S, W - 1, C] in
-    x's dtype, slots int [N] (each sequence's slot), has_state bool [N] (False: the sequence starts
-    here); the slots are read, then hold the W - 1 last inputs."""
+    x's dtype (each slot contiguous, the slots at any stride), slots int [N] (each sequence's slot; -1:
+    none, the sequence's state is neither read nor written, as for a CUDA graph's padded request),
+    has_state bool [N] (False: the sequence starts here); the slots are read, then hold the W - 1 last
+    inputs."""
     check_conv_inputs(x, weight, bias, cu_seqlens, conv_state, slots, has_state)
     if (
         conv_state is not None

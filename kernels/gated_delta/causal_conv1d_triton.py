@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .causal_conv1d_triton_bwd import conv_backward
 from .checks import check_conv_inputs
-from .rules import token_sequences
+from .rules import stateful, token_sequences
 
 # Channels per program: tiles the elementwise work only (no reduction crosses channels).
 _BLOCK_C = 256
@@ -28,7 +28,7 @@ _BLOCK_C = 256
 @triton.jit(do_not_specialize=["n_tokens"])  # the batch must not select another kernel
 def _conv_fwd_kernel(
     X, W, BIAS, Y, STATE, SEQ, POS, READ,
-    n_tokens, stride_x, stride_y, C,
+    n_tokens, stride_x, stride_y, stride_s, C,
     WIDTH: tl.constexpr,  # conv taps: fixed by the weight
     HAS_BIAS: tl.constexpr,
     BLOCK_C: tl.constexpr,  # _BLOCK_C
@@ -53,7 +53,7 @@ def _conv_fwd_kernel(
         own = tl.load(X + (t - back) * stride_x + cols, mask=cmask & inside, other=0.0)
         row = WIDTH - 1 - back + pos  # the state row holding this tap when pos < back
         old = tl.load(
-            STATE + (slot * (WIDTH - 1) + row) * C + cols, mask=cmask & ~inside & has_state, other=0.0
+            STATE + slot * stride_s + row * C + cols, mask=cmask & ~inside & has_state, other=0.0
         )
         x = tl.where(inside, own, old).to(tl.float32)
         w = tl.load(W + cols * WIDTH + j, mask=cmask, other=0.0).to(tl.float32)
@@ -64,12 +64,12 @@ def _conv_fwd_kernel(
 
 @triton.jit
 def _conv_state_kernel(
-    X, STATE, CU, READ, WRITE, stride_x, C,
+    X, STATE, CU, READ, WRITE, stride_x, stride_s, C,
     WIDTH: tl.constexpr, ROWS: tl.constexpr,  # ROWS: next power of 2 >= WIDTH - 1
     BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     """Program (sequence, channel block): the W - 1 last raw inputs (old state rows, then the call's
-    rows) loaded first, then stored to the sequence's slot."""
+    rows) loaded first, then stored to the sequence's slot (none where WRITE is -1)."""
     n = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < C
@@ -83,11 +83,12 @@ def _conv_state_kernel(
     own = tl.load(
         X + (bos + src)[:, None] * stride_x + cols[None, :], mask=live & (src >= 0)[:, None], other=0.0
     )
-    old_rows = (read * (WIDTH - 1) + WIDTH - 1 + src)[:, None] * C + cols[None, :]
+    old_rows = read * stride_s + (WIDTH - 1 + src)[:, None] * C + cols[None, :]
     has_state = (src * 0 + read) >= 0  # [ROWS]: the scalar broadcast first (the interpreter needs it)
     old = tl.load(STATE + old_rows, mask=live & ((src < 0) & has_state)[:, None], other=0.0)
     new = tl.where((src >= 0)[:, None], own, old)
-    tl.store(STATE + (write * (WIDTH - 1) + rows)[:, None] * C + cols[None, :], new, mask=live)
+    writes = (rows * 0 + write) >= 0  # [ROWS]
+    tl.store(STATE + write * stride_s + rows[:, None] * C + cols[None, :], new, mask=live & writes[:, None])
 
 
 def _forward(x, weight, bias, cu_seqlens, conv_state, slots, has_state):
@@ -100,20 +101,20 @@ def _forward(x, weight, bias, cu_seqlens, conv_state, slots, has_state):
         read = torch.full((n_seqs,), -1, dtype=torch.int64, device=x.device)
         state = x  # never read: every READ is -1
     else:
-        read = torch.where(has_state, slots.long(), -1)
+        read = torch.where(stateful(slots, has_state), slots.long(), -1)
         state = conv_state
     if n_tokens > 0:
         seq, pos = token_sequences(cu_seqlens, n_tokens)
         grid = (n_tokens, triton.cdiv(channels, _BLOCK_C))
         _conv_fwd_kernel[grid](
             x, weight, bias if bias is not None else weight, y, state, seq, pos, read,
-            n_tokens, x.stride(0), y.stride(0), channels,
+            n_tokens, x.stride(0), y.stride(0), state.stride(0), channels,
             WIDTH=width, HAS_BIAS=bias is not None, BLOCK_C=_BLOCK_C, num_warps=4,
         )  # fmt: skip
     if conv_state is not None and n_seqs > 0:
         grid = (n_seqs, triton.cdiv(channels, _BLOCK_C))
         _conv_state_kernel[grid](
-            x, conv_state, cu_seqlens, read, slots.long(), x.stride(0), channels,
+            x, conv_state, cu_seqlens, read, slots.long(), x.stride(0), conv_state.stride(0), channels,
             WIDTH=width, ROWS=triton.next_power_of_2(width - 1), BLOCK_C=_BLOCK_C, num_warps=4,
         )  # fmt: skip
     return y

@@ -24,8 +24,12 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, n_tokens: int) -> int:
     return cu_seqlens.shape[0] - 1
 
 
-def check_slots(slots: torch.Tensor, has_state: torch.Tensor, n_seqs: int, n_slots: int) -> None:
-    """slots: int [N], distinct, in [0, S); has_state: bool [N] (values checked on CPU only)."""
+def check_slots(
+    slots: torch.Tensor, has_state: torch.Tensor, n_seqs: int, n_slots: int, padded: bool = False
+) -> None:
+    """slots: int [N], distinct, in [0, S), or -1 where `padded` allows it (a sequence with no slot: its
+    state is neither read nor written, as for a CUDA graph's padded request); has_state: bool [N]
+    (values checked on CPU only)."""
     check_int("slots", slots)
     if tuple(slots.shape) != (n_seqs,):
         raise ValueError(f"slots must have shape ({n_seqs},), got {tuple(slots.shape)}")
@@ -36,9 +40,12 @@ def check_slots(slots: torch.Tensor, has_state: torch.Tensor, n_seqs: int, n_slo
     ):
         raise ValueError(f"has_state must be a bool tensor of shape ({n_seqs},)")
     if slots.device.type == "cpu" and n_seqs:
-        if int(slots.min()) < 0 or int(slots.max()) >= n_slots:
-            raise ValueError(f"slots must lie in [0, {n_slots}), got {slots.tolist()}")
-        if slots.unique().numel() != n_seqs:
+        lowest = -1 if padded else 0
+        if int(slots.min()) < lowest or int(slots.max()) >= n_slots:
+            allowed = f"[0, {n_slots})" + (" or -1 (no slot)" if padded else "")
+            raise ValueError(f"slots must lie in {allowed}, got {slots.tolist()}")
+        used = slots[slots >= 0]
+        if used.unique().numel() != used.numel():
             raise ValueError(
                 f"slots must be distinct (each sequence owns its cache slot), got {slots.tolist()}"
             )
@@ -68,9 +75,8 @@ def check_conv_inputs(x, weight, bias, cu_seqlens, conv_state=None, slots=None, 
             raise ValueError(
                 f"conv_state must be [S, W - 1, C] = [S, {width - 1}, {x.shape[1]}], got {tuple(conv_state.shape)}"
             )
-        if not conv_state.is_contiguous():
-            raise ValueError("conv_state must be contiguous")
-        check_slots(slots, has_state, n_seqs, conv_state.shape[0])
+        check_slot_layout("conv_state", conv_state)
+        check_slots(slots, has_state, n_seqs, conv_state.shape[0], padded=True)
     check_same_device(
         x=x, weight=weight, bias=bias, cu_seqlens=cu_seqlens, conv_state=conv_state, slots=slots
     )
@@ -106,13 +112,32 @@ def check_gated_delta_inputs(q, k, v, a, b, A_log, dt_bias, cu_seqlens) -> int:
     return check_cu_seqlens(cu_seqlens, n_tokens)
 
 
-def check_state(name: str, state: torch.Tensor, rows: int | None, v: torch.Tensor, k: torch.Tensor) -> None:
-    """An fp32 contiguous state [rows, HV, DV, DK] (rows None: any count) on v's device."""
+def check_slot_layout(name: str, cache: torch.Tensor) -> None:
+    """Each slot of `cache` [S, ...] contiguous, the slots at any stride (vLLM's hybrid cache puts each
+    slot's states in one page, so a state tensor strides over the pages)."""
+    want, step = [], 1
+    for size in reversed(cache.shape[1:]):
+        want.insert(0, step)
+        step *= size
+    if any(size > 1 and got != w for size, got, w in zip(cache.shape[1:], cache.stride()[1:], want, strict=True)):
+        raise ValueError(
+            f"{name} must hold each slot contiguously (strides (any, {', '.join(map(str, want))})), got strides "
+            f"{cache.stride()}"
+        )
+
+
+def check_state(
+    name: str, state: torch.Tensor, rows: int | None, v: torch.Tensor, k: torch.Tensor, slot_strided: bool = False
+) -> None:
+    """An fp32 contiguous state [rows, HV, DV, DK] (rows None: any count) on v's device; `slot_strided`:
+    only each slot contiguous (`check_slot_layout`)."""
     check_dtype(name, state, (torch.float32,))
     shape = (v.shape[1], v.shape[2], k.shape[2])
     if state.dim() != 4 or tuple(state.shape[1:]) != shape or (rows is not None and state.shape[0] != rows):
         want = f"[{'S' if rows is None else rows}, HV, DV, DK] = [.., {', '.join(map(str, shape))}]"
         raise ValueError(f"{name} must be {want}, got {tuple(state.shape)}")
-    if not state.is_contiguous():
+    if slot_strided:
+        check_slot_layout(name, state)
+    elif not state.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
     check_same_device(**{name: state, "v": v})

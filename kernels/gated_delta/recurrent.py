@@ -31,7 +31,7 @@ import torch
 from ..dispatch import backend_for
 from ..reduction import row_sum
 from .checks import check_gated_delta_inputs, check_slots, check_state
-from .rules import gates, normalized_qk
+from .rules import gates, normalized_qk, stateful
 
 
 def recurrence_torch(q_hat, k_hat, v, g, beta, cu_seqlens, h0):
@@ -83,9 +83,10 @@ def _gated_delta_rule_triton(q, k, v, a, b, A_log, dt_bias, cu_seqlens, initial_
 
 def gated_delta_rule_cached_torch(q, k, v, a, b, A_log, dt_bias, cu_seqlens, state_cache, slots, has_state):
     idx = slots.long()
-    h0 = torch.where(has_state[:, None, None, None], state_cache[idx], 0.0)  # [N, HV, DV, DK]
-    o, final = gated_delta_rule_torch(q, k, v, a, b, A_log, dt_bias, cu_seqlens, h0)
-    state_cache[idx] = final
+    h0 = torch.where(stateful(slots, has_state)[:, None, None, None], state_cache[idx.clamp(min=0)], 0.0)
+    o, final = gated_delta_rule_torch(q, k, v, a, b, A_log, dt_bias, cu_seqlens, h0)  # h0: [N, HV, DV, DK]
+    keep = idx >= 0  # -1: no slot
+    state_cache[idx[keep]] = final[keep]
     return o
 
 
@@ -139,11 +140,13 @@ def gated_delta_rule_cached(
 ) -> torch.Tensor:
     """o [T, HV, DV] of a prefill, chunked-prefill or decode step; the state cache is updated in place.
 
-    Inputs as `gated_delta_rule`; state_cache: fp32 [S, HV, DV, DK]; slots: int [N] distinct;
-    has_state: bool [N] (False: the sequence starts in this call, from a zero state). Inference only."""
+    Inputs as `gated_delta_rule`; state_cache: fp32 [S, HV, DV, DK] (each slot contiguous, the slots at
+    any stride); slots: int [N] distinct (-1: no slot, the sequence's state is neither read nor written,
+    as for a CUDA graph's padded request); has_state: bool [N] (False: the sequence starts in this call,
+    from a zero state). Inference only."""
     n_seqs = check_gated_delta_inputs(q, k, v, a, b, A_log, dt_bias, cu_seqlens)
-    check_state("state_cache", state_cache, None, v, k)
-    check_slots(slots, has_state, n_seqs, state_cache.shape[0])
+    check_state("state_cache", state_cache, None, v, k, slot_strided=True)
+    check_slots(slots, has_state, n_seqs, state_cache.shape[0], padded=True)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, a, b, A_log, dt_bias, state_cache)):
         raise ValueError("gated_delta_rule_cached is inference only: no input may need a gradient")
     return _CACHED_IMPLS[backend_for(v)](

@@ -27,7 +27,7 @@ from triton.language.standard import _sum_combine
 
 from .checks import check_gated_delta_inputs, check_slots, check_state
 from .recurrent_triton_bwd import recurrence_backward
-from .rules import L2NORM_EPS, SOFTPLUS_THRESHOLD, gates, normalized_qk, qk_scale
+from .rules import L2NORM_EPS, SOFTPLUS_THRESHOLD, gates, normalized_qk, qk_scale, stateful
 
 # v rows of the state tile per program, and warps per program: they fix the layout of the tile,
 # hence the order of every sum over d_k, so they are one value per (DK, DV) for every call.
@@ -60,7 +60,7 @@ def l2_normalized(x, eps):
 def _recurrent_fwd_kernel(
     Q, K, V, A, B, A_LOG, DT_BIAS, OUT, H0, HT, CU, READ, WRITE,
     n_seqs, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
-    stride_ot, stride_oh, HV, RATIO, scale, eps,
+    stride_ot, stride_oh, stride_h0, stride_ht, HV, RATIO, scale, eps,
     DK: tl.constexpr, DV: tl.constexpr,  # head dims (masks)
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,  # `recurrent_config`: fixed by (DK, DV)
     SOFTPLUS_MAX: tl.constexpr,
@@ -81,7 +81,7 @@ def _recurrent_fwd_kernel(
     tile = (hv * DV + ov[:, None]).to(tl.int64) * DK + ok[None, :]  # [BLOCK_V, BLOCK_K] in one head's state
     read = tl.load(READ + n).to(tl.int64)
     live = mv[:, None] & mk[None, :]
-    h = tl.load(H0 + read * HV * DV * DK + tile, mask=live & ((ok * 0 + read)[None, :] >= 0), other=0.0)
+    h = tl.load(H0 + read * stride_h0 + tile, mask=live & ((ok * 0 + read)[None, :] >= 0), other=0.0)
     decay = tl.exp(tl.load(A_LOG + hv).to(tl.float32))
     dt_bias = tl.load(DT_BIAS + hv).to(tl.float32)
     for t in range(bos, eos):
@@ -98,7 +98,7 @@ def _recurrent_fwd_kernel(
         tl.store(OUT + t * stride_ot + hv * stride_oh + ov, o.to(OUT.dtype.element_ty), mask=mv)
     write = tl.load(WRITE + n).to(tl.int64)
     tl.debug_barrier()  # every thread has read its tile of the slot before any writes it back
-    tl.store(HT + write * HV * DV * DK + tile, h, mask=live & ((ok * 0 + write)[None, :] >= 0))
+    tl.store(HT + write * stride_ht + tile, h, mask=live & ((ok * 0 + write)[None, :] >= 0))
 
 
 def _launch(q, k, v, a, b, A_log, dt_bias, cu_seqlens, h0, read, ht, write):
@@ -115,7 +115,7 @@ def _launch(q, k, v, a, b, A_log, dt_bias, cu_seqlens, h0, read, ht, write):
     _recurrent_fwd_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, o, h0, ht, cu_seqlens, read, write,
         n_seqs, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        a.stride(0), b.stride(0), o.stride(0), o.stride(1), hv, hv // hk, qk_scale(d_k), L2NORM_EPS,
+        a.stride(0), b.stride(0), o.stride(0), o.stride(1), h0.stride(0), ht.stride(0), hv, hv // hk, qk_scale(d_k), L2NORM_EPS,
         DK=d_k, DV=d_v, BLOCK_K=block_k, BLOCK_V=block_v, SOFTPLUS_MAX=SOFTPLUS_THRESHOLD, num_warps=warps,
     )  # fmt: skip
     return o
@@ -186,7 +186,7 @@ def gated_delta_rule_cached_triton(q, k, v, a, b, A_log, dt_bias, cu_seqlens, st
     """`recurrent.gated_delta_rule_cached` on the Triton kernel: o [T, HV, DV]; the cache updated in place."""
     n_seqs = check_gated_delta_inputs(q, k, v, a, b, A_log, dt_bias, cu_seqlens)
     _check_gate_strides(a, b)
-    check_state("state_cache", state_cache, None, v, k)
-    check_slots(slots, has_state, n_seqs, state_cache.shape[0])
-    read = torch.where(has_state, slots.long(), -1)
+    check_state("state_cache", state_cache, None, v, k, slot_strided=True)
+    check_slots(slots, has_state, n_seqs, state_cache.shape[0], padded=True)
+    read = torch.where(stateful(slots, has_state), slots.long(), -1)
     return _launch(q, k, v, a, b, A_log, dt_bias, cu_seqlens, state_cache, read, state_cache, slots.long())

@@ -98,3 +98,8 @@ def token_sequences(cu_seqlens: torch.Tensor, n_tokens: int) -> tuple[torch.Tens
     tokens = torch.arange(n_tokens, device=cu.device)
     seq = torch.searchsorted(cu[1:], tokens, right=True)  # [T]
     return seq, tokens - cu[seq]
+
+
+def stateful(slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
+    """bool [N]: the sequence continues from its slot's state (it has one, and a slot: -1 is none)."""
+    return has_state & (slots >= 0)
