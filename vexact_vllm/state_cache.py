@@ -83,7 +83,7 @@ class VexactStateMetadataBuilder(AttentionMetadataBuilder[VexactStateMetadata]):
         slots, context, has_state = self._slots[:n], self._context[:n], self._has_state[:n]
         query_lens = cu[1:] - cu[:-1]
         # A request with no rows is a CUDA graph's padding: slot -1, its (stale) block table row unread.
-        torch.where(query_lens > 0, m.block_table_tensor[:n, 0], -1, out=slots)
+        slots.copy_(m.block_table_tensor[:n, 0]).masked_fill_(query_lens == 0, -1)
         torch.sub(m.seq_lens[:n], query_lens, out=context)
         torch.gt(context, 0, out=has_state)
         return VexactStateMetadata(

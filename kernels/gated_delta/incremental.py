@@ -39,7 +39,7 @@ import torch
 
 from ..dispatch import backend_for
 from .checks import check_gated_delta_inputs, check_slots, check_state
-from .incremental_cache import IncrementalCache, check_decode_only
+from .incremental_cache import IncrementalCache, check_context_lens, check_decode_only
 from .incremental_torch import cached_torch, chunk_forward
 
 
@@ -58,16 +58,16 @@ def _training_triton(q, k, v, a, b, A_log, dt_bias, cu_seqlens, initial_state=No
     return incremental_gated_delta_rule_triton(q, k, v, a, b, A_log, dt_bias, cu_seqlens, initial_state)
 
 
-def _cached_triton(q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_state, decode_only=False):
+def _cached_triton(q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_state, context_lens, decode_only=False):
     from .incremental_triton import incremental_gated_delta_rule_cached_triton
 
     return incremental_gated_delta_rule_cached_triton(
-        q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_state, decode_only
+        q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_state, context_lens, decode_only
     )
 
 
-def _cached_torch(q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_state, decode_only=False):
-    return cached_torch(q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_state)
+def _cached_torch(q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_state, context_lens, decode_only=False):
+    return cached_torch(q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_state, context_lens)
 
 
 _IMPLS = {"torch": _training_torch, "triton": _training_triton}
@@ -108,20 +108,23 @@ def incremental_gated_delta_rule_cached(
     cache: IncrementalCache,
     slots: torch.Tensor,
     has_state: torch.Tensor,
+    context_lens: torch.Tensor,
     decode_only: bool = False,
 ) -> torch.Tensor:
     """o [T, HV, DV] of a prefill, chunked-prefill or decode step; the cache slots are updated in place.
 
-    slots: int [N] distinct; has_state: bool [N] (False: the sequence starts here, from a zero state;
-    True: it continues from its slot: the boundary state and `cache.rows[slot]` rows of a partial
-    chunk); decode_only: every sequence has one row (CUDA: one launch, no host read, as CUDA graphs
-    need). Inference only."""
+    slots: int [N] distinct (-1: no slot, for a sequence with no rows: a CUDA graph's padded request);
+    has_state: bool [N] (False: the sequence starts here, from a zero state; True: it continues from
+    its slot: the boundary state and the last context_lens % CHUNK rows of a partial chunk);
+    context_lens: int [N], the sequence's tokens before this call; decode_only: every sequence has one
+    row (CUDA: one launch, no host read, as CUDA graphs need). Inference only."""
     n_seqs = check_gated_delta_inputs(q, k, v, a, b, A_log, dt_bias, cu_seqlens)
-    check_slots(slots, has_state, n_seqs, cache.check(k, v))
+    check_slots(slots, has_state, n_seqs, cache.check(k, v), padded=True)
+    check_context_lens(context_lens, n_seqs)
     check_decode_only(decode_only, q, cu_seqlens)
     tensors = (q, k, v, a, b, A_log, dt_bias, *cache.tensors())
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         raise ValueError("incremental_gated_delta_rule_cached is inference only: no input may need a gradient")
     return _CACHED_IMPLS[backend_for(v)](
-        q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_state, decode_only
+        q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_state, context_lens, decode_only
     )

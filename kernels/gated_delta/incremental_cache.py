@@ -6,14 +6,19 @@ multiples of CHUNK). Per slot the cache holds the fp32 state at the sequence's l
 for the rows of the current partial chunk (at most CHUNK - 1), every per-row value a later row of that
 chunk reads (`incremental.py`, "Math"): the normalised key, beta * v rounded to the input dtype, the
 gate and beta, the row of the solved triangular system T = (I + A)^-1 and the chunk's delta values V'.
-A chunk that fills commits its state and empties the rows. vLLM derives `rows` from its own positions
-(num_computed_tokens % CHUNK); a block size that is a multiple of CHUNK puts every cached block's state
-on a chunk boundary with no rows held (docs/architecture.md, "Gated DeltaNet").
+A chunk that fills commits its state and empties the rows. How many rows a slot holds is not stored:
+the caller passes each sequence's context length (its tokens before the call; vLLM's
+num_computed_tokens), of which the slot holds the last `context % CHUNK`. A block size that is a
+multiple of CHUNK puts every cached block's state on a chunk boundary with no rows held
+(docs/architecture.md, "Gated DeltaNet"). Each tensor may hold its slots at any stride, each slot
+contiguous (vLLM's hybrid cache puts a slot's tensors in one page).
 """
 
 from dataclasses import dataclass
 
 import torch
+
+from .checks import check_slot_layout
 
 # Rows per chunk: the anchor grid of training, prefill, decode and the cache (tests shrink it).
 CHUNK = 64
@@ -30,7 +35,6 @@ class IncrementalCache:
     beta: torch.Tensor  # [S, R, HV] fp32: beta (rounded to dt once, rules.py)
     t: torch.Tensor  # [S, R, HV, CHUNK] fp32: row i of T = (I + A)^-1 (zeros past column i)
     vnew: torch.Tensor  # [S, R, HV, DV] dt: the delta values V' = U - W S of the rows
-    rows: torch.Tensor  # [S] int32: rows held in the partial chunk (0 .. CHUNK - 1)
 
     @classmethod
     def empty(cls, slots: int, hk: int, hv: int, d_k: int, d_v: int, dtype: torch.dtype, device) -> "IncrementalCache":
@@ -44,39 +48,39 @@ class IncrementalCache:
             beta=torch.zeros(slots, rows, hv, **f32),
             t=torch.zeros(slots, rows, hv, CHUNK, **f32),
             vnew=torch.zeros(slots, rows, hv, d_v, dtype=dtype, device=device),
-            rows=torch.zeros(slots, dtype=torch.int32, device=device),
         )
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.state, self.k, self.x, self.g, self.beta, self.t, self.vnew, self.rows)
+        return (self.state, self.k, self.x, self.g, self.beta, self.t, self.vnew)
 
     def check(self, k: torch.Tensor, v: torch.Tensor) -> int:
-        """ValueError unless every tensor has the layout above for k [T, HK, DK], v [T, HV, DV] (contiguous,
-        on v's device); returns the slot count S."""
+        """ValueError unless every tensor has the layout above for k [T, HK, DK], v [T, HV, DV] (each slot
+        contiguous, on v's device); returns the slot count S."""
         slots, rows = self.state.shape[0], CHUNK - 1
         hk, d_k, hv, d_v, dt = k.shape[1], k.shape[2], v.shape[1], v.shape[2], v.dtype
         f32 = torch.float32
         want = {
             "state": ((slots, hv, d_v, d_k), f32), "k": ((slots, rows, hk, d_k), dt),
             "x": ((slots, rows, hv, d_v), dt), "g": ((slots, rows, hv), f32), "beta": ((slots, rows, hv), f32),
-            "t": ((slots, rows, hv, CHUNK), f32), "vnew": ((slots, rows, hv, d_v), dt), "rows": ((slots,), torch.int32),
+            "t": ((slots, rows, hv, CHUNK), f32), "vnew": ((slots, rows, hv, d_v), dt),
         }  # fmt: skip
         for name, (shape, dtype) in want.items():
             t = getattr(self, name)
-            if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous() or t.device != v.device:
+            if tuple(t.shape) != shape or t.dtype != dtype or t.device != v.device:
                 raise ValueError(
-                    f"cache.{name} must be a contiguous {dtype} tensor of shape {shape} on {v.device} "
+                    f"cache.{name} must be a {dtype} tensor of shape {shape} on {v.device} "
                     f"(IncrementalCache.empty at CHUNK = {CHUNK}), got {t.dtype} {tuple(t.shape)} on {t.device}"
                 )
+            check_slot_layout(f"cache.{name}", t)
         return slots
 
     @staticmethod
     def bytes_per_slot(hk: int, hv: int, d_k: int, d_v: int, dtype_bytes: int = 2) -> int:
-        """Bytes of one slot (one layer): 5,750,404 at Qwen3.5's 16 / 48 heads of 128 in bf16, of which
+        """Bytes of one slot (one layer): 5,750,400 at Qwen3.5's 16 / 48 heads of 128 in bf16, of which
         3,145,728 are the fp32 state vLLM keeps too."""
         rows = CHUNK - 1
         per_row = hk * d_k * dtype_bytes + hv * (2 * d_v * dtype_bytes + 8 + 4 * CHUNK)
-        return hv * d_v * d_k * 4 + rows * per_row + 4
+        return hv * d_v * d_k * 4 + rows * per_row
 
 
 def chunk_map(starts: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -108,3 +112,17 @@ def check_decode_only(decode_only: bool, q: torch.Tensor, cu_seqlens: torch.Tens
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     if q.shape[0] != lengths.shape[0] or (cu_seqlens.device.type == "cpu" and bool((lengths != 1).any())):
         raise ValueError(f"decode_only needs one row a sequence, got cu_seqlens {cu_seqlens.tolist()}")
+
+
+def check_context_lens(context_lens: torch.Tensor, n_seqs: int) -> None:
+    """int [N], each sequence's tokens before the call (values checked on CPU only: >= 0)."""
+    if context_lens.dtype not in (torch.int32, torch.int64) or tuple(context_lens.shape) != (n_seqs,):
+        raise ValueError(f"context_lens must be an int32 or int64 tensor of shape ({n_seqs},), got "
+                         f"{context_lens.dtype} {tuple(context_lens.shape)}")  # fmt: skip
+    if context_lens.device.type == "cpu" and n_seqs and int(context_lens.min()) < 0:
+        raise ValueError(f"context_lens must be >= 0, got {context_lens.tolist()}")
+
+
+def held_rows(has_state: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+    """int64 [N]: the rows of a partial chunk each sequence's slot holds (0 where it starts here)."""
+    return torch.where(has_state, context_lens.long() % CHUNK, 0)

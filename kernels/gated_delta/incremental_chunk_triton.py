@@ -68,7 +68,8 @@ def normalize_kernel(
 
 @triton.jit(do_not_specialize=["n_chunks"])
 def prepare_kernel(
-    KH, X, GR, BETA, GC, W, U, TS, EOS, CHUNK_SEQ, CHUNK_ROW, CACHE_SLOT, CK, CX, CG, CB, CT, n_chunks, HK, HV, RATIO,
+    KH, X, GR, BETA, GC, W, U, TS, EOS, CHUNK_SEQ, CHUNK_ROW, CACHE_SLOT, CK, CX, CG, CB, CT, SK, SX, SG, SB, ST,
+    n_chunks, HK, HV, RATIO,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, ROWS: tl.constexpr,
     CHUNK: tl.constexpr, STORE_T: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
@@ -122,23 +123,23 @@ def prepare_kernel(
     slot = tl.load(CACHE_SLOT + n).to(tl.int64)
     length = eos - first
     if (slot >= 0) & (length < CHUNK):  # the sequence's partial last chunk: its rows to the cache
-        held = rc < length
-        base = slot * (CHUNK - 1) + rc  # [C]: the cache rows
-        tl.store(CG + base * HV + hv, g_c, mask=held)
-        tl.store(CB + base * HV + hv, beta_c, mask=held)
-        tl.store(CT + (base[:, None] * HV + hv) * CHUNK + rc[None, :], t_c, mask=held[:, None])
+        held = rc < length  # row i of the chunk goes to the slot's cache row i (slot strides SK .. ST)
+        tl.store(CG + slot * SG + rc * HV + hv, g_c, mask=held)
+        tl.store(CB + slot * SB + rc * HV + hv, beta_c, mask=held)
+        tl.store(CT + slot * ST + (rc[:, None] * HV + hv) * CHUNK + rc[None, :], t_c, mask=held[:, None])
         if hv % RATIO == 0:
-            tl.store(CK + (base[:, None] * HK + hk) * DK + ok[None, :], k_c, mask=held[:, None] & mk[None, :])
+            tl.store(CK + slot * SK + (rc[:, None] * HK + hk) * DK + ok[None, :], k_c, mask=held[:, None] & mk[None, :])
         for iv in range((DV + BLOCK_V - 1) // BLOCK_V):
             ov = iv * BLOCK_V + tl.arange(0, BLOCK_V)
             mv = held[:, None] & (ov < DV)[None, :]
             x_c = tl.load(X + (rows_c[:, None] * HV + hv) * DV + ov[None, :], mask=mv, other=0.0)
-            tl.store(CX + (base[:, None] * HV + hv) * DV + ov[None, :], x_c, mask=mv)
+            tl.store(CX + slot * SX + (rc[:, None] * HV + hv) * DV + ov[None, :], x_c, mask=mv)
 
 
 @triton.jit(do_not_specialize=["n_seqs"])
 def state_kernel(
-    W, U, KH, GC, VN, H, H0, HT, BOS, EOS, CHUNK_START, READ, WRITE, CACHE_SLOT, CVN, n_seqs, HK, HV, RATIO,
+    W, U, KH, GC, VN, H, H0, HT, BOS, EOS, CHUNK_START, READ, WRITE, CACHE_SLOT, CVN, S_H0, S_HT, SVN, n_seqs, HK, HV,
+    RATIO,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, ROWS: tl.constexpr,
     CHUNK: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
@@ -157,7 +158,7 @@ def state_kernel(
     tile = (hv * DV + ov[:, None]).to(tl.int64) * DK + ok[None, :]  # [BV, BK] in one state
     live = mv[:, None] & mk[None, :]
     read = tl.load(READ + n).to(tl.int64)
-    s = tl.load(H0 + read * HV * DV * DK + tile, mask=live & ((ok * 0 + read)[None, :] >= 0), other=0.0)
+    s = tl.load(H0 + read * S_H0 + tile, mask=live & ((ok * 0 + read)[None, :] >= 0), other=0.0)
     full = (eos - bos) // CHUNK
     first_chunk = tl.load(CHUNK_START + n).to(tl.int64)
     slot = tl.load(CACHE_SLOT + n).to(tl.int64)
@@ -177,8 +178,8 @@ def state_kernel(
             vn = delta_rows(u, w, s, PRECISION, DOT_FP32)
             tl.store(VN + (rows_r[:, None] * HV + hv) * DV + ov[None, :], vn, mask=mvr)
             if (slot >= 0) & (c == full):  # the partial last chunk: its V' rows to the cache
-                base = slot * (CHUNK - 1) + t * ROWS + rr
-                tl.store(CVN + (base[:, None] * HV + hv) * DV + ov[None, :], vn, mask=mvr)
+                cached = t * ROWS + rr  # the rows' cache rows
+                tl.store(CVN + slot * SVN + (cached[:, None] * HV + hv) * DV + ov[None, :], vn, mask=mvr)
         if c < full:
             tl.debug_barrier()  # this chunk's V' rows written by every thread before any reads them
             rows_c = start + rc
@@ -190,7 +191,7 @@ def state_kernel(
     write = tl.load(WRITE + n).to(tl.int64)
     if (write >= 0) & ((full > 0) | (read < 0)):
         tl.debug_barrier()  # every thread has read its tile of the slot before any writes it
-        tl.store(HT + write * HV * DV * DK + tile, s, mask=live)
+        tl.store(HT + write * S_HT + tile, s, mask=live)
 
 
 @triton.jit(do_not_specialize=["n_chunks"])

@@ -91,7 +91,8 @@ def _step_row(
 
 @triton.jit(do_not_specialize=["n_seqs"])
 def _step_kernel(
-    Q, K, V, A, B, A_LOG, DT_BIAS, OUT, STATE, CK, CX, CG, CB, CT, CVN, START, COUNT, HELD, SLOT, READ, n_seqs,
+    Q, K, V, A, B, A_LOG, DT_BIAS, OUT, STATE, CK, CX, CG, CB, CT, CVN, S_STATE, SK, SX, SG, SB, ST, SVN, START, COUNT,
+    HELD, SLOT, READ, n_seqs,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt, stride_ot, stride_oh,
     HK, HV, RATIO, scale, eps,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, ROWS: tl.constexpr,
@@ -103,10 +104,10 @@ def _step_kernel(
     hv = tl.program_id(1) % HV
     hk = hv // RATIO
     count = tl.load(COUNT + n)
-    if count > 0:
+    slot = tl.load(SLOT + n).to(tl.int64)
+    if (count > 0) & (slot >= 0):  # slot -1: a padded request (no state read or written, no output row)
         held = tl.load(HELD + n).to(tl.int64)
         start = tl.load(START + n).to(tl.int64)
-        slot = tl.load(SLOT + n).to(tl.int64)
         read = tl.load(READ + n).to(tl.int64)
         ok = tl.arange(0, BLOCK_K)
         ov = iv * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -116,20 +117,21 @@ def _step_kernel(
         # 1. the boundary state tile and the held rows (zeros from row `held` on)
         tile = (hv * DV + ov[:, None]).to(tl.int64) * DK + ok[None, :]
         live = mv[:, None] & mk[None, :]
-        s = tl.load(STATE + read * HV * DV * DK + tile, mask=live & ((ok * 0 + read)[None, :] >= 0), other=0.0)
-        base = slot * (CHUNK - 1) + rc  # [C]: the slot's cache rows
+        s = tl.load(STATE + read * S_STATE + tile, mask=live & ((ok * 0 + read)[None, :] >= 0), other=0.0)
+        # the slot's cache rows: row i of the chunk at cache row i (each tensor at its slot stride S*)
+        ck, cx, cvn = CK + slot * SK, CX + slot * SX, CVN + slot * SVN
+        cg, cb, ct = CG + slot * SG, CB + slot * SB, CT + slot * ST
         old = rc < held
-        k_c = tl.load(CK + (base[:, None] * HK + hk) * DK + ok[None, :], mask=old[:, None] & mk[None, :], other=0.0)
-        x_c = tl.load(CX + (base[:, None] * HV + hv) * DV + ov[None, :], mask=old[:, None] & mv[None, :], other=0.0)
-        vn_c = tl.load(CVN + (base[:, None] * HV + hv) * DV + ov[None, :], mask=old[:, None] & mv[None, :], other=0.0)
-        g_c = tl.load(CG + base * HV + hv, mask=old, other=0.0)
-        beta_c = tl.load(CB + base * HV + hv, mask=old, other=0.0)
-        t_c = tl.load(CT + (base[:, None] * HV + hv) * CHUNK + rc[None, :], mask=old[:, None], other=0.0)
+        k_c = tl.load(ck + (rc[:, None] * HK + hk) * DK + ok[None, :], mask=old[:, None] & mk[None, :], other=0.0)
+        x_c = tl.load(cx + (rc[:, None] * HV + hv) * DV + ov[None, :], mask=old[:, None] & mv[None, :], other=0.0)
+        vn_c = tl.load(cvn + (rc[:, None] * HV + hv) * DV + ov[None, :], mask=old[:, None] & mv[None, :], other=0.0)
+        g_c = tl.load(cg + rc * HV + hv, mask=old, other=0.0)
+        beta_c = tl.load(cb + rc * HV + hv, mask=old, other=0.0)
+        t_c = tl.load(ct + (rc[:, None] * HV + hv) * CHUNK + rc[None, :], mask=old[:, None], other=0.0)
         pos = (held // ROWS) * ROWS + rr  # the first row's tile: its held rows (k, T) as tiles of their own
-        block = slot * (CHUNK - 1) + pos
-        k_b = tl.load(CK + (block[:, None] * HK + hk) * DK + ok[None, :], mask=(pos < held)[:, None] & mk[None, :],
+        k_b = tl.load(ck + (pos[:, None] * HK + hk) * DK + ok[None, :], mask=(pos < held)[:, None] & mk[None, :],
                       other=0.0)  # fmt: skip
-        t_b = tl.load(CT + (block[:, None] * HV + hv) * CHUNK + rc[None, :], mask=(pos < held)[:, None], other=0.0)
+        t_b = tl.load(ct + (pos[:, None] * HV + hv) * CHUNK + rc[None, :], mask=(pos < held)[:, None], other=0.0)
         decay = tl.exp(tl.load(A_LOG + hv).to(tl.float32))
         dt_bias = tl.load(DT_BIAS + hv).to(tl.float32)
         # 2. the rows, in order
@@ -152,31 +154,32 @@ def _step_kernel(
         done = held + count == CHUNK
         tl.debug_barrier()  # every thread has read the slot before any writes to it
         if done | (read < 0):
-            tl.store(STATE + slot * HV * DV * DK + tile, s, mask=live)
+            tl.store(STATE + slot * S_STATE + tile, s, mask=live)
         if held + count < CHUNK:
             new = (rc >= held) & (rc < held + count)
-            tl.store(CX + (base[:, None] * HV + hv) * DV + ov[None, :], x_c, mask=new[:, None] & mv[None, :])
-            tl.store(CVN + (base[:, None] * HV + hv) * DV + ov[None, :], vn_c, mask=new[:, None] & mv[None, :])
+            tl.store(cx + (rc[:, None] * HV + hv) * DV + ov[None, :], x_c, mask=new[:, None] & mv[None, :])
+            tl.store(cvn + (rc[:, None] * HV + hv) * DV + ov[None, :], vn_c, mask=new[:, None] & mv[None, :])
             if iv == 0:
-                tl.store(CG + base * HV + hv, g_c, mask=new)
-                tl.store(CB + base * HV + hv, beta_c, mask=new)
-                tl.store(CT + (base[:, None] * HV + hv) * CHUNK + rc[None, :], t_c, mask=new[:, None])
+                tl.store(cg + rc * HV + hv, g_c, mask=new)
+                tl.store(cb + rc * HV + hv, beta_c, mask=new)
+                tl.store(ct + (rc[:, None] * HV + hv) * CHUNK + rc[None, :], t_c, mask=new[:, None])
                 if hv % RATIO == 0:
-                    tl.store(CK + (base[:, None] * HK + hk) * DK + ok[None, :], k_c, mask=new[:, None] & mk[None, :])
+                    tl.store(ck + (rc[:, None] * HK + hk) * DK + ok[None, :], k_c, mask=new[:, None] & mk[None, :])
 
 
 def step_forward(q, k, v, a, b, A_log, dt_bias, out, cache, start, count, held, slots, read, single=False) -> None:
     """The step kernel: for each sequence n, count[n] rows from packed row start[n] on, at chunk positions
     held[n] .. held[n] + count[n] - 1 (held[n] + count[n] <= CHUNK) of its slot slots[n] of the cache
-    (an IncrementalCache: held[n] rows held, the boundary state at read[n], -1: zeros); o to out's rows.
+    (an IncrementalCache, each tensor at its slot stride: held[n] rows held, the boundary state at read[n],
+    -1: zeros; slots[n] = -1: none, the sequence is skipped); o to out's rows.
     single: every count is 1 (a decode step: the kernel's variant without the row loop)."""
     n_seqs, (_, hk, d_k), (_, hv, d_v) = start.shape[0], q.shape, v.shape
     if n_seqs == 0:
         return
     block_k, _, block_v = tiles.block_sizes(d_k, d_v)
     _step_kernel[(triton.cdiv(d_v, block_v), n_seqs * hv)](
-        q, k, v, a, b, A_log.contiguous(), dt_bias.contiguous(), out, cache.state, cache.k, cache.x, cache.g,
-        cache.beta, cache.t, cache.vnew, start, count, held, slots, read, n_seqs,
+        q, k, v, a, b, A_log.contiguous(), dt_bias.contiguous(), out, *cache.tensors(),
+        *(t.stride(0) for t in cache.tensors()), start, count, held, slots, read, n_seqs,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         out.stride(0), out.stride(1), hk, hv, hv // hk, qk_scale(d_k), L2NORM_EPS,
         DK=d_k, DV=d_v, BLOCK_K=block_k, BLOCK_V=block_v, ROWS=tiles.ROWS, CHUNK=layout.CHUNK,

@@ -188,7 +188,6 @@ def step_row(q, k, v, a, b, A_log, dt_bias, rows, cache, slots, p, fresh):
     at = (idx[keep], p[keep])
     for name, value in (("k", k_hat), ("x", x), ("g", g), ("beta", beta), ("t", t_row), ("vnew", vn[:, :, 0])):
         getattr(cache, name).index_put_(at, value[keep])
-    cache.rows[idx] = ((p + 1) % C).to(cache.rows.dtype)
     return o[:, :, 0].to(v.dtype)
 
 
@@ -202,15 +201,14 @@ def write_tails(cache, slots, tails, tail, ratio):
             getattr(cache, name)[slot, :rows] = value[n, :, :rows].transpose(0, 1)
 
 
-def cached_torch(q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_state):
+def cached_torch(q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_state, context_lens):
     """`incremental.incremental_gated_delta_rule_cached` on the torch path: the rows that complete a
     partial chunk (or a decode at a boundary) one at a time (`step_row`), the rest by `chunk_forward`
     from the slot's boundary state."""
-    C = layout.CHUNK
     idx = slots.long()
     cu = cu_seqlens.long()
-    held = torch.where(has_state, cache.rows[idx].long(), 0)
-    head = layout.step_split(cu, held)
+    held = layout.held_rows(has_state, context_lens)
+    head = layout.step_split(cu, held)  # 0 for a sequence with no rows (slot -1 allowed): never touched
     o = torch.zeros(q.shape[0], v.shape[1], v.shape[2], dtype=v.dtype, device=v.device)
     for r in range(int(head.max()) if head.numel() else 0):
         live = torch.nonzero(head > r)[:, 0]
@@ -227,5 +225,4 @@ def cached_torch(q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_st
         o[rows] = out[rows]
         cache.state[idx[rest]] = state
         write_tails(cache, idx[rest], tails, tail, v.shape[1] // q.shape[1])
-    cache.rows[idx] = ((held + cu[1:] - cu[:-1]) % C).to(cache.rows.dtype)
     return o

@@ -53,6 +53,7 @@ def chunk_forward(q, k, v, a, b, A_log, dt_bias, bos, eos, h0, read, ht, write, 
         cg = cb = ct = s["g"]
     else:
         ck, cx, cg, cb, ct, cvn = cache.k, cache.x, cache.g, cache.beta, cache.t, cache.vnew
+    sk, sx, sg, sb, st, svn = (t.stride(0) for t in (ck, cx, cg, cb, ct, cvn))  # slot strides (vLLM: the page)
     block_k, block_dv, block_v = tiles.block_sizes(d_k, d_v)
     const = dict(DK=d_k, DV=d_v, BLOCK_K=block_k, ROWS=rows, CHUNK=chunk, **tiles.launch_options())
     dots = tiles.dot_options(dt)
@@ -67,12 +68,13 @@ def chunk_forward(q, k, v, a, b, A_log, dt_bias, bos, eos, h0, read, ht, write, 
         )  # fmt: skip
         prepare_kernel[(n_chunks, hv)](
             s["k"], s["x"], s["g"], s["beta"], s["G"], s["w"], s["u"], s["t"], eos, seq, first, cache_slot,
-            ck, cx, cg, cb, ct, n_chunks, hk, hv, ratio, BLOCK_V=block_v, STORE_T=store_t, **dots, **const,
+            ck, cx, cg, cb, ct, sk, sx, sg, sb, st, n_chunks, hk, hv, ratio, BLOCK_V=block_v, STORE_T=store_t, **dots,
+            **const,
         )  # fmt: skip
     if n_seqs:
         state_kernel[(triton.cdiv(d_v, block_v), n_seqs * hv)](
             s["w"], s["u"], s["k"], s["G"], s["vnew"], s["h"], h0, ht, bos, eos, chunk_start, read, write,
-            cache_slot, cvn, n_seqs, hk, hv, ratio, BLOCK_V=block_v, **dots, **const,
+            cache_slot, cvn, h0.stride(0), ht.stride(0), svn, n_seqs, hk, hv, ratio, BLOCK_V=block_v, **dots, **const,
         )  # fmt: skip
     if n_chunks:
         output_kernel[(n_chunks, hv, triton.cdiv(d_v, block_v))](
@@ -136,17 +138,18 @@ def incremental_gated_delta_rule_triton(q, k, v, a, b, A_log, dt_bias, cu_seqlen
 
 
 def incremental_gated_delta_rule_cached_triton(
-    q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_state, decode_only=False
+    q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_state, context_lens, decode_only=False
 ):
     """`incremental.incremental_gated_delta_rule_cached` on the Triton kernels. decode_only (one row a
     sequence): the step kernel alone, no host read (CUDA graphs); otherwise one host read for the split."""
     n_seqs = check_gated_delta_inputs(q, k, v, a, b, A_log, dt_bias, cu_seqlens)
     _check_gate_strides(a, b)
-    check_slots(slots, has_state, n_seqs, cache.check(k, v))
+    check_slots(slots, has_state, n_seqs, cache.check(k, v), padded=True)
+    layout.check_context_lens(context_lens, n_seqs)
     check_decode_only(decode_only, q, cu_seqlens)
     cu = cu_seqlens.long()
     idx = slots.long()
-    held = torch.where(has_state, cache.rows[idx].long(), 0)
+    held = layout.held_rows(has_state, context_lens)
     head = torch.ones_like(idx) if decode_only else layout.step_split(cu, held)
     read = torch.where(has_state, idx, -1)
     o = torch.empty(q.shape[0], v.shape[1], v.shape[2], dtype=v.dtype, device=v.device)
@@ -155,5 +158,4 @@ def incremental_gated_delta_rule_cached_triton(
         read = torch.where(has_state | (head > 0), idx, -1)
         chunk_forward(q, k, v, a, b, A_log, dt_bias, cu[:-1] + head, cu[1:], cache.state, read, cache.state, idx, o,
                       cache=cache, cache_slot=idx)  # fmt: skip
-    cache.rows[idx] = ((held + cu[1:] - cu[:-1]) % layout.CHUNK).to(torch.int32)
     return o

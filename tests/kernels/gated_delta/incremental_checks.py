@@ -4,8 +4,9 @@ prefill == training checks, the float64 references of the outputs and the bounda
 gradient check.
 
 `forward(**inputs, initial_state=None) -> (o, states)` is the training op (states: after each sequence's
-last full chunk); `cached(q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_state) -> o` the
-inference op. The chunk is `incremental_cache.CHUNK` (tests shrink it).
+last full chunk); `cached(q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_state, context_lens)
+-> o` the inference op. The chunk is `incremental_cache.CHUNK` (tests shrink it). The caches are paged as
+vLLM's hybrid cache binds them (`paged_cache`: one page per slot, each tensor at the page stride).
 """
 
 from __future__ import annotations
@@ -70,35 +71,45 @@ def run_steps(cached, inputs: dict, steps: list, slots: list[int], cache, starte
         step_cu = packed_cu([n for _, n in step], device)
         step_slots = torch.tensor([slots[i] for i, _ in step], device=device)
         has_state = torch.tensor([done[i] > 0 or started[i] for i, _ in step], device=device)
+        context = torch.tensor([done[i] for i, _ in step], device=device)  # a boundary state: 0 rows held
         rest = {name: inputs[name][rows] for name in GDN_ROWS}
         out[rows] = cached(**rest, A_log=inputs["A_log"], dt_bias=inputs["dt_bias"], cu_seqlens=step_cu, cache=cache,
-                           slots=step_slots, has_state=has_state)  # fmt: skip
+                           slots=step_slots, has_state=has_state, context_lens=context)  # fmt: skip
         for i, n in step:
             done[i] += n
     return out
 
 
+def paged_cache(n_slots: int, hk: int, hv: int, d_k: int, d_v: int, dtype, device) -> layout.IncrementalCache:
+    """An IncrementalCache whose tensors share one page per slot (each slot contiguous, the slots at the
+    page stride, 16 bytes between tensors), as vLLM's hybrid cache binds a state layer's tensors."""
+    one = layout.IncrementalCache.empty(1, hk, hv, d_k, d_v, dtype, "meta")
+    sizes = [t[0].numel() * t.element_size() for t in one.tensors()]
+    offsets = [16 + sum(-(-s // 16) * 16 + 16 for s in sizes[:i]) for i in range(len(sizes))]
+    pages = torch.zeros(n_slots, offsets[-1] + -(-sizes[-1] // 16) * 16 + 16, dtype=torch.uint8, device=device)
+    views = [pages[:, o : o + s].view(t.dtype).view(n_slots, *t.shape[1:])
+             for t, o, s in zip(one.tensors(), offsets, sizes, strict=True)]  # fmt: skip
+    assert all(not t.is_contiguous() for t in views) or n_slots == 1
+    return layout.IncrementalCache(*views)
+
+
 def fresh_cache(inputs: dict, slots: list[int], h0: torch.Tensor | None, spare: int):
-    """An IncrementalCache holding NaN everywhere (a slot's stale contents must never be read), except the
-    boundary states h0 (rows 0) of the sequences that continue: returns (cache, started)."""
+    """A paged IncrementalCache holding NaN everywhere (a slot's stale contents must never be read),
+    except the boundary states h0 of the sequences that continue: returns (cache, started)."""
     q, v = inputs["q"], inputs["v"]
-    cache = layout.IncrementalCache.empty(len(slots) + spare, q.shape[1], v.shape[1], q.shape[2], v.shape[2],
-                                          v.dtype, v.device)  # fmt: skip
-    for t in cache.tensors()[:-1]:
+    cache = paged_cache(len(slots) + spare, q.shape[1], v.shape[1], q.shape[2], v.shape[2], v.dtype, v.device)
+    for t in cache.tensors():
         t.fill_(float("nan"))
-    cache.rows.fill_(7)
     started = [h0 is not None and bool(h0[n].abs().sum() > 0) for n in range(len(slots))]
     for n, slot in enumerate(slots):
         if started[n]:
             cache.state[slot] = h0[n]
-            cache.rows[slot] = 0
     return cache, started
 
 
 def check_schedules(forward, cached, inputs: dict, h0: torch.Tensor | None, seeds=(0, 1), max_chunk=None):
     """Random schedules of decode steps and prefill chunks (seed 0: decode only) give the training
-    forward's outputs and boundary states bit for bit, and leave each slot holding its sequence's
-    partial-chunk row count. Returns the training (o, states)."""
+    forward's outputs and boundary states bit for bit. Returns the training (o, states)."""
     cu = inputs["cu_seqlens"]
     lengths = (cu[1:] - cu[:-1]).tolist()
     with torch.no_grad():
@@ -111,8 +122,6 @@ def check_schedules(forward, cached, inputs: dict, h0: torch.Tensor | None, seed
             assert torch.equal(got, o), f"schedule seed {seed}: outputs: {first_difference(got, o)}"
             held = cache.state[torch.tensor(slots, device=o.device)]
             assert torch.equal(held, states), f"schedule seed {seed}: states: {first_difference(held, states)}"
-            rows = [int(cache.rows[s]) for s in slots]
-            assert rows == [n % layout.CHUNK for n in lengths], f"schedule seed {seed}: rows held {rows}"
     return o, states
 
 
@@ -192,3 +201,33 @@ def check_gradients(forward, inputs: dict, h0: torch.Tensor, rtol: float) -> Non
         want = ref[name].grad
         err = float((leaf.grad.double().cpu() - want).abs().max() / want.abs().max())
         assert err <= rtol, f"d {name}: largest error {err:.2e} of the largest gradient (tolerance {rtol:.0e})"
+
+
+def check_padded_requests(cached, device="cpu") -> None:
+    """A step whose requests include padded ones (slot -1, no rows: a CUDA graph's padding) gives the
+    outputs and leaves the cache bits of the same step without them: after a prefill, a step of one
+    decode row, a row completing the partial chunk, a fresh sequence and two padded requests."""
+    c = layout.CHUNK
+    lengths = [c // 2 + 1, c - 1, 3]
+    inputs = gdn_inputs(lengths, 1, 2, 16, 16, seed=9, device=device)
+    slots = [1, 3, 0]
+    bits = []
+    for pad in (0, 2):
+        cache, started = fresh_cache(inputs, slots, None, 2)
+        prefill = [[(0, c // 2), (1, c - 2)]]
+        out = run_steps(cached, inputs, prefill, slots, cache, started)  # rows held: c / 2 and c - 2
+        cu = inputs["cu_seqlens"].tolist()
+        rows = torch.tensor([cu[0] + c // 2, cu[1] + c - 2, cu[2]], device=device)
+        step = {name: inputs[name][rows] for name in GDN_ROWS}
+        with torch.no_grad():
+            o = cached(**step, A_log=inputs["A_log"], dt_bias=inputs["dt_bias"],
+                       cu_seqlens=packed_cu([1, 1, 1] + [0] * pad, device), cache=cache,
+                       slots=torch.tensor(slots + [-1] * pad, device=device),
+                       has_state=torch.tensor([True, True, False] + [False] * pad, device=device),
+                       context_lens=torch.tensor([c // 2, c - 2, 0] + [0] * pad, device=device))  # fmt: skip
+        bits.append((torch.cat([out[out == out], o.flatten()]),
+                     [t.contiguous().view(torch.uint8) for t in cache.tensors()]))  # fmt: skip
+    (o0, cache0), (o1, cache1) = bits
+    assert torch.equal(o0, o1), f"outputs: {first_difference(o1, o0)}"
+    for name, a, b in zip(("state", "k", "x", "g", "beta", "t", "vnew"), cache0, cache1, strict=True):
+        assert torch.equal(a, b), f"cache.{name} differs with padded requests"

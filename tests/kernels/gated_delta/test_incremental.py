@@ -16,6 +16,7 @@ from gated_delta_reference import gdn_inputs  # noqa: E402
 from incremental_checks import (  # noqa: E402
     check_every_row_count,
     check_gradients,
+    check_padded_requests,
     check_schedules,
     random_case,
     reference,
@@ -51,6 +52,10 @@ def test_every_row_count_of_a_partial_chunk(dtype):
     check_every_row_count(incremental_gated_delta_rule, incremental_gated_delta_rule_cached, 2, 4, 16, 16, dtype)
 
 
+def test_padded_requests_touch_nothing():
+    check_padded_requests(incremental_gated_delta_rule_cached)
+
+
 def test_gradients_match_float64_autograd():
     inputs, h0 = random_case(3, F32)
     check_gradients(incremental_gated_delta_rule, inputs, h0, rtol=2e-5)
@@ -67,23 +72,29 @@ def test_full_chunks_of_64_match_training():
 
 def test_cache_bytes_at_qwen35_shape():
     layout.CHUNK = 64
-    assert layout.IncrementalCache.bytes_per_slot(16, 48, 128, 128) == 5_750_404
+    assert layout.IncrementalCache.bytes_per_slot(16, 48, 128, 128) == 5_750_400
     cache = layout.IncrementalCache.empty(1, 16, 48, 128, 128, BF16, "cpu")
-    assert sum(t.numel() * t.element_size() for t in cache.tensors()) == 5_750_404
+    assert sum(t.numel() * t.element_size() for t in cache.tensors()) == 5_750_400
 
 
 def test_refusals():
     inputs = gdn_inputs([3, 2], 1, 2, 16, 16)
     cache = layout.IncrementalCache.empty(2, 1, 2, 16, 16, F32, "cpu")
-    slots, has = torch.tensor([0, 1]), torch.tensor([False, False])
+    slots, has, context = torch.tensor([0, 1]), torch.tensor([False, False]), torch.tensor([0, 0])
     rows = {n: inputs[n] for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias", "cu_seqlens")}
     with pytest.raises(ValueError, match="distinct"):
-        incremental_gated_delta_rule_cached(**rows, cache=cache, slots=torch.tensor([1, 1]), has_state=has)
+        incremental_gated_delta_rule_cached(**rows, cache=cache, slots=torch.tensor([1, 1]), has_state=has,
+                                            context_lens=context)  # fmt: skip
     small = layout.IncrementalCache.empty(2, 1, 2, 16, 8, F32, "cpu")
     with pytest.raises(ValueError, match="cache.state"):
-        incremental_gated_delta_rule_cached(**rows, cache=small, slots=slots, has_state=has)
+        incremental_gated_delta_rule_cached(**rows, cache=small, slots=slots, has_state=has, context_lens=context)
+    with pytest.raises(ValueError, match="context_lens"):
+        incremental_gated_delta_rule_cached(**rows, cache=cache, slots=slots, has_state=has, context_lens=-context - 1)
+    strided = layout.IncrementalCache(*(t.transpose(-1, -2) if t.dim() == 4 else t for t in cache.tensors()))
+    with pytest.raises(ValueError, match="each slot contiguously"):
+        incremental_gated_delta_rule_cached(**rows, cache=strided, slots=slots, has_state=has, context_lens=context)
     with pytest.raises(ValueError, match="inference only"):
         incremental_gated_delta_rule_cached(**{**rows, "q": inputs["q"].requires_grad_()}, cache=cache, slots=slots,
-                                            has_state=has)  # fmt: skip
+                                            has_state=has, context_lens=context)  # fmt: skip
     with pytest.raises(ValueError, match="initial_state"):
         incremental_gated_delta_rule(**rows, initial_state=torch.zeros(1, 2, 16, 16))

@@ -130,7 +130,14 @@ def test_decode_only_step(ops):
     assert torch.equal(got, o), first_difference(got, o)
     with pytest.raises(ValueError, match="decode_only"):
         cached(**{n: inputs[n] for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias", "cu_seqlens")}, cache=cache,
-               slots=torch.tensor([0, 1, 2]), has_state=torch.tensor([True] * 3), decode_only=True)  # fmt: skip
+               slots=torch.tensor([0, 1, 2]), has_state=torch.tensor([True] * 3), context_lens=torch.tensor([5, 9, 3]),
+               decode_only=True)  # fmt: skip
+
+
+def test_padded_requests_touch_nothing(ops):
+    from incremental_checks import check_padded_requests
+
+    check_padded_requests(ops[1])
 
 
 def test_gradients_match_float64_autograd(ops):
