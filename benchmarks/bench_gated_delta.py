@@ -278,10 +278,10 @@ def _c_prefill(x, device):
                                    x["v"].dtype, device)  # fmt: skip
     slots = torch.arange(n, device=device)
     fresh = torch.zeros(n, dtype=torch.bool, device=device)
+    step = dict(cache=cache, slots=slots, has_state=fresh, context_lens=torch.zeros_like(slots))
     with torch.no_grad():
-        out = cached(**_rows(x), cache=cache, slots=slots, has_state=fresh)
-        return {"fwd_ms": _time_ms(lambda: cached(**_rows(x), cache=cache, slots=slots, has_state=fresh), device),
-                "out": out}  # fmt: skip
+        out = cached(**_rows(x), **step)
+        return {"fwd_ms": _time_ms(lambda: cached(**_rows(x), **step), device), "out": out}
 
 
 def _fla_prefill(x, device):
@@ -361,8 +361,7 @@ def _c_decode(x, device, held_rows: int):
     out = torch.empty_like(x["v"])
     if device == "cpu" and not _interpreted():  # the torch path: the op (it moves the slots' rows on)
         _, cached = _c_ops(device)
-        cache.rows.fill_(held)
-        call = lambda: cached(**_rows(x), cache=cache, slots=idx, has_state=ones.bool())  # noqa: E731
+        call = lambda: cached(**_rows(x), cache=cache, slots=idx, has_state=ones.bool(), context_lens=held_t)  # noqa: E731
     else:
         from vexact_vllm.kernels.gated_delta.incremental_step_triton import step_forward
 
@@ -467,7 +466,7 @@ def _check(shape: dict, hv: int, device: str, lengths: list[int]) -> list[dict]:
                 want, _ = c_forward(**_rows(x))
                 cache = IncrementalCache.empty(len(lengths), shape["hk"], hv, shape["dk"], shape["dv"], torch.bfloat16,
                                                device)  # fmt: skip
-                for t in cache.tensors()[:-1]:
+                for t in cache.tensors():
                     t.fill_(float("nan"))  # a slot's stale contents must never be read
             else:
                 want = chunked.chunked_gated_delta_rule(**_rows(x))
@@ -488,7 +487,8 @@ def _check(shape: dict, hv: int, device: str, lengths: list[int]) -> list[dict]:
                         **step, cu_seqlens=step_cu, state_cache=cache, slots=slots, has_state=held
                     )
                 elif chunked == "C":
-                    got[idx] = c_cached(**step, cu_seqlens=step_cu, cache=cache, slots=slots, has_state=held)
+                    got[idx] = c_cached(**step, cu_seqlens=step_cu, cache=cache, slots=slots, has_state=held,
+                                        context_lens=torch.full_like(slots, t))  # fmt: skip
                 else:
                     got[idx] = chunked.chunk_anchored_step(
                         **step, cu_seqlens=step_cu, cache=cache, slots=slots, has_state=held

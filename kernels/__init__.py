@@ -28,6 +28,8 @@ from .dispatch import (
     reference_mode,
 )
 from .gated_delta.causal_conv1d import causal_conv1d
+from .gated_delta.incremental import incremental_gated_delta_rule, incremental_gated_delta_rule_cached
+from .gated_delta.incremental_cache import IncrementalCache
 from .gated_delta.recurrent import gated_delta_rule, gated_delta_rule_cached
 from .gemm.activation import silu_and_mul
 from .gemm.head_linear import head_linear
@@ -48,6 +50,7 @@ VOCAB_BLOCK = TORCH_VOCAB_BLOCK
 warm_up_vml()  # before any parallel CPU op of ours can race on MKL's lazy dispatch (see mkl_vml.py)
 
 __all__ = [
+    "IncrementalCache",
     "KEY_TILE",
     "TORCH_VOCAB_BLOCK",
     "VOCAB_BLOCK",
@@ -63,6 +66,8 @@ __all__ = [
     "gumbel_argmax",
     "is_reference_mode_enabled",
     "head_linear",
+    "incremental_gated_delta_rule",
+    "incremental_gated_delta_rule_cached",
     "linear",
     "linear_token_log_probs",
     "log_softmax",

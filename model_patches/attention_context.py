@@ -50,6 +50,7 @@ class Sequences:
     slots: torch.Tensor | None = None  # int32 [N]: each sequence's cache slot
     has_state: torch.Tensor | None = None  # bool [N]: the slot holds the sequence's earlier tokens
     context_lens: torch.Tensor | None = None  # int32 [N]: tokens of the sequence before this call
+    decode_only: bool = False  # every sequence has one row (the kernels then read nothing on the host)
 
 
 class PackedAttention:

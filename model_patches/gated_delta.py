@@ -8,27 +8,36 @@ Qwen3_5GatedDeltaNet); each family subclass defines its projections (`project`):
     qkv, z, b, a = project(x)                         [T, C], [T, HV, DV], [T, HV], [T, HV]
     qkv = causal_conv1d(qkv, conv1d.weight)          depthwise, W taps, SiLU; q | k | v channels
     q, k, v = split(qkv, [HK DK, HK DK, HV DV])       [T, HK, DK], [T, HK, DK], [T, HV, DV]
-    o   = gated_delta_rule(q, k, v, a, b, A_log, dt_bias)
+    o   = incremental_gated_delta_rule(q, k, v, a, b, A_log, dt_bias)
           (q, k l2-normalised, q scaled by DK^-1/2, g = -exp(A_log) softplus(a + dt_bias),
            beta = sigmoid(b): kernels/gated_delta/rules.py)                            [T, HV, DV]
     o   = silu(z) * rms_norm(o, norm.weight)         per v head (transformers' gated RMSNorm)
     out = out_proj(o)                                 [T, H]
 
-The design (design A, `kernels.gated_delta_rule`): one recurrent algorithm for the training forward,
-prefill, chunked prefill and decode. A token's output and the state after it are a fixed sequence of
-fp32 operations on the state before it and the token's own inputs, so a token gets the same bits
-whether it is trained in a packed batch, prefilled in any chunking, or decoded; the conv keeps the
-W - 1 last raw inputs. The state each sequence carries between calls, per layer:
-    conv   [W - 1, C]    the model dtype: the raw conv inputs (kernels.causal_conv1d's layout)
-    ssm    [HV, DV, DK]  fp32: the recurrent state (the transpose of transformers' [HV, DK, DV])
+The design (design C, `kernels.incremental_gated_delta_rule`, docs/architecture.md "Gated DeltaNet"):
+chunks of CHUNK = 64 rows anchored at multiple-of-64 positions in training, prefill, chunked prefill
+and decode; a decode step computes its own row of the current chunk with the chunk computation's
+arithmetic, from the rows of the partial chunk its slot holds. So a token gets the same bits whether
+it is trained in a packed batch, prefilled in any chunking, or decoded; the conv keeps the W - 1 last
+raw inputs. The states each sequence carries between calls, per layer (R = CHUNK - 1 rows), in this
+order (the fp32 tensors first, so every tensor of a page starts aligned to its dtype):
+    state  [HV, DV, DK]    fp32: the state at the last chunk boundary (the transpose of transformers')
+    t      [R, HV, CHUNK]  fp32: the partial chunk's rows of T = (I + A)^-1
+    g      [R, HV]         fp32: their gates
+    beta   [R, HV]         fp32: their betas
+    conv   [W - 1, C]      the model dtype: the raw conv inputs (kernels.causal_conv1d's layout)
+    k      [R, HK, DK]     the model dtype: their normalised keys
+    x      [R, HV, DV]     the model dtype: their beta v
+    vnew   [R, HV, DV]     the model dtype: their delta values V'
+How many rows a slot holds is the sequence's context length mod CHUNK (`Sequences.context_lens`).
 `state_shapes` / `state_dtypes` say so to the vLLM side, which allocates one slot of each per
 sequence (vexact_vllm/state_cache.py) and hands them back in `Sequences.states`. Another design
-(chunk-anchored states, say) changes this module only: its shapes, dtypes and kernel calls.
+changes this module only: its shapes, dtypes and kernel calls.
 
 Differences from transformers (bounded by the accuracy tests, tests/model_patches/test_qwen3_5.py):
 the conv's SiLU on the fp32 sum rounded once (transformers rounds the conv output first); the gates
-and l2 norm of kernels/gated_delta/rules.py; the recurrence where transformers runs its chunked
-algorithm on prompts (its own decode step is the recurrence); the gated norm rounds the normalised
+and l2 norm of kernels/gated_delta/rules.py; chunks anchored at each sequence's start in decode too
+(transformers' decode step is the recurrence; its chunked algorithm rounds differently); the gated norm rounds the normalised
 row times the weight once and multiplies by silu(z) in fp32 (transformers rounds twice).
 """
 
@@ -39,7 +48,14 @@ from functools import partial
 import torch
 from torch import nn
 
-from vexact_vllm.kernels import causal_conv1d, gated_delta_rule, gated_delta_rule_cached, silu_and_mul
+from vexact_vllm.kernels import (
+    IncrementalCache,
+    causal_conv1d,
+    incremental_gated_delta_rule,
+    incremental_gated_delta_rule_cached,
+    silu_and_mul,
+)
+from vexact_vllm.kernels.gated_delta import incremental_cache
 
 from .attention_context import AttentionContext, Sequences
 from .config import DecoderConfig, LinearAttentionConfig
@@ -48,13 +64,18 @@ from .tensor_parallel import TensorParallel, mark_shard
 
 
 def state_shapes(linear: LinearAttentionConfig) -> tuple[tuple[int, ...], ...]:
-    """The per-sequence state tensors of one Gated DeltaNet layer: (conv [W - 1, C], ssm [HV, DV, DK])."""
-    return (linear.conv_kernel - 1, linear.conv_dim), (linear.num_v_heads, linear.head_v_dim, linear.head_k_dim)
+    """The per-sequence state tensors of one Gated DeltaNet layer, in the module docstring's order."""
+    hk, hv, dk, dv = linear.num_k_heads, linear.num_v_heads, linear.head_k_dim, linear.head_v_dim
+    chunk = incremental_cache.CHUNK
+    rows = chunk - 1
+    return ((hv, dv, dk), (rows, hv, chunk), (rows, hv), (rows, hv), (linear.conv_kernel - 1, linear.conv_dim),
+            (rows, hk, dk), (rows, hv, dv), (rows, hv, dv))  # fmt: skip
 
 
 def state_dtypes(model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-    """Their dtypes: the conv state holds raw inputs (the model dtype), the recurrent state fp32."""
-    return model_dtype, torch.float32
+    """Their dtypes: the boundary state, T, the gates and betas fp32; the conv's raw inputs and the rows'
+    keys, beta v and delta values in the model dtype."""
+    return (torch.float32,) * 4 + (model_dtype,) * 4
 
 
 class CausalConv1d(nn.Module):
@@ -133,12 +154,16 @@ class GatedDeltaNet(nn.Module):
         if seqs.states is None:
             qkv = causal_conv1d(qkv, self.conv1d.taps(), None, seqs.cu_seqlens)  # [n, C]
             q, k, v = self._heads(qkv)
-            return gated_delta_rule(q, k, v, a, b, self.A_log, self.dt_bias, seqs.cu_seqlens)[0]
-        conv, ssm = seqs.states  # each slot contiguous, the slots at vLLM's page stride: the kernels take both
+            return incremental_gated_delta_rule(q, k, v, a, b, self.A_log, self.dt_bias, seqs.cu_seqlens)[0]
+        # each slot contiguous, the slots at vLLM's page stride: the kernels take both
+        state, t, g, beta, conv, k_rows, x_rows, vnew = seqs.states
+        cache = IncrementalCache(state=state, k=k_rows, x=x_rows, g=g, beta=beta, t=t, vnew=vnew)
         qkv = causal_conv1d(qkv, self.conv1d.taps(), None, seqs.cu_seqlens, conv, seqs.slots, seqs.has_state)
         q, k, v = self._heads(qkv)
-        return gated_delta_rule_cached(q, k, v, a, b, self.A_log, self.dt_bias, seqs.cu_seqlens, ssm, seqs.slots,
-                                       seqs.has_state)  # fmt: skip
+        return incremental_gated_delta_rule_cached(
+            q, k, v, a, b, self.A_log, self.dt_bias, seqs.cu_seqlens, cache, seqs.slots, seqs.has_state,
+            seqs.context_lens, decode_only=seqs.decode_only,
+        )  # fmt: skip
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [n, HK, DK], k [n, HK, DK], v [n, HV, DV]: views of the conv's output channels."""

@@ -16,7 +16,10 @@ per step from vLLM's common metadata, on the device and with no host sync, into 
     context_lens  [N]      tokens the request's state already holds (seq_len - query_len)
     has_state     [N]      context_lens > 0: False where a request starts in this step, from a zero
                            state, including a request preempted and recomputed from its prompt
-and the model's context hands it to the layer as `attention_context.Sequences`.
+    decode_only            every request has one row (the kernels then read nothing on the host)
+and the model's context hands it to the layer as `attention_context.Sequences`. CUDA graphs: decode
+steps only (the builder declares UNIFORM_SINGLE_TOKEN_DECODE and the model asks for FULL_DECODE_ONLY,
+vllm_wrapper.py): a step with prefill rows reads how its rows split between the kernels on the host.
 
 Prefix caching is refused for these models (engine_checks.py): vLLM's "align" mode for state layers
 copies states between blocks with copy functions and chunk boundaries of its own, which vexact-vllm
@@ -55,13 +58,14 @@ class VexactStateMetadata:
     slots: torch.Tensor  # int32 [N]
     context_lens: torch.Tensor  # int32 [N]
     has_state: torch.Tensor  # bool [N]
+    decode_only: bool  # one row a request (max_query_len 1): the kernels read nothing on the host
 
 
 class VexactStateMetadataBuilder(AttentionMetadataBuilder[VexactStateMetadata]):
-    """Views and elementwise device ops of vLLM's common metadata (module docstring); any batch may be
+    """Views and elementwise device ops of vLLM's common metadata (module docstring); decode steps may be
     captured in a CUDA graph: the kernels read lengths and slots on the device."""
 
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -92,6 +96,7 @@ class VexactStateMetadataBuilder(AttentionMetadataBuilder[VexactStateMetadata]):
             slots=slots,
             context_lens=context,
             has_state=has_state,
+            decode_only=m.max_query_len == 1,
         )
 
 
@@ -162,4 +167,5 @@ class GatedDeltaStateLayer(nn.Module, MambaBase):
         m = None if metadata is None else metadata.get(self.prefix)
         if m is None:
             return Sequences(torch.tensor([0, num_rows], dtype=torch.int32, device=device))
-        return Sequences(m.cu_seqlens, m.num_actual_tokens, self.states(), m.slots, m.has_state, m.context_lens)
+        return Sequences(m.cu_seqlens, m.num_actual_tokens, self.states(), m.slots, m.has_state, m.context_lens,
+                         m.decode_only)  # fmt: skip

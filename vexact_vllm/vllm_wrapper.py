@@ -124,13 +124,16 @@ def pipeline_stage(num_layers: int) -> PipelineStage:
     )
 
 
-def _full_cuda_graphs(vllm_config: VllmConfig) -> None:
-    """Piecewise graphs need a torch.compile'd model; ask for FULL graphs instead (see above)."""
+def _full_cuda_graphs(vllm_config: VllmConfig, hybrid: bool) -> None:
+    """Piecewise graphs need a torch.compile'd model; ask for FULL graphs instead (see above). A hybrid
+    (Gated DeltaNet layers) gets graphs of decode steps only (FULL_DECODE_ONLY, as stock vLLM runs its
+    own Gated DeltaNet): a step with prefill rows reads its row split on the host (state_cache.py)."""
     from vllm.config.compilation import CUDAGraphMode
 
     compilation = vllm_config.compilation_config
-    if compilation.cudagraph_mode in (CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.PIECEWISE):
-        compilation.cudagraph_mode = CUDAGraphMode.FULL
+    full = CUDAGraphMode.FULL_DECODE_ONLY if hybrid else CUDAGraphMode.FULL
+    if compilation.cudagraph_mode in (CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL):
+        compilation.cudagraph_mode = full
 
 
 def _no_cpu_compilation(vllm_config: VllmConfig) -> None:
@@ -160,10 +163,10 @@ class VllmVexactForCausalLM(nn.Module):
                 "vLLM prepared multimodal rotary positions for a vexact model, which takes one position per "
                 "token; was the configuration built without the vexact plugin registered?"
             )
-        _full_cuda_graphs(vllm_config)
-        _no_cpu_compilation(vllm_config)
         hf_config = vllm_config.model_config.hf_config
         self.config = DecoderConfig.from_hf(hf_config)
+        _full_cuda_graphs(vllm_config, hybrid=self.config.linear is not None)
+        _no_cpu_compilation(vllm_config)
         c = self.config
         self.tp = tp = tensor_parallel_group()
         self.stage = stage = pipeline_stage(c.num_layers)

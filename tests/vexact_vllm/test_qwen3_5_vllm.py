@@ -32,9 +32,9 @@ def test_hybrid_class_declares_the_layers_state_layout():
     assert cls.get_mamba_state_shape_from_config(vllm_config) == state_shapes(linear)
     vllm_config.parallel_config.tensor_parallel_size = 2  # a rank's heads: half the channels and value heads
     assert cls.get_mamba_state_shape_from_config(vllm_config) == state_shapes(linear.shard(2))
-    assert state_shapes(linear.shard(2))[1][0] * 2 == state_shapes(linear)[1][0]
+    assert state_shapes(linear.shard(2))[0][0] * 2 == state_shapes(linear)[0][0]
     assert cls.get_mamba_state_dtype_from_config(vllm_config) == state_dtypes(torch.bfloat16) == (
-        torch.bfloat16, torch.float32)  # fmt: skip
+        (torch.float32,) * 4 + (torch.bfloat16,) * 4)  # fmt: skip
     with pytest.raises(UnsupportedModelError, match="--no-enable-prefix-caching"):
         cls.get_mamba_state_copy_func()
 
@@ -74,3 +74,47 @@ def test_engine_options_are_refused_with_what_to_do(options, match):
     with pytest.raises(UnsupportedModelError, match=match):
         refuse_unsupported_state_cache(*_engine(**options))
     refuse_unsupported_state_cache(*_engine(ssm="float32", conv="bfloat16"))  # the layout's own dtypes pass
+
+
+def test_hybrids_capture_decode_steps_only():
+    """A step with prefill rows reads its row split on the host (design C), so a hybrid's graphs are decode
+    steps (FULL_DECODE_ONLY) and its state metadata says so to vLLM; other models keep FULL graphs, and
+    graphs off stay off."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    from vexact_vllm.state_cache import VexactStateMetadataBuilder
+    from vexact_vllm.vllm_wrapper import _full_cuda_graphs
+
+    for hybrid, mode, want in [(True, CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY),
+                               (True, CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY),
+                               (False, CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL),
+                               (True, CUDAGraphMode.NONE, CUDAGraphMode.NONE)]:  # fmt: skip
+        config = SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_mode=mode))
+        _full_cuda_graphs(config, hybrid)
+        assert config.compilation_config.cudagraph_mode == want, (hybrid, mode)
+    assert VexactStateMetadataBuilder._cudagraph_support == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+
+def test_state_metadata_lives_in_persistent_buffers_and_pads_with_no_slot():
+    """What the builder computes goes to the same addresses at every step (a CUDA graph replays the ones
+    it captured); a request with no rows (a graph's padding) gets slot -1 and no state."""
+    from vexact_vllm.state_cache import VexactStateMetadataBuilder
+
+    scheduler = SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=16)
+    builder = VexactStateMetadataBuilder(None, ["l"], SimpleNamespace(scheduler_config=scheduler), "cpu")
+    table = torch.tensor([[5, 0], [2, 0], [7, 0], [9, 9]], dtype=torch.int32)
+    pointers = None
+    for query, seq, decode in [([0, 3, 4, 5, 5], [3, 9, 1, 0], False), ([0, 1, 2, 2, 2], [4, 10, 0, 0], True)]:
+        m = SimpleNamespace(num_reqs=4, num_actual_tokens=query[-1], query_start_loc=torch.tensor(query, dtype=torch.int32),
+                            seq_lens=torch.tensor(seq, dtype=torch.int32), block_table_tensor=table,
+                            max_query_len=max(b - a for a, b in zip(query, query[1:])))  # fmt: skip
+        meta = builder.build(0, m)
+        lengths = torch.tensor(query[1:]) - torch.tensor(query[:-1])
+        want_slots = torch.where(lengths > 0, table[:, 0], -1)
+        assert torch.equal(meta.slots, want_slots.to(torch.int32))
+        assert torch.equal(meta.context_lens, torch.tensor(seq, dtype=torch.int32) - lengths.to(torch.int32))
+        assert torch.equal(meta.has_state, meta.context_lens > 0) and meta.decode_only == decode
+        now = [t.data_ptr() for t in (meta.slots, meta.context_lens, meta.has_state)]
+        assert pointers is None or now == pointers
+        pointers = now

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from vexact_vllm import MODEL_IMPL
 
+from .hybrid_blocks import HybridBlocks, hybrid_blocks
 from .records import Rollout, entries_of
 
 
@@ -304,7 +305,13 @@ def run_compositions(
 def _preemption(prompt_ids: list[list[int]], settings: RolloutSettings, steps: Steps) -> CompositionResult:
     """Every request generates past a block boundary (at least block_size + 1 tokens), so it must take
     a new KV block mid-decode; the cache is sized by `preemption_plan` so that two requests cannot
-    finish side by side: one preempts the other, which is recomputed."""
+    finish side by side: one preempts the other, which is recomputed. A hybrid model's engine gets the
+    block size vLLM would settle on for its state pages, and the plan counts its state blocks
+    (hybrid_blocks.py)."""
+    hybrid = hybrid_blocks(settings.model, settings.dtype, settings.extra.get("tensor_parallel_size", 1),
+                           settings.block_size)  # fmt: skip
+    if hybrid is not None:
+        settings = dataclasses.replace(settings, block_size=hybrid.block_size)
     least = settings.block_size + 1
     grow = dataclasses.replace(
         settings,
@@ -314,10 +321,11 @@ def _preemption(prompt_ids: list[list[int]], settings: RolloutSettings, steps: S
     if settings.preempt_blocks:
         blocks, order = settings.preempt_blocks, list(range(len(prompt_ids)))
     else:
-        blocks, order = preemption_plan(prompt_ids, grow)
+        blocks, order = preemption_plan(prompt_ids, grow, hybrid)
     longest = max(len(p) + grow.request_options(i)["max_tokens"] for i, p in enumerate(prompt_ids))
     # vLLM refuses a max_model_len its cache cannot hold (the null block aside); every request fits.
-    max_model_len = min((blocks - 1) * settings.block_size, max(settings.max_model_len, longest))
+    room = blocks - 1 if hybrid is None else (blocks - 1 - hybrid.state_groups) // hybrid.attention_groups
+    max_model_len = min(room * settings.block_size, max(settings.max_model_len, longest))
     steps.start(f"vLLM: preemption (starting an engine with {blocks} KV blocks)")
     llm = start_engine(grow, num_gpu_blocks_override=blocks, max_model_len=max_model_len)
     try:
@@ -350,7 +358,9 @@ def shared_blocks(first: list[int], second: list[int], block_size: int) -> int:
     return min(common, (len(second) - 1) // block_size)
 
 
-def preemption_plan(prompt_ids: list[list[int]], settings: RolloutSettings) -> tuple[int, list[int]]:
+def preemption_plan(
+    prompt_ids: list[list[int]], settings: RolloutSettings, hybrid: HybridBlocks | None = None
+) -> tuple[int, list[int]]:
     """(KV blocks, submission order) that make the preemption composition preempt, whatever the prompts.
 
     With b(t) = blocks holding t tokens and full(i) = b(prompt + max_tokens) of request i, request A
@@ -366,11 +376,13 @@ def preemption_plan(prompt_ids: list[list[int]], settings: RolloutSettings) -> t
     the requests sharing no prefix-cache block with A (its admission then never hangs on a cache hit);
     only when all share blocks with A (one prompt repeated, a common system prompt) is B one that
     does. The other requests follow in index order. With prefix caching off
-    (`enable_prefix_caching=False` in settings.extra) nothing is shared."""
+    (`enable_prefix_caching=False` in settings.extra) nothing is shared. A hybrid model (`hybrid`: its
+    block geometry) counts a request's blocks as `HybridBlocks.request_blocks`: its state blocks are
+    held from admission to the end, so the argument is unchanged."""
     n, bs = len(prompt_ids), settings.block_size
 
     def blocks(tokens: int) -> int:
-        return -(-tokens // bs)
+        return -(-tokens // bs) if hybrid is None else hybrid.request_blocks(tokens)
 
     full = [blocks(len(p) + settings.request_options(i)["max_tokens"]) for i, p in enumerate(prompt_ids)]
     a = max(range(n), key=lambda i: (full[i], -i))

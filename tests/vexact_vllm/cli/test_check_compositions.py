@@ -155,3 +155,49 @@ def test_preemption_plan_forces_two_requests_to_collide(caching):
         assert full[a] + _need(len(prompts[b]) + 1, bs) - shared > usable, f"seed {case}"  # ...cannot both run to A's end
         if caching and any(shared_blocks(prompts[a], p, bs) == 0 for i, p in enumerate(prompts) if i != a):
             assert shared == 0, f"seed {case}"  # B's admission does not hang on a cache hit when it can be avoided
+
+
+def test_preemption_plan_counts_a_hybrid_models_state_blocks():
+    """A hybrid model's requests hold state blocks beside their attention blocks (hybrid_blocks.py): for
+    random geometries and prompts, the plan still fits every request alone, admits the first two side
+    by side and leaves no room for both to reach the first's end."""
+    from vexact_vllm.cli.hybrid_blocks import HybridBlocks
+    from vexact_vllm.cli.rollout import RolloutSettings, preemption_plan
+
+    for case in range(300):
+        rng = random.Random(case)
+        hybrid = HybridBlocks(64 * rng.randint(1, 8), rng.randint(1, 3), rng.randint(1, 4))
+        bs = hybrid.block_size
+        settings = RolloutSettings(model="m", max_tokens=rng.randint(bs + 1, 3 * bs), block_size=bs,
+                                   extra={"enable_prefix_caching": False})  # fmt: skip
+        prompts = [[rng.randrange(1000) for _ in range(rng.randint(1, 3000))] for _ in range(rng.randint(2, 6))]
+        blocks, order = preemption_plan(prompts, settings, hybrid)
+        usable, (a, b) = blocks - 1, order[:2]
+        need = hybrid.request_blocks
+        full = [need(len(p) + settings.max_tokens) for p in prompts]
+        assert usable >= max(full) == full[a], f"seed {case}"
+        assert usable >= need(len(prompts[a]) + 1) + need(len(prompts[b]) + 1), f"seed {case}"
+        assert full[a] + need(len(prompts[b]) + 1) > usable, f"seed {case}"
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_next"])
+def test_hybrid_block_size_is_the_least_multiple_of_64_holding_a_state_page(tiny_model, arch):
+    import math
+
+    from transformers import AutoConfig
+
+    from vexact_vllm.cli.hybrid_blocks import hybrid_blocks
+    from vexact_vllm.model_patches.config import DecoderConfig
+    from vexact_vllm.model_patches.gated_delta import state_dtypes, state_shapes
+
+    path = tiny_model(arch)
+    config = DecoderConfig.from_hf(AutoConfig.from_pretrained(path))
+    for tp in (1, 2):
+        geometry = hybrid_blocks(path, "bfloat16", tp, least=32)
+        page = sum(math.prod(s) * d.itemsize for s, d in zip(state_shapes(config.linear.shard(tp)),
+                                                                 state_dtypes(torch.bfloat16), strict=True))  # fmt: skip
+        per_token = 2 * max(config.num_kv_heads // tp, 1) * config.head_dim * 2
+        assert geometry.block_size % 64 == 0
+        assert geometry.block_size * per_token >= page > (geometry.block_size - 64) * per_token
+        assert geometry.attention_groups >= 1 and geometry.state_groups >= 1
+    assert hybrid_blocks(tiny_model("qwen3"), "bfloat16") is None
