@@ -2,7 +2,7 @@
 vLLM's hybrid cache beside the full-attention layers' paged KV cache, and every token of a prompt split
 over 32-token steps and of requests preempted and recomputed from their prompts matches the training
 forward bit for bit (the preemption composition asks for the block size vLLM settles on for the state
-pages and counts each request's state blocks, cli/hybrid_blocks.py, so four prompts collide).
+pages and counts each request's state blocks, cli/hybrid_blocks.py, so two prompts collide).
 Prefix caching is refused for these models, so the check skips its composition and
 says so. The other built-ins (tiny-qwen3.5-moe, tiny-qwen3-next) and the other compositions run by hand
 (`vexact-vllm check --model tiny-qwen3.5-moe --against-stock`).
@@ -30,7 +30,7 @@ DATA = Path(__file__).parent / "data"
 def test_chunked_prefill_and_preemption(tiny_model, tmp_path):
     out = tmp_path / "report.json"
     rc = main([
-        "check", "--model", tiny_model("qwen3_5_text"), "--num-prompts", "4", "--max-tokens", "24",
+        "check", "--model", tiny_model("qwen3_5_text"), "--num-prompts", "2", "--max-tokens", "24",
         "--micro-batches", "1,0", "--json", "--temperature", "0.9", "--output", str(out), "--quiet",
         "--compositions", "chunked-prefill,preemption",
     ])  # fmt: skip
