@@ -144,10 +144,8 @@ class VexactAttentionMetadataBuilder(AttentionMetadataBuilder[VexactAttentionMet
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        scheduler = vllm_config.scheduler_config
-        # Persistent: a CUDA graph captured with shared-prompt groups reads these addresses at every
-        # replay. Padded request counts stay within the tokens of a step, so this bounds them.
-        capacity = scheduler.max_num_seqs + scheduler.max_num_batched_tokens
+        # Persistent: a CUDA graph captured with shared-prompt groups reads these addresses at every replay.
+        capacity = padded_request_capacity(vllm_config)
         # Shared-prompt groups: at most as many members as one query tile has rows for (Hq / Hkv rows
         # a sequence: kernels.max_group_members).
         group = _query_heads_per_kv_head(vllm_config, kv_cache_spec)
@@ -197,6 +195,13 @@ class VexactAttentionMetadataBuilder(AttentionMetadataBuilder[VexactAttentionMet
             return True
         largest = getattr(self._compilation, "max_cudagraph_capture_size", None)
         return largest is not None and m.num_actual_tokens > largest
+
+
+def padded_request_capacity(vllm_config) -> int:
+    """Rows of a builder's persistent per-request buffers: padded request counts stay within the tokens
+    of a step, so max_num_seqs + max_num_batched_tokens bounds them."""
+    scheduler = vllm_config.scheduler_config
+    return scheduler.max_num_seqs + scheduler.max_num_batched_tokens
 
 
 def _query_heads_per_kv_head(vllm_config, kv_cache_spec) -> int | None:

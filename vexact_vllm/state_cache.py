@@ -44,6 +44,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
+from vexact_vllm.attention import padded_request_capacity
 from vexact_vllm.model_patches.attention_context import Sequences
 from vexact_vllm.model_patches.config import LinearAttentionConfig
 from vexact_vllm.model_patches.gated_delta import state_dtypes, state_shapes
@@ -69,11 +70,9 @@ class VexactStateMetadataBuilder(AttentionMetadataBuilder[VexactStateMetadata]):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        scheduler = vllm_config.scheduler_config
         # Persistent: a CUDA graph reads the addresses it was captured with at every replay, so what the
-        # builder computes goes into these (vLLM's own metadata tensors are persistent already). Padded
-        # request counts stay within the tokens of a step, so this bounds them.
-        capacity = scheduler.max_num_seqs + scheduler.max_num_batched_tokens
+        # builder computes goes into these (vLLM's own metadata tensors are persistent already).
+        capacity = padded_request_capacity(vllm_config)
         self._slots = torch.zeros(capacity, dtype=torch.int32, device=device)
         self._context = torch.zeros(capacity, dtype=torch.int32, device=device)
         self._has_state = torch.zeros(capacity, dtype=torch.bool, device=device)
