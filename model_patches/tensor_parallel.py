@@ -19,7 +19,13 @@ over ranks, an all-reduce), the input is all-gathered first and the layer is col
     DeltaNet    per head) -> gather the heads -> out_proj: the rank's H / T columns -> gather
     lm_head     the rank's vocabulary columns               -> gather -> full fp32 logits [M, V]
 An all-gather moves data and adds nothing, so its result is exact whatever the communication
-algorithm, the message size or the topology; no all-reduce appears anywhere. Exact already without
+algorithm, the message size or the topology. No partial sums are ever reduced. Where the group has a
+fast all-reduce for a message (vLLM's custom all-reduce over IPC buffers, one kernel, inside CUDA
+graphs too: the decode steps' small messages), the gather is that all-reduce of a buffer holding this
+rank's block and -0.0 everywhere else: -0.0 is the additive identity of every value (x + -0.0 is x,
+bit for bit, for +0.0, -0.0, subnormals, inf and NaN), so the sum is the gathered blocks, exactly,
+given a reduction that does not flush subnormals (proved on the GPUs:
+tests/vexact_vllm/test_tp_exchange_cuda.py). Exact already without
 any of this: the embedding (a gather of rows; replicated), the norms and the residual adds (on the
 full [M, H], replicated: the same inputs and ops on every rank), q/k RMSNorm and RoPE (per head),
 attention (per head: a rank attends over its heads' keys only, as the trainer does per head),
@@ -42,14 +48,18 @@ from .config import UnsupportedModelError
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """This rank's place in the group and the group's all-gather along the last dim (rank order).
+    """This rank's place in the group and the group's collectives (vLLM's tensor-parallel group
+    provides them; tests emulate them).
 
     `all_gather(x)`: x [..., n] on every rank (same n) -> [..., T n], rank r's x at columns
-    [r n, (r + 1) n). vLLM's tensor-parallel group provides it; tests emulate it."""
+    [r n, (r + 1) n). `all_reduce(buf)`: the elementwise sum of every rank's buf, for the buffers
+    `reduces(buf)` accepts (its fast path); without them every gather is an all-gather."""
 
     rank: int
     size: int
     all_gather: Callable[[torch.Tensor], torch.Tensor]
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    reduces: Callable[[torch.Tensor], bool] | None = None
 
     def bounds(self, n: int) -> tuple[int, int]:
         """[start, stop) of this rank's block of n columns (torch.tensor_split's blocks)."""
@@ -66,10 +76,19 @@ class TensorParallel:
         return torch.cat([self.take(gate, dim), self.take(up, dim)], dim)
 
     def gather(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        """[..., n] from every rank's block x [..., bounds(n)]: the blocks in rank order. Uneven
-        blocks are padded to the largest for the all-gather and the padding dropped after."""
+        """[..., n] from every rank's block x [..., bounds(n)]: the blocks in rank order. Through the
+        all-reduce where it takes the message (see the module's docstring), else the all-gather, whose
+        uneven blocks are padded to the largest and the padding dropped after."""
         if self.size == 1:
             return x
+        if self.all_reduce is not None:
+            buf = x.new_empty((*x.shape[:-1], n))
+            if self.reduces(buf):  # this block, -0.0 (the additive identity) elsewhere, summed
+                start, stop = self.bounds(n)
+                buf[..., :start].fill_(-0.0)
+                buf[..., stop:].fill_(-0.0)
+                buf[..., start:stop].copy_(x)
+                return self.all_reduce(buf)
         width = -(-n // self.size)
         if n % self.size == 0:
             return self.all_gather(x.contiguous())

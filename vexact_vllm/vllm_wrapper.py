@@ -103,7 +103,19 @@ def tensor_parallel_group() -> TensorParallel | None:
     if size == 1:
         return None
     group = get_tp_group()
-    return TensorParallel(get_tensor_model_parallel_rank(), size, lambda x: group.all_gather(x, dim=-1))
+    # vLLM's custom all-reduce (IPC buffers; registered inside CUDA graph capture) for the messages it
+    # takes: the exchange as a sum over -0.0 (tensor_parallel.py). Not group.all_reduce, whose other
+    # fast paths (symmetric memory, FlashInfer) are not the one proved exact on the GPUs.
+    custom = getattr(group.device_communicator, "ca_comm", None)
+    if custom is None or custom.disabled:
+        custom = None
+    return TensorParallel(
+        get_tensor_model_parallel_rank(),
+        size,
+        lambda x: group.all_gather(x, dim=-1),
+        all_reduce=None if custom is None else custom.custom_all_reduce,
+        reduces=None if custom is None else custom.should_custom_ar,
+    )
 
 
 def pipeline_stage(num_layers: int) -> PipelineStage:

@@ -277,6 +277,6 @@ def warm_up_linear(
     from .linear_triton import warmup_sizes
 
     n, k = weight.shape
-    for m in warmup_sizes(n if config_n is None else config_n, k, weight.dtype):
+    for m in warmup_sizes(n, k, weight.dtype, config_n):
         x = torch.zeros(m, k, dtype=weight.dtype, device=weight.device)
         linear(x, weight, bias, out_dtype, config_n=config_n)

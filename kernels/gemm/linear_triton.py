@@ -408,15 +408,27 @@ def _tiles_on(device: torch.device) -> dict:
     return tiles_for_device_name(torch.cuda.get_device_name(device))
 
 
-def warmup_sizes(n: int, k: int, dtype: torch.dtype) -> list[int]:
-    """One M per tile bucket of the weight shape (N, K): running `linear` once at each compiles every
-    kernel variant a batch can reach, so none compiles while serving (vLLM's warm-up and CUDA-graph
-    capture reach only some sizes, and none with --enforce-eager)."""
-    buckets = _TUNED.get((dtype, n, k))
+def tile_rows(m: int, n: int, config_n: int | None) -> int:
+    """The M whose bucket picks the tile for M rows of n columns. A column shard (n of a weight's
+    config_n rows, tensor parallelism) takes the tile the whole weight takes for the same output area,
+    m n / config_n rows, so a rank's shard fills the SMs as the whole weight does at TP = 1. Speed
+    only: every bucket of a shape shares its reduction (BLOCK_K, k_split; `check_tuned`)."""
+    if config_n is None or config_n <= n:
+        return m
+    return max(1, -(-m * n // config_n))
+
+
+def warmup_sizes(n: int, k: int, dtype: torch.dtype, config_n: int | None = None) -> list[int]:
+    """One M per tile bucket of the weight shape (config_n or N, K) for a launch over n columns:
+    running `linear` once at each compiles every kernel variant a batch can reach, so none compiles
+    while serving (vLLM's warm-up and CUDA-graph capture reach only some sizes, and none with
+    --enforce-eager)."""
+    whole = n if config_n is None else config_n
+    buckets = _TUNED.get((dtype, whole, k))
     if buckets is None:
         return [1]
     bounds = [bound for bound, _ in buckets[:-1]]
-    return bounds + [bounds[-1] + 1]
+    return [rows * whole // n for rows in bounds + [bounds[-1] + 1]]  # tile_rows of each is the bound
 
 
 _SMEM = 232448  # shared memory per block on an H100 (227 KB); Triton asks exactly the estimate below
@@ -487,7 +499,7 @@ def launch_linear(x2, weight, bias, out_dtype, config_n=None, out=None) -> torch
     y = torch.empty(m, n, dtype=out_dtype, device=x2.device) if out is None else out  # [M, N]
     if m == 0 or n == 0:
         return y
-    cfg = gemm_config(n if config_n is None else config_n, k, x2.dtype, m, x2.device)
+    cfg = gemm_config(n if config_n is None else config_n, k, x2.dtype, tile_rows(m, n, config_n), x2.device)
     while (
         out_dtype == torch.float32 and cfg.num_stages > 2 and _smem_bytes(cfg, x2.element_size(), 4) > _SMEM
     ):

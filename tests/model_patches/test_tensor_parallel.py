@@ -29,22 +29,24 @@ from vexact_vllm.model_patches.tensor_parallel import (
 
 
 class ThreadGroup:
-    """T ranks in T threads; `all_gather` is the collective (last dim, rank order). One rank runs at
-    a time (a lock released only inside the collective): Triton's interpreter is not thread-safe."""
+    """T ranks in T threads; `all_gather` is the collective (last dim, rank order). With `sums`, an
+    all-reduce too, taking every buffer (as vLLM's custom all-reduce sums: in fp32, rank order, then
+    rounded to the buffer's dtype). One rank runs at a time (a lock released only inside the
+    collective): Triton's interpreter is not thread-safe."""
 
-    def __init__(self, size: int):
-        self.size, self.slots = size, [None] * size
+    def __init__(self, size: int, sums: bool = False):
+        self.size, self.slots, self.sums = size, [None] * size, sums
         self.barrier = threading.Barrier(size, timeout=120)
         self.lock = threading.Lock()
         self.calls = 0
 
     def rank(self, r: int) -> TensorParallel:
-        def all_gather(x):
+        def collective(x, combine):
             self.slots[r] = x
             self.lock.release()
             try:
                 self.barrier.wait()
-                out = torch.cat(list(self.slots), -1)
+                out = combine(list(self.slots))
                 self.barrier.wait()
             finally:
                 self.lock.acquire()
@@ -52,7 +54,18 @@ class ThreadGroup:
                 self.calls += 1
             return out
 
-        return TensorParallel(r, self.size, all_gather)
+        def fp32_sum(slots):
+            acc = slots[0].float()
+            for other in slots[1:]:
+                acc = acc + other.float()
+            return acc.to(slots[0].dtype)
+
+        def all_gather(x):
+            return collective(x, lambda slots: torch.cat(slots, -1))
+
+        if not self.sums:
+            return TensorParallel(r, self.size, all_gather)
+        return TensorParallel(r, self.size, all_gather, lambda buf: collective(buf, fp32_sum), lambda buf: True)
 
     def run(self, fn):
         """[fn(rank 0), ..., fn(rank T-1)], each in its own thread."""
@@ -158,7 +171,7 @@ def test_every_rank_reproduces_the_unsharded_decoder(model_type, seed):
     with torch.no_grad():
         want = whole(ids, positions, PackedAttention(cu))
     state = {k: v.detach() for k, v in whole.state_dict().items()}
-    group = ThreadGroup(tp)
+    group = ThreadGroup(tp, sums=seed % 4 < 2)  # the exchange as a sum over -0.0, or as an all-gather
 
     def rank(r_tp):
         model = rank_decoder(config, r_tp, _per_expert(state) if seed % 2 else state)
@@ -181,10 +194,22 @@ def test_blocks_cover_the_columns_in_rank_order(n, size):
     assert bounds[0][0] == 0 and bounds[-1][1] == n
     assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
     assert [b - a for a, b in bounds] == [len(c) for c in torch.arange(n).tensor_split(size)]
-    group = ThreadGroup(size)
     full = torch.randn(3, n)
-    gathered = group.run(lambda tp: tp.gather(tp.take(full, 1), n))
-    assert all(torch.equal(g, full) for g in gathered)
+    for sums in (False, True):
+        gathered = ThreadGroup(size, sums).run(lambda tp: tp.gather(tp.take(full, 1), n))
+        assert all(torch.equal(g, full) for g in gathered)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_sum_over_negative_zero_keeps_every_value(dtype):
+    """The exchange as an all-reduce: this rank's block over -0.0 elsewhere sums to the blocks, bit for
+    bit, for subnormals, both zeros, inf and NaN (the CUDA twin: tests/vexact_vllm/test_tp_exchange_cuda.py)."""
+    from tests.vexact_vllm.test_tp_exchange_cuda import same_bits, special_matrix
+
+    for size, n in ((2, 97), (3, 64), (4, 130)):
+        full = special_matrix(5, n, dtype, seed=size)
+        for got in ThreadGroup(size, sums=True).run(lambda tp: tp.gather(tp.take(full, 1), n)):
+            assert same_bits(got, full) is None
 
 
 def test_head_splits_it_cannot_keep_are_refused():

@@ -4,6 +4,7 @@ compiled kernel on CUDA at Qwen3 weight shapes. Invariance is always `torch.equa
 
 import dataclasses
 import importlib
+import random
 import sys
 
 import numpy as np
@@ -559,6 +560,24 @@ def test_warmup_sizes_reach_every_bucket():
         assert {gt.gemm_config(n, k, dtype, m) for m in sizes} == {cfg for _, cfg in buckets}
         assert len(sizes) == len(buckets)
     assert gt.warmup_sizes(40, 24, torch.bfloat16) == [1]  # an untuned shape: one tile for every M
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_shard_tiles_follow_the_output_area_and_warm_up_every_bucket(seed):
+    """A column shard (tensor parallelism) of n of a tuned weight's N rows picks its tile at m n / N
+    rows, keeps the whole shape's reduction in every bucket, and its warm-up sizes reach each bucket."""
+    gt = importlib.import_module(MODULE)
+    rng = random.Random(seed)
+    (dtype, whole, k), buckets = rng.choice(list(gt._TUNED.items()))
+    for tp in (2, 3, 4, 8):
+        n = rng.choice([whole // tp, -(-whole // tp)])  # torch.tensor_split's blocks: the larger and the smaller
+        sizes = gt.warmup_sizes(n, k, dtype, whole)
+        tiles = [gt.gemm_config(whole, k, dtype, gt.tile_rows(m, n, whole)) for m in sizes]
+        assert tiles == [cfg for _, cfg in buckets]
+        for m in (1, rng.randint(2, 64), rng.randint(65, 4096)):
+            rows = gt.tile_rows(m, n, whole)
+            assert 1 <= rows <= m and (rows - 1) * whole < m * n <= rows * whole  # the least rows covering the area
+    assert gt.tile_rows(37, 40, None) == 37 and gt.tile_rows(37, 40, 40) == 37
 
 
 def test_warm_up_linear_is_a_no_op_off_cuda(monkeypatch):
