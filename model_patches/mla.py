@@ -32,7 +32,7 @@ Tensor parallelism (tensor_parallel.py): q_proj / q_b_proj and kv_b_proj are col
 (each rank computes its heads' rows with the full reduction; W_UK and W_UV are views of the rank's
 rows), the latent path (q_a_proj, kv_a_proj_with_mqa, both norms) is replicated, so every rank holds
 the whole latent (as stock vLLM); the heads' outputs are gathered before the rank's o_proj columns,
-whose output is gathered: all-gathers only, as in `layers.SelfAttention`.
+whose output is gathered: column blocks exchanged only (`TensorParallel.gather`), as in `layers.SelfAttention`.
 
 Every op is a shared kernel (linear, head_linear, rms_norm, apply_rope, attention) or an exact data
 movement (split, gather of the interleaved dims, cat, views), so the block keeps the decoder's invariants.

@@ -190,8 +190,8 @@ HONOURED_ENGINE = (
            "distributed_timeout_seconds", "cpu_distributed_timeout_seconds", "device_ids", "numa_bind",
            "numa_bind_nodes", "numa_bind_cpus", "disable_custom_all_reduce", "ray_workers_use_nsight",
            "enable_shm_tensor_arena", "_api_process_count", "_api_process_rank", "pipeline_parallel_size"),
-          "tensor parallelism (its split of the heads is checked; vexact layers all-gather, they never "
-          "all-reduce), pipeline parallelism (whole layers per stage, the hidden states and the residual "
+          "tensor parallelism (its split of the heads is checked; vexact layers exchange column blocks, "
+          "never partial sums), pipeline parallelism (whole layers per stage, the hidden states and the residual "
           "handed over; a partition that leaves a stage without a layer is refused on the resolved "
           "configuration), data-parallel replicas, and where their processes run"),
     Group(("enable_sleep_mode", "sleep_mode_backend", "sleep_mode_offload_cudagraph",

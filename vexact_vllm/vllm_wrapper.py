@@ -9,7 +9,8 @@ runner's patched `_sample` (sampler/v1.py, installed with vLLM's patch table by 
 
 Tensor parallelism (`--tensor-parallel-size T`): the decoder is built as this rank's shard
 (model_patches/tensor_parallel.py: every sharded GEMM column-parallel with the whole layer's
-configuration, all-gathers in between, no all-reduce), so every rank ends each layer with the full
+configuration, the column blocks exchanged in between, never a partial sum reduced: vLLM's custom
+all-reduce of a block over -0.0 for the messages it takes, its all-gather past them), so every rank ends each layer with the full
 hidden state bit for bit equal to the unsharded model's; the lm_head is sharded over the vocabulary and
 its fp32 logits gathered, so every rank samples the same tokens from the same logits. `load_weights`
 cuts each rank's block from the whole Hugging Face tensors.

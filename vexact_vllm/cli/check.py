@@ -397,6 +397,9 @@ def _run(args, model_path: str, dtype: str, prompts: list[str], console) -> tupl
     )
     if hybrid:
         settings.extra["enable_prefix_caching"] = HYBRID_ENGINE["enable_prefix_caching"][0]
+        # vLLM refuses decode CUDA graphs for state layers when max_num_seqs (1,024 by default on a large
+        # GPU) exceeds the cache's blocks (one per sequence); the check runs at most its prompts twice over.
+        settings.extra["max_num_seqs"] = 2 * len(prompt_ids)
     if "prefix-cache" in names:
         settings.shared_prefix = shared_prefix(model_path, settings.block_size)
         longest = len(settings.shared_prefix) + max(map(len, prompt_ids)) + 2 * args.max_tokens  # continued

@@ -327,7 +327,8 @@ def _preemption(prompt_ids: list[list[int]], settings: RolloutSettings, steps: S
     room = blocks - 1 if hybrid is None else (blocks - 1 - hybrid.state_groups) // hybrid.attention_groups
     max_model_len = min(room * settings.block_size, max(settings.max_model_len, longest))
     steps.start(f"vLLM: preemption (starting an engine with {blocks} KV blocks)")
-    llm = start_engine(grow, num_gpu_blocks_override=blocks, max_model_len=max_model_len)
+    seqs = {} if hybrid is None else {"max_num_seqs": min(blocks, grow.extra.get("max_num_seqs", blocks))}  # see check.py
+    llm = start_engine(grow, num_gpu_blocks_override=blocks, max_model_len=max_model_len, **seqs)
     try:
         steps.start(f"vLLM: preemption ({blocks} KV blocks)")
         rollouts = _generate_all(llm, prompt_ids, grow, order)
