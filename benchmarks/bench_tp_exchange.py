@@ -50,13 +50,15 @@ def _worker(rank: int, port: int, rows_list: list[int], out_path: str | None) ->
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     torch.cuda.set_device(rank)
+    from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import get_tp_group
-    from vllm.distributed.parallel_state import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.distributed.parallel_state import (
+        ensure_model_parallel_initialized,
+        init_distributed_environment,
+    )
 
     from vexact_vllm.model_patches.tensor_parallel import TensorParallel
     from vexact_vllm.vllm_wrapper import tensor_parallel_group
-
-    from vllm.config import VllmConfig, set_current_vllm_config
 
     config = set_current_vllm_config(VllmConfig())  # held (a collected context manager exits): the worker's
     config.__enter__()  # config for the process's lifetime
@@ -74,9 +76,9 @@ def _worker(rank: int, port: int, rows_list: list[int], out_path: str | None) ->
             full = torch.randn(rows, n, device="cuda").to(dtype)
             takes = summed.reduces is not None and summed.reduces(full)
             row = {"message": label, "rows": rows, "n": n, "MiB": rows * n * full.element_size() / 2**20,
-                   "all_gather_us": _timed(lambda: gathered.gather(block, n)),
-                   "sum_us": _timed(lambda: summed.gather(block, n)) if takes else None,
-                   "stock_all_reduce_us": _timed(lambda: group.all_reduce(full))}  # fmt: skip
+                   "all_gather_us": _timed(lambda b=block, n=n: gathered.gather(b, n)),
+                   "sum_us": _timed(lambda b=block, n=n: summed.gather(b, n)) if takes else None,
+                   "stock_all_reduce_us": _timed(lambda f=full: group.all_reduce(f))}  # fmt: skip
             table.append(row)
     if rank == 0:
         print(f"{'message':<14} {'rows':>6} {'MiB':>8} {'all-gather us':>14} {'sum over -0.0 us':>17} "

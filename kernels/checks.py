@@ -45,18 +45,28 @@ def check_same_device(**tensors: torch.Tensor) -> None:
 
 
 def check_out(
-    out: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device: torch.device, *inputs: torch.Tensor | None
+    out: torch.Tensor | None,
+    shape: tuple,
+    dtype: torch.dtype,
+    device: torch.device,
+    *inputs: torch.Tensor | None,
+    row_stride: bool = False,
 ) -> None:
     """A kernel's `out=`: None, or a contiguous tensor of the result's shape, dtype and device (the
-    result is written there, with the bits it has without `out=`); inference only, so neither `out`
-    nor any of `inputs` may need a gradient."""
+    result is written there, with the bits it has without `out=`); with `row_stride`, a 2-D one may
+    also have rows further apart (a column block of a wider matrix). Inference only, so neither
+    `out` nor any of `inputs` may need a gradient."""
     if out is None:
         return
     if not isinstance(out, torch.Tensor):
         raise ValueError(f"out must be a torch.Tensor, got {type(out).__name__}")
-    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device or not out.is_contiguous():
+    laid_out = out.is_contiguous() or (
+        row_stride and out.dim() == 2 and out.stride(1) == 1 and out.stride(0) >= out.shape[1]
+    )
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device or not laid_out:
         raise ValueError(
-            f"out must be a contiguous {dtype} tensor of shape {tuple(shape)} on {device}, got "
+            f"out must be a contiguous {dtype} tensor of shape {tuple(shape)} on {device}"
+            f"{' (or a 2-D one with unit column stride)' if row_stride else ''}, got "
             f"{out.dtype} {tuple(out.shape)} strides {out.stride()} on {out.device}"
         )
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (out, *inputs)):

@@ -12,6 +12,7 @@ views of one persistent tensor, so no concatenation happens per step.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from functools import partial
 from itertools import islice
@@ -49,7 +50,12 @@ def gathered_linear(proj: Linear, x: torch.Tensor, tp: TensorParallel | None) ->
     The unsharded layer's output on every rank; proj(x) without tp."""
     if tp is None:
         return proj(x)
-    return tp.gather(proj(tp.gather(x, proj.weight.shape[1])), proj.config_n)
+    full = tp.gather(x, proj.weight.shape[1])
+    if torch.is_grad_enabled():
+        return tp.gather(proj(full), proj.config_n)
+    rows = math.prod(full.shape[:-1])  # the rank's columns straight into the exchange
+    out = tp.gather_output(lambda block: proj(full.reshape(rows, -1), out=block), rows, proj.config_n, full)
+    return out.view(*full.shape[:-1], proj.config_n)
 
 
 class Linear(nn.Module):
@@ -80,8 +86,8 @@ class Linear(nn.Module):
                 if p is not None:
                     mark_shard(p, partial(take_rows, blocks=blocks))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, config_n=self.config_n)
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, config_n=self.config_n, out=out)
 
 
 class PackedLinear(nn.Module):

@@ -38,8 +38,9 @@ holds kv head r * Hkv // T, the one its query heads use), as in vLLM.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,13 +54,22 @@ class TensorParallel:
 
     `all_gather(x)`: x [..., n] on every rank (same n) -> [..., T n], rank r's x at columns
     [r n, (r + 1) n). `all_reduce(buf)`: the elementwise sum of every rank's buf, for the buffers
-    `reduces(buf)` accepts (its fast path); without them every gather is an all-gather."""
+    `reduces(buf)` accepts (its fast path: messages under `reduce_bytes`); without them every gather
+    is an all-gather.
+
+    The sum's buffers persist, one per (n, dtype, device), with rows for the largest message the
+    fast path takes: -0.0 written once, when the first message of that width arrives (vLLM's
+    profile run, before any CUDA graph is captured: a buffer first allocated during a capture would
+    live in the graphs' shared pool, so a capture gets a per-call buffer instead). A rank only ever
+    writes its own block's columns, so the rest stays -0.0 and needs no fill per message."""
 
     rank: int
     size: int
     all_gather: Callable[[torch.Tensor], torch.Tensor]
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
     reduces: Callable[[torch.Tensor], bool] | None = None
+    reduce_bytes: int = 0
+    buffers: dict = field(default_factory=dict, compare=False, repr=False)
 
     def bounds(self, n: int) -> tuple[int, int]:
         """[start, stop) of this rank's block of n columns (torch.tensor_split's blocks)."""
@@ -75,20 +85,49 @@ class TensorParallel:
         gate, up = full.chunk(2, dim)
         return torch.cat([self.take(gate, dim), self.take(up, dim)], dim)
 
+    def block_buffer(self, rows: int, n: int, like: torch.Tensor) -> torch.Tensor | None:
+        """A [rows, n] buffer of `like`'s dtype and device for the sum exchange, -0.0 outside this
+        rank's block (`bounds(n)`), whose block the caller fills before `all_reduce`; None where the
+        message goes by all-gather (no fast all-reduce, or too large for it)."""
+        if self.all_reduce is None or rows * n * like.element_size() >= self.reduce_bytes:
+            return None
+        key = (n, like.dtype, like.device)
+        kept = self.buffers.get(key)
+        if kept is None and not (like.is_cuda and torch.cuda.is_current_stream_capturing()):
+            kept = self.buffers[key] = like.new_full(((self.reduce_bytes - 1) // (n * like.element_size()), n), -0.0)
+        if kept is not None:
+            buf = kept[:rows]
+        else:  # first met inside a CUDA graph capture: this call's own buffer
+            start, stop = self.bounds(n)
+            buf = like.new_empty((rows, n))
+            buf[:, :start].fill_(-0.0)
+            buf[:, stop:].fill_(-0.0)
+        return buf if self.reduces(buf) else None
+
+    def gather_output(self, produce: Callable[[torch.Tensor | None], torch.Tensor], rows: int, n: int,
+                      like: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """`gather(produce(None), n)`, where `produce(out)` computes this rank's [rows, block] (into
+        `out` when given: then straight into the sum exchange's buffer, no copy). `like`: a tensor
+        of the output's dtype and device."""
+        buf = self.block_buffer(rows, n, like) if self.size > 1 else None
+        if buf is None:
+            return self.gather(produce(None), n)
+        start, stop = self.bounds(n)
+        produce(buf[:, start:stop])
+        return self.all_reduce(buf)
+
     def gather(self, x: torch.Tensor, n: int) -> torch.Tensor:
         """[..., n] from every rank's block x [..., bounds(n)]: the blocks in rank order. Through the
         all-reduce where it takes the message (see the module's docstring), else the all-gather, whose
         uneven blocks are padded to the largest and the padding dropped after."""
         if self.size == 1:
             return x
-        if self.all_reduce is not None:
-            buf = x.new_empty((*x.shape[:-1], n))
-            if self.reduces(buf):  # this block, -0.0 (the additive identity) elsewhere, summed
-                start, stop = self.bounds(n)
-                buf[..., :start].fill_(-0.0)
-                buf[..., stop:].fill_(-0.0)
-                buf[..., start:stop].copy_(x)
-                return self.all_reduce(buf)
+        rows = math.prod(x.shape[:-1])
+        buf = self.block_buffer(rows, n, x)
+        if buf is not None:  # this block, -0.0 (the additive identity) elsewhere, summed
+            start, stop = self.bounds(n)
+            buf[:, start:stop].copy_(x.reshape(rows, x.shape[-1]))
+            return self.all_reduce(buf).view(*x.shape[:-1], n)
         width = -(-n // self.size)
         if n % self.size == 0:
             return self.all_gather(x.contiguous())

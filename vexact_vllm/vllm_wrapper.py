@@ -116,6 +116,7 @@ def tensor_parallel_group() -> TensorParallel | None:
         lambda x: group.all_gather(x, dim=-1),
         all_reduce=None if custom is None else custom.custom_all_reduce,
         reduces=None if custom is None else custom.should_custom_ar,
+        reduce_bytes=0 if custom is None else custom.max_size,
     )
 
 

@@ -225,14 +225,15 @@ def linear(
     slices combined by `slices`' tree (the order a row-parallel layer split over T | S ranks
     reproduces with `linear_partial` + `combine_partials`). `config_n`: on CUDA, reduce as for a
     weight of that many rows (a column shard reproducing the whole weight's columns). `out`: a
-    contiguous [..., N] `out_dtype` tensor to write the result into (inference only; the same bits;
-    a CUDA graph's static output).
+    contiguous [..., N] `out_dtype` tensor, or a 2-D [M, N] one with unit column stride (a column block
+    of a wider matrix), to write the result into (inference only; the same bits; a CUDA graph's static
+    output, a tensor-parallel exchange buffer).
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
     _check_linear(x, weight, bias, out_dtype, k_slices)
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
     backend = backend_for(x)
-    check_out(out, (*x.shape[:-1], weight.shape[0]), out_dtype, x.device, x, weight, bias)
+    check_out(out, (*x.shape[:-1], weight.shape[0]), out_dtype, x.device, x, weight, bias, row_stride=True)
     if k_slices > 1:
         y = _SlicedLinearFunction.apply(x2, weight, bias, out_dtype, k_slices, backend, config_n)
         if out is not None:

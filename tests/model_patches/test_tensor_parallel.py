@@ -29,12 +29,12 @@ from vexact_vllm.model_patches.tensor_parallel import (
 
 
 class ThreadGroup:
-    """T ranks in T threads; `all_gather` is the collective (last dim, rank order). With `sums`, an
-    all-reduce too, taking every buffer (as vLLM's custom all-reduce sums: in fp32, rank order, then
-    rounded to the buffer's dtype). One rank runs at a time (a lock released only inside the
+    """T ranks in T threads; `all_gather` is the collective (last dim, rank order). With `sums` (bytes),
+    an all-reduce too, taking messages under that size (as vLLM's custom all-reduce sums: in fp32, rank
+    order, then rounded to the buffer's dtype). One rank runs at a time (a lock released only inside the
     collective): Triton's interpreter is not thread-safe."""
 
-    def __init__(self, size: int, sums: bool = False):
+    def __init__(self, size: int, sums: int = 0):
         self.size, self.slots, self.sums = size, [None] * size, sums
         self.barrier = threading.Barrier(size, timeout=120)
         self.lock = threading.Lock()
@@ -65,7 +65,8 @@ class ThreadGroup:
 
         if not self.sums:
             return TensorParallel(r, self.size, all_gather)
-        return TensorParallel(r, self.size, all_gather, lambda buf: collective(buf, fp32_sum), lambda buf: True)
+        return TensorParallel(r, self.size, all_gather, lambda buf: collective(buf, fp32_sum), lambda buf: True,
+                              reduce_bytes=self.sums)  # fmt: skip
 
     def run(self, fn):
         """[fn(rank 0), ..., fn(rank T-1)], each in its own thread."""
@@ -171,7 +172,7 @@ def test_every_rank_reproduces_the_unsharded_decoder(model_type, seed):
     with torch.no_grad():
         want = whole(ids, positions, PackedAttention(cu))
     state = {k: v.detach() for k, v in whole.state_dict().items()}
-    group = ThreadGroup(tp, sums=seed % 4 < 2)  # the exchange as a sum over -0.0, or as an all-gather
+    group = ThreadGroup(tp, sums=[0, 1 << 16, 600][seed // 2])  # all-gathers; sums (the tiny messages); each by its size
 
     def rank(r_tp):
         model = rank_decoder(config, r_tp, _per_expert(state) if seed % 2 else state)
@@ -196,7 +197,7 @@ def test_blocks_cover_the_columns_in_rank_order(n, size):
     assert [b - a for a, b in bounds] == [len(c) for c in torch.arange(n).tensor_split(size)]
     full = torch.randn(3, n)
     for sums in (False, True):
-        gathered = ThreadGroup(size, sums).run(lambda tp: tp.gather(tp.take(full, 1), n))
+        gathered = ThreadGroup(size, 1 << 16 if sums else 0).run(lambda tp: tp.gather(tp.take(full, 1), n))
         assert all(torch.equal(g, full) for g in gathered)
 
 
@@ -208,7 +209,7 @@ def test_sum_over_negative_zero_keeps_every_value(dtype):
 
     for size, n in ((2, 97), (3, 64), (4, 130)):
         full = special_matrix(5, n, dtype, seed=size)
-        for got in ThreadGroup(size, sums=True).run(lambda tp: tp.gather(tp.take(full, 1), n)):
+        for got in ThreadGroup(size, sums=1 << 16).run(lambda tp, full=full, n=n: tp.gather(tp.take(full, 1), n)):
             assert same_bits(got, full) is None
 
 

@@ -1,8 +1,9 @@
 """The tensor-parallel exchange on two GPUs, through vLLM's own groups (NCCL, its custom all-reduce):
 every rank's `TensorParallel.gather` (the one `tensor_parallel_group()` builds in a vLLM worker) must
 return the whole matrix, bit for bit, whichever path carries the message: the sum over -0.0 on vLLM's
-custom all-reduce (eager, and replayed inside a CUDA graph captured as vLLM's runner captures) or the
-all-gather past its size. The blocks hold what activations can hold: subnormals (SiLU far below zero),
+custom all-reduce (eager, and replayed inside a CUDA graph captured as vLLM's runner captures: over
+the rank's kept -0.0 buffer, over one first met inside the capture, and with a GEMM writing its block
+straight into the buffer) or the all-gather past its size. The blocks hold what activations can hold: subnormals (SiLU far below zero),
 +0.0 and -0.0, inf, NaN, the largest finite values; uneven blocks too. Each all-reduce implementation
 (the custom one, pynccl, torch.distributed's NCCL) is also asked directly whether it keeps a block over
 -0.0 exact, so a failure names the implementation that flushes or rounds."""
@@ -59,15 +60,16 @@ def _worker(rank: int, port: int, cases: list, errors) -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     torch.cuda.set_device(rank)
+    from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import get_tp_group, graph_capture
     from vllm.distributed.parallel_state import (
         ensure_model_parallel_initialized,
         init_distributed_environment,
     )
 
+    from vexact_vllm.kernels.gemm.linear import linear
+    from vexact_vllm.model_patches.tensor_parallel import shard_bounds
     from vexact_vllm.vllm_wrapper import tensor_parallel_group
-
-    from vllm.config import VllmConfig, set_current_vllm_config
 
     config = set_current_vllm_config(VllmConfig())  # held (a collected context manager exits): the worker's
     config.__enter__()  # config for the process's lifetime
@@ -103,20 +105,37 @@ def _worker(rank: int, port: int, cases: list, errors) -> None:
             problem = same_bits(reduce(buf), want)
             if problem:
                 found.append(f"{impl} over -0.0, {name}: {problem}")
-        if tp.reduces is not None and tp.reduces(torch.empty_like(want)):  # replayed in a CUDA graph
+        if tp.block_buffer(rows, n, want) is not None:  # the sum path, replayed in CUDA graphs
+            # `tp` kept its -0.0 buffer from the eager gather; a fresh group meets the width inside the
+            # capture (a per-call buffer); and a GEMM writes its block straight into the kept buffer
+            fresh_tp = tensor_parallel_group()
             source = torch.empty_like(block)
+            g = torch.Generator(device="cuda").manual_seed(seed)  # the same on every rank
+            weights = [torch.randn(b - a, 64, device="cuda", generator=g).to(dtype)
+                       for a, b in (shard_bounds(n, WORLD, r) for r in range(WORLD))]  # fmt: skip
+            x = torch.zeros(rows, 64, device="cuda", dtype=dtype)
+            if dtype != torch.float16:
+                linear(x, weights[rank], config_n=n)  # compiled before the capture
             with graph_capture(device=torch.device("cuda", rank)) as context:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, stream=context.stream):
-                    out = tp.gather(source, n)
+                    outs = {"kept buffer": tp.gather(source, n), "buffer met in capture": fresh_tp.gather(source, n)}
+                    if dtype != torch.float16:  # the GEMM's dtypes: bf16, fp32
+                        outs["GEMM into the buffer"] = tp.gather_output(
+                            lambda o, x=x, w=weights[rank], n=n: linear(x, w, out=o, config_n=n), rows, n, x)
             for replay in range(2):
                 fresh = special_matrix(rows, n, dtype, seed + 1000 + replay).cuda()
                 source.copy_(tp.take(fresh, dim=1))
+                x.copy_(special_matrix(rows, 64, dtype, seed + 2000 + replay).nan_to_num(0, 1, -1).cuda())
                 graph.replay()
                 torch.cuda.synchronize()
-                problem = same_bits(out, fresh)
-                if problem:
-                    found.append(f"gather {name} (CUDA graph replay {replay}): {problem}")
+                wants = {"kept buffer": fresh, "buffer met in capture": fresh}
+                if "GEMM into the buffer" in outs:
+                    wants["GEMM into the buffer"] = torch.cat([linear(x, w, config_n=n) for w in weights], 1)
+                for what, want_now in wants.items():
+                    problem = same_bits(outs[what], want_now)
+                    if problem:
+                        found.append(f"gather {name}, {what} (CUDA graph replay {replay}): {problem}")
     errors[rank] = found
 
 

@@ -596,3 +596,27 @@ def test_launch_into_out_interpreted(small_tiles):
     assert got.data_ptr() == buf.data_ptr()
     assert torch.equal(buf[:5], small_tiles.linear_triton(x, w, b, torch.float32))
     assert torch.equal(buf[5:], torch.full((4, 40), 7.0))
+
+
+@pytest.mark.parametrize("variant", ["pointer", "tma", "split"])
+def test_launch_into_a_column_block_interpreted(small_tiles, monkeypatch, variant):
+    """`out=` a column block of a wider matrix (rows further apart: a tensor-parallel exchange
+    buffer): the same bits as a fresh output, every other column untouched; pointer loads, TMA and
+    the split-K programs."""
+    rng = random.Random(variant)
+    m, n, k = rng.randint(1, 9), rng.choice([16, 24, 40]), 32
+    if variant != "pointer":
+        cfg = small_tiles.GemmConfig(16, 16, 16, 2, 4, 2, tma=variant == "tma", k_split=1 + (variant == "split"),
+                                     split_programs=variant == "split")  # fmt: skip
+        monkeypatch.setattr(small_tiles, "gemm_config", lambda *_: cfg)
+    x, w, b = _inputs(m, n, k, torch.bfloat16)
+    want = small_tiles.linear_triton(x, w, b, torch.bfloat16)
+    start = rng.choice([8, 16])
+    wide = torch.full((m, start + n + 8), -0.0, dtype=torch.bfloat16)
+    small_tiles.launch_linear(x, w, b, torch.bfloat16, out=wide[:, start : start + n])
+    assert torch.equal(wide[:, start : start + n], want)
+    rest = torch.cat([wide[:, :start], wide[:, start + n :]], 1)
+    assert torch.equal(rest.view(torch.int16), torch.full_like(rest, -0.0).view(torch.int16))  # still -0.0
+    through = torch.full_like(wide, -0.0)
+    got = gemm.linear(x, w, b, out=through[:, start : start + n])  # linear() takes the block too (its backend)
+    assert torch.equal(got, gemm.linear(x, w, b)) and got.data_ptr() == through[:, start:].data_ptr()
