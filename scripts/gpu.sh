@@ -15,8 +15,9 @@
 #                                             stock batch-invariant and vexact, workloads default and grpo:32, side
 #                                             by side on the GPU; BENCH ARGS override (e.g. --model qwen3-8b-shape).
 #                                             Then vexact against stock on the Moonlight-16B-A3B shape (stock: its
-#                                             latent MLA) and prompt scoring (benchmarks/bench_prompt_scores.py). On two GPUs also vexact at PP=2 against stock at PP=2
-#                                             (Qwen3-8B and Qwen3-30B-A3B shapes; BENCH ARGS apply there too)
+#                                             latent MLA) and prompt scoring (benchmarks/bench_prompt_scores.py). On two GPUs also
+#                                             the exchange's paths (benchmarks/bench_tp_exchange.py), vexact at TP=2 and at PP=2
+#                                             against stock at the same size (Qwen3-8B and Qwen3-30B-A3B shapes; BENCH ARGS apply there too)
 #   bash scripts/gpu.sh verl                  verl's one-GPU GRPO smoke (examples/verl/smoke_1gpu.sh) on the tiny DeepSeek-V3,
 #                                             FSDP and VeOmni engines: 0 with vexact, non-zero with stock
 #   bash scripts/gpu.sh mla                   DeepSeek's MLA sizes: their CUDA tests, benchmarks/bench_mla.py (192/128 attention
@@ -113,7 +114,13 @@ bench() {
   # A teacher's prompt scoring (prompt_logprobs 0 and 5), Qwen3-8B shape, 256 sequences of 1-2k tokens
   run bench-prompt-scores "$py" benchmarks/bench_prompt_scores.py --model qwen3-8b-shape \
     --output "${OUT:-.}/prompt_scores.jsonl"
-  if [ "$(gpus)" -ge 2 ]; then  # vexact at PP=2 against stock at PP=2 (the target: >= 0.95x)
+  if [ "$(gpus)" -ge 2 ]; then  # TP=2: one exchange's paths, then vexact against stock at TP=2 (the target: >= 0.95x)
+    run bench-tp-exchange "$py" benchmarks/bench_tp_exchange.py --json "${OUT:-.}/tp_exchange.json"
+    for model in qwen3-8b-shape qwen3-30b-a3b-shape; do
+      run "bench-tp2-$model" "$py" -m vexact_vllm.cli bench --model "$model" --tensor-parallel-size 2 \
+        --configs stock,vexact --workload default,grpo:32 "$@"
+    done
+    # vexact at PP=2 against stock at PP=2 (the target: >= 0.95x)
     for model in qwen3-8b-shape qwen3-30b-a3b-shape; do
       run "bench-pp2-$model" "$py" -m vexact_vllm.cli bench --model "$model" --pipeline-parallel-size 2 \
         --configs stock,vexact --workload default,grpo:32 --interleave "$@"

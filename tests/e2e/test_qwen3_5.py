@@ -2,7 +2,8 @@
 vLLM's hybrid cache beside the full-attention layers' paged KV cache, and every token of a prompt split
 over 32-token steps and of requests preempted and recomputed from their prompts matches the training
 forward bit for bit (the preemption composition asks for the block size vLLM settles on for the state
-pages and counts each request's state blocks, cli/hybrid_blocks.py, so two prompts collide).
+pages and counts each request's state blocks, cli/hybrid_blocks.py, so two prompts collide), on the tiny
+model with the published models' full-attention heads of 256.
 Prefix caching is refused for these models, so the check skips its composition and
 says so. The other built-ins (tiny-qwen3.5-moe, tiny-qwen3-next) and the other compositions run by hand
 (`vexact-vllm check --model tiny-qwen3.5-moe --against-stock`).
@@ -27,10 +28,24 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 DATA = Path(__file__).parent / "data"
 
 
-def test_chunked_prefill_and_preemption(tiny_model, tmp_path):
+@pytest.fixture(scope="module")
+def full_attention_heads_of_256(tiny_model, tiny_cache):
+    """The tiny Qwen3.5 with full-attention heads of 256, the published models' size: an attention page
+    of 64 tokens then holds a state page, so vLLM's hybrid blocks are 64 tokens (the family's tiny
+    heads of 64 need 256-token blocks) and the preemption composition generates 65 tokens, not 257."""
+    from vexact_vllm.tiny_model import build_from_config_file
+
+    config = json.loads((Path(tiny_model("qwen3_5_text")) / "config.json").read_text())
+    config["head_dim"] = 256
+    layout = tiny_cache / "qwen3.5-heads-256-config.json"
+    layout.write_text(json.dumps(config))
+    return str(build_from_config_file(layout, tiny_cache / "tiny-qwen3.5-heads-256"))
+
+
+def test_chunked_prefill_and_preemption(full_attention_heads_of_256, tmp_path):
     out = tmp_path / "report.json"
     rc = main([
-        "check", "--model", tiny_model("qwen3_5_text"), "--num-prompts", "2", "--max-tokens", "24",
+        "check", "--model", full_attention_heads_of_256, "--num-prompts", "2", "--max-tokens", "24",
         "--micro-batches", "1,0", "--json", "--temperature", "0.9", "--output", str(out), "--quiet",
         "--compositions", "chunked-prefill,preemption",
     ])  # fmt: skip
