@@ -1,5 +1,6 @@
-"""Time the three Gated DeltaNet designs against flash-linear-attention's and vLLM's kernels, at
-Qwen3-Next / Qwen3.5 GDN shapes, and check on the device that decode == training for each design.
+"""Time the Gated DeltaNet kernels (design C of docs/architecture.md, chunk-anchored and incremental)
+against flash-linear-attention's and vLLM's kernels, at Qwen3-Next / Qwen3.5 GDN shapes, and check on
+the device that C's decode schedule equals its training forward.
 
     python benchmarks/bench_gated_delta.py [--v-heads 32,48] [--rows 16] [--output F.json] [--jsonl F.jsonl]
     TRITON_INTERPRET=1 python benchmarks/bench_gated_delta.py --small    # CPU smoke run, tiny shapes
@@ -10,13 +11,6 @@ Cases:
   prefill  BATCHxPROMPT (--prefill) from empty states: forward (tokens/s)
   decode   one token for each of BATCH sequences from the state cache (--decode): step latency
 Systems:
-  A              recurrent everywhere: gated_delta_rule (train; its backward is the reverse recurrence)
-                 and gated_delta_rule_cached (prefill, decode)
-  B              chunk-anchored (kernels/gated_delta/chunked*.py): train and prefill forward. No backward
-                 yet: "B fwd+bwd" is an estimate, B's forward plus fla's backward (fla's fwd+bwd - fwd),
-                 printed only where fla runs. Decode "B@p" = a step whose sequences hold p rows of a
-                 partial chunk (p = 0, 31, 63; p = 63 commits a state); kernel time only (the step's
-                 Python assembly of the partial rows is not timed: a production step reads them in-kernel)
   C              chunk-anchored and incremental (kernels/gated_delta/incremental*.py): train forward and
                  forward+backward (its chunked backward), prefill (the cached op from empty slots).
                  Decode "C@p" = the step kernel for sequences holding p rows of a partial chunk (p = 0,
@@ -26,19 +20,21 @@ Systems:
   fla-recurrent  its fused_recurrent_gated_delta_rule (decode)
   vllm-chunk     vLLM's vendored chunk_gated_delta_rule (train forward, prefill; skipped without vLLM)
   vllm-decode    vLLM's fused_recurrent_gated_delta_rule_packed_decode (its decode step)
-fla and vLLM get g and beta precomputed and l2-normalise q, k in their kernels; A and B take the raw
-a, b and compute the gates in-kernel. Timings are medians (triton.testing.do_bench on a GPU, wall
-clock on the CPU). "vs A" is the system's time over A's at the same case (below 1: faster than A); "vs
-ref" over the reference of the choosing rule (docs/architecture.md): fla's chunk kernel for train and
-prefill (vLLM's where fla is absent), vLLM's decode step for decode.
-"max |o - A|" compares each system's output with A's. The check section runs a decode schedule of
-each design at the benchmark shape and reports whether it equals the training forward bit for bit
-(or the first differing element). The table prints last; --output gets every number, the device,
-the versions, the commit and the command; --jsonl writes docs/results.jsonl rows (one per case kind
-and one for the check; results_page.py's schema) for the lead to paste.
+fla and vLLM get g and beta precomputed and l2-normalise q, k in their kernels; C takes the raw a, b
+and computes the gates in-kernel. Timings are medians (triton.testing.do_bench on a GPU, wall clock on
+the CPU). "vs ref" is the system's time over the reference of the choosing rule (docs/architecture.md)
+at the same case (below 1: faster than the reference): fla's chunk kernel for train and prefill
+(vLLM's where fla is absent), vLLM's decode step for decode.
+"max |o - C|" compares each system's output with C's at the same case (C's own row: 0.0); at decode
+with C@0's, the step from the same starting states as the baselines' (C@31 and C@63 hold other rows,
+so they have none). The check section runs C's decode schedule (token by token) at the benchmark shape
+and reports whether it equals C's training forward bit for bit (or the first differing element). The
+table prints last; --output gets every number, the device, the versions, the commit and the command;
+--jsonl writes docs/results.jsonl rows (one per case kind and one for the check; results_page.py's
+schema) for the lead to paste.
 
-On the CPU the full shapes are refused. With TRITON_INTERPRET=1 the smoke run takes A, B and C through
-their Triton kernels on the interpreter; without it, A's and C's torch paths.
+On the CPU the full shapes are refused. With TRITON_INTERPRET=1 the smoke run takes C through its
+Triton kernels on the interpreter; without it, its torch path.
 """
 
 from __future__ import annotations
@@ -62,7 +58,7 @@ PACKAGES = {"triton": ("triton",), "fla": ("fla-core", "flash-linear-attention")
 SMALL = {"hk": 2, "dk": 16, "dv": 16}
 # Sequence lengths of the decode == training check: several chunks of 64, exactly one, one row, one past.
 CHECK_LENGTHS = {"full": [130, 64, 1, 65], "small": [17, 1, 3]}
-# The smoke run (--small): one timed call a case, designs B and C in chunks of 16 (the interpreter is slow).
+# The smoke run (--small): one timed call a case, C in chunks of 16 (the interpreter is slow).
 CPU_REPS = 3
 SMALL_CHUNK = 16
 
@@ -71,23 +67,9 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _a_ops(device: str):
-    """Design A's (training op, cached op): the dispatched ops on CUDA, the Triton launchers on the
-    interpreter (the dispatch sends CPU tensors to the torch path), else the torch path."""
-    if device == "cpu" and _interpreted():
-        from vexact_vllm.kernels.gated_delta.recurrent_triton import (
-            gated_delta_rule_cached_triton,
-            gated_delta_rule_triton,
-        )
-
-        return gated_delta_rule_triton, gated_delta_rule_cached_triton
-    from vexact_vllm.kernels import gated_delta_rule, gated_delta_rule_cached
-
-    return gated_delta_rule, gated_delta_rule_cached
-
-
 def _c_ops(device: str):
-    """Design C's (training op, cached op), as `_a_ops` chooses A's."""
+    """C's (training op, cached op): the dispatched ops on CUDA, the Triton launchers on the
+    interpreter (the dispatch sends CPU tensors to the torch path), else the torch path."""
     if device == "cpu" and _interpreted():
         from vexact_vllm.kernels.gated_delta.incremental_triton import (
             incremental_gated_delta_rule_cached_triton,
@@ -145,31 +127,6 @@ def _rows(x: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------ systems, per case
-
-
-def _a_train(x, device):
-    gated_delta_rule, _ = _a_ops(device)
-    with torch.no_grad():
-        out, _ = gated_delta_rule(**_rows(x))
-        fwd = _time_ms(lambda: gated_delta_rule(**_rows(x)), device)
-    leaves = {k: (t.clone().requires_grad_() if t.is_floating_point() else t) for k, t in _rows(x).items()}
-    do = torch.randn_like(out)
-
-    def step():
-        o, _ = gated_delta_rule(**leaves)
-        (o.float() * do).sum().backward()
-        for t in leaves.values():
-            t.grad = None
-
-    return {"fwd_ms": fwd, "fwd_bwd_ms": _time_ms(step, device), "out": out}
-
-
-def _b_train(x, device):
-    from vexact_vllm.kernels.gated_delta.chunked import chunked_gated_delta_rule
-
-    with torch.no_grad():
-        out = chunked_gated_delta_rule(**_rows(x))
-        return {"fwd_ms": _time_ms(lambda: chunked_gated_delta_rule(**_rows(x)), device), "out": out}
 
 
 def _c_train(x, device):
@@ -244,31 +201,6 @@ def _vllm_train(x, device):
         return {"fwd_ms": _time_ms(lambda: run(x), device), "out": run(x)}
 
 
-def _a_prefill(x, device):
-    _, gated_delta_rule_cached = _a_ops(device)
-    n = x["cu_seqlens"].shape[0] - 1
-    cache = torch.zeros(n, x["v"].shape[1], x["v"].shape[2], x["q"].shape[2], device=device)
-    slots = torch.arange(n, device=device)
-    fresh = torch.zeros(n, dtype=torch.bool, device=device)
-    with torch.no_grad():
-        out = gated_delta_rule_cached(**_rows(x), state_cache=cache, slots=slots, has_state=fresh)
-        return {"fwd_ms": _time_ms(lambda: gated_delta_rule_cached(**_rows(x), state_cache=cache, slots=slots,
-                                                                   has_state=fresh), device), "out": out}  # fmt: skip
-
-
-def _b_prefill(x, device):
-    from vexact_vllm.kernels.gated_delta.chunked import kernels
-
-    n = x["cu_seqlens"].shape[0] - 1
-    cache = torch.zeros(n, x["v"].shape[1], x["v"].shape[2], x["q"].shape[2], device=device)
-    ids = torch.arange(n, device=device)
-    none = torch.full_like(ids, -1)
-    with torch.no_grad():
-        out = kernels.chunked_forward(*_rows(x).values(), cache, none, cache, ids)
-        return {"fwd_ms": _time_ms(lambda: kernels.chunked_forward(*_rows(x).values(), cache, none, cache, ids), device),
-                "out": out}  # fmt: skip
-
-
 def _c_prefill(x, device):
     from vexact_vllm.kernels.gated_delta.incremental_cache import IncrementalCache
 
@@ -308,40 +240,10 @@ def _decode_start(x, device):
     return (torch.randn(n, x["v"].shape[1], x["v"].shape[2], x["q"].shape[2], generator=gen) * 0.1).to(device)
 
 
-def _a_decode(x, device):
-    _, gated_delta_rule_cached = _a_ops(device)
-    n = x["q"].shape[0]
-    cache = _decode_start(x, device)
-    slots = torch.arange(n, device=device)
-    held = torch.ones(n, dtype=torch.bool, device=device)
-    start = cache.clone()
-    with torch.no_grad():
-        out = gated_delta_rule_cached(**_rows(x), state_cache=cache, slots=slots, has_state=held)
-        cache.copy_(start)
-        ms = _time_ms(lambda: gated_delta_rule_cached(**_rows(x), state_cache=cache, slots=slots, has_state=held),
-                      device)  # fmt: skip
-    return {"fwd_ms": ms, "out": out, "start": start}
-
-
-def _b_decode(x, device, held_rows: int):
-    """A decode step of design B whose sequences each hold `held_rows` partial-chunk rows (of a chunk
-    of 64; scaled to the chunk in the smoke run)."""
-    from vexact_vllm.kernels.gated_delta.chunked import kernels
-
-    n = x["q"].shape[0]
-    rows = held_rows * kernels.CHUNK // 64 + 1
-    step = _inputs([rows] * n, {"hk": x["q"].shape[1], "dk": x["q"].shape[2], "dv": x["v"].shape[2]},
-                   x["v"].shape[1], device, seed=2)  # fmt: skip
-    cache = torch.randn(n, x["v"].shape[1], x["v"].shape[2], x["q"].shape[2], device=device) * 0.1
-    ids = torch.arange(n, device=device)
-    with torch.no_grad():
-        call = lambda: kernels.chunked_forward(*_rows(step).values(), cache, ids, cache, ids)  # noqa: E731
-        return {"fwd_ms": _time_ms(call, device)}
-
-
 def _c_decode(x, device, held_rows: int):
-    """Design C's step kernel for one row of each sequence, which holds `held_rows` rows of a partial
-    chunk (of 64; scaled to the chunk in the smoke run) in its slot."""
+    """C's step kernel for one row of each sequence, which holds `held_rows` rows of a partial chunk
+    (of 64; scaled to the chunk in the smoke run) in its slot. With no row held, the step starts from
+    the baselines' states (`_decode_start`), so its output is returned for the comparison."""
     from vexact_vllm.kernels.gated_delta import incremental_cache as layout
     from vexact_vllm.kernels.gated_delta.incremental_cache import IncrementalCache
 
@@ -368,7 +270,11 @@ def _c_decode(x, device, held_rows: int):
         call = lambda: step_forward(x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"], out, cache,  # noqa: E731
                                     idx, ones, held_t, idx, idx, single=True)  # fmt: skip
     with torch.no_grad():
-        return {"fwd_ms": _time_ms(call, device)}
+        first = call()  # the output from the starting cache (a committing step moves the slots' states on)
+        result = {"fwd_ms": _time_ms(call, device)}
+    if held_rows == 0:
+        result["out"] = (out if first is None else first).clone()
+    return result
 
 
 def _vllm_decode(x, device):
@@ -416,18 +322,17 @@ def _fla_decode(x, device):
 
 
 SYSTEMS = {
-    "train": {"A": _a_train, "B": _b_train, "C": _c_train, "fla-chunk": _fla_train, "vllm-chunk": _vllm_train},
-    "prefill": {"A": _a_prefill, "B": _b_prefill, "C": _c_prefill, "fla-chunk": _fla_prefill,
-                "vllm-chunk": _vllm_prefill},
+    "train": {"C": _c_train, "fla-chunk": _fla_train, "vllm-chunk": _vllm_train},
+    "prefill": {"C": _c_prefill, "fla-chunk": _fla_prefill, "vllm-chunk": _vllm_prefill},
     "decode": {
-        "A": _a_decode, "B@0": lambda x, d: _b_decode(x, d, 0), "B@31": lambda x, d: _b_decode(x, d, 31),
-        "B@63": lambda x, d: _b_decode(x, d, 63), "C@0": lambda x, d: _c_decode(x, d, 0),
-        "C@31": lambda x, d: _c_decode(x, d, 31), "C@63": lambda x, d: _c_decode(x, d, 63),
-        "fla-recurrent": _fla_decode, "vllm-decode": _vllm_decode,
+        "C@0": lambda x, d: _c_decode(x, d, 0), "C@31": lambda x, d: _c_decode(x, d, 31),
+        "C@63": lambda x, d: _c_decode(x, d, 63), "fla-recurrent": _fla_decode, "vllm-decode": _vllm_decode,
     },
 }  # fmt: skip
 # The reference of the choosing rule for each case (docs/architecture.md), first available wins.
 REFERENCES = {"train": ("fla-chunk", "vllm-chunk"), "prefill": ("fla-chunk", "vllm-chunk"), "decode": ("vllm-decode",)}
+# C's system whose output the others' are compared with, for each case.
+OURS = {"train": "C", "prefill": "C", "decode": "C@0"}
 
 
 # ------------------------------------------------------------------------------ the bitwise check
@@ -443,84 +348,41 @@ def _first_difference(got: torch.Tensor, want: torch.Tensor) -> str:
 
 
 def _check(shape: dict, hv: int, device: str, lengths: list[int]) -> list[dict]:
-    """Each design's decode steps (token by token) against its training forward at the benchmark shape."""
-    forward, cached = _a_ops(device)
+    """C's decode steps (token by token, from slots filled with NaN) against its training forward at the
+    benchmark shape: one row."""
+    from vexact_vllm.kernels.gated_delta.incremental_cache import IncrementalCache
+
+    forward, cached = _c_ops(device)
     x = _inputs(lengths, shape, hv, device, seed=3)
     cu = x["cu_seqlens"].tolist()
-    rows = []
-    designs = {"A": None}
-    if device == "cuda" or _interpreted():
-        from vexact_vllm.kernels.gated_delta import chunked
-
-        designs["B"] = chunked
-    designs["C"] = "C"
-    for name, chunked in designs.items():
-        with torch.no_grad():
-            if chunked is None:
-                want, _ = forward(**_rows(x))
-                cache = torch.full((len(lengths), hv, shape["dv"], shape["dk"]), float("nan"), device=device)
-            elif chunked == "C":
-                from vexact_vllm.kernels.gated_delta.incremental_cache import IncrementalCache
-
-                c_forward, c_cached = _c_ops(device)
-                want, _ = c_forward(**_rows(x))
-                cache = IncrementalCache.empty(len(lengths), shape["hk"], hv, shape["dk"], shape["dv"], torch.bfloat16,
-                                               device)  # fmt: skip
-                for t in cache.tensors():
-                    t.fill_(float("nan"))  # a slot's stale contents must never be read
-            else:
-                want = chunked.chunked_gated_delta_rule(**_rows(x))
-                cache = chunked.ChunkAnchoredCache.empty(
-                    len(lengths), shape["hk"], hv, shape["dk"], shape["dv"], torch.bfloat16, device
-                )
-            got = torch.empty_like(want)
-            for t in range(max(lengths)):
-                live = [n for n in range(len(lengths)) if t < lengths[n]]
-                idx = torch.tensor([cu[n] + t for n in live], device=device)
-                step = {k: x[k][idx] for k in ("q", "k", "v", "a", "b")}
-                step.update(A_log=x["A_log"], dt_bias=x["dt_bias"])
-                step_cu = torch.arange(len(live) + 1, dtype=torch.int32, device=device)
-                slots = torch.tensor(live, device=device)
-                held = torch.full((len(live),), t > 0, device=device)
-                if chunked is None:
-                    got[idx] = cached(
-                        **step, cu_seqlens=step_cu, state_cache=cache, slots=slots, has_state=held
-                    )
-                elif chunked == "C":
-                    got[idx] = c_cached(**step, cu_seqlens=step_cu, cache=cache, slots=slots, has_state=held,
-                                        context_lens=torch.full_like(slots, t))  # fmt: skip
-                else:
-                    got[idx] = chunked.chunk_anchored_step(
-                        **step, cu_seqlens=step_cu, cache=cache, slots=slots, has_state=held
-                    )
-        diff = _first_difference(got, want)
-        rows.append({"case": "check", "v_heads": hv, "system": name, "decode_equals_training": not diff,
-                     "first_difference": diff or None, "lengths": lengths})  # fmt: skip
-    return rows
+    with torch.no_grad():
+        want, _ = forward(**_rows(x))
+        cache = IncrementalCache.empty(
+            len(lengths), shape["hk"], hv, shape["dk"], shape["dv"], torch.bfloat16, device
+        )
+        for t in cache.tensors():
+            t.fill_(float("nan"))  # a slot's stale contents must never be read
+        got = torch.empty_like(want)
+        for t in range(max(lengths)):
+            live = [n for n in range(len(lengths)) if t < lengths[n]]
+            idx = torch.tensor([cu[n] + t for n in live], device=device)
+            step = {k: x[k][idx] for k in ("q", "k", "v", "a", "b")}
+            step.update(A_log=x["A_log"], dt_bias=x["dt_bias"])
+            step_cu = torch.arange(len(live) + 1, dtype=torch.int32, device=device)
+            slots = torch.tensor(live, device=device)
+            held = torch.full((len(live),), t > 0, device=device)
+            got[idx] = cached(**step, cu_seqlens=step_cu, cache=cache, slots=slots, has_state=held,
+                              context_lens=torch.full_like(slots, t))  # fmt: skip
+    diff = _first_difference(got, want)
+    return [{"case": "check", "v_heads": hv, "system": "C", "decode_equals_training": not diff,
+             "first_difference": diff or None, "lengths": lengths}]  # fmt: skip
 
 
 def _runnable(name: str, device: str) -> str | None:
     """Why system `name` cannot run here, or None."""
     if device == "cuda":
         return None
-    if name.startswith("B"):
-        return None if _interpreted() else "needs CUDA or TRITON_INTERPRET=1"
-    return None if name == "A" or name.startswith("C") else "needs CUDA"
-
-
-def _estimate_b_backward(rows: list[dict]) -> None:
-    """B's training forward+backward estimate: B's forward plus fla's backward (fla fwd+bwd - fwd)."""
-    for b in rows:
-        if b["case"] != "train" or b["system"] != "B" or "fwd_ms" not in b:
-            continue
-        fla = [r for r in rows if r["case"] == "train" and r["system"] == "fla-chunk" and r["size"] == b["size"]
-               and r["v_heads"] == b["v_heads"] and "fwd_bwd_ms" in r]  # fmt: skip
-        a = [r for r in rows if r["case"] == "train" and r["system"] == "A" and r["size"] == b["size"]
-             and r["v_heads"] == b["v_heads"] and "fwd_bwd_ms" in r]  # fmt: skip
-        if fla:
-            b["fwd_bwd_est_ms"] = b["fwd_ms"] + fla[0]["fwd_bwd_ms"] - fla[0]["fwd_ms"]
-            if a:
-                b["fwd_bwd_est_vs_a"] = b["fwd_bwd_est_ms"] / a[0]["fwd_bwd_ms"]
+    return None if name.startswith("C") else "needs CUDA"
 
 
 # ------------------------------------------------------------------------------ main
@@ -543,8 +405,8 @@ def _cases(args) -> list[tuple[str, str, list[int]]]:
 def _run_case(
     case: str, size: str, lengths: list[int], shape: dict, hv: int, device: str, wanted
 ) -> list[dict]:
-    """Every system of one case: a row each (timings, or why it was skipped or failed), with the
-    ratios to A and each output's largest difference from A's."""
+    """Every system of one case: a row each (timings, or why it was skipped or failed), compared by
+    `_compare`."""
     x = _inputs(lengths, shape, hv, device)
     rows, results = [], {}
     for name, fn in SYSTEMS[case].items():
@@ -557,7 +419,7 @@ def _run_case(
         else:
             try:
                 results[name] = result = fn(x, device)
-                row.update({k: v for k, v in result.items() if k not in ("out", "start")})
+                row.update({k: v for k, v in result.items() if k != "out"})
                 row["tokens_per_s"] = sum(lengths) / (result["fwd_ms"] * 1e-3)
             except ImportError as e:
                 row["skipped"] = f"not importable: {e}"
@@ -567,22 +429,26 @@ def _run_case(
         rows.append(row)
         status = row.get("skipped") or row.get("error") or f"fwd {fmt(row['fwd_ms'])} ms"
         print(f"{case:8} hv {hv} {size:>12}  {name:14} {status}", flush=True)
-    ours = results.get("A")
+    _compare(case, rows, results)
+    return rows
+
+
+def _compare(case: str, rows: list[dict], results: dict) -> None:
+    """Adds to each row of a case that ran: its times over the reference's (fwd_vs_ref, fwd_bwd_vs_ref;
+    REFERENCES, first that ran) and its output's largest difference from C's (max_abs_diff_vs_c; OURS,
+    for the outputs of C's shape). results: system -> {fwd_ms, fwd_bwd_ms?, out?}."""
+    ours = results.get(OURS[case])
     ref = next((results[name] for name in REFERENCES[case] if name in results), None)
     for row in rows:
         got = results.get(row["system"])
-        if got is not None and ref is not None:
+        if got is None:
+            continue
+        if ref is not None:
             row["fwd_vs_ref"] = got["fwd_ms"] / ref["fwd_ms"]
             if got.get("fwd_bwd_ms") is not None and ref.get("fwd_bwd_ms") is not None:
                 row["fwd_bwd_vs_ref"] = got["fwd_bwd_ms"] / ref["fwd_bwd_ms"]
-        if got is None or ours is None:
-            continue
-        row["fwd_vs_a"] = got["fwd_ms"] / ours["fwd_ms"]
-        if got.get("fwd_bwd_ms") is not None and ours.get("fwd_bwd_ms") is not None:
-            row["fwd_bwd_vs_a"] = got["fwd_bwd_ms"] / ours["fwd_bwd_ms"]
-        if got.get("out") is not None and got["out"].shape == ours["out"].shape:
-            row["max_abs_diff_vs_a"] = float((got["out"].float() - ours["out"].float()).abs().max())
-    return rows
+        if ours is not None and got.get("out") is not None and got["out"].shape == ours["out"].shape:
+            row["max_abs_diff_vs_c"] = float((got["out"].float() - ours["out"].float()).abs().max())
 
 
 def main(argv=None) -> int:
@@ -599,7 +465,7 @@ def main(argv=None) -> int:
     parser.add_argument("--jsonl", default=None, help="also write docs/results.jsonl rows to this file")
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    parser.add_argument("--rows", type=int, default=None, help="design C's row tile (default: its ROWS, 16)")
+    parser.add_argument("--rows", type=int, default=None, help="C's row tile (default: its ROWS, 16)")
     args = parser.parse_args(argv)
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -621,10 +487,6 @@ def main(argv=None) -> int:
         from vexact_vllm.kernels.gated_delta import incremental_cache
 
         incremental_cache.CHUNK = SMALL_CHUNK
-        if device == "cpu" and _interpreted():
-            from vexact_vllm.kernels.gated_delta import chunked_triton
-
-            chunked_triton.CHUNK = SMALL_CHUNK
     if args.rows or args.small:
         from vexact_vllm.kernels.gated_delta import incremental_tiles_triton
 
@@ -646,7 +508,6 @@ def main(argv=None) -> int:
             rows += _run_case(case, size, lengths, shape, hv, device, wanted)
             if device == "cuda":
                 torch.cuda.empty_cache()
-    _estimate_b_backward(rows)
 
     report = {"environment": environment(device, PACKAGES), "shape": shape, "dtype": "bf16", "rows": rows}
     with open(args.output, "w") as f:

@@ -11,8 +11,8 @@ def fmt(value, spec=".3f"):
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'case':8} {'hv':>3} {'size':>12}  {'system':14} {'fwd ms':>10} {'vs A':>6} {'vs ref':>6} "
-             f"{'fwd+bwd ms':>11} {'vs A':>6} {'vs ref':>6} {'tok/s':>10} {'max |o - A|':>11}"]  # fmt: skip
+    lines = [f"{'case':8} {'hv':>3} {'size':>12}  {'system':14} {'fwd ms':>10} {'vs ref':>6} "
+             f"{'fwd+bwd ms':>11} {'vs ref':>6} {'tok/s':>10} {'max |o - C|':>11}"]  # fmt: skip
     for r in rows:
         if r["case"] == "check":
             verdict = (
@@ -24,13 +24,10 @@ def table(rows: list[dict]) -> str:
         if "skipped" in r or "error" in r:
             lines.append(f"{head} {r.get('skipped') or 'ERROR: ' + r['error']}")
             continue
-        bwd, bwd_vs_a = fmt(r.get("fwd_bwd_ms")), fmt(r.get("fwd_bwd_vs_a"), ".2f")
-        if "fwd_bwd_est_ms" in r:  # B: its forward plus fla's backward
-            bwd, bwd_vs_a = "~" + fmt(r["fwd_bwd_est_ms"]), "~" + fmt(r.get("fwd_bwd_est_vs_a"), ".2f")
         lines.append(
-            f"{head} {fmt(r['fwd_ms']):>10} {fmt(r.get('fwd_vs_a'), '.2f'):>6} {fmt(r.get('fwd_vs_ref'), '.2f'):>6} "
-            f"{bwd:>11} {bwd_vs_a:>6} {fmt(r.get('fwd_bwd_vs_ref'), '.2f'):>6} "
-            f"{fmt(r.get('tokens_per_s'), '.3g'):>10} {fmt(r.get('max_abs_diff_vs_a'), '.2e'):>11}"
+            f"{head} {fmt(r['fwd_ms']):>10} {fmt(r.get('fwd_vs_ref'), '.2f'):>6} "
+            f"{fmt(r.get('fwd_bwd_ms')):>11} {fmt(r.get('fwd_bwd_vs_ref'), '.2f'):>6} "
+            f"{fmt(r.get('tokens_per_s'), '.3g'):>10} {fmt(r.get('max_abs_diff_vs_c'), '.2e'):>11}"
         )
     return "\n".join(lines)
 
@@ -74,13 +71,7 @@ def results_rows(report: dict) -> list[dict]:
         return "; ".join(f"{hv} v heads, {size}: {', '.join(p)} {unit}" for (hv, size), p in parts.items())
 
     def train(r):
-        if "fwd_bwd_ms" in r:
-            return f"{r['fwd_ms']:.2f} / {r['fwd_bwd_ms']:.2f}"
-        return (
-            f"{r['fwd_ms']:.2f} / ~{r['fwd_bwd_est_ms']:.2f}"
-            if "fwd_bwd_est_ms" in r
-            else f"{r['fwd_ms']:.2f} / -"
-        )
+        return f"{r['fwd_ms']:.2f} / {fmt(r.get('fwd_bwd_ms'), '.2f')}"
 
     checks = [r for r in rows if r["case"] == "check"]
     verdicts = "; ".join(
@@ -89,12 +80,12 @@ def results_rows(report: dict) -> list[dict]:
         for r in checks
     )
     out = [
-        {"id": f"gdn-train-{tag}", "title": "Gated DeltaNet training step, A / B / C / fla / vLLM",
-         "metric": "ms, forward / forward+backward (~: B's forward + fla's backward, B has none yet)",
+        {"id": f"gdn-train-{tag}", "title": "Gated DeltaNet training step, C / fla / vLLM",
+         "metric": "ms, forward / forward+backward (-: no backward timed)",
          "value": cells("train", train, "ms")},
         {"id": f"gdn-prefill-{tag}", "title": "Gated DeltaNet prefill from empty states",
          "metric": "tokens/s", "value": cells("prefill", lambda r: f"{r['tokens_per_s']:.3g}", "tok/s")},
-        {"id": f"gdn-decode-{tag}", "title": "Gated DeltaNet decode step (B@p, C@p: p rows of a partial chunk held)",
+        {"id": f"gdn-decode-{tag}", "title": "Gated DeltaNet decode step (C@p: p rows of a partial chunk held)",
          "metric": "us per step", "value": cells("decode", lambda r: f"{r['fwd_ms'] * 1e3:.1f}", "us")},
     ]  # fmt: skip
     if checks:

@@ -30,7 +30,6 @@ from .dispatch import (
 from .gated_delta.causal_conv1d import causal_conv1d
 from .gated_delta.incremental import incremental_gated_delta_rule, incremental_gated_delta_rule_cached
 from .gated_delta.incremental_cache import IncrementalCache
-from .gated_delta.recurrent import gated_delta_rule, gated_delta_rule_cached
 from .gemm.activation import silu_and_mul
 from .gemm.head_linear import head_linear
 from .gemm.linear import linear
@@ -61,8 +60,6 @@ __all__ = [
     "disable_reference_mode",
     "enable_reference_mode",
     "fused_moe",
-    "gated_delta_rule",
-    "gated_delta_rule_cached",
     "gumbel_argmax",
     "is_reference_mode_enabled",
     "head_linear",

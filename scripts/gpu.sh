@@ -23,7 +23,7 @@
 #   bash scripts/gpu.sh mla                   DeepSeek's MLA sizes: their CUDA tests, benchmarks/bench_mla.py (192/128 attention
 #                                             against FA3 and stock's latent decode), bench_trainer on 4 Moonlight layers
 #   bash scripts/gpu.sh gdn                   the Gated DeltaNet kernels: design C's sm_90a twin-dot inspection, their CUDA tests at Qwen3-Next/Qwen3.5 shapes,
-#                                             then benchmarks/bench_gated_delta.py (designs A, B and C against fla and
+#                                             then benchmarks/bench_gated_delta.py (the chunk-anchored incremental design against fla and
 #                                             vLLM where importable: pip install fla-core==0.6.0 for fla)
 #   bash scripts/gpu.sh all                   tests, check, bench, verl, mla, gdn
 #

@@ -1,9 +1,9 @@
-"""Design C of the gated delta rule: chunks anchored at multiple-of-CHUNK positions everywhere, and a
+"""The gated delta rule (design C of docs/architecture.md "Gated DeltaNet"): chunks anchored at multiple-of-CHUNK positions everywhere, and a
 decode step that computes only its own row of the current chunk, with the chunk computation's arithmetic.
 
 Math, per sequence, v head and chunk of C = CHUNK rows (q_hat, k_hat, g, beta as in rules.py; dt = the
 input dtype, to which every product's operands are rounded; S^T = the fp32 state at the chunk's start,
-[DV, DK] as design A's; rows past the sequence are zeros), for rows i, j of the chunk:
+[DV, DK], the transpose of transformers' [DK, DV]; rows past the sequence are zeros), for rows i, j of the chunk:
     G_i   = sum_{j <= i} g_j                                   one sum over the C gate slots
     x_j   = dt(beta_j v_j),  y_j = dt(beta_j exp(G_j) k_j)
     A_ij  = beta_i (k_i . k_j) exp(G_i - G_j)                  j < i, else 0
@@ -14,7 +14,7 @@ input dtype, to which every product's operands are rounded; S^T = the fp32 state
     o_i   = dt(q_i exp(G_i)) dt(S) + sum_{j <= i} dt((q_i . k_j) exp(G_i - G_j)) V'_j
     S    <- exp(G_{C-1}) S + sum_j dt(exp(G_{C-1} - G_j) k_j) V'_j^T      when the chunk is full
 This is the recurrence S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T,
-o_t = S_t^T q_t of `recurrent.py`, regrouped by chunks (the WY form flash-linear-attention uses), up to
+o_t = S_t^T q_t, regrouped by chunks (the WY form flash-linear-attention uses), up to
 rounding; the chunk's state pass is the only sequential part of training and prefill.
 
 Invariant: row i's values read rows j > i only through exact zeros (the masks of A and of the causal
@@ -22,7 +22,7 @@ product, and T_i, whose columns past i are 0). So a decode step at chunk positio
 0 .. p - 1 in the cache (`incremental_cache.IncrementalCache`: k, x, g, beta, T rows, V' rows and the
 boundary state) computes row p with the same operations on the same operands, zero rows past p: the
 same bits as row p of any prefill or training chunk. A step costs one row of each product, not the
-chunk (design B recomputes the chunk). The state after a chunk is the same product of the same full
+chunk. The state after a chunk is the same product of the same full
 tiles whether one prefill or 64 decode steps filled it. The torch path (`incremental_torch.py`: every
 product a fixed-order row sum) and the Triton kernels (`incremental_chunk_triton.py`,
 `incremental_step_triton.py`, launched by `incremental_triton.py`: fixed-shape tiles, the step padding its
@@ -88,8 +88,10 @@ def incremental_gated_delta_rule(
     """(o [T, HV, DV] in v's dtype, states [N, HV, DV, DK] fp32 after each sequence's last full chunk)
     of packed sequences, chunks anchored at each sequence's first row.
 
-    Inputs as `recurrent.gated_delta_rule`; initial_state: fp32 [N, HV, DV, DK] boundary states (a
-    sequence resumed at a chunk boundary) or None for zeros. Differentiable in every floating input."""
+    q, k: [T, HK, DK] post-conv (not normalised); v: [T, HV, DV]; a, b: [T, HV] (the pre-activation
+    gate inputs); A_log, dt_bias: [HV]; cu_seqlens: int [N + 1]; initial_state: fp32 [N, HV, DV, DK]
+    boundary states (a sequence resumed at a chunk boundary) or None for zeros. Differentiable in
+    every floating input."""
     n_seqs = check_gated_delta_inputs(q, k, v, a, b, A_log, dt_bias, cu_seqlens)
     if initial_state is not None:
         check_state("initial_state", initial_state, n_seqs, v, k)

@@ -28,7 +28,7 @@ CHUNK = 64
 class IncrementalCache:
     """Per slot s (dt: the model's input dtype; R = CHUNK - 1 rows of the partial chunk):"""
 
-    state: torch.Tensor  # [S, HV, DV, DK] fp32: the state at the last chunk boundary (S^T, as design A)
+    state: torch.Tensor  # [S, HV, DV, DK] fp32: the state at the last chunk boundary (S^T)
     k: torch.Tensor  # [S, R, HK, DK] dt: l2-normalised keys, rounded to dt (the dot operand)
     x: torch.Tensor  # [S, R, HV, DV] dt: beta * v, rounded to dt (the right operand of U = T x)
     g: torch.Tensor  # [S, R, HV] fp32: the gates g (log decay)

@@ -5,8 +5,8 @@ which start on a chunk boundary, to the chunk kernels (`incremental_chunk_triton
 the same bits (`incremental_tiles_triton.py`).
 
 Backward (`incremental_triton_bwd.py`): the forward's scratch is recomputed, the chunks' gradients are
-taken in reverse (fp32), and autograd of the torch rules carries them to q, k, a, b, A_log, dt_bias
-(as design A's backward does); deterministic (DESIGN rule 7).
+taken in reverse (fp32), and autograd of the torch rules carries them to q, k, a, b, A_log, dt_bias;
+deterministic (DESIGN rule 7).
 """
 
 import torch

@@ -23,9 +23,9 @@ ARCHS = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"]
 VOCAB = 448
 LOGIT_RTOL = 1e-5
 GRAD_RTOL = 1e-3
-# A_log and dt_bias: their gradient sums the decay's effect over every later token of the recurrence;
-# the fp32 recurrence's backward (kernels.gated_delta_rule on CPU) gives them within 1.2e-3 to 4.2e-3
-# of float64 on these checkpoints, where transformers' fp32 chunked form is within 3e-4 to 1e-3.
+# A_log and dt_bias: their gradient sums the decay's effect over every later token, some entries near
+# zero; ours in fp32 (the chunked rule's torch path on CPU) gives them within 2e-6 to 8e-3 of float64,
+# depending on the random checkpoint (transformers' own fp32 chunked form: 3e-4 to 1e-3).
 GATE_GRAD_RTOL = 1e-2
 
 
@@ -81,7 +81,7 @@ def test_parameters_and_layers_are_transformers(arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_logits_and_gradients_match_transformers(checkpoints, arch):
     """Ours in float32 against transformers in float64 (its chunked algorithm on the whole sequences,
-    ours the recurrence): logits, the loss, and the gradients of the packed log-probs."""
+    ours chunks anchored at multiples of 64): logits, the loss, and the gradients of the packed log-probs."""
     stock, vexact = _load(checkpoints[arch], False, torch.float64), _load(checkpoints[arch], True)
     assert type(vexact).__name__ == f"Vexact{BY_MODEL_TYPE[arch].architecture}"
     stock_params = dict(stock.named_parameters())
