@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 
 import torch
@@ -47,24 +46,12 @@ def _timed(fn, repeats: int = 20, replays: int = 15) -> float:
 
 
 def _worker(rank: int, port: int, rows_list: list[int], out_path: str | None) -> None:
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    torch.cuda.set_device(rank)
-    from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import get_tp_group
-    from vllm.distributed.parallel_state import (
-        ensure_model_parallel_initialized,
-        init_distributed_environment,
-    )
 
     from vexact_vllm.model_patches.tensor_parallel import TensorParallel
-    from vexact_vllm.vllm_wrapper import tensor_parallel_group
+    from vexact_vllm.vllm_wrapper import join_tensor_parallel_group
 
-    config = set_current_vllm_config(VllmConfig())  # held (a collected context manager exits): the worker's
-    config.__enter__()  # config for the process's lifetime
-    init_distributed_environment(WORLD, rank, f"tcp://127.0.0.1:{port}", rank, "nccl")
-    ensure_model_parallel_initialized(WORLD, 1)
-    summed = tensor_parallel_group()
+    summed = join_tensor_parallel_group(rank, WORLD, port)
     gathered = TensorParallel(summed.rank, summed.size, summed.all_gather)
     group = get_tp_group()
     table = []

@@ -120,6 +120,32 @@ def tensor_parallel_group() -> TensorParallel | None:
     )
 
 
+def join_tensor_parallel_group(rank: int, size: int, port: int) -> TensorParallel:
+    """Make this process rank `rank` of a `size`-GPU vLLM tensor-parallel group on 127.0.0.1:`port` (one
+    process a GPU, outside an engine: the exchange's CUDA test and benchmark) and return its
+    TensorParallel, as a vLLM worker's model gets it. NVLink multicast stays off."""
+    import os
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed.parallel_state import (
+        ensure_model_parallel_initialized,
+        init_distributed_environment,
+    )
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    torch.cuda.set_device(rank)
+    config = set_current_vllm_config(VllmConfig())  # entered for the process's lifetime: the group reads it
+    config.__enter__()
+    _HELD.append(config)  # a collected context manager would exit
+    init_distributed_environment(size, rank, f"tcp://127.0.0.1:{port}", rank, "nccl")
+    ensure_model_parallel_initialized(size, 1)
+    return tensor_parallel_group()
+
+
+_HELD: list = []
+
+
 def pipeline_stage(num_layers: int) -> PipelineStage:
     """This worker's stage of vLLM's pipeline-parallel group, with the layers vLLM's rule gives it
     (`get_pp_indices`: an even split, or VLLM_PP_LAYER_PARTITION); the whole model without pipeline

@@ -55,27 +55,13 @@ def same_bits(got: torch.Tensor, want: torch.Tensor) -> str | None:
 
 
 def _worker(rank: int, port: int, cases: list, errors) -> None:
-    import os
-
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    torch.cuda.set_device(rank)
-    from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import get_tp_group, graph_capture
-    from vllm.distributed.parallel_state import (
-        ensure_model_parallel_initialized,
-        init_distributed_environment,
-    )
 
     from vexact_vllm.kernels.gemm.linear import linear
     from vexact_vllm.model_patches.tensor_parallel import shard_bounds
-    from vexact_vllm.vllm_wrapper import tensor_parallel_group
+    from vexact_vllm.vllm_wrapper import join_tensor_parallel_group, tensor_parallel_group
 
-    config = set_current_vllm_config(VllmConfig())  # held (a collected context manager exits): the worker's
-    config.__enter__()  # config for the process's lifetime
-    init_distributed_environment(WORLD, rank, f"tcp://127.0.0.1:{port}", rank, "nccl")
-    ensure_model_parallel_initialized(WORLD, 1)
-    tp = tensor_parallel_group()
+    tp = join_tensor_parallel_group(rank, WORLD, port)
     comm = get_tp_group().device_communicator
     found = []
 
