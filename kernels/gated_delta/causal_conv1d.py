@@ -23,7 +23,7 @@ import torch
 
 from ..dispatch import backend_for
 from .checks import check_conv_inputs
-from .rules import stateful, token_sequences
+from .rules import per_row_sequences, stateful, token_sequences
 
 
 class _SiLU(torch.autograd.Function):
@@ -54,8 +54,9 @@ def conv_taps_torch(x, conv_state, slots, has_state, seq, pos, width):
             before = torch.zeros_like(own)
         else:
             row = (width - 1 - back + pos).clamp(min=0, max=width - 2)  # state row of an earlier input
-            before = conv_state[slots.long().clamp(min=0)[seq], row]  # [T, C]
-            before = torch.where(stateful(slots, has_state)[seq][:, None], before, torch.zeros_like(before))
+            slot = per_row_sequences(slots.long().clamp(min=0), 0)[seq]  # padding rows (seq N): none
+            before = torch.where(per_row_sequences(stateful(slots, has_state), False)[seq][:, None],
+                                 conv_state[slot, row], torch.zeros_like(own))  # [T, C]  # fmt: skip
         taps.append(torch.where(inside, own, before))
     return torch.stack(taps)
 

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .causal_conv1d_triton_bwd import conv_backward
 from .checks import check_conv_inputs
-from .rules import stateful, token_sequences
+from .rules import per_row_sequences, stateful, token_sequences
 
 # Channels per program: tiles the elementwise work only (no reduction crosses channels).
 _BLOCK_C = 256
@@ -104,10 +104,11 @@ def _forward(x, weight, bias, cu_seqlens, conv_state, slots, has_state):
         read = torch.where(stateful(slots, has_state), slots.long(), -1)
         state = conv_state
     if n_tokens > 0:
-        seq, pos = token_sequences(cu_seqlens, n_tokens)
+        seq, pos = token_sequences(cu_seqlens, n_tokens)  # rows past the last sequence: seq N, no state
+        read_rows = per_row_sequences(read, -1)
         grid = (n_tokens, triton.cdiv(channels, _BLOCK_C))
         _conv_fwd_kernel[grid](
-            x, weight, bias if bias is not None else weight, y, state, seq, pos, read,
+            x, weight, bias if bias is not None else weight, y, state, seq, pos, read_rows,
             n_tokens, x.stride(0), y.stride(0), state.stride(0), channels,
             WIDTH=width, HAS_BIAS=bias is not None, BLOCK_C=_BLOCK_C, num_warps=4,
         )  # fmt: skip

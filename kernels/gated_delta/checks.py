@@ -10,15 +10,19 @@ import torch
 from ..checks import check_dim, check_dtype, check_int, check_last_dim_contiguous, check_same_device
 
 
-def check_cu_seqlens(cu_seqlens: torch.Tensor, n_tokens: int) -> int:
-    """int [N + 1], 0 = cu[0] <= cu[1] <= ... <= cu[N] = T (values checked on CPU only); returns N."""
+def check_cu_seqlens(cu_seqlens: torch.Tensor, n_tokens: int, padding_rows: bool = False) -> int:
+    """int [N + 1], 0 = cu[0] <= cu[1] <= ... <= cu[N] = T, or <= T with `padding_rows` (inference: a CUDA
+    graph runs the rows it was captured with, the rows past cu[N] are padding); values checked on CPU
+    only. Returns N."""
     check_int("cu_seqlens", cu_seqlens)
     check_dim("cu_seqlens", cu_seqlens, 1, "[N + 1]")
     if cu_seqlens.shape[0] < 2:
         raise ValueError("cu_seqlens must hold at least one sequence ([N + 1] with N >= 1)")
     if cu_seqlens.device.type == "cpu":  # on CUDA the check would stall every step on the host
-        if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != n_tokens:
-            raise ValueError(f"cu_seqlens must run from 0 to T = {n_tokens}, got {cu_seqlens.tolist()}")
+        end = int(cu_seqlens[-1])
+        if int(cu_seqlens[0]) != 0 or end > n_tokens or (end != n_tokens and not padding_rows):
+            ends = f"at most T = {n_tokens} (padding rows after it)" if padding_rows else f"T = {n_tokens}"
+            raise ValueError(f"cu_seqlens must run from 0 to {ends}, got {cu_seqlens.tolist()}")
         if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
             raise ValueError(f"cu_seqlens must be non-decreasing, got {cu_seqlens.tolist()}")
     return cu_seqlens.shape[0] - 1
@@ -65,7 +69,7 @@ def check_conv_inputs(x, weight, bias, cu_seqlens, conv_state=None, slots=None, 
         check_dtype("bias", bias)
         if tuple(bias.shape) != (x.shape[1],):
             raise ValueError(f"bias must be [C] = ({x.shape[1]},), got {tuple(bias.shape)}")
-    n_seqs = check_cu_seqlens(cu_seqlens, x.shape[0])
+    n_seqs = check_cu_seqlens(cu_seqlens, x.shape[0], padding_rows=conv_state is not None)
     if (conv_state is None) != (slots is None) or (slots is None) != (has_state is None):
         raise ValueError("conv_state, slots and has_state go together: all three or none")
     if conv_state is not None:
@@ -83,7 +87,7 @@ def check_conv_inputs(x, weight, bias, cu_seqlens, conv_state=None, slots=None, 
     return n_seqs
 
 
-def check_gated_delta_inputs(q, k, v, a, b, A_log, dt_bias, cu_seqlens) -> int:
+def check_gated_delta_inputs(q, k, v, a, b, A_log, dt_bias, cu_seqlens, padding_rows: bool = False) -> int:
     """q, k [T, HK, DK], v [T, HV, DV] (unit last strides; HV a multiple of HK), a, b [T, HV],
     A_log, dt_bias [HV], cu_seqlens [N + 1]. Returns N."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -109,7 +113,7 @@ def check_gated_delta_inputs(q, k, v, a, b, A_log, dt_bias, cu_seqlens) -> int:
         if tuple(t.shape) != (hv,):
             raise ValueError(f"{name} must be [HV] = ({hv},), got {tuple(t.shape)}")
     check_same_device(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens)
-    return check_cu_seqlens(cu_seqlens, n_tokens)
+    return check_cu_seqlens(cu_seqlens, n_tokens, padding_rows)
 
 
 def check_slot_layout(name: str, cache: torch.Tensor) -> None:

@@ -120,7 +120,7 @@ def incremental_gated_delta_rule_cached(
     its slot: the boundary state and the last context_lens % CHUNK rows of a partial chunk);
     context_lens: int [N], the sequence's tokens before this call; decode_only: every sequence has one
     row (CUDA: one launch, no host read, as CUDA graphs need). Inference only."""
-    n_seqs = check_gated_delta_inputs(q, k, v, a, b, A_log, dt_bias, cu_seqlens)
+    n_seqs = check_gated_delta_inputs(q, k, v, a, b, A_log, dt_bias, cu_seqlens, padding_rows=True)
     check_slots(slots, has_state, n_seqs, cache.check(k, v), padded=True)
     check_context_lens(context_lens, n_seqs)
     check_decode_only(decode_only, q, cu_seqlens)

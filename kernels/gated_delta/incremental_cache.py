@@ -106,12 +106,15 @@ def step_split(cu_seqlens: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
 
 
 def check_decode_only(decode_only: bool, q: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
-    """A decode-only step has one row a sequence (checked on the host only where cu_seqlens is there)."""
+    """A decode-only step has one row a sequence, or none for a padded one (a CUDA graph's padding: its
+    rows trail the real ones as padding rows), and as many rows as sequences (lengths checked on the
+    host only where cu_seqlens is there)."""
     if not decode_only:
         return
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    if q.shape[0] != lengths.shape[0] or (cu_seqlens.device.type == "cpu" and bool((lengths != 1).any())):
-        raise ValueError(f"decode_only needs one row a sequence, got cu_seqlens {cu_seqlens.tolist()}")
+    if q.shape[0] != lengths.shape[0] or (cu_seqlens.device.type == "cpu" and bool((lengths > 1).any())):
+        raise ValueError(f"decode_only needs one row a sequence (none for a padded one) and as many rows as "
+                         f"sequences, got {q.shape[0]} rows and cu_seqlens {cu_seqlens.tolist()}")
 
 
 def check_context_lens(context_lens: torch.Tensor, n_seqs: int) -> None:

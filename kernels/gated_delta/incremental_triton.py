@@ -142,7 +142,7 @@ def incremental_gated_delta_rule_cached_triton(
 ):
     """`incremental.incremental_gated_delta_rule_cached` on the Triton kernels. decode_only (one row a
     sequence): the step kernel alone, no host read (CUDA graphs); otherwise one host read for the split."""
-    n_seqs = check_gated_delta_inputs(q, k, v, a, b, A_log, dt_bias, cu_seqlens)
+    n_seqs = check_gated_delta_inputs(q, k, v, a, b, A_log, dt_bias, cu_seqlens, padding_rows=True)
     _check_gate_strides(a, b)
     check_slots(slots, has_state, n_seqs, cache.check(k, v), padded=True)
     layout.check_context_lens(context_lens, n_seqs)

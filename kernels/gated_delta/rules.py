@@ -93,7 +93,9 @@ def gates(
 
 def token_sequences(cu_seqlens: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(seq [T], pos [T]) int64 on cu_seqlens' device: each packed token's sequence and its position
-    in that sequence's rows of the call (device ops only: no host sync)."""
+    in that sequence's rows of the call (device ops only: no host sync). A row past the last sequence's
+    end (a CUDA graph's padding rows: the graph runs the rows it was captured with) gets seq N, one past
+    the last sequence: callers index per-sequence tensors through `per_row_sequences`."""
     cu = cu_seqlens.long()
     tokens = torch.arange(n_tokens, device=cu.device)
     seq = torch.searchsorted(cu[1:], tokens, right=True)  # [T]
@@ -103,3 +105,8 @@ def token_sequences(cu_seqlens: torch.Tensor, n_tokens: int) -> tuple[torch.Tens
 def stateful(slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
     """bool [N]: the sequence continues from its slot's state (it has one, and a slot: -1 is none)."""
     return has_state & (slots >= 0)
+
+
+def per_row_sequences(values: torch.Tensor, padding) -> torch.Tensor:
+    """values [N] with `padding` appended as entry N: what `token_sequences`' seq N (padding rows) reads."""
+    return torch.cat([values, values.new_full((1,), padding)])

@@ -206,28 +206,36 @@ def check_gradients(forward, inputs: dict, h0: torch.Tensor, rtol: float) -> Non
 def check_padded_requests(cached, device="cpu") -> None:
     """A step whose requests include padded ones (slot -1, no rows: a CUDA graph's padding) gives the
     outputs and leaves the cache bits of the same step without them: after a prefill, a step of one
-    decode row, a row completing the partial chunk, a fresh sequence and two padded requests."""
+    decode row, a row completing the partial chunk, a fresh sequence and two padded requests; then the
+    same as a graph replays it: decode_only, with two padding rows (random values) past the last
+    sequence's end."""
     c = layout.CHUNK
     lengths = [c // 2 + 1, c - 1, 3]
     inputs = gdn_inputs(lengths, 1, 2, 16, 16, seed=9, device=device)
     slots = [1, 3, 0]
     bits = []
-    for pad in (0, 2):
+    for pad, decode_only in ((0, False), (2, False), (2, True)):
         cache, started = fresh_cache(inputs, slots, None, 2)
         prefill = [[(0, c // 2), (1, c - 2)]]
         out = run_steps(cached, inputs, prefill, slots, cache, started)  # rows held: c / 2 and c - 2
         cu = inputs["cu_seqlens"].tolist()
         rows = torch.tensor([cu[0] + c // 2, cu[1] + c - 2, cu[2]], device=device)
         step = {name: inputs[name][rows] for name in GDN_ROWS}
+        if decode_only:  # the graph's padding rows: as many rows as sequences
+            g = torch.Generator().manual_seed(pad)
+            step = {name: torch.cat([t, torch.randn((pad, *t.shape[1:]), generator=g).to(t)])
+                    for name, t in step.items()}  # fmt: skip
         with torch.no_grad():
             o = cached(**step, A_log=inputs["A_log"], dt_bias=inputs["dt_bias"],
                        cu_seqlens=packed_cu([1, 1, 1] + [0] * pad, device), cache=cache,
                        slots=torch.tensor(slots + [-1] * pad, device=device),
                        has_state=torch.tensor([True, True, False] + [False] * pad, device=device),
-                       context_lens=torch.tensor([c // 2, c - 2, 0] + [0] * pad, device=device))  # fmt: skip
-        bits.append((torch.cat([out[out == out], o.flatten()]),
+                       context_lens=torch.tensor([c // 2, c - 2, 0] + [0] * pad, device=device),
+                       decode_only=decode_only)  # fmt: skip
+        bits.append((torch.cat([out[out == out], o[:3].flatten()]),
                      [t.contiguous().view(torch.uint8) for t in cache.tensors()]))  # fmt: skip
-    (o0, cache0), (o1, cache1) = bits
-    assert torch.equal(o0, o1), f"outputs: {first_difference(o1, o0)}"
-    for name, a, b in zip(("state", "k", "x", "g", "beta", "t", "vnew"), cache0, cache1, strict=True):
-        assert torch.equal(a, b), f"cache.{name} differs with padded requests"
+    o0, cache0 = bits[0]
+    for (o1, cache1), what in zip(bits[1:], ("padded requests", "a replayed graph's padding rows")):
+        assert torch.equal(o0, o1), f"outputs with {what}: {first_difference(o1, o0)}"
+        for name, a, b in zip(("state", "k", "x", "g", "beta", "t", "vnew"), cache0, cache1, strict=True):
+            assert torch.equal(a, b), f"cache.{name} differs with {what}"

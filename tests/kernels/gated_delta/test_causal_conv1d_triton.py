@@ -114,3 +114,27 @@ def test_cuda_backward_at_qwen35_width():
     conv_reference(*ref, None, cu).backward(dy.double())
     for got, want in zip(grads[0], ref):
         torch.testing.assert_close(got.double(), want.grad, rtol=3e-2, atol=3e-2 * want.grad.abs().max().item())
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_replayed_graph_padding():
+    """A decode graph replayed for fewer requests than it was captured with: padded requests (slot -1, no
+    rows) and padding rows (random) past the last sequence's end. The real rows' bits and the slots are
+    those of the call without padding; a padded request has none, so no other slot changes."""
+    from vexact_vllm.kernels.gated_delta.causal_conv1d_triton import causal_conv1d_triton
+
+    g = torch.Generator().manual_seed(3)
+    x, w, _, _ = conv_inputs([1] * 12, 8192, 4, torch.bfloat16)
+    state = torch.randn(40, 3, 8192, generator=g).to(torch.bfloat16)
+    slots = torch.randperm(40, generator=g)[:12].to(torch.int32)
+    has = torch.rand(12, generator=g) < 0.8
+    x, w, state, slots, has = x.cuda(), w.cuda(), state.cuda(), slots.cuda(), has.cuda()
+    want_state = state.clone()
+    want = causal_conv1d_triton(x, w, None, packed_cu([1] * 12).cuda(), want_state, slots, has)
+    padded = torch.cat([x, torch.randn(4, 8192, generator=g).to(x)])
+    pad_slots = torch.cat([slots, torch.full((4,), -1, dtype=torch.int32, device="cuda")])
+    pad_has = torch.cat([has, torch.zeros(4, dtype=torch.bool, device="cuda")])
+    got = causal_conv1d_triton(padded, w, None, packed_cu([1] * 12 + [0] * 4).cuda(), state, pad_slots, pad_has)
+    torch.cuda.synchronize()
+    assert torch.equal(got[:12], want) and torch.equal(state, want_state)

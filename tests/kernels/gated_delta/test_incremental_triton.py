@@ -172,6 +172,15 @@ def _cuda_ops():
 
 @pytest.mark.cuda
 @requires_cuda
+def test_cuda_padded_requests_and_padding_rows():
+    """As a replayed decode graph runs the step: padded requests and padding rows past the last sequence."""
+    from incremental_checks import check_padded_requests
+
+    check_padded_requests(_cuda_ops()[1], device="cuda")
+
+
+@pytest.mark.cuda
+@requires_cuda
 @pytest.mark.parametrize("hk,hv,dtype", [(16, 32, BF16), (16, 48, BF16), (16, 32, F32), (16, 48, F32)], ids=str)
 def test_cuda_schedules_at_qwen_shapes(hk, hv, dtype):
     """Qwen3-Next (16 k heads, 32 v heads) and Qwen3.5 (16, 48), d = 128: random schedules (one decode

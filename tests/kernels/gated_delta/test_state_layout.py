@@ -60,6 +60,7 @@ def test_paged_slots_and_padding_give_the_contiguous_bits(conv_op, seed):
 
     pages, conv, state = _paged(n_slots, seed)
     conv_flat, state_before = conv.contiguous(), state.clone()
+    conv_replayed = conv_flat.clone()
     before = pages.clone()
 
     x, w, _, _ = conv_inputs(lengths, CHANNELS, WIDTH, torch.float32, seed=seed)
@@ -67,6 +68,11 @@ def test_paged_slots_and_padding_give_the_contiguous_bits(conv_op, seed):
     y_flat = conv_op(x, w, None, cu, conv_flat, slots, has_state)
     assert torch.equal(y, y_flat) and torch.equal(conv, conv_flat)
     assert torch.equal(state, state_before)  # the page's other tensor
+
+    # As a CUDA graph replays the step: padding rows (random values) past the last sequence's end
+    rows = torch.cat([x, torch.randn(int(torch.randint(1, 4, (), generator=g)), CHANNELS, generator=g)])
+    y_replayed = conv_op(rows, w, None, cu, conv_replayed, slots, has_state)
+    assert torch.equal(y_replayed[: x.shape[0]], y) and torch.equal(conv_replayed, conv_flat)
 
     untouched = torch.ones(n_slots, dtype=torch.bool)
     untouched[slots_real.long()] = False
