@@ -56,6 +56,9 @@ RELIED_ON = (
     "vllm.v1.worker.gpu.input_batch:InputBatch.cu_num_logits_np",
     "vllm.v1.worker.gpu.input_batch:InputBatch.seq_lens",
     "vllm.v1.worker.gpu.input_batch:InputBatch.num_reqs",
+    # vLLM's copies of transformers' configs, for which the training switch registers its classes too
+    # (model_patches/trainers/transformers_hooks.py, read in the plugin's register())
+    "vllm.transformers_utils.config:_CONFIG_REGISTRY",
     # the V1 runner's sampler (vexact_vllm/sampler/v1.py)
     "vllm.v1.sample.sampler:Sampler.forward",
     "vllm.v1.sample.sampler:Sampler.gather_logprobs",

@@ -304,7 +304,7 @@ def run_check(args) -> int:
     dtype, dtype_note = resolve_dtype(model_path, args.dtype)
     prompts = read_prompts(args.prompts, args.num_prompts)
 
-    refused, outcome, log = None, "error", None
+    refused, outcome, log, note = None, "error", None, None
     ranks = args.tensor_parallel_size * args.pipeline_parallel_size
     try:
         with engine_output(args.verbose, "vexact-check-") as (console, log), cpu_run(model_path, ranks):
@@ -316,7 +316,8 @@ def run_check(args) -> int:
                 refused = err.code
         outcome = "refused" if refused is not None else "passed" if verdict(rows) else "failed"
     finally:
-        keep_log(log, outcome in ("error", "failed"), "vLLM's and the trainer's output")
+        stock_failed = STOCK_TRACEBACK in (note or "")  # the log holds the stock engine's traceback
+        keep_log(log, outcome in ("error", "failed") or stock_failed, "vLLM's and the trainer's output")
     if refused is not None:
         raise SystemExit(refused)
 
@@ -421,10 +422,10 @@ def _run(args, model_path: str, dtype: str, prompts: list[str], console) -> tupl
         for engine, engine_settings, engine_names in engines:
             try:
                 results += [(engine, r) for r in run_compositions(prompt_ids, engine_settings, engine_names, progress)]
-            except EngineRefused as err:
+            except Exception as err:  # noqa: BLE001  stock is the comparison only: say why it is missing
                 if engine != "stock":
                     raise
-                stock_note = f"note: stock vLLM could not serve this model here ({err}); no stock row"
+                stock_note = f"note: stock vLLM could not serve this model here ({stock_failure(err)}); no stock row"
         progress.set_description_str(f"trainer: loading {Path(model_path).name}")
         trainer = load_trainer(model_path, getattr(torch, dtype))
         progress.update(1)
@@ -436,6 +437,19 @@ def _run(args, model_path: str, dtype: str, prompts: list[str], console) -> tupl
         note = "\n".join(filter(None, [f"note: prefix caching is off: it {HYBRID_NOTE} (prefix-cache skipped)", note]))
     note = "\n".join(filter(None, [note, stock_note]))
     return rows, note
+
+
+STOCK_TRACEBACK = "; its traceback is in vLLM's log"
+
+
+def stock_failure(err: Exception) -> str:
+    """One line for the stock engine's failure: a refusal's message, else the exception's type and
+    first line (an engine that died at start or at its first step: its traceback is in vLLM's log)."""
+    if isinstance(err, EngineRefused):
+        return str(err)
+    first = (str(err).strip().splitlines() or [""])[0]
+    first = first if len(first) <= 240 else first[:237] + "..."
+    return f"{type(err).__name__}: {first}{STOCK_TRACEBACK}" if first else f"{type(err).__name__}{STOCK_TRACEBACK}"
 
 
 def stock_composition(names: list[str]) -> str:

@@ -178,3 +178,28 @@ def test_package_exports():
     )  # fmt: skip
     for name in model_patches.__all__:
         assert getattr(model_patches, name) is not None
+
+
+def test_vllm_config_copies_build_the_training_class(monkeypatch):
+    """vLLM 0.26 registers its own copy of Qwen3-Next's config (same class name) with AutoConfig when it
+    reads such a checkpoint; AutoModel must still build the training class from the copy, not fall back
+    by name to transformers' Qwen3NextForCausalLM (which a colocated trainer would then run silently)."""
+    import types
+
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    import vexact_vllm
+    from vexact_vllm.tiny_model import _make_config
+
+    copy = type("Qwen3NextConfig", (Qwen3NextConfig,), {"__module__": "vllm_copy"})  # vLLM's copy
+    vllm_config = types.ModuleType(transformers_hooks.VLLM_CONFIG_MODULE)
+    vllm_config._CONFIG_REGISTRY = {"qwen3_next": copy}
+    config = copy(**_make_config("qwen3_next", 64, 1).to_dict())
+    with transformers_hooks.installed():
+        assert type(AutoModelForCausalLM.from_config(config)) is Qwen3NextForCausalLM  # vLLM not loaded here
+        monkeypatch.setitem(sys.modules, transformers_hooks.VLLM_CONFIG_MODULE, vllm_config)
+        vexact_vllm._train_on_vllm_configs()  # what the vLLM plugin does once vLLM loads
+        assert type(AutoModelForCausalLM.from_config(config)) is TRAINING_CLASSES["qwen3_next"]
+    assert copy not in transformers_hooks._mapping()  # uninstalled with the rest
+    with transformers_hooks.installed():  # installed again with vLLM loaded: the copy at once
+        assert type(AutoModelForCausalLM.from_config(config)) is TRAINING_CLASSES["qwen3_next"]

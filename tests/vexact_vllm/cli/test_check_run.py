@@ -141,3 +141,23 @@ def test_check_help_speaks_to_users_and_lists_the_models_it_takes(capsys, tmp_pa
     with pytest.raises(SystemExit) as exc:  # a config-only shape is not a model the check takes
         main(["check", "--model", next(iter(CONFIG_ONLY_SHAPES))])
     assert "not a Hugging Face checkpoint directory" in str(exc.value.code)
+
+
+def test_stock_failure_is_a_note_not_the_verdict(tiny_model, monkeypatch):
+    """--against-stock on a model stock vLLM cannot run here (vLLM 0.26 has no text-only Qwen3.5; its
+    Qwen3-Next kernels need FlashInfer): the vexact rows stand, a note says why stock has no row."""
+    from vexact_vllm.cli.rollout import EngineRefused
+
+    def run(prompt_ids, settings, names, progress):
+        if names == [check.stock_composition(check.default_compositions())] and settings.model_impl != "vexact":
+            raise TypeError("Invalid type of HuggingFace config.\nExpected type: Qwen3_5Config")
+        return [CompositionResult(name, _rollouts(0, len(prompt_ids))) for name in names]
+
+    monkeypatch.setattr(check, "run_compositions", run)
+    args = build_parser().parse_args(["check", "--against-stock", "--compositions", "alone,batch", "--quiet"])
+    rows, note = check._run(args, tiny_model("qwen3"), "bfloat16", check.read_prompts(None, 3), None)
+    assert [r.engine for r in rows] == ["vexact", "vexact"]
+    assert "stock vLLM could not serve this model here (TypeError: Invalid type of HuggingFace config." in note
+    assert note.endswith(f"{check.STOCK_TRACEBACK}); no stock row")
+    assert check.stock_failure(EngineRefused("no sliding window")) == "no sliding window"
+    assert len(check.stock_failure(RuntimeError("x" * 1000))) < 300
