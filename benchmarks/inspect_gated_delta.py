@@ -36,7 +36,7 @@ from vexact_vllm.kernels.gated_delta import incremental_tiles_triton as tiles
 from vexact_vllm.kernels.gated_delta import incremental_triton_bwd as bwd
 
 SHARED_LIMIT = 227 * 1024
-INTS = {"HK", "HV", "RATIO"}
+INTS = {"HK", "HV", "RATIO", "S_STATE", "S_H0", "S_HT", "SK", "SX", "SG", "SB", "ST", "SVN"}  # the slot strides: ints
 FLOATS = {"scale", "eps"}
 F32_POINTERS = {"A_LOG", "DT_BIAS", "GR", "BETA", "GC", "TS", "CG", "CB", "CT", "H0", "HT", "STATE", "DHT", "DH", "DVN",
                 "DH0", "DQ", "DK_", "DV_", "DG", "DBETA"}  # fmt: skip
