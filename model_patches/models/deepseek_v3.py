@@ -2,8 +2,9 @@
 `DeepseekV2ForCausalLM`: DeepSeek-V2-Lite): one decoder, the two architectures differ in config only.
 
 Each layer: pre-norm `MlaAttention` (model_patches/mla.py: q through q_proj, or the q LoRA q_a_proj ->
-q_a_layernorm -> q_b_proj; the latent kv_a_proj_with_mqa -> kv_a_layernorm -> kv_b_proj decompressed to
-per-head K and V; RoPE on the rotary dims, YaRN's mscale^2 in the softmax scale), then the dense
+q_a_layernorm -> q_b_proj; the latent kv_a_proj_with_mqa -> kv_a_layernorm, attended in the absorbed
+form: kv_b_proj's key rows folded into each head's query, its value rows applied to the attended latent;
+RoPE on the rotary dims, YaRN's mscale^2 in the softmax scale), then the dense
 SwiGLU MLP on layers below `first_k_dense_replace` and, above, `moe.SharedExpertsMoeBlock`: routed
 experts plus `n_shared_experts` shared ones (one MLP of n_shared_experts * moe_intermediate_size),
 added once after the routed sum. Routing:
@@ -30,8 +31,9 @@ Differences from transformers' DeepseekV3/V2 modeling (5.x), each a rounding, no
    rotation in fp32 and rounded once; V3's transformers code casts cos/sin to bf16 and rotates in bf16,
    V2's rotates in fp32 as complex numbers. The de-interleaved layout (even dims, then odd) is V3's;
    V2 keeps its pairs interleaved, which only reorders the terms of the q.k sum.
-3. Attention: the position-anchored kernel (kernels.attention.causal) over decompressed K and V, fp32
-   softmax, where transformers re-expands its latent cache every call and uses sdpa/eager.
+3. Attention: the absorbed form (mla.py) with the position-anchored kernel (kernels.attention) over the
+   latent and the rotary key, one key head for all query heads, fp32 softmax, where transformers
+   re-expands its latent cache to per-head K and V every call and uses sdpa/eager.
 4. Router: fp32 logits from the batch-invariant GEMM over bf16 inputs (transformers casts x and the
    weight to fp32: the same products, another summation order); sigmoid as 1 / (1 + exp(-z)); stable
    sorts for the group and expert choices (ties to the lower index; torch.topk leaves ties open);
@@ -128,7 +130,7 @@ def decoder_fields(hf_config) -> dict:
     )
     return dict(
         head_dim=mla.qk_nope_head_dim + mla.qk_rope_head_dim,
-        num_kv_heads=hf_config.num_attention_heads,  # K and V decompressed per head
+        num_kv_heads=hf_config.num_attention_heads,  # the decoder's field; MlaAttention attends one latent head
         qkv_bias=False,
         o_bias=False,
         mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
