@@ -143,7 +143,7 @@ def test_gather_is_exact_on_every_path():
         for rows in (1, rng.randint(2, 64), rng.randint(65, 512)):
             n = rng.choice([rng.randint(8, 5000) * 2, rng.randint(8, 5000) * 2 + 1])  # uneven blocks too
             cases.append((rows, n, dtype, rng.randrange(1 << 30)))
-    cases.append((4096, 8192 + 8, torch.bfloat16, 11))  # past the custom all-reduce's 64 MiB: the all-gather
+    cases.append((4096, 8192 + 8, torch.bfloat16, 11))  # 64 MiB, past the custom all-reduce's limit (8 MiB at most): the all-gather
     manager = mp.get_context("spawn").Manager()
     errors = manager.dict()
     mp.start_processes(_worker, args=(_free_port(), cases, errors), nprocs=WORLD, start_method="spawn")
