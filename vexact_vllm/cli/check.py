@@ -576,7 +576,8 @@ def add_arguments(parser) -> None:
                         help="comma-separated training micro-batch sizes to pack sequences into (0 = all in one)")
     parser.add_argument("--against-stock", action="store_true",
                         help="also run stock vLLM (--model-impl vllm) against the same training forward, in one "
-                        "composition: batch, or the first of --compositions when batch is not among them")
+                        "composition: batch, or the first of --compositions when batch is not among them; where stock "
+                        "vLLM cannot run the model here, a note says why and the verdict stands on vexact's rows")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--output", help="also write the report (table or JSON) to this file (default: none)")
     parser.add_argument("--plot", help="write a PNG of per-position |log-prob difference| against the trainer, "
