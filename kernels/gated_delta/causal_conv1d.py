@@ -45,6 +45,9 @@ def conv_taps_torch(x, conv_state, slots, has_state, seq, pos, width):
     """The W tap inputs of every token, [W, T, C] in x's dtype (tap 0 oldest): rows of the call where
     the position allows, else state rows (or 0)."""
     n_tokens = x.shape[0]
+    if conv_state is not None:  # each row's slot and whether it reads it (padding rows, seq N: none)
+        row_slot = per_row_sequences(slots.long().clamp(min=0), 0)[seq]
+        row_reads = per_row_sequences(stateful(slots, has_state), False)[seq][:, None]
     taps = []
     for j in range(width):
         back = width - 1 - j  # how many rows before the token
@@ -54,9 +57,7 @@ def conv_taps_torch(x, conv_state, slots, has_state, seq, pos, width):
             before = torch.zeros_like(own)
         else:
             row = (width - 1 - back + pos).clamp(min=0, max=width - 2)  # state row of an earlier input
-            slot = per_row_sequences(slots.long().clamp(min=0), 0)[seq]  # padding rows (seq N): none
-            before = torch.where(per_row_sequences(stateful(slots, has_state), False)[seq][:, None],
-                                 conv_state[slot, row], torch.zeros_like(own))  # [T, C]  # fmt: skip
+            before = torch.where(row_reads, conv_state[row_slot, row], torch.zeros_like(own))  # [T, C]
         taps.append(torch.where(inside, own, before))
     return torch.stack(taps)
 

@@ -449,7 +449,7 @@ def stock_failure(err: Exception) -> str:
         return str(err)
     first = (str(err).strip().splitlines() or [""])[0]
     first = first if len(first) <= 240 else first[:237] + "..."
-    return f"{type(err).__name__}: {first}{STOCK_TRACEBACK}" if first else f"{type(err).__name__}{STOCK_TRACEBACK}"
+    return f"{type(err).__name__}{': ' + first if first else ''}{STOCK_TRACEBACK}"
 
 
 def stock_composition(names: list[str]) -> str:
