@@ -116,15 +116,20 @@ def main(argv=None) -> int:
             child += ["--model", args.model, "--num-sequences", str(args.num_sequences), "--min-len",
                       str(args.min_len), "--max-len", str(args.max_len), "--duration", "0", "--load-format", "auto",
                       "--engine-kwargs", args.engine_kwargs]  # fmt: skip
-        proc = subprocess.run(
-            [sys.executable, __file__, *child, "--config", config], capture_output=True, text=True
-        )
-        found = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        cmd = [sys.executable, __file__, *child, "--config", config]
+        began = time.perf_counter()
         log = Path(args.output).with_suffix(f".{config}.log") if args.output else None
-        if log is not None:  # the child's whole output, kept beside the results
-            log.write_text(proc.stdout + proc.stderr)
+        if log is not None:  # the child's whole output, written as it runs (kept if the run is killed)
+            with open(log, "w") as f:
+                proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, text=True)
+            output = log.read_text()
+        else:
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            output = proc.stdout
+        found = [json.loads(line[7:]) for line in output.splitlines() if line.startswith("RESULT ")]
+        print(f"{config}: {time.perf_counter() - began:.0f} s, exit {proc.returncode}", file=sys.stderr, flush=True)
         if {r["top_k"] for r in found} != set(args.top_k):
-            print(proc.stdout[-2000:] + proc.stderr[-4000:], file=sys.stderr)
+            print(output[-6000:], file=sys.stderr)
             raise SystemExit(f"{config}: the run failed (exit {proc.returncode}){f'; its log: {log}' if log else ''}")
         if proc.returncode:  # every figure reported, then a failure on the way out
             print(f"warning: {config} exited {proc.returncode} after reporting every figure", file=sys.stderr)

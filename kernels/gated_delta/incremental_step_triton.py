@@ -89,6 +89,126 @@ def _step_row(
     return s, k_c, x_c, vn_c, g_c, beta_c, t_c, k_b, t_b
 
 
+@triton.jit
+def _step_rows(
+    held, count, start, read, slot, Q, K, V, A, B, OUT, STATE, S_STATE, ck, cx, cvn, cg, cb, ct, tile, live,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt, stride_ot, stride_oh, HK,
+    HV, RATIO, iv, hk, hv, ok, ov, mk, mv, rc, rr, decay, dt_bias, scale, eps, DK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_K: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, SOFTPLUS_MAX: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """count rows from chunk position held on (held + count <= CHUNK): the boundary state tile and the held
+    rows loaded into whole chunk tiles (zeros from row `held` on), each row through `_step_row`, then the
+    new rows to the slot, or the state of a completed chunk (or of a sequence starting here)."""
+    s = tl.load(STATE + read * S_STATE + tile, mask=live & ((ok * 0 + read)[None, :] >= 0), other=0.0)
+    old = rc < held
+    k_c = tl.load(ck + (rc[:, None] * HK + hk) * DK + ok[None, :], mask=old[:, None] & mk[None, :], other=0.0)
+    x_c = tl.load(cx + (rc[:, None] * HV + hv) * DV + ov[None, :], mask=old[:, None] & mv[None, :], other=0.0)
+    vn_c = tl.load(cvn + (rc[:, None] * HV + hv) * DV + ov[None, :], mask=old[:, None] & mv[None, :], other=0.0)
+    g_c = tl.load(cg + rc * HV + hv, mask=old, other=0.0)
+    beta_c = tl.load(cb + rc * HV + hv, mask=old, other=0.0)
+    t_c = tl.load(ct + (rc[:, None] * HV + hv) * CHUNK + rc[None, :], mask=old[:, None], other=0.0)
+    pos = (held // ROWS) * ROWS + rr  # the first row's tile: its held rows (k, T) as tiles of their own
+    k_b = tl.load(ck + (pos[:, None] * HK + hk) * DK + ok[None, :], mask=(pos < held)[:, None] & mk[None, :],
+                  other=0.0)  # fmt: skip
+    t_b = tl.load(ct + (pos[:, None] * HV + hv) * CHUNK + rc[None, :], mask=(pos < held)[:, None], other=0.0)
+    tiles_ = (s, k_c, x_c, vn_c, g_c, beta_c, t_c, k_b, t_b)
+    for p in range(held, held + count):
+        tiles_ = _step_row(
+            p, held, start, *tiles_, Q, K, V, A, B, OUT, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+            stride_vh, stride_at, stride_bt, stride_ot, stride_oh, hk, hv, ok, ov, mv, rc, rr, decay, dt_bias, scale,
+            eps, DK, BLOCK_K, ROWS, CHUNK, SOFTPLUS_MAX, PRECISION, DOT_FP32,
+        )  # fmt: skip
+    s, k_c, x_c, vn_c, g_c, beta_c, t_c, k_b, t_b = tiles_
+    done = held + count == CHUNK
+    tl.debug_barrier()  # every thread has read the slot before any writes to it
+    if done | (read < 0):
+        tl.store(STATE + slot * S_STATE + tile, s, mask=live)
+    if held + count < CHUNK:
+        new = (rc >= held) & (rc < held + count)
+        tl.store(cx + (rc[:, None] * HV + hv) * DV + ov[None, :], x_c, mask=new[:, None] & mv[None, :])
+        tl.store(cvn + (rc[:, None] * HV + hv) * DV + ov[None, :], vn_c, mask=new[:, None] & mv[None, :])
+        if iv == 0:
+            tl.store(cg + rc * HV + hv, g_c, mask=new)
+            tl.store(cb + rc * HV + hv, beta_c, mask=new)
+            tl.store(ct + (rc[:, None] * HV + hv) * CHUNK + rc[None, :], t_c, mask=new[:, None])
+            if hv % RATIO == 0:
+                tl.store(ck + (rc[:, None] * HK + hk) * DK + ok[None, :], k_c, mask=new[:, None] & mk[None, :])
+
+
+@triton.jit
+def _decode_row(
+    p, start, read, slot, Q, K, V, A, B, OUT, STATE, S_STATE, ck, cx, cvn, cg, cb, ct, tile, live, stride_qt,
+    stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt, stride_ot, stride_oh, HK, HV, RATIO,
+    iv, hk, hv, ok, ov, mk, mv, rc, rr, decay, dt_bias, scale, eps, DK: tl.constexpr, DV: tl.constexpr,
+    ROWS: tl.constexpr, CHUNK: tl.constexpr, SOFTPLUS_MAX: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """A decode step's one row (packed row start) at chunk position p: `_step_row`'s arithmetic, each held
+    tile loaded just before its first use and only the new row written back, so that fewer tiles are live
+    at once (registers: `benchmarks/inspect_gated_delta.py`). The state is held as dt, the type both of
+    its products read; in fp32 only when the row completes the chunk (the state update)."""
+    dt = K.dtype.element_ty
+    pos = (p // ROWS) * ROWS + rr
+    own = pos == p
+    rows_r = tl.where(own, start, 0)
+    at = rc == p
+    old = rc < p
+    first = (p // ROWS) * ROWS
+    # the row's own values, in row tiles
+    q_r = normalized_rows(Q, rows_r, own, hk, stride_qt, stride_qh, ok, eps, scale, DK).to(dt)
+    k_r = normalized_rows(K, rows_r, own, hk, stride_kt, stride_kh, ok, eps, 1.0, DK).to(dt)
+    g_r, beta_r = gate_rows(A, B, rows_r, own, hv, stride_at, stride_bt, decay, dt_bias, SOFTPLUS_MAX)
+    g_p, beta_p, k_p = pick_one(g_r, own), pick_one(beta_r, own), pick(k_r, own).to(dt)
+    # the chunk's gates and keys, the row in its place
+    g_c = tl.where(at, g_p, tl.load(cg + rc * HV + hv, mask=old, other=0.0))
+    beta_c = tl.where(at, beta_p, tl.load(cb + rc * HV + hv, mask=old, other=0.0))
+    k_c = tl.load(ck + (rc[:, None] * HK + hk) * DK + ok[None, :], mask=old[:, None] & mk[None, :], other=0.0)
+    k_c = tl.where(at[:, None], k_p[None, :], k_c)
+    G_c = gate_cumsum(g_c, rc)
+    G_r = pick_entries(G_c, rc[None, :] == pos[:, None])
+    # the row of T: the rows of T before its row tile in one product, the tile's earlier rows in another
+    a_t = a_rows(k_r, k_c, beta_r, G_r, G_c, pos, rc, PRECISION, DOT_FP32)
+    before = tl.load(ct + (rc[:, None] * HV + hv) * CHUNK + rc[None, :], mask=(rc < first)[:, None], other=0.0)
+    d = block_base(tl.where(rc[None, :] < first, a_t, 0.0), before, pos, rc)
+    k_b = tl.load(ck + (pos[:, None] * HK + hk) * DK + ok[None, :], mask=(pos < p)[:, None] & mk[None, :], other=0.0)
+    a_in = a_rows(k_r, tl.where(own[:, None], k_r, k_b), beta_r, G_r, G_r, pos, pos, PRECISION, DOT_FP32)
+    t_b = tl.load(ct + (pos[:, None] * HV + hv) * CHUNK + rc[None, :], mask=(pos < p)[:, None], other=0.0)
+    t_row = solve_row(d, a_in, t_b, own, p, rc)
+    t_r = tl.where(own[:, None], t_row[None, :], 0.0)
+    # W and U, then V' = U - W S and o, with the state tile read as dt
+    w = solved_product(t_r, decayed_keys(k_c, beta_c, G_c, dt), PRECISION, DOT_FP32)
+    mvr = own[:, None] & mv[None, :]
+    v_r = tl.load(V + rows_r[:, None] * stride_vt + hv * stride_vh + ov[None, :], mask=mvr, other=0.0)
+    x_p = pick((v_r.to(tl.float32) * beta_r[:, None]).to(dt), own).to(dt)
+    x_c = tl.load(cx + (rc[:, None] * HV + hv) * DV + ov[None, :], mask=old[:, None] & mv[None, :], other=0.0)
+    u = solved_product(t_r, tl.where(at[:, None], x_p[None, :], x_c), PRECISION, DOT_FP32)
+    s = tl.load(STATE + read * S_STATE + tile, mask=live & ((ok * 0 + read)[None, :] >= 0), other=0.0).to(dt)
+    vn_p = pick(delta_rows(u, w, s, PRECISION, DOT_FP32), own).to(dt)
+    vn_c = tl.load(cvn + (rc[:, None] * HV + hv) * DV + ov[None, :], mask=old[:, None] & mv[None, :], other=0.0)
+    vn_c = tl.where(at[:, None], vn_p[None, :], vn_c)
+    o = output_rows(q_r, G_r, pos, k_c, G_c, vn_c, tl.trans(s), rc, PRECISION, DOT_FP32)
+    tl.store(OUT + rows_r[:, None] * stride_ot + hv * stride_oh + ov[None, :], o.to(OUT.dtype.element_ty),
+             mask=mvr)  # fmt: skip
+    # the row to the slot, or the state of the completed chunk (zeros, for a sequence that starts here)
+    if p == CHUNK - 1:
+        s32 = tl.load(STATE + read * S_STATE + tile, mask=live & ((ok * 0 + read)[None, :] >= 0), other=0.0)
+        s32 = state_after(s32, k_c, G_c, vn_c, rc, CHUNK, PRECISION, DOT_FP32)
+        tl.debug_barrier()  # every thread has read the state before any writes to it
+        tl.store(STATE + slot * S_STATE + tile, s32, mask=live)
+    else:
+        if read < 0:
+            tl.store(STATE + slot * S_STATE + tile, tl.where(live, 0.0, 0.0), mask=live)
+        tl.store(cx + (p * HV + hv) * DV + ov, x_p, mask=mv)
+        tl.store(cvn + (p * HV + hv) * DV + ov, vn_p, mask=mv)
+        if iv == 0:
+            tl.store(cg + p * HV + hv, g_p)
+            tl.store(cb + p * HV + hv, beta_p)
+            tl.store(ct + (p * HV + hv) * CHUNK + rc, t_row)
+            if hv % RATIO == 0:
+                tl.store(ck + (p * HK + hk) * DK + ok, k_p, mask=mk)
+
+
 @triton.jit(do_not_specialize=["n_seqs"])
 def _step_kernel(
     Q, K, V, A, B, A_LOG, DT_BIAS, OUT, STATE, CK, CX, CG, CB, CT, CVN, S_STATE, SK, SX, SG, SB, ST, SVN, START, COUNT,
@@ -114,58 +234,27 @@ def _step_kernel(
         mk, mv = ok < DK, ov < DV
         rc = tl.arange(0, CHUNK)
         rr = tl.arange(0, ROWS)
-        # 1. the boundary state tile and the held rows (zeros from row `held` on)
-        tile = (hv * DV + ov[:, None]).to(tl.int64) * DK + ok[None, :]
+        tile = (hv * DV + ov[:, None]).to(tl.int64) * DK + ok[None, :]  # the state tile
         live = mv[:, None] & mk[None, :]
-        s = tl.load(STATE + read * S_STATE + tile, mask=live & ((ok * 0 + read)[None, :] >= 0), other=0.0)
         # the slot's cache rows: row i of the chunk at cache row i (each tensor at its slot stride S*)
         ck, cx, cvn = CK + slot * SK, CX + slot * SX, CVN + slot * SVN
         cg, cb, ct = CG + slot * SG, CB + slot * SB, CT + slot * ST
-        old = rc < held
-        k_c = tl.load(ck + (rc[:, None] * HK + hk) * DK + ok[None, :], mask=old[:, None] & mk[None, :], other=0.0)
-        x_c = tl.load(cx + (rc[:, None] * HV + hv) * DV + ov[None, :], mask=old[:, None] & mv[None, :], other=0.0)
-        vn_c = tl.load(cvn + (rc[:, None] * HV + hv) * DV + ov[None, :], mask=old[:, None] & mv[None, :], other=0.0)
-        g_c = tl.load(cg + rc * HV + hv, mask=old, other=0.0)
-        beta_c = tl.load(cb + rc * HV + hv, mask=old, other=0.0)
-        t_c = tl.load(ct + (rc[:, None] * HV + hv) * CHUNK + rc[None, :], mask=old[:, None], other=0.0)
-        pos = (held // ROWS) * ROWS + rr  # the first row's tile: its held rows (k, T) as tiles of their own
-        k_b = tl.load(ck + (pos[:, None] * HK + hk) * DK + ok[None, :], mask=(pos < held)[:, None] & mk[None, :],
-                      other=0.0)  # fmt: skip
-        t_b = tl.load(ct + (pos[:, None] * HV + hv) * CHUNK + rc[None, :], mask=(pos < held)[:, None], other=0.0)
         decay = tl.exp(tl.load(A_LOG + hv).to(tl.float32))
         dt_bias = tl.load(DT_BIAS + hv).to(tl.float32)
-        # 2. the rows, in order
-        tiles_ = (s, k_c, x_c, vn_c, g_c, beta_c, t_c, k_b, t_b)
-        if SINGLE:  # a decode launch: its one row without a loop (fewer registers live)
-            tiles_ = _step_row(
-                held, held, start, *tiles_, Q, K, V, A, B, OUT, stride_qt, stride_qh, stride_kt, stride_kh,
-                stride_vt, stride_vh, stride_at, stride_bt, stride_ot, stride_oh, hk, hv, ok, ov, mv, rc, rr, decay,
-                dt_bias, scale, eps, DK, BLOCK_K, ROWS, CHUNK, SOFTPLUS_MAX, PRECISION, DOT_FP32,
+        if SINGLE:  # a decode launch: its one row, without the loop and the whole tiles
+            _decode_row(
+                held, start, read, slot, Q, K, V, A, B, OUT, STATE, S_STATE, ck, cx, cvn, cg, cb, ct, tile, live,
+                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt, stride_ot,
+                stride_oh, HK, HV, RATIO, iv, hk, hv, ok, ov, mk, mv, rc, rr, decay, dt_bias, scale, eps, DK, DV, ROWS,
+                CHUNK, SOFTPLUS_MAX, PRECISION, DOT_FP32,
             )  # fmt: skip
         else:
-            for p in range(held, held + count):
-                tiles_ = _step_row(
-                    p, held, start, *tiles_, Q, K, V, A, B, OUT, stride_qt, stride_qh, stride_kt, stride_kh,
-                    stride_vt, stride_vh, stride_at, stride_bt, stride_ot, stride_oh, hk, hv, ok, ov, mv, rc, rr,
-                    decay, dt_bias, scale, eps, DK, BLOCK_K, ROWS, CHUNK, SOFTPLUS_MAX, PRECISION, DOT_FP32,
-                )  # fmt: skip
-        s, k_c, x_c, vn_c, g_c, beta_c, t_c, k_b, t_b = tiles_
-        # 3. the new rows to the slot, or the state of a completed chunk (or of a sequence starting here)
-        done = held + count == CHUNK
-        tl.debug_barrier()  # every thread has read the slot before any writes to it
-        if done | (read < 0):
-            tl.store(STATE + slot * S_STATE + tile, s, mask=live)
-        if held + count < CHUNK:
-            new = (rc >= held) & (rc < held + count)
-            tl.store(cx + (rc[:, None] * HV + hv) * DV + ov[None, :], x_c, mask=new[:, None] & mv[None, :])
-            tl.store(cvn + (rc[:, None] * HV + hv) * DV + ov[None, :], vn_c, mask=new[:, None] & mv[None, :])
-            if iv == 0:
-                tl.store(cg + rc * HV + hv, g_c, mask=new)
-                tl.store(cb + rc * HV + hv, beta_c, mask=new)
-                tl.store(ct + (rc[:, None] * HV + hv) * CHUNK + rc[None, :], t_c, mask=new[:, None])
-                if hv % RATIO == 0:
-                    tl.store(ck + (rc[:, None] * HK + hk) * DK + ok[None, :], k_c, mask=new[:, None] & mk[None, :])
-
+            _step_rows(
+                held, count, start, read, slot, Q, K, V, A, B, OUT, STATE, S_STATE, ck, cx, cvn, cg, cb, ct, tile,
+                live, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
+                stride_ot, stride_oh, HK, HV, RATIO, iv, hk, hv, ok, ov, mk, mv, rc, rr, decay, dt_bias, scale, eps,
+                DK, DV, BLOCK_K, ROWS, CHUNK, SOFTPLUS_MAX, PRECISION, DOT_FP32,
+            )  # fmt: skip
 
 def step_forward(q, k, v, a, b, A_log, dt_bias, out, cache, start, count, held, slots, read, single=False) -> None:
     """The step kernel: for each sequence n, count[n] rows from packed row start[n] on, at chunk positions
