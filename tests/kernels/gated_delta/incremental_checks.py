@@ -59,9 +59,12 @@ def reference(inputs: dict, h0: torch.Tensor | None = None, beta_rounding=None):
     return o, states
 
 
-def run_steps(cached, inputs: dict, steps: list, slots: list[int], cache, started: list[bool]) -> torch.Tensor:
+def run_steps(
+    cached, inputs: dict, steps: list, slots: list[int], cache, started: list[bool], decode_only: bool = False
+) -> torch.Tensor:
     """Run `cached` over the steps [(seq, rows), ...] (rows of a sequence in order); a sequence continues
-    from its slot from its first step if started[seq], else it starts there. Returns o in packed order."""
+    from its slot from its first step if started[seq], else it starts there. decode_only: a step of one
+    row a sequence runs as vLLM's decode CUDA graphs run it (`decode_only=True`). Returns o in packed order."""
     cu = inputs["cu_seqlens"].tolist()
     device = inputs["v"].device
     done = [0] * (len(cu) - 1)
@@ -73,8 +76,9 @@ def run_steps(cached, inputs: dict, steps: list, slots: list[int], cache, starte
         has_state = torch.tensor([done[i] > 0 or started[i] for i, _ in step], device=device)
         context = torch.tensor([done[i] for i, _ in step], device=device)  # a boundary state: 0 rows held
         rest = {name: inputs[name][rows] for name in GDN_ROWS}
+        single = {"decode_only": True} if decode_only and all(n == 1 for _, n in step) else {}
         out[rows] = cached(**rest, A_log=inputs["A_log"], dt_bias=inputs["dt_bias"], cu_seqlens=step_cu, cache=cache,
-                           slots=step_slots, has_state=has_state, context_lens=context)  # fmt: skip
+                           slots=step_slots, has_state=has_state, context_lens=context, **single)  # fmt: skip
         for i, n in step:
             done[i] += n
     return out
@@ -108,8 +112,10 @@ def fresh_cache(inputs: dict, slots: list[int], h0: torch.Tensor | None, spare: 
 
 
 def check_schedules(forward, cached, inputs: dict, h0: torch.Tensor | None, seeds=(0, 1), max_chunk=None):
-    """Random schedules of decode steps and prefill chunks (seed 0: decode only) give the training
-    forward's outputs and boundary states bit for bit. Returns the training (o, states)."""
+    """Random schedules of decode steps and prefill chunks give the training forward's outputs and
+    boundary states bit for bit. Seed 0 decodes every row, each step as vLLM's decode CUDA graphs run
+    it (`decode_only`: the step kernel's one-row variant), through chunk completions and sequences that
+    start at a decode step. Returns the training (o, states)."""
     cu = inputs["cu_seqlens"]
     lengths = (cu[1:] - cu[:-1]).tolist()
     with torch.no_grad():
@@ -118,7 +124,7 @@ def check_schedules(forward, cached, inputs: dict, h0: torch.Tensor | None, seed
         for seed in seeds:
             cache, started = fresh_cache(inputs, slots, h0, 2)
             steps = random_schedule_c(lengths, seed, max_chunk or 2 * layout.CHUNK, 1.0 if seed == 0 else 0.4)
-            got = run_steps(cached, inputs, steps, slots, cache, started)
+            got = run_steps(cached, inputs, steps, slots, cache, started, decode_only=seed == 0)
             assert torch.equal(got, o), f"schedule seed {seed}: outputs: {first_difference(got, o)}"
             held = cache.state[torch.tensor(slots, device=o.device)]
             assert torch.equal(held, states), f"schedule seed {seed}: states: {first_difference(held, states)}"

@@ -84,11 +84,13 @@ def _assert_accurate(o, states, inputs, h0, dtype, interpreted=True):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype,seed,schedules,block_v", [(F32, 0, (0, 1), 32), (BF16, 2, (2,), 16)],
-                         ids=["f32-0", "bf16-2"])  # fmt: skip
+@pytest.mark.parametrize("dtype,seed,schedules,block_v",
+                         [(F32, 0, (0, 1), 32), (BF16, 2, (2,), 16), (BF16, 0, (0,), 16)],
+                         ids=["f32-0", "bf16-2", "bf16-0-decode"])  # fmt: skip
 def test_schedules_match_training_bitwise(ops, modules, monkeypatch, dtype, seed, schedules, block_v):
-    """Schedule seed 0 decodes every row, the others mix decodes and prefill chunks. bf16 takes two v
-    tiles a head (d_v = 32): the second tile's programs read the rows (k, g, beta, T) the first wrote."""
+    """Schedule seed 0 decodes every row (decode-only steps), the others mix decodes and prefill chunks.
+    bf16 at block_v 16 takes two v tiles a head (d_v = 32): the second tile reads the rows (k, g, beta,
+    T) the first wrote."""
     monkeypatch.setattr(modules[1], "BLOCK_V", block_v)
     inputs, h0 = random_case(seed, dtype, hk=2)
     o, states = check_schedules(*ops, inputs, h0, seeds=schedules)
