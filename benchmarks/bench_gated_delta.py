@@ -351,8 +351,8 @@ def _first_difference(got: torch.Tensor, want: torch.Tensor) -> str:
 
 
 def _check(shape: dict, hv: int, device: str, lengths: list[int]) -> list[dict]:
-    """C's decode steps (token by token, from slots filled with NaN) against its training forward at the
-    benchmark shape: one row."""
+    """C's decode steps (token by token, from slots filled with NaN, each step as vLLM's decode CUDA graphs
+    run it: `decode_only`) against its training forward at the benchmark shape: one row."""
     from vexact_vllm.kernels.gated_delta.incremental_cache import IncrementalCache
 
     forward, cached = _c_ops(device)
@@ -375,7 +375,7 @@ def _check(shape: dict, hv: int, device: str, lengths: list[int]) -> list[dict]:
             slots = torch.tensor(live, device=device)
             held = torch.full((len(live),), t > 0, device=device)
             got[idx] = cached(**step, cu_seqlens=step_cu, cache=cache, slots=slots, has_state=held,
-                              context_lens=torch.full_like(slots, t))  # fmt: skip
+                              context_lens=torch.full_like(slots, t), decode_only=True)  # fmt: skip
     diff = _first_difference(got, want)
     return [{"case": "check", "v_heads": hv, "system": "C", "decode_equals_training": not diff,
              "first_difference": diff or None, "lengths": lengths}]  # fmt: skip
