@@ -22,9 +22,10 @@ Systems:
   vllm-decode    vLLM's fused_recurrent_gated_delta_rule_packed_decode (its decode step)
 fla and vLLM get g and beta precomputed and l2-normalise q, k in their kernels; C takes the raw a, b
 and computes the gates in-kernel. Timings are medians (triton.testing.do_bench on a GPU, decode steps
-replayed in a CUDA graph as vLLM runs them, do_bench_cudagraph; wall clock on the CPU). "vs ref" is the system's time over the reference of the choosing rule (docs/architecture.md)
-at the same case (below 1: faster than the reference): fla's chunk kernel for train and prefill
-(vLLM's where fla is absent), vLLM's decode step for decode.
+replayed in a CUDA graph as vLLM runs them, do_bench_cudagraph; wall clock on the CPU). "vs ref" is the
+system's time over the reference of the choosing rule (docs/architecture.md) at the same case (below 1:
+faster than the reference): fla's chunk kernel for train and prefill (vLLM's where fla is absent),
+vLLM's decode step for decode.
 "max |o - C|" compares each system's output with C's at the same case (C's own row: 0.0); at decode
 with C@0's, the step from the same starting states as the baselines' (C@31 and C@63 hold other rows,
 so they have none). The check section runs C's decode schedule (token by token) at the benchmark shape

@@ -90,6 +90,12 @@ def _step_row(
 
 
 @triton.jit
+def _boundary_state(STATE, read, S_STATE, tile, live, ok):
+    """The fp32 state tile of slot `read` (zeros where read < 0: a sequence that starts here)."""
+    return tl.load(STATE + read * S_STATE + tile, mask=live & ((ok * 0 + read)[None, :] >= 0), other=0.0)
+
+
+@triton.jit
 def _step_rows(
     held, count, start, read, slot, Q, K, V, A, B, OUT, STATE, S_STATE, ck, cx, cvn, cg, cb, ct, tile, live,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt, stride_ot, stride_oh, HK,
@@ -100,7 +106,7 @@ def _step_rows(
     """count rows from chunk position held on (held + count <= CHUNK): the boundary state tile and the held
     rows loaded into whole chunk tiles (zeros from row `held` on), each row through `_step_row`, then the
     new rows to the slot, or the state of a completed chunk (or of a sequence starting here)."""
-    s = tl.load(STATE + read * S_STATE + tile, mask=live & ((ok * 0 + read)[None, :] >= 0), other=0.0)
+    s = _boundary_state(STATE, read, S_STATE, tile, live, ok)
     old = rc < held
     k_c = tl.load(ck + (rc[:, None] * HK + hk) * DK + ok[None, :], mask=old[:, None] & mk[None, :], other=0.0)
     x_c = tl.load(cx + (rc[:, None] * HV + hv) * DV + ov[None, :], mask=old[:, None] & mv[None, :], other=0.0)
@@ -183,7 +189,7 @@ def _decode_row(
     x_p = pick((v_r.to(tl.float32) * beta_r[:, None]).to(dt), own).to(dt)
     x_c = tl.load(cx + (rc[:, None] * HV + hv) * DV + ov[None, :], mask=old[:, None] & mv[None, :], other=0.0)
     u = solved_product(t_r, tl.where(at[:, None], x_p[None, :], x_c), PRECISION, DOT_FP32)
-    s = tl.load(STATE + read * S_STATE + tile, mask=live & ((ok * 0 + read)[None, :] >= 0), other=0.0).to(dt)
+    s = _boundary_state(STATE, read, S_STATE, tile, live, ok).to(dt)
     vn_p = pick(delta_rows(u, w, s, PRECISION, DOT_FP32), own).to(dt)
     vn_c = tl.load(cvn + (rc[:, None] * HV + hv) * DV + ov[None, :], mask=old[:, None] & mv[None, :], other=0.0)
     vn_c = tl.where(at[:, None], vn_p[None, :], vn_c)
@@ -192,7 +198,7 @@ def _decode_row(
              mask=mvr)  # fmt: skip
     # the row to the slot, or the state of the completed chunk (zeros, for a sequence that starts here)
     if p == CHUNK - 1:
-        s32 = tl.load(STATE + read * S_STATE + tile, mask=live & ((ok * 0 + read)[None, :] >= 0), other=0.0)
+        s32 = _boundary_state(STATE, read, S_STATE, tile, live, ok)
         s32 = state_after(s32, k_c, G_c, vn_c, rc, CHUNK, PRECISION, DOT_FP32)
         tl.debug_barrier()  # every thread has read the state before any writes to it
         tl.store(STATE + slot * S_STATE + tile, s32, mask=live)
