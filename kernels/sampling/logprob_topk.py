@@ -13,10 +13,17 @@ Invariant: the order is total, so the top-k is one set in one order, whichever a
 it. Each lp is mapped to an int32 with the same order (its bits, the magnitude bits flipped for
 negative values; -0.0 is first made +0.0, equal as a float), and a row's keys are
     key[v] = ordered(lp[v]) * 2^32 + (V - 1 - v)          int64, distinct within the row
-`torch.topk` of distinct keys has one answer, so a row's ids are the same alone, in any batch, chunk
-or backend. The rank is a count of a comparison (exact). Both are row-wise and run in row blocks of
-at most BLOCK_ELEMENTS keys (the int64 keys cost 8 bytes an element), which bounds memory only.
 A NaN log-prob orders above +inf (a NaN with its sign bit set, below -inf), as torch.topk puts it.
+
+`top_k_ids` selects in two steps. `torch.topk` of the fp32 log-probs gives some k ids whose values
+are a row's k largest; with b the smallest of them, when exactly k log-probs of the row are not
+below b (no tie across the boundary, no NaN: a NaN is never below b, and b is NaN when the k hold
+one), those k ids are the only top-k set.
+A row where that fails (an exact tie at the k-th place, a NaN) takes `torch.topk` of its distinct
+int64 keys, which has one answer. Either way the k ids are then put in key order (a sort of k keys).
+So a row's ids are the same alone, in any batch, chunk or backend; the rank is a count of a
+comparison (exact). Reading whether any row needs the keys is a host sync: not for CUDA-graph
+capture. Row blocks of at most BLOCK_ELEMENTS elements bound the temporary memory only.
 """
 
 from typing import NamedTuple
@@ -55,14 +62,13 @@ def _row_blocks(n_rows: int, vocab: int):
         yield slice(r0, r0 + step)
 
 
-def order_keys(log_probs: torch.Tensor) -> torch.Tensor:
-    """int64 [M, V]: keys whose order is (lp descending, id ascending) read as key descending."""
-    vocab = log_probs.shape[1]
+def order_keys(log_probs: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """int64, log_probs' shape: the keys of log-probs at token ids `ids` (int64, broadcast against
+    log_probs) of a V = `vocab` vocabulary, whose order is (lp descending, id ascending) read as key
+    descending."""
     bits = (log_probs + 0.0).view(torch.int32)  # -0.0 + 0.0 = +0.0: equal floats, equal keys
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # int32 in the floats' order
-    ids = torch.arange(vocab, dtype=torch.int64, device=log_probs.device)  # [V]
-    low = (vocab - 1) - ids  # the lower id, the larger key
-    return ordered.to(torch.int64) * (1 << 32) + low
+    return ordered.to(torch.int64) * (1 << 32) + ((vocab - 1) - ids)  # the lower id, the larger key
 
 
 def top_k_ids(log_probs: torch.Tensor, k: int) -> torch.Tensor:
@@ -71,11 +77,28 @@ def top_k_ids(log_probs: torch.Tensor, k: int) -> torch.Tensor:
     n_rows, vocab = log_probs.shape
     if not isinstance(k, int) or not 0 <= k <= vocab:
         raise ValueError(f"k must be an int in [0, {vocab}], got {k!r}")
+    if k == 0 or n_rows == 0:
+        return torch.empty(n_rows, k, dtype=torch.int64, device=log_probs.device)
+    values, ids = torch.topk(log_probs, k, dim=-1, sorted=False)  # [M, k]: one top-k set, torch's pick
+    boundary = values.min(dim=-1, keepdim=True).values  # [M, 1]: the k-th largest
+    below = torch.empty(n_rows, dtype=torch.int64, device=log_probs.device)
+    for rows in _row_blocks(n_rows, vocab):  # a NaN is never below b, and b is NaN where the k hold one
+        torch.sum(log_probs[rows] < boundary[rows], dim=-1, out=below[rows])
+    undecided = below != vocab - k  # more than k not below b: a tie at the k-th place, or a NaN
+    if bool(undecided.any()):  # a tie across the k-th place or a NaN: the row's distinct keys decide
+        redo = undecided.nonzero()[:, 0]
+        ids[redo] = _key_top_k(log_probs[redo], k)
+    keys = order_keys(log_probs.gather(1, ids), ids, vocab)  # [M, k], distinct within a row
+    return ids.gather(1, torch.sort(keys, dim=-1, descending=True).indices)
+
+
+def _key_top_k(log_probs: torch.Tensor, k: int) -> torch.Tensor:
+    """int64 [M, k]: the k largest keys' ids, in row blocks (the int64 keys cost 8 bytes an element)."""
+    n_rows, vocab = log_probs.shape
     out = torch.empty(n_rows, k, dtype=torch.int64, device=log_probs.device)
-    if k == 0:
-        return out
+    ids = torch.arange(vocab, dtype=torch.int64, device=log_probs.device)  # [V]
     for rows in _row_blocks(n_rows, vocab):
-        out[rows] = torch.topk(order_keys(log_probs[rows]), k, dim=-1, sorted=True).indices
+        out[rows] = torch.topk(order_keys(log_probs[rows], ids, vocab), k, dim=-1, sorted=False).indices
     return out
 
 

@@ -23,6 +23,50 @@ def _tied_log_probs(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
     return log_softmax(logits, 1.0)
 
 
+def _key_order_ids(lp: torch.Tensor, k: int) -> torch.Tensor:
+    """A full sort of each row's distinct int64 keys (module docstring of logprob_topk), descending."""
+    ids = torch.arange(lp.shape[1], device=lp.device)
+    return torch.sort(logprob_topk.order_keys(lp, ids, lp.shape[1]), dim=-1, descending=True).indices[:, :k]
+
+
+def _mixed_log_probs(rows: int, vocab: int, k: int, seed: int) -> torch.Tensor:
+    """Log-probs of random logits (ties rare), with planted rows: a tie at the k-th place (the k-th
+    value copied to lower and higher ids), -0.0 beside +0.0, NaNs of either sign, +-inf, a whole row
+    of one value."""
+    g = torch.Generator().manual_seed(seed)
+    lp = log_softmax(torch.randn(rows, vocab, generator=g) * 3, 1.0)
+    for r in torch.randperm(rows, generator=g)[: rows // 2].tolist():
+        kind = r % 6
+        kth = torch.sort(lp[r], descending=True).values[k - 1]
+        spots = torch.randint(0, vocab, (3,), generator=g)
+        if kind == 0:
+            lp[r, spots] = kth
+        elif kind == 1:
+            lp[r, spots[:1]], lp[r, spots[1:]] = 0.0, -0.0
+        elif kind == 2:
+            lp[r, spots[:1]] = float("nan")
+        elif kind == 3:
+            lp[r, spots[:1]] = -float("nan")  # sign bit set: below -inf in the key order
+        elif kind == 4:
+            lp[r, spots[:1]], lp[r, spots[1:]] = float("inf"), float("-inf")
+        else:
+            lp[r] = -1.5
+    return lp
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_top_k_is_the_key_order_with_planted_ties_and_nans(seed):
+    """Rows decided by torch.topk's set and rows that need the keys (ties at the k-th place, NaNs)
+    give the full key sort's first k ids, alone or in the batch."""
+    g = torch.Generator().manual_seed(100 + seed)
+    vocab = int(torch.randint(5, 4000, (1,), generator=g))
+    k = int(torch.randint(1, min(vocab, 24) + 1, (1,), generator=g))
+    lp = _mixed_log_probs(40, vocab, k, seed)
+    ids = top_k_ids(lp, k)
+    assert torch.equal(ids, _key_order_ids(lp, k))
+    assert torch.equal(top_k_ids(lp[7:9], k), ids[7:9])
+
+
 @pytest.mark.parametrize("vocab", VOCABS)
 def test_top_k_is_the_stable_order(vocab):
     lp = _tied_log_probs(17, vocab)
@@ -104,3 +148,17 @@ def test_cuda_equals_cpu_and_rows_alone():
         part = score_tokens(lp[-m:].cuda(), tokens[-m:].cuda(), 20)
         for a, b in zip(part, gpu):
             assert torch.equal(a, b[-m:])
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("k", [1, 5, 20])
+def test_cuda_top_k_is_the_key_order_at_qwen3_vocab(k):
+    """At Qwen3's vocabulary, random rows (torch.topk's set decides) among planted ties and NaNs (the
+    keys decide): the CUDA ids are the full key sort's, alone and in the batch."""
+    lp = _mixed_log_probs(96, 151936, k, seed=k).cuda()
+    ids = top_k_ids(lp, k)
+    assert torch.equal(ids, _key_order_ids(lp, k))
+    assert torch.equal(ids.cpu(), top_k_ids(lp.cpu(), k))
+    for lo, hi in ((0, 1), (30, 31), (50, 96)):
+        assert torch.equal(top_k_ids(lp[lo:hi], k), ids[lo:hi])
