@@ -11,7 +11,9 @@ Over fp32 log-probs lp [M, V] (`logprob.log_softmax`'s, the one log-prob functio
 
 Invariant: the order is total, so the top-k is one set in one order, whichever algorithm selects
 it. Each lp is mapped to an int32 with the same order (its bits, the magnitude bits flipped for
-negative values; -0.0 is first made +0.0, equal as a float), and a row's keys are
+negative values; -0.0 is first made +0.0, equal as a float, by its bits: adding 0.0 would also
+turn every NaN into CUDA's one NaN, sign lost, and CUDA's keys would then differ from the CPU's),
+and a row's keys are
     key[v] = ordered(lp[v]) * 2^32 + (V - 1 - v)          int64, distinct within the row
 A NaN log-prob orders above +inf (a NaN with its sign bit set, below -inf), as torch.topk puts it.
 
@@ -31,6 +33,8 @@ from typing import NamedTuple
 import torch
 
 from ..checks import check_dim, check_dtype, check_int, check_same_device
+
+_NEGATIVE_ZERO = -(1 << 31)  # the bits of -0.0 read as an int32
 
 # Keys per row block (int64: 128 MiB); bounds the temporary memory, never changes a result.
 BLOCK_ELEMENTS = 1 << 24
@@ -66,7 +70,8 @@ def order_keys(log_probs: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.
     """int64, log_probs' shape: the keys of log-probs at token ids `ids` (int64, broadcast against
     log_probs) of a V = `vocab` vocabulary, whose order is (lp descending, id ascending) read as key
     descending."""
-    bits = (log_probs + 0.0).view(torch.int32)  # -0.0 + 0.0 = +0.0: equal floats, equal keys
+    bits = log_probs.view(torch.int32)  # no arithmetic: CUDA would give every NaN one bit pattern
+    bits = bits.masked_fill(bits == _NEGATIVE_ZERO, 0)  # -0.0 as +0.0: equal floats, equal keys
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # int32 in the floats' order
     return ordered.to(torch.int64) * (1 << 32) + ((vocab - 1) - ids)  # the lower id, the larger key
 

@@ -85,6 +85,15 @@ def test_ties_go_to_the_lower_id():
     assert top_k_ids(lp, 4).tolist() == [[3, 0, 2, 1], [0, 1, 3, 4], [1, 4, 0, 2]]
 
 
+def test_nan_orders_by_its_sign():
+    """A NaN orders above +inf, one with its sign bit set below -inf (the bits decide, not CUDA's
+    canonical NaN: the CUDA test compares with the CPU on such rows)."""
+    nan = float("nan")
+    lp = torch.tensor([[-1.0, -nan, float("-inf"), nan, float("inf")], [-nan, -nan, -2.0, -0.0, 0.0]])
+    assert top_k_ids(lp, 5).tolist() == [[3, 4, 0, 2, 1], [3, 4, 2, 0, 1]]
+    assert top_k_ids(lp, 2).tolist() == [[3, 4], [3, 4]]
+
+
 def test_a_row_alone_in_any_batch_or_block(monkeypatch):
     lp = _tied_log_probs(129, 3001, seed=1)
     full = top_k_ids(lp, 7)
