@@ -7,13 +7,16 @@ the score is the latent dot chained with the rotary dot), through the same entry
 other attention, so training, prefill, chunked prefill and decode keep one reduction order.
 
 `latent_attention_backward` (training only: correct and deterministic, not batch-invariant) recomputes
-the probabilities from the forward's log-sum-exp with fp32 matmuls, a sequence and a block of queries
-at a time, and sums the one key head's gradient over every query head and query in a fixed order:
+the probabilities from the forward's log-sum-exp, a sequence and a block of queries at a time, and
+sums the one key head's gradient over every query head and query in a fixed order:
 with s = scale q.k, p = exp(s - lse), D_i = sum_c dO_i O_i,
     dV_j = sum_{i,h} p_ij dO_i,   dP_ij = dO_i . V_j,   dS_ij = p_ij (dP_ij - D_i) scale,
     dQ_i = sum_j dS_ij K_j,       dK_j = sum_{i,h} dS_ij Q_i
-(causal: j <= i within a sequence). The values' gradient reaches the key row's first C dims through
-the view, so the caller's latent tensor gets dK + (dV, 0).
+(causal: j <= i within a sequence). Every product is one matrix product with fp32 results, whose
+operands are the inputs' dtype (bf16 / fp16: p and dS are rounded to it first, as FlashAttention's
+backward and `varlen_triton_bwd` do; on CUDA cuBLAS's tensor cores write fp32 straight out) or fp32.
+The values' gradient reaches the key row's first C dims through the view, so the caller's latent
+tensor gets dK + (dV, 0).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 
 # Largest [queries, heads, keys] fp32 block of probabilities formed at once (elements): memory only.
 _BLOCK_ELEMENTS = 1 << 26
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def values_in_keys(k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -54,24 +58,33 @@ def latent_attention_backward(grad_out, q, k, v, out, lse, cu_seqlens, scale):
     return dq.to(q.dtype), dk[:, None].to(k.dtype), dv[:, None].to(v.dtype)
 
 
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """fp32 a @ b of operands in one dtype: bf16 / fp16 on CUDA through cuBLAS's fp32 output (fp32
+    accumulation on tensor cores), else the operands' values in fp32."""
+    if a.is_cuda and a.dtype in _LOW_PRECISION:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
 def _sequence_backward(do, q, kv, out, lse, scale, dq, dk, dv):
     """One sequence (positions 0 .. L - 1), query blocks in order; writes dq, accumulates dk, dv."""
-    length, n_heads, _ = q.shape
+    length, n_heads, dim = q.shape
     c = dv.shape[-1]
-    kf = kv.float()  # [L, C + R]
-    vf = kf[:, :c]
+    operand = q.dtype if q.dtype in _LOW_PRECISION else torch.float32  # the products' operand dtype
+    kv = kv.to(operand)  # [L, C + R]
     delta = (do.float() * out.float()).sum(-1)  # [L, H]
     step = max(1, _BLOCK_ELEMENTS // (n_heads * length))
     pos = torch.arange(length, device=q.device)
     for i0 in range(0, length, step):
         i1 = min(length, i0 + step)
-        keys = slice(0, i1)  # causal: no query of the block reaches past i1 - 1
-        qf, dof = q[i0:i1].float(), do[i0:i1].float()  # [Q, H, C + R], [Q, H, C]
-        s = torch.einsum("qhd,kd->qhk", qf, kf[keys]) * scale  # [Q, H, K]
-        causal = pos[None, None, keys] <= pos[i0:i1, None, None]
-        p = torch.where(causal, torch.exp(s - lse[i0:i1, :, None] * math.log(2.0)), 0.0)
-        dv[keys] += torch.einsum("qhk,qhc->kc", p, dof)
-        dp = torch.einsum("qhc,kc->qhk", dof, vf[keys])
-        ds = p * (dp - delta[i0:i1, :, None]) * scale
-        dq[i0:i1] = torch.einsum("qhk,kd->qhd", ds, kf[keys])
-        dk[keys] += torch.einsum("qhk,qhd->kd", ds, qf)
+        keys = kv[:i1]  # causal: no query of the block reaches past i1 - 1
+        qb = q[i0:i1].reshape(-1, dim).to(operand)  # [Q H, C + R], rows (query, head)
+        dob = do[i0:i1].reshape(-1, c).to(operand)  # [Q H, C]
+        s = (_mm(qb, keys.T) * scale).view(i1 - i0, n_heads, i1)  # [Q, H, K]
+        causal = pos[None, None, :i1] <= pos[i0:i1, None, None]
+        p = torch.where(causal, torch.exp(s - lse[i0:i1, :, None] * math.log(2.0)), 0.0).view(-1, i1)
+        dv[:i1] += _mm(p.to(operand).T, dob)
+        dp = _mm(dob, keys[:, :c].T)  # [Q H, K]
+        ds = (p * (dp - delta[i0:i1].reshape(-1, 1)) * scale).to(operand)
+        dq[i0:i1] = _mm(ds, keys).view(i1 - i0, n_heads, dim)
+        dk[:i1] += _mm(ds.T, qb)

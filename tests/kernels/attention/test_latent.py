@@ -10,12 +10,14 @@ against float64 uses tolerances; invariance is torch.equal.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from tests.kernels.attention.test_triton import TOL, PagedEngine, compiled_attention, reference_attention
 from vexact_vllm.kernels import paged_attention, varlen_attention, write_kv_cache
-from vexact_vllm.kernels.attention.latent import values_in_keys
+from vexact_vllm.kernels.attention.latent import latent_attention_backward, values_in_keys
 from vexact_vllm.kernels.settings import clear_settings
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
@@ -91,6 +93,39 @@ def check_latent(ops, lens, n_heads, latent, rope, dtype, block_size=16, device=
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_torch_latent(dtype):
     check_latent(_TorchOps(), (1, 63, 65, 70), 3, 40, 16, dtype)
+
+
+def latent_gradients(lens, n_heads, latent, rope, dtype, device="cpu", seed=0):
+    """(the latent backward's (dq, dk + (dv, 0)) from a float64 forward's output and log-sum-exp,
+    float64 autograd's (dq, dkv)), inputs drawn in `dtype`."""
+    torch.manual_seed(seed)
+    q, kv, _, cu = latent_inputs(lens, n_heads, latent, rope, dtype, device)
+    scale = (latent + rope) ** -0.5
+    qd, kvd = q.double().requires_grad_(), kv.double().requires_grad_()
+    out = reference_attention(qd, kvd, kvd[..., :latent], cu, scale)
+    g = torch.randn(out.shape, device=device, dtype=torch.float64).to(dtype)
+    (out * g.double()).sum().backward()
+    lse = []
+    for lo, hi in zip(cu[:-1].tolist(), cu[1:].tolist()):  # log2-units log-sum-exp, as the forward saves it
+        s = torch.einsum("qhd,kd->qhk", qd[lo:hi].detach(), kvd[lo:hi, 0].detach()) * scale
+        s = s.masked_fill(~torch.ones(hi - lo, hi - lo, dtype=torch.bool, device=device).tril()[:, None], -float("inf"))
+        lse.append(torch.logsumexp(s, -1) / math.log(2.0))
+    dq, dk, dv = latent_attention_backward(g, q, kv, kv[..., :latent], out.detach().to(dtype),
+                                           torch.cat(lse).float(), cu, scale)  # fmt: skip
+    dkv = dk.double()
+    dkv[..., :latent] += dv.double()
+    return (dq, dkv), (qd.grad, kvd.grad)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+def test_latent_backward_against_float64(dtype, tol):
+    """bf16: the products' operands in bf16 (p and dS rounded, as FlashAttention's backward) with fp32
+    results; fp32 throughout for fp32 inputs. Against float64 autograd, relative to each gradient's scale."""
+    (dq, dkv), (want_q, want_kv) = latent_gradients((1, 37, 70), 4, 48, 16, dtype)
+    assert dq.dtype == dtype and dkv.shape == want_kv.shape
+    for got, want in ((dq, want_q), (dkv, want_kv)):
+        err = (got.double() - want).abs().max() / want.abs().max()
+        assert err < tol, err
 
 
 def test_values_in_keys():
@@ -173,3 +208,17 @@ def test_cuda_latent_at_deepseek_sizes(n_heads):
     ops = compiled_attention()
     lens = (1, 63, 65, 700) if n_heads > 16 else (1, 63, 65, 700, 2200)
     check_latent(ops, lens, n_heads, 512, 64, torch.bfloat16, block_size=64, device="cuda")
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("n_heads", [16, 128])
+def test_cuda_latent_backward_at_deepseek_sizes(n_heads):
+    """512 + 64 in bf16 on cuBLAS's fp32-output products: against float64 autograd (relative to each
+    gradient's scale), and the same bits when run again."""
+    lens = (1, 300, 1100) if n_heads == 16 else (1, 300)
+    (dq, dkv), (want_q, want_kv) = latent_gradients(lens, n_heads, 512, 64, torch.bfloat16, "cuda")
+    for got, want in ((dq, want_q), (dkv, want_kv)):
+        assert (got.double() - want).abs().max() / want.abs().max() < 2e-2
+    (dq2, dkv2), _ = latent_gradients(lens, n_heads, 512, 64, torch.bfloat16, "cuda")
+    assert torch.equal(dq, dq2) and torch.equal(dkv, dkv2)
