@@ -15,7 +15,8 @@
 #                                             stock batch-invariant and vexact, workloads default and grpo:32, side
 #                                             by side on the GPU; BENCH ARGS override (e.g. --model qwen3-8b-shape).
 #                                             Then vexact against stock on the Moonlight-16B-A3B shape (stock: its
-#                                             latent MLA) and prompt scoring (benchmarks/bench_prompt_scores.py). On two GPUs also
+#                                             latent MLA), on the Qwen3.5 4B and 35B-A3B shapes (the hybrids), and
+#                                             prompt scoring (benchmarks/bench_prompt_scores.py). On two GPUs also
 #                                             the exchange's paths (benchmarks/bench_tp_exchange.py), vexact at TP=2 and at PP=2
 #                                             against stock at the same size (Qwen3-8B and Qwen3-30B-A3B shapes; BENCH ARGS apply there too)
 #   bash scripts/gpu.sh verl                  verl's one-GPU GRPO smoke (examples/verl/smoke_1gpu.sh) on the tiny DeepSeek-V3,
@@ -111,6 +112,12 @@ bench() {
   # DeepSeek (MLA): vexact's per-head K/V cache against stock's latent MLA (the target: >= 0.85x)
   run bench-moonlight "$py" -m vexact_vllm.cli bench --model moonlight-16b-a3b-shape --configs stock,vexact \
     --workload default,grpo:32 --interleave "$@"
+  # The hybrids (Gated DeltaNet): Qwen3.5 at 4B and 35B-A3B in the published vision-language layout (stock
+  # runs its language model only, both sides without prefix caching: cli/model_engine.py)
+  for model in qwen3.5-4b-shape qwen3.5-35b-a3b-shape; do
+    run "bench-$model" "$py" -m vexact_vllm.cli bench --model "$model" --configs stock,vexact \
+      --workload default,grpo:32 --interleave "$@"
+  done
   # A teacher's prompt scoring (prompt_logprobs 0 and 5), Qwen3-8B shape, 256 sequences of 1-2k tokens
   run bench-prompt-scores "$py" benchmarks/bench_prompt_scores.py --model qwen3-8b-shape \
     --output "${OUT:-.}/prompt_scores.jsonl"

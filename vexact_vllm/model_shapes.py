@@ -5,7 +5,8 @@
 - SHAPES: a real model's architecture and shapes with random weights drawn by us (Qwen3 dense);
 - CONFIG_ONLY_SHAPES: `(model_type, fields)` of models too large to write: config and tokenizer only,
   for the bench with vLLM's dummy weights (`--load-format dummy`). Fields are the published config.json's
-  (`rope_parameters` when the rotary embedding is not the default one at `rope_theta`).
+  (`rope_parameters` when the rotary embedding is not the default one at `rope_theta`); for a
+  vision-language family (Qwen3.5) its text_config's.
 """
 
 from __future__ import annotations
@@ -55,10 +56,14 @@ DEEPSEEK_V2_LITE_SHAPE = dict(
                      "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
 )  # fmt: skip
 # Qwen3.5's hybrid decoder (Gated DeltaNet on 3 of every 4 layers, gated full attention with heads of 256
-# of which 64 rotate, rope theta 1e7), text model only (the vision tower is not served). The dense one at
-# Qwen3.5-4B's size: hidden 2560, 32 layers, 16 query / 4 key-value heads of 256, Gated DeltaNet 16 key and
-# 32 value heads of 128, dense MLP 9216, tied embeddings. Config only.
-_QWEN3_5_ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}
+# of which 64 rotate, rope theta 1e7), written in the layout Qwen publishes (Qwen3_5ForConditionalGeneration:
+# these fields are the text_config's, M-RoPE sections in its rope parameters, a vision_config beside it; the
+# vision tower is never built: vexact serves the text model, stock runs its language model only, so stock
+# vLLM, which has no text-only Qwen3.5 architecture, runs the same checkpoint). The dense one at Qwen3.5-4B's
+# size: hidden 2560, 32 layers, 16 query / 4 key-value heads of 256, Gated DeltaNet 16 key and 32 value heads
+# of 128, dense MLP 9216, tied embeddings. Config only.
+_QWEN3_5_ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                 "mrope_section": [11, 11, 10], "mrope_interleaved": True}  # fmt: skip
 QWEN3_5_4B_SHAPE = dict(
     hidden_size=2560, intermediate_size=9216, num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4,
     head_dim=256, vocab_size=248320, tie_word_embeddings=True, max_position_embeddings=262144, rms_norm_eps=1e-6,
@@ -79,8 +84,8 @@ CONFIG_ONLY_SHAPES = {  # name: (model_type, fields)
     "qwen3-30b-a3b-shape": ("qwen3_moe", QWEN3_30B_A3B_SHAPE),
     "moonlight-16b-a3b-shape": ("deepseek_v3", MOONLIGHT_16B_A3B_SHAPE),
     "deepseek-v2-lite-shape": ("deepseek_v2", DEEPSEEK_V2_LITE_SHAPE),
-    "qwen3.5-4b-shape": ("qwen3_5_text", QWEN3_5_4B_SHAPE),
-    "qwen3.5-35b-a3b-shape": ("qwen3_5_moe_text", QWEN3_5_35B_A3B_SHAPE),
+    "qwen3.5-4b-shape": ("qwen3_5", QWEN3_5_4B_SHAPE),
+    "qwen3.5-35b-a3b-shape": ("qwen3_5_moe", QWEN3_5_35B_A3B_SHAPE),
 }
 BUILTIN_MODELS = (*(f.tiny_name for f in FAMILIES if f.tiny is not None), *SHAPES, *CONFIG_ONLY_SHAPES)
 # The built-in models that have weights (what `vexact-vllm check` can run): all but the config-only shapes.

@@ -259,7 +259,8 @@ def _build(path: Path, force: bool, weights: bool, write) -> Path:
         tok = AutoTokenizer.from_pretrained(str(tmp))
         config = write(tmp, len(tok), tok.convert_tokens_to_ids(EOS_TOKEN))
         # Only the special ids, no sampling defaults (overwrites the one save_pretrained wrote).
-        gen_cfg = {k: getattr(config, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        text = config.get_text_config()  # a vision-language config keeps them in its text_config
+        gen_cfg = {k: getattr(text, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
         GenerationConfig(**gen_cfg).save_pretrained(str(tmp))
         _install(tmp, path, weights)
     finally:
@@ -354,13 +355,22 @@ def build_from_config_file(config_file: Path | str, path: Path | str, seed: int 
 
 def shape_config(model_type: str, fields: dict, special_id: int) -> PretrainedConfig:
     """The config of family `model_type` with `fields` (a QWEN3_1_7B_SHAPE-like dict), bf16, special ids set.
-    The rotary embedding: `fields["rope_parameters"]` when given (YaRN), else the default one at `rope_theta`."""
+    The rotary embedding: `fields["rope_parameters"]` when given (YaRN), else the default one at `rope_theta`.
+    A vision-language family (`text_config`: Qwen3.5 as published) takes `fields` as its text_config, with
+    a vision_config of transformers' defaults whose output width is the text model's."""
     fields = dict(fields)
     rope = fields.pop("rope_parameters", None) or {"rope_type": "default", "rope_theta": float(fields.pop("rope_theta"))}
     family = BY_MODEL_TYPE[model_type]
+    specials = dict(bos_token_id=special_id, eos_token_id=special_id, pad_token_id=special_id)
+    if family.text_config:
+        text = {**fields, "rope_parameters": rope, **specials, "dtype": "bfloat16"}
+        return family.hf_config_class()(
+            text_config=text, vision_config={"out_hidden_size": fields["hidden_size"]},
+            tie_word_embeddings=fields.get("tie_word_embeddings", False), dtype="bfloat16",
+            architectures=[family.architecture],
+        )
     return family.hf_config_class()(
-        **fields, rope_parameters=rope, bos_token_id=special_id, eos_token_id=special_id, pad_token_id=special_id,
-        dtype="bfloat16", architectures=[family.architecture],
+        **fields, rope_parameters=rope, **specials, dtype="bfloat16", architectures=[family.architecture],
     )
 
 

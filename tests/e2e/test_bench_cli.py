@@ -359,3 +359,35 @@ def test_settings_line_names_what_each_configuration_sets_itself(monkeypatch):
     if own:  # a variant that sets a VEXACT_* variable of its own
         env = " ".join(f"{k}={v}" for k, v in bench.CONFIGS[own[0]]["env"].items() if k.startswith("VEXACT_"))
         assert bench.settings_line(["vexact", own[0]]).endswith(f"; {own[0]} sets {env}")
+
+
+@pytest.mark.vllm
+def test_engines_get_the_checkpoints_engine_arguments_under_the_users(monkeypatch):
+    """Each configuration's engine gets what the checkpoint asks of it (model_engine.py: stock's side
+    asked as stock), --engine-kwargs over them; the report line names them per configuration."""
+    import vllm
+
+    from vexact_vllm.cli.bench import add_arguments
+
+    seen = {}
+
+    class FakeLLM:
+        def __init__(self, model, **kwargs):
+            seen[kwargs["model_impl"]] = kwargs
+
+    asked = lambda path, stock: {"enable_prefix_caching": False, **({"language_model_only": True} if stock else {})}
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    monkeypatch.setattr(bench_engine, "model_engine_kwargs", asked)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for config, user in (("stock", {"language_model_only": False, "block_size": 32}), ("vexact", {"block_size": 32})):
+        args = parser.parse_args(["--engine-kwargs", json.dumps(user)])
+        args.model, args.config, args.vocab_limit = "/some/checkpoint", config, 100
+        bench_engine.EngineRun(args)
+    assert seen["vllm"]["enable_prefix_caching"] is False and seen["vllm"]["language_model_only"] is False
+    assert seen["vexact"]["enable_prefix_caching"] is False and "language_model_only" not in seen["vexact"]
+    assert seen["vllm"]["block_size"] == seen["vexact"]["block_size"] == 32
+    line = bench_engine.checkpoint_line("/some/checkpoint", ["stock", "vexact"])
+    assert line == "stock: enable_prefix_caching=False, language_model_only=True; vexact: enable_prefix_caching=False"
+    monkeypatch.setattr(bench_engine, "model_engine_kwargs", lambda path, stock: {})
+    assert bench_engine.checkpoint_line("/some/checkpoint", ["stock", "vexact"]) == ""

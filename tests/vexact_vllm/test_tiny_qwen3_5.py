@@ -1,7 +1,7 @@
 """The built-in hybrid checkpoints (tiny-qwen3.5, tiny-qwen3.5-moe, tiny-qwen3-next): Gated DeltaNet and
 gated full attention layers of each kind, loadable by transformers with nothing missing; and the Qwen3.5
-bench stand-ins (qwen3.5-4b-shape, qwen3.5-35b-a3b-shape): config and tokenizer only, our DecoderConfig
-builds from each."""
+bench stand-ins (qwen3.5-4b-shape, qwen3.5-35b-a3b-shape): config and tokenizer only, in the layout Qwen
+publishes (vision-language, the decoder in text_config), our DecoderConfig builds from each."""
 
 from __future__ import annotations
 
@@ -47,8 +47,9 @@ def test_builtin_names_are_the_short_ones(tmp_path, monkeypatch):
     assert Path(builtin_model("tiny-qwen3.5")).name.startswith("tiny-qwen3_5_text")
 
 
-@pytest.mark.parametrize("name,arch,layers,moe", [("qwen3.5-4b-shape", "Qwen3_5ForCausalLM", 32, None),
-                                                  ("qwen3.5-35b-a3b-shape", "Qwen3_5MoeForCausalLM", 40, (256, 8, 512))])
+@pytest.mark.parametrize("name,arch,layers,moe", [
+    ("qwen3.5-4b-shape", "Qwen3_5ForConditionalGeneration", 32, None),
+    ("qwen3.5-35b-a3b-shape", "Qwen3_5MoeForConditionalGeneration", 40, (256, 8, 512))])
 def test_qwen3_5_shapes_are_config_only(name, arch, layers, moe, tmp_path, monkeypatch):
     monkeypatch.setenv("VEXACT_VLLM_CACHE", str(tmp_path))
     with pytest.raises(ValueError, match="--load-format dummy"):
@@ -56,7 +57,9 @@ def test_qwen3_5_shapes_are_config_only(name, arch, layers, moe, tmp_path, monke
     path = Path(builtin_model(name, weights=False))
     assert not (path / "model.safetensors").exists() and (path / "tokenizer.json").is_file()
     hf = AutoConfig.from_pretrained(path)
-    assert hf.architectures == [arch]
+    assert hf.architectures == [arch]  # the published layout: stock vLLM has no text-only Qwen3.5
+    assert hf.vision_config.out_hidden_size == hf.text_config.hidden_size
+    assert hf.text_config.rope_parameters["mrope_section"] == [11, 11, 10]
     config = DecoderConfig.from_hf(hf)
     assert (config.num_layers, config.head_dim, config.rotary_dim, config.vocab_size) == (layers, 256, 64, 248320)
     assert config.linear.layers == tuple(i for i in range(layers) if (i + 1) % 4)

@@ -39,7 +39,7 @@ import shlex
 import subprocess
 import sys
 
-from .bench_engine import CONFIGS, DEFAULT_CONFIGS, EngineRun, profiler_dir, run_order
+from .bench_engine import CONFIGS, DEFAULT_CONFIGS, EngineRun, checkpoint_line, profiler_dir, run_order
 from .bench_interleave import run_interleaved, serve, shared_engine_kwargs
 from .bench_report import git_commit, markdown_report, summarize, summary_table, to_table
 from .bench_workloads import apply_workload, describe, for_workload, shared_max_model_len, workload_list
@@ -227,10 +227,12 @@ def _bench_workload(args, names: list[str], interleaved: list[dict] | None, shar
                    if args.interleave else ""))  # fmt: skip
     rows = summarize(results)
     meta = {"date": datetime.date.today().isoformat(), "command": _command_line(args), "commit": git_commit(),
-            "workload": workload, "settings": settings_line(names),
+            "workload": workload, "settings": settings_line(names), "engine": checkpoint_line(args.model, names),
             "device": next((r["device"] for r in results if "device" in r), "unknown")}  # fmt: skip
     print(workload)
     print(f"settings: {meta['settings']}")
+    if meta["engine"]:
+        print(f"engine arguments the checkpoint asks for: {meta['engine']}")
     print(summary_table(rows))
     if args.report:
         print("\n" + markdown_report(rows, meta))

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from vexact_vllm import MODEL_IMPL
 
 from .bench_workloads import for_workload, requests
+from .model_engine import model_engine_kwargs
 
 CONFIGS = {
     "stock": {"model_impl": "vllm", "env": {}},
@@ -62,7 +63,7 @@ class EngineRun:
             load_format=args.load_format, skip_tokenizer_init=True, max_model_len=args.max_model_len,
             enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
-            **profiler_kwargs(args), **json.loads(args.engine_kwargs),
+            **{**checkpoint_kwargs(args.model, args.config), **profiler_kwargs(args), **json.loads(args.engine_kwargs)},
         )  # fmt: skip
         self.startup_s = time.perf_counter() - t0
         self.workloads = {name: self._requests(for_workload(args, name)) for name in args.workload.split(",")}
@@ -108,6 +109,23 @@ class EngineRun:
                 "output_tokens": tokens, "output_tok_s": tokens / elapsed, "passes": len(passes),
                 "pass_tokens": [n for n, _ in passes], "pass_s": [s for _, s in passes],
                 "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"}  # fmt: skip
+
+
+def checkpoint_kwargs(model_path: str, config: str) -> dict:
+    """The engine arguments the checkpoint asks of configuration `config` (model_engine.py: a hybrid's
+    prefix caching off, stock's Triton GDN prefill without FlashInfer, stock's language model only of a
+    vision-language checkpoint); --engine-kwargs can override them."""
+    return model_engine_kwargs(model_path, stock=CONFIGS[config]["model_impl"] != MODEL_IMPL)
+
+
+def checkpoint_line(model_path: str, names: list[str]) -> str:
+    """What `checkpoint_kwargs` gives each of the configurations `names`, for the report ('' when nothing)."""
+    parts = []
+    for name in names:
+        kwargs = checkpoint_kwargs(model_path, name)
+        if kwargs:
+            parts.append(f"{name}: " + ", ".join(f"{k}={v}" for k, v in kwargs.items()))
+    return "; ".join(parts)
 
 
 def profiler_dir(args) -> str:

@@ -132,12 +132,14 @@ def summary_table(rows: list[dict]) -> str:
 
 def markdown_report(rows: list[dict], meta: dict) -> str:
     """A markdown section for a results page: date, device, commit, command, workload and the table.
-    `meta` holds `date`, `device`, `commit`, `command`, `workload` and, optionally, `settings`."""
+    `meta` holds `date`, `device`, `commit`, `command`, `workload` and, optionally, `settings` and
+    `engine` (the engine arguments the checkpoint asks for)."""
     head = ["configuration", "runs", "start-up s (median)", "vs stock", "output tok/s (median)", "min", "max",
             "spread", "vs stock", "per repeat vs stock", "vs BI", "pass drift"]  # fmt: skip
     lines = [f"## {meta['date']}: `vexact-vllm bench`, {meta['device']}", "",
              f"Commit: {meta['commit']}. Command: `{meta['command']}`", "", f"Workload: {meta['workload']}.", "",
              *([f"Settings: `{meta['settings']}`.", ""] if meta.get("settings") else []),
+             *([f"Engine arguments the checkpoint asks for: `{meta['engine']}`.", ""] if meta.get("engine") else []),
              "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]  # fmt: skip
     for row in rows:
         cells = _cells(row, sep=",")

