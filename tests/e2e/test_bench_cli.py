@@ -391,3 +391,11 @@ def test_engines_get_the_checkpoints_engine_arguments_under_the_users(monkeypatc
     assert line == "stock: enable_prefix_caching=False, language_model_only=True; vexact: enable_prefix_caching=False"
     monkeypatch.setattr(bench_engine, "model_engine_kwargs", lambda path, stock: {})
     assert bench_engine.checkpoint_line("/some/checkpoint", ["stock", "vexact"]) == ""
+
+
+def test_vocab_size_of_a_vision_language_checkpoint(tmp_path):
+    """The ids drawn stay below the vocabulary, which a vision-language config.json keeps in text_config."""
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 448}, "vision_config": {}}))
+    assert bench._vocab_size(str(tmp_path)) == 448
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 151936}))
+    assert bench._vocab_size(str(tmp_path)) == 151936

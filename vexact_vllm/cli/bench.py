@@ -101,9 +101,11 @@ def resolve_model(name: str, load_format: str) -> str:
 
 
 def _vocab_size(model: str) -> int:
+    """The checkpoint's vocabulary (a vision-language config.json keeps it in its text_config)."""
     from pathlib import Path
 
-    return int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
+    config = json.loads((Path(model) / "config.json").read_text())
+    return int(config.get("text_config", config)["vocab_size"])
 
 
 def default_configs() -> list[str]:
