@@ -16,7 +16,8 @@ the top-k and rank `kernels.score_tokens` gives over the trainer's own log-probs
 
 Memory: never [prompt_len, V] at once. A chunk holds its fp32 logits, c x V x 4 bytes (622 MB for
 1,024 rows at V = 151,936; vLLM's own chunk costs the same), the log-probs written over them, and
-with top-k the int64 keys of one row block (kernels.sampling.logprob_topk.BLOCK_ELEMENTS: 128 MiB).
+with top-k torch.topk's picks and a comparison mask of one row block, and for rows with a tie at the
+k-th place the int64 keys of one row block (kernels.sampling.logprob_topk.BLOCK_ELEMENTS: 128 MiB).
 """
 
 from __future__ import annotations
