@@ -18,8 +18,9 @@ accumulator, what lies past T, N or K read as exact zeros. The weight's strides 
 are loaded, never the order of the additions; neither T, the tile of rows a token falls in, nor the
 other heads change a value. The two backends agree to rounding, so both sides run the same one.
 
-Backward (training only: correct and deterministic, not batch-invariant): fp32 matmuls per head,
-dX[t, h] = dY[t, h] @ W[h], dW[h] = dY[:, h]^T @ X[:, h].
+Backward (training only: correct and deterministic, not batch-invariant), per head
+dX[t, h] = dY[t, h] @ W[h], dW[h] = dY[:, h]^T @ X[:, h]: batched cuBLAS matmuls in the input dtype
+(fp32 accumulation) for bf16 on CUDA, as `linear`'s backward; fp32 matmuls elsewhere.
 """
 
 import torch
@@ -69,8 +70,15 @@ class _HeadLinearFunction(torch.autograd.Function):
     @backward_without_autocast
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        g = grad_out.float()  # [T, H, N]
         grad_x = grad_w = None
+        if grad_out.is_cuda and x.dtype == torch.bfloat16:  # cuBLAS in bf16, fp32 accumulation
+            g = grad_out.to(x.dtype).transpose(0, 1)  # [H, T, N]
+            if ctx.needs_input_grad[0]:
+                grad_x = torch.bmm(g, weight).transpose(0, 1)  # [T, H, K]
+            if ctx.needs_input_grad[1]:
+                grad_w = torch.bmm(g.transpose(1, 2), x.transpose(0, 1))  # [H, N, K]
+            return grad_x, grad_w, None, None
+        g = grad_out.float()  # [T, H, N]
         if ctx.needs_input_grad[0]:
             grad_x = torch.einsum("thn,hnk->thk", g, weight.float()).to(x.dtype)  # [T, H, K]
         if ctx.needs_input_grad[1]:

@@ -111,3 +111,31 @@ def test_cuda_at_mla_sizes(heads):
     """Moonlight / V3 at TP=1: 128 + 512 absorption and 512 -> 128 up-projection, bf16, rows alone and
     in batches of any size against the whole batch, views against copies, accuracy against float64."""
     _check(lambda x, w, out: head_linear(x.cuda(), w.cuda(), out).cpu(), 300, heads, 128, 128, 512, torch.bfloat16)
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("heads", [16, 128])
+def test_cuda_gradients_at_mla_sizes(heads):
+    """The bf16 backward on CUDA (batched cuBLAS, fp32 accumulation) at 128 + 512 through both views of
+    kv_b_proj: against float64 relative to each gradient's scale, and the same bits when run again."""
+    torch.manual_seed(heads)
+    param = (torch.randn(heads * 256, 512) * 0.05).to(torch.bfloat16).cuda()
+    x = torch.randn(300, heads, 128).to(torch.bfloat16).cuda()
+    g = torch.randn(300, heads, 128).to(torch.bfloat16).cuda()
+
+    def grads(dtype):
+        p, xs = param.to(dtype).requires_grad_(), x.to(dtype).requires_grad_()
+        per_head = p.view(heads, 256, 512)
+        w_uk_t, w_uv = per_head[:, :128].transpose(1, 2), per_head[:, 128:]
+        if dtype == torch.float64:
+            y = _reference(_reference(xs, w_uk_t), w_uv)
+        else:
+            y = head_linear(head_linear(xs, w_uk_t), w_uv)
+        (y * g.to(y.dtype)).sum().backward()
+        return xs.grad, p.grad
+
+    got, again, want = grads(torch.bfloat16), grads(torch.bfloat16), grads(torch.float64)
+    for a, b, w in zip(got, again, want):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+        assert (a.double() - w).abs().max() / w.abs().max() < 2e-2
