@@ -373,11 +373,12 @@ def test_engines_get_the_checkpoints_engine_arguments_under_the_users(monkeypatc
 
     class FakeLLM:
         def __init__(self, model, **kwargs):
-            seen[kwargs["model_impl"]] = kwargs
+            seen[kwargs["model_impl"]] = {**kwargs, "model": model}
 
     asked = lambda path, stock: {"enable_prefix_caching": False, **({"language_model_only": True} if stock else {})}
     monkeypatch.setattr(vllm, "LLM", FakeLLM)
     monkeypatch.setattr(bench_engine, "model_engine_kwargs", asked)
+    monkeypatch.setattr(bench_engine, "stock_checkpoint", lambda path: path + "-published")  # stock_layout.py
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     for config, user in (("stock", {"language_model_only": False, "block_size": 32}), ("vexact", {"block_size": 32})):
@@ -387,6 +388,7 @@ def test_engines_get_the_checkpoints_engine_arguments_under_the_users(monkeypatc
     assert seen["vllm"]["enable_prefix_caching"] is False and seen["vllm"]["language_model_only"] is False
     assert seen["vexact"]["enable_prefix_caching"] is False and "language_model_only" not in seen["vexact"]
     assert seen["vllm"]["block_size"] == seen["vexact"]["block_size"] == 32
+    assert seen["vllm"]["model"] == "/some/checkpoint-published" and seen["vexact"]["model"] == "/some/checkpoint"
     line = bench_engine.checkpoint_line("/some/checkpoint", ["stock", "vexact"])
     assert line == "stock: enable_prefix_caching=False, language_model_only=True; vexact: enable_prefix_caching=False"
     monkeypatch.setattr(bench_engine, "model_engine_kwargs", lambda path, stock: {})

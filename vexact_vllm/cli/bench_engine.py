@@ -16,6 +16,7 @@ from vexact_vllm import MODEL_IMPL
 
 from .bench_workloads import for_workload, requests
 from .model_engine import model_engine_kwargs
+from .stock_layout import stock_checkpoint
 
 CONFIGS = {
     "stock": {"model_impl": "vllm", "env": {}},
@@ -58,12 +59,14 @@ class EngineRun:
 
         self.args = args
         t0 = time.perf_counter()
+        stock = CONFIGS[args.config]["model_impl"] != MODEL_IMPL
+        model = stock_checkpoint(args.model) if stock else args.model  # stock_layout.py
         self.llm = LLM(
-            args.model, model_impl=CONFIGS[args.config]["model_impl"], dtype=args.dtype, seed=args.seed,
+            model, model_impl=CONFIGS[args.config]["model_impl"], dtype=args.dtype, seed=args.seed,
             load_format=args.load_format, skip_tokenizer_init=True, max_model_len=args.max_model_len,
             enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
-            **{**checkpoint_kwargs(args.model, args.config), **profiler_kwargs(args), **json.loads(args.engine_kwargs)},
+            **{**checkpoint_kwargs(model, args.config), **profiler_kwargs(args), **json.loads(args.engine_kwargs)},
         )  # fmt: skip
         self.startup_s = time.perf_counter() - t0
         self.workloads = {name: self._requests(for_workload(args, name)) for name in args.workload.split(",")}

@@ -62,8 +62,9 @@ def test_stock_takes_the_checkpoints_engine_arguments_under_the_vexact_ones(tmp_
 
     asked = {}
     monkeypatch.setattr(check, "model_engine_kwargs",
-                        lambda path, stock: asked.setdefault(stock, {"language_model_only": True, "max_num_seqs": 3}))
+                        lambda path, stock: asked.setdefault((path, stock), {"language_model_only": True, "max_num_seqs": 3}))
+    monkeypatch.setattr(check, "stock_checkpoint", lambda path: path + "-published")  # stock_layout.py's twin
     vexact = RolloutSettings(model=_checkpoint(tmp_path, head_dim=128), extra={"max_num_seqs": 24})
     stock = stock_settings(vexact, vexact.model)
-    assert list(asked) == [True] and stock.extra == {"language_model_only": True, "max_num_seqs": 24}
-    assert vexact.extra == {"max_num_seqs": 24}
+    assert list(asked) == [(vexact.model + "-published", True)] and stock.model == vexact.model + "-published"
+    assert stock.extra == {"language_model_only": True, "max_num_seqs": 24} and vexact.extra == {"max_num_seqs": 24}
