@@ -367,6 +367,7 @@ def test_engines_get_the_checkpoints_engine_arguments_under_the_users(monkeypatc
     asked as stock), --engine-kwargs over them; the report line names them per configuration."""
     import vllm
 
+    from vexact_vllm.cli import model_engine, stock_layout
     from vexact_vllm.cli.bench import add_arguments
 
     seen = {}
@@ -377,8 +378,8 @@ def test_engines_get_the_checkpoints_engine_arguments_under_the_users(monkeypatc
 
     asked = lambda path, stock: {"enable_prefix_caching": False, **({"language_model_only": True} if stock else {})}
     monkeypatch.setattr(vllm, "LLM", FakeLLM)
-    monkeypatch.setattr(bench_engine, "model_engine_kwargs", asked)
-    monkeypatch.setattr(bench_engine, "stock_checkpoint", lambda path: path + "-published")  # stock_layout.py
+    monkeypatch.setattr(model_engine, "model_engine_kwargs", asked)
+    monkeypatch.setattr(stock_layout, "stock_checkpoint", lambda path: path + "-published")
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     for config, user in (("stock", {"language_model_only": False, "block_size": 32}), ("vexact", {"block_size": 32})):
@@ -391,7 +392,7 @@ def test_engines_get_the_checkpoints_engine_arguments_under_the_users(monkeypatc
     assert seen["vllm"]["model"] == "/some/checkpoint-published" and seen["vexact"]["model"] == "/some/checkpoint"
     line = bench_engine.checkpoint_line("/some/checkpoint", ["stock", "vexact"])
     assert line == "stock: enable_prefix_caching=False, language_model_only=True; vexact: enable_prefix_caching=False"
-    monkeypatch.setattr(bench_engine, "model_engine_kwargs", lambda path, stock: {})
+    monkeypatch.setattr(model_engine, "model_engine_kwargs", lambda path, stock: {})
     assert bench_engine.checkpoint_line("/some/checkpoint", ["stock", "vexact"]) == ""
 
 

@@ -15,8 +15,7 @@ from collections.abc import Callable
 from vexact_vllm import MODEL_IMPL
 
 from .bench_workloads import for_workload, requests
-from .model_engine import model_engine_kwargs
-from .stock_layout import stock_checkpoint
+from .model_engine import engine_for
 
 CONFIGS = {
     "stock": {"model_impl": "vllm", "env": {}},
@@ -59,14 +58,13 @@ class EngineRun:
 
         self.args = args
         t0 = time.perf_counter()
-        stock = CONFIGS[args.config]["model_impl"] != MODEL_IMPL
-        model = stock_checkpoint(args.model) if stock else args.model  # stock_layout.py
+        model, asked = checkpoint_engine(args.model, args.config)
         self.llm = LLM(
             model, model_impl=CONFIGS[args.config]["model_impl"], dtype=args.dtype, seed=args.seed,
             load_format=args.load_format, skip_tokenizer_init=True, max_model_len=args.max_model_len,
             enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
-            **{**checkpoint_kwargs(model, args.config), **profiler_kwargs(args), **json.loads(args.engine_kwargs)},
+            **{**asked, **profiler_kwargs(args), **json.loads(args.engine_kwargs)},
         )  # fmt: skip
         self.startup_s = time.perf_counter() - t0
         self.workloads = {name: self._requests(for_workload(args, name)) for name in args.workload.split(",")}
@@ -114,18 +112,20 @@ class EngineRun:
                 "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"}  # fmt: skip
 
 
-def checkpoint_kwargs(model_path: str, config: str) -> dict:
-    """The engine arguments the checkpoint asks of configuration `config` (model_engine.py: a hybrid's
-    prefix caching off, stock's Triton GDN prefill without FlashInfer, stock's language model only of a
-    vision-language checkpoint); --engine-kwargs can override them."""
-    return model_engine_kwargs(model_path, stock=CONFIGS[config]["model_impl"] != MODEL_IMPL)
+def checkpoint_engine(model_path: str, config: str) -> tuple[str, dict]:
+    """(the checkpoint configuration `config` loads, the engine arguments it asks for):
+    `model_engine.engine_for` (a hybrid's prefix caching off; for stock a text-only Qwen3.5's
+    published-layout twin, its language model only, the Triton GDN prefill without FlashInfer);
+    --engine-kwargs can override the arguments."""
+    return engine_for(model_path, stock=CONFIGS[config]["model_impl"] != MODEL_IMPL)
 
 
 def checkpoint_line(model_path: str, names: list[str]) -> str:
-    """What `checkpoint_kwargs` gives each of the configurations `names`, for the report ('' when nothing)."""
+    """The engine arguments `checkpoint_engine` gives each of the configurations `names`, for the report
+    ('' when none)."""
     parts = []
     for name in names:
-        kwargs = checkpoint_kwargs(model_path, name)
+        _, kwargs = checkpoint_engine(model_path, name)
         if kwargs:
             parts.append(f"{name}: " + ", ".join(f"{k}={v}" for k, v in kwargs.items()))
     return "; ".join(parts)

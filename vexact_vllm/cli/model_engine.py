@@ -1,5 +1,6 @@
 """The engine arguments a checkpoint's architecture asks for, on either side of a comparison: what the
-check (--against-stock) and the bench add to both engines' `LLM(...)` arguments before the user's own.
+check (--against-stock) and the bench add to both engines' `LLM(...)` arguments before the user's own
+(`engine_for`: with the checkpoint stock loads, stock_layout.py).
 
 - a hybrid decoder (Gated DeltaNet layers: Qwen3-Next, Qwen3.5): `enable_prefix_caching=False` on both
   sides (vexact refuses prefix caching for these models; stock runs like for like), and on stock's side,
@@ -35,6 +36,15 @@ def vision_language(model_path: str) -> bool:
     """The checkpoint's config.json is a vision-language layout (a `vision_config` beside the text model's)."""
     config = Path(model_path) / "config.json"
     return config.is_file() and "vision_config" in json.loads(config.read_text())
+
+
+def engine_for(model_path: str, stock: bool) -> tuple[str, dict]:
+    """(the checkpoint the engine loads, the `LLM(...)` arguments it asks for) for `model_path`; `stock`:
+    stock vLLM's engine, which loads stock_layout.py's published-layout twin where it needs one."""
+    from .stock_layout import stock_checkpoint
+
+    model = stock_checkpoint(model_path) if stock else model_path
+    return model, model_engine_kwargs(model, stock)
 
 
 def model_engine_kwargs(model_path: str, stock: bool) -> dict:

@@ -58,12 +58,12 @@ def test_a_stale_tiny_checkpoint_is_rebuilt(tmp_path):
 
 
 def test_stock_takes_the_checkpoints_engine_arguments_under_the_vexact_ones(tmp_path, monkeypatch):
-    from vexact_vllm.cli import check
+    from vexact_vllm.cli import model_engine, stock_layout
 
     asked = {}
-    monkeypatch.setattr(check, "model_engine_kwargs",
+    monkeypatch.setattr(model_engine, "model_engine_kwargs",
                         lambda path, stock: asked.setdefault((path, stock), {"language_model_only": True, "max_num_seqs": 3}))
-    monkeypatch.setattr(check, "stock_checkpoint", lambda path: path + "-published")  # stock_layout.py's twin
+    monkeypatch.setattr(stock_layout, "stock_checkpoint", lambda path: path + "-published")  # the twin
     vexact = RolloutSettings(model=_checkpoint(tmp_path, head_dim=128), extra={"max_num_seqs": 24})
     stock = stock_settings(vexact, vexact.model)
     assert list(asked) == [(vexact.model + "-published", True)] and stock.model == vexact.model + "-published"

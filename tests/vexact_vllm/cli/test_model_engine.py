@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
-from vexact_vllm.cli import model_engine
-from vexact_vllm.cli.model_engine import model_engine_kwargs, vision_language
+from vexact_vllm.cli import model_engine, stock_layout
+from vexact_vllm.cli.model_engine import engine_for, model_engine_kwargs, vision_language
 
 
 def _checkpoint(tmp_path, **fields):
@@ -49,3 +49,14 @@ def test_hybrid_checkpoints_are_told_apart(tiny_model):
     assert model_engine.has_state_layers(tiny_model("qwen3_5_text"))
     assert not model_engine.has_state_layers(tiny_model("qwen3"))
     assert not model_engine.has_state_layers("/nonexistent/checkpoint")
+
+
+def test_engine_for_asks_of_the_checkpoint_each_side_loads(tmp_path, monkeypatch):
+    """Stock loads stock_layout's twin and its arguments are the twin's; vexact loads the checkpoint itself."""
+    monkeypatch.setattr(model_engine, "has_state_layers", lambda path: False)
+    (tmp_path / "twin").mkdir()
+    twin = _checkpoint(tmp_path / "twin", text_config={}, vision_config={})
+    text = _checkpoint(tmp_path, head_dim=128)
+    monkeypatch.setattr(stock_layout, "stock_checkpoint", lambda path: twin)
+    assert engine_for(text, stock=True) == (twin, {"language_model_only": True})
+    assert engine_for(text, stock=False) == (text, {})
