@@ -125,7 +125,7 @@ def test_cuda_gradients_at_mla_sizes(heads):
     g = torch.randn(300, heads, 128).to(torch.bfloat16).cuda()
 
     def grads(dtype):
-        p, xs = param.to(dtype).requires_grad_(), x.to(dtype).requires_grad_()
+        p, xs = param.to(dtype, copy=True).requires_grad_(), x.to(dtype, copy=True).requires_grad_()
         per_head = p.view(heads, 256, 512)
         w_uk_t, w_uv = per_head[:, :128].transpose(1, 2), per_head[:, 128:]
         if dtype == torch.float64:
