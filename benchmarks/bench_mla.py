@@ -3,6 +3,7 @@ model_patches/mla.py: q 512 + 64 against one shared key head of 512 + 64, values
 against what stock vLLM runs on Hopper, prefill, decode and training; and what each KV cache holds.
 
     python benchmarks/bench_mla.py [--out DIR] [--quick] [--only prefill,decode,train] [--heads 16]
+        [--decode-pages 16,64] [--decode-stages 1,2,3]
 
 Sections (16 heads by default: Moonlight-16B-A3B and DeepSeek-V2-Lite at TP=1, DeepSeek-V3 at TP=8):
 - cache: KV bytes per token of vexact's cache and of stock's (both vLLM's MLA spec: kv_lora_rank +
@@ -15,7 +16,9 @@ Sections (16 heads by default: Moonlight-16B-A3B and DeepSeek-V2-Lite at TP=1, D
 - decode: one query per sequence over `context` keys of the latent cache (scattered pages): ours
   `paged_attention` (16-token pages); fa3-mla: FlashAttention-3 over the latent as vLLM's FLASH_ATTN_MLA
   backend calls it (the first on SM90: the rotary 64 as q/k, the 512 latent as v, q_nope as q_v);
-  flashmla: FlashMLA (64-token pages), the next backend. The same bytes on every side.
+  flashmla: FlashMLA (64-token pages), the next backend. The same bytes on every side. `--decode-pages`
+  and `--decode-stages` time ours at other page sizes and pipelining depths (speed only: neither
+  changes a bit), each against the same stock figures.
 - train: ours forward+backward over the latent against torch SDPA's at 192/128 (vLLM's FlashAttention
   has no backward).
 The per-head absorption and up-projection GEMMs around the attention (kernels.head_linear) are not
@@ -164,36 +167,52 @@ def _train_case(nseq, length, heads):
 
 @section
 def decode(args):
+    variants = [(page, stages) for page in getattr(args, "decode_pages", None) or [16]
+                for stages in getattr(args, "decode_stages", None) or [None]]  # fmt: skip
     for batch, context in DECODE_CASES[: 1 if args.quick else None]:
-        _decode_case(batch, context, args.heads)
+        _decode_case(batch, context, args.heads, variants)
 
 
-def _decode_case(batch, context, heads):
+def _decode_case(batch, context, heads, variants=((16, None),)):
+    """vexact's decode for each (page size, num_stages) variant (None: the kernel's own depth; speed only,
+    neither changes a bit: paged_triton.PAGED_STAGES), then each stock kernel once, every variant against it."""
     from vexact_vllm.kernels import paged_attention
+    from vexact_vllm.kernels.attention import paged_triton
 
     scale = (D_NOPE + D_ROPE) ** -0.5
-    q, cache, table, seq_lens = _latent_inputs(batch, context, heads, 16)
-    k_cache = cache[:, :, None]  # [blocks, page, 1, 576]: the key head; the values its first 512 cells
     qsl = torch.arange(batch + 1, device=DEVICE, dtype=torch.int32)
-    ours = bench_graph(lambda: paged_attention(q, k_cache, k_cache[..., :LATENT], table, seq_lens, qsl, scale))
-    label = f"B={batch} ctx={context} H={heads}"
     per_token = kv_bytes_per_token(1)
-    print(f"decode   {label}: vexact {ours:.4f} ms, {batch * context * per_token / ours / 1e9:.2f} TB/s")
+    timed = []
+    for page, stages in variants:
+        q, cache, table, seq_lens = _latent_inputs(batch, context, heads, page)
+        k_cache = cache[:, :, None]  # [blocks, page, 1, 576]: the key head; the values its first 512 cells
+        if stages is not None:
+            paged_triton.PAGED_STAGES[LATENT] = stages
+        try:
+            args = (q, k_cache, k_cache[..., :LATENT], table, seq_lens, qsl, scale)
+            ms = bench_graph(lambda args=args: paged_attention(*args))
+        finally:
+            paged_triton.PAGED_STAGES.pop(LATENT, None)
+        label = f"B={batch} ctx={context} H={heads}"
+        if list(variants) != [(16, None)]:
+            label += f" page={page} stages={stages or 'own'}"
+        print(f"decode   {label}: vexact {ms:.4f} ms, {batch * context * per_token / ms / 1e9:.2f} TB/s")
+        timed.append((label, ms))
     stocks = [
         ("fa3-mla", lambda: _fa3_mla_decode(batch, context, heads, scale)),
         ("flashmla", lambda: _flashmla_decode(batch, context, heads, scale)),
     ]
-    for stock, timed in stocks:
+    for stock, timer in stocks:
         try:
-            stock_ms = timed()
+            stock_ms = timer()
         except Exception as e:  # a kernel or head-size pair missing from this build: the row says so
-            print(f"decode   {label}: {stock} unavailable ({e})")
-            ROWS.append(
-                {"section": "decode", "case": label, "stock": stock, "vexact_ms": ours, "error": str(e)}
-            )
+            print(f"decode   B={batch} ctx={context} H={heads}: {stock} unavailable ({e})")
+            ROWS.extend({"section": "decode", "case": label, "stock": stock, "vexact_ms": ms, "error": str(e)}
+                        for label, ms in timed)  # fmt: skip
             continue
-        record("decode", label, ours, stock_ms, stock, vexact_tb_s=batch * context * per_token / ours / 1e9,
-               stock_tb_s=batch * context * per_token / stock_ms / 1e9)  # fmt: skip
+        for label, ms in timed:
+            record("decode", label, ms, stock_ms, stock, vexact_tb_s=batch * context * per_token / ms / 1e9,
+                   stock_tb_s=batch * context * per_token / stock_ms / 1e9)  # fmt: skip
 
 
 def _latent_inputs(batch, context, heads, page):
@@ -241,6 +260,11 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="the first case of each section only")
     parser.add_argument("--only", default="", help=f"comma-separated subset of {', '.join(SECTIONS)}")
     parser.add_argument("--heads", type=int, default=16, help="attention heads on the GPU (default 16)")
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    parser.add_argument("--decode-pages", type=ints, default=[16],
+                        help="decode: vexact's cache page sizes to time (default 16, vLLM's block size)")
+    parser.add_argument("--decode-stages", type=ints, default=[],
+                        help="decode: vexact's pipelining depths (num_stages) to time; default the kernel's own")
     args = parser.parse_args(argv)
     chosen = [s for s in args.only.split(",") if s] or list(SECTIONS)
     if unknown := [s for s in chosen if s not in SECTIONS]:

@@ -107,3 +107,35 @@ def test_gpu_sections_plumbing_on_cpu(bench, monkeypatch):
         ((120, 2, 192), (120, 2, 192), (120, 2, 128), False, False),  # stock's prefill: 3 x 40 tokens at 192/128
         ((3, 2, 64), (pages, 16, 1, 64), (pages, 16, 1, 512), True, True),  # the latent: rotary q/k, 512 v
     ]
+
+
+def test_decode_variants_each_against_the_same_stock(bench, monkeypatch):
+    """--decode-pages / --decode-stages: one vexact timing per (page, depth), each recorded against each
+    stock figure; the depth is set for its timing only (PAGED_STAGES is left as found)."""
+    from vexact_vllm.kernels.attention import paged_triton
+
+    calls: list = []
+    fake = types.ModuleType("vllm.vllm_flash_attn")
+    fake.flash_attn_varlen_func = _stand_in_flash_attn(calls)
+    monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn", fake)
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "ROWS", [])
+    seen = []
+
+    def timing(fn, *a, **k):
+        seen.append(dict(paged_triton.PAGED_STAGES))
+        fn()
+        return float(len(seen))
+
+    monkeypatch.setattr(bench, "bench_graph", timing)
+    monkeypatch.setattr(bench, "DECODE_CASES", [(2, 70)])
+    before = dict(paged_triton.PAGED_STAGES)
+    bench.decode(argparse.Namespace(quick=False, heads=2, decode_pages=[16, 64], decode_stages=[3]))
+    assert paged_triton.PAGED_STAGES == before
+    assert seen[:2] == [{**before, bench.LATENT: 3}] * 2  # vexact's two variants, then stock's own timing
+    rows = [r for r in bench.ROWS if "speed" in r]
+    assert [(r["case"], r["vexact_ms"], r["stock"]) for r in rows] == [
+        ("B=2 ctx=70 H=2 page=16 stages=3", 1.0, "fa3-mla"),
+        ("B=2 ctx=70 H=2 page=64 stages=3", 2.0, "fa3-mla"),
+    ]
+    assert {r["stock_ms"] for r in rows} == {3.0}
