@@ -2,7 +2,8 @@
 against flash-linear-attention's and vLLM's kernels, at Qwen3-Next / Qwen3.5 GDN shapes, and check on
 the device that C's decode schedule equals its training forward.
 
-    python benchmarks/bench_gated_delta.py [--v-heads 32,48] [--rows 16] [--output F.json] [--jsonl F.jsonl]
+    python benchmarks/bench_gated_delta.py [--v-heads 32,48] [--rows 16] [--block-v 64] [--warps 8]
+        [--output F.json] [--jsonl F.jsonl]
     TRITON_INTERPRET=1 python benchmarks/bench_gated_delta.py --small    # CPU smoke run, tiny shapes
 
 Shapes: 16 k heads, 32 (Qwen3-Next-80B-A3B) or 48 v heads, d_k = d_v = 128, bf16 inputs, fp32 state.
@@ -15,7 +16,9 @@ Systems:
                  forward+backward (its chunked backward), prefill (the cached op from empty slots).
                  Decode "C@p" = the step kernel for sequences holding p rows of a partial chunk (p = 0,
                  31, 63; p = 63 commits a state): kernel time, its per-sequence indices precomputed as
-                 vLLM's metadata builder would. --rows sets its row tile (ROWS: 16 or 64)
+                 vLLM's metadata builder would. --rows sets its row tile (ROWS: 16 or 64), --block-v its
+                 v tile (BLOCK_V) and --warps its num_warps (WARPS), for every C kernel alike (the
+                 check section says whether the bits still agree)
   fla-chunk      flash-linear-attention's chunk_gated_delta_rule (pip fla-core; skipped if absent)
   fla-recurrent  its fused_recurrent_gated_delta_rule (decode)
   vllm-chunk     vLLM's vendored chunk_gated_delta_rule (train forward, prefill; skipped without vLLM)
@@ -455,6 +458,21 @@ def _compare(case: str, rows: list[dict], results: dict) -> None:
             row["max_abs_diff_vs_c"] = float((got["out"].float() - ours["out"].float()).abs().max())
 
 
+def _set_tiles(block_v: int | None, warps: int | None) -> dict:
+    """C's ROWS, BLOCK_V and WARPS after applying the overrides given (every C kernel reads them at launch)."""
+    from vexact_vllm.kernels.gated_delta import incremental_tiles_triton as tiles
+
+    if block_v is not None:
+        if block_v < 16 or block_v & (block_v - 1):
+            raise SystemExit(f"--block-v must be a power of two of at least 16, got {block_v}")
+        tiles.BLOCK_V = block_v
+    if warps is not None:
+        if warps not in (1, 2, 4, 8, 16):
+            raise SystemExit(f"--warps must be 1, 2, 4, 8 or 16, got {warps}")
+        tiles.WARPS = warps
+    return {"rows": tiles.ROWS, "block_v": tiles.BLOCK_V, "warps": tiles.WARPS}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--v-heads", default=None, help="comma-separated v-head counts (default 32,48)")
@@ -470,6 +488,8 @@ def main(argv=None) -> int:
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     parser.add_argument("--rows", type=int, default=None, help="C's row tile (default: its ROWS, 16)")
+    parser.add_argument("--block-v", type=int, default=None, help="C's v tile (default: its BLOCK_V, 64)")
+    parser.add_argument("--warps", type=int, default=None, help="C's num_warps (default: its WARPS, 8)")
     args = parser.parse_args(argv)
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -495,8 +515,9 @@ def main(argv=None) -> int:
         from vexact_vllm.kernels.gated_delta import incremental_tiles_triton
 
         incremental_tiles_triton.ROWS = min(args.rows or incremental_tiles_triton.ROWS, SMALL_CHUNK if args.small else 64)
+    tiles = _set_tiles(args.block_v, args.warps)
     mode = " (Triton interpreter)" if device == "cpu" and _interpreted() else ""
-    print(f"shape {shape}, v heads {v_heads}, bf16, device {device}{mode}", flush=True)
+    print(f"shape {shape}, v heads {v_heads}, bf16, device {device}{mode}, C tiles {tiles}", flush=True)
 
     rows = []
     for hv in v_heads:
@@ -513,7 +534,8 @@ def main(argv=None) -> int:
             if device == "cuda":
                 torch.cuda.empty_cache()
 
-    report = {"environment": environment(device, PACKAGES), "shape": shape, "dtype": "bf16", "rows": rows}
+    report = {"environment": environment(device, PACKAGES), "shape": shape, "dtype": "bf16", "tiles": tiles,
+              "rows": rows}  # fmt: skip
     with open(args.output, "w") as f:
         json.dump(report, f, indent=2)
     print(f"\nwrote {args.output}")

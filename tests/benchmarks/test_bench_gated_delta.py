@@ -175,3 +175,24 @@ def test_chunked_baseline_adapter_matches_c():
     )
     assert want.dtype == torch.float32 and want.abs().max() > 0.1
     torch.testing.assert_close(out, want, atol=5e-7, rtol=1e-6)
+
+
+def test_tile_overrides_reach_every_c_launch(monkeypatch):
+    """--block-v and --warps set the module values every C kernel reads at launch (the v tile of
+    `block_sizes`, the num_warps of `launch_options`); bad values are refused before anything runs."""
+    from vexact_vllm.kernels.gated_delta import incremental_tiles_triton as tiles
+
+    bench = _load(SCRIPT, "bench_gated_delta_tiles")
+    for name in ("BLOCK_V", "WARPS", "ROWS"):
+        monkeypatch.setattr(tiles, name, getattr(tiles, name))
+    assert bench._set_tiles(None, None) == {"rows": tiles.ROWS, "block_v": 64, "warps": 8}
+    assert bench._set_tiles(32, 4) == {"rows": tiles.ROWS, "block_v": 32, "warps": 4}
+    assert tiles.block_sizes(128, 128) == (128, 128, 32) and tiles.launch_options()["num_warps"] == 4
+    for block_v, warps in ((48, None), (8, None), (None, 3)):
+        with pytest.raises(SystemExit, match="--block-v|--warps"):
+            bench._set_tiles(block_v, warps)
+
+
+def test_smoke_run_reports_its_tiles(smoke_run):
+    _, report, _ = smoke_run
+    assert report["tiles"]["block_v"] == 64 and report["tiles"]["warps"] == 8
