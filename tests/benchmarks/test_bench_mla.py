@@ -82,13 +82,19 @@ def _stand_in_flash_attn(calls: list):
     return flash_attn_varlen_func
 
 
-def test_gpu_sections_plumbing_on_cpu(bench, monkeypatch):
+def _on_cpu(bench, monkeypatch) -> list:
+    """The sections on the CPU with the stand-in FlashAttention and an empty ROWS: the stand-in's calls."""
     calls: list = []
     fake = types.ModuleType("vllm.vllm_flash_attn")
     fake.flash_attn_varlen_func = _stand_in_flash_attn(calls)
     monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn", fake)
     monkeypatch.setattr(bench, "DEVICE", "cpu")
     monkeypatch.setattr(bench, "ROWS", [])
+    return calls
+
+
+def test_gpu_sections_plumbing_on_cpu(bench, monkeypatch):
+    calls = _on_cpu(bench, monkeypatch)
     for name in ("bench", "bench_graph"):  # one call, no timing
         monkeypatch.setattr(bench, name, lambda fn, *a, **k: (fn(), 1.0)[1])
     monkeypatch.setattr(bench, "PREFILL_CASES", [(3, 40)])
@@ -114,12 +120,7 @@ def test_decode_variants_each_against_the_same_stock(bench, monkeypatch):
     stock figure; the depth is set for its timing only (PAGED_STAGES is left as found)."""
     from vexact_vllm.kernels.attention import paged_triton
 
-    calls: list = []
-    fake = types.ModuleType("vllm.vllm_flash_attn")
-    fake.flash_attn_varlen_func = _stand_in_flash_attn(calls)
-    monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn", fake)
-    monkeypatch.setattr(bench, "DEVICE", "cpu")
-    monkeypatch.setattr(bench, "ROWS", [])
+    calls = _on_cpu(bench, monkeypatch)
     seen = []
 
     def timing(fn, *a, **k):
@@ -138,4 +139,4 @@ def test_decode_variants_each_against_the_same_stock(bench, monkeypatch):
         ("B=2 ctx=70 H=2 page=16 stages=3", 1.0, "fa3-mla"),
         ("B=2 ctx=70 H=2 page=64 stages=3", 2.0, "fa3-mla"),
     ]
-    assert {r["stock_ms"] for r in rows} == {3.0}
+    assert {r["stock_ms"] for r in rows} == {3.0} and len(calls) == 1  # stock's kernel timed once for both
