@@ -3,7 +3,7 @@ model_patches/mla.py: q 512 + 64 against one shared key head of 512 + 64, values
 against what stock vLLM runs on Hopper, prefill, decode and training; and what each KV cache holds.
 
     python benchmarks/bench_mla.py [--out DIR] [--quick] [--only prefill,decode,train] [--heads 16]
-        [--decode-pages 16,64] [--decode-stages 1,2,3]
+        [--decode-pages 16,64] [--decode-stages 1,2,3] [--decode-block-m 16,64]
 
 Sections (16 heads by default: Moonlight-16B-A3B and DeepSeek-V2-Lite at TP=1, DeepSeek-V3 at TP=8):
 - cache: KV bytes per token of vexact's cache and of stock's (both vLLM's MLA spec: kv_lora_rank +
@@ -16,9 +16,11 @@ Sections (16 heads by default: Moonlight-16B-A3B and DeepSeek-V2-Lite at TP=1, D
 - decode: one query per sequence over `context` keys of the latent cache (scattered pages): ours
   `paged_attention` (16-token pages); fa3-mla: FlashAttention-3 over the latent as vLLM's FLASH_ATTN_MLA
   backend calls it (the first on SM90: the rotary 64 as q/k, the 512 latent as v, q_nope as q_v);
-  flashmla: FlashMLA (64-token pages), the next backend. The same bytes on every side. `--decode-pages`
-  and `--decode-stages` time ours at other page sizes and pipelining depths (speed only: neither
-  changes a bit), each against the same stock figures.
+  flashmla: FlashMLA (64-token pages), the next backend. The same bytes on every side. `--decode-pages`,
+  `--decode-stages` and `--decode-block-m` time ours at other page sizes, pipelining depths and row
+  tiles, each against the same stock figures and each with `same_bits`: its output equal to the
+  kernel's own launch (pages and depths must keep every bit; a row tile other than training's changes
+  the dots' shape, MMA instruction included, so only this check can say whether decode may take it).
 - train: ours forward+backward over the latent against torch SDPA's at 192/128 (vLLM's FlashAttention
   has no backward).
 The per-head absorption and up-projection GEMMs around the attention (kernels.head_linear) are not
@@ -30,6 +32,7 @@ to DIR/mla.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -167,37 +170,61 @@ def _train_case(nseq, length, heads):
 
 @section
 def decode(args):
-    variants = [(page, stages) for page in getattr(args, "decode_pages", None) or [16]
-                for stages in getattr(args, "decode_stages", None) or [None]]  # fmt: skip
+    variants = [(page, stages, block_m) for page in getattr(args, "decode_pages", None) or [16]
+                for stages in getattr(args, "decode_stages", None) or [None]
+                for block_m in getattr(args, "decode_block_m", None) or [None]]  # fmt: skip
     for batch, context in DECODE_CASES[: 1 if args.quick else None]:
         _decode_case(batch, context, args.heads, variants)
 
 
-def _decode_case(batch, context, heads, variants=((16, None),)):
-    """vexact's decode for each (page size, num_stages) variant (None: the kernel's own depth; speed only,
-    neither changes a bit: paged_triton.PAGED_STAGES), then each stock kernel once, every variant against it."""
-    from vexact_vllm.kernels import paged_attention
+@contextlib.contextmanager
+def _latent_launch(stages, block_m):
+    """paged_attention's latent launches with another num_stages (PAGED_STAGES: speed only) and another
+    row tile (BLOCK_M: a different dot shape, whose bits the decode section compares), None: its own."""
     from vexact_vllm.kernels.attention import paged_triton
+
+    own = paged_triton.latent_config
+
+    def config(latent_dim, rope_dim, heads):
+        group, block, warps, depth = own(latent_dim, rope_dim, heads)
+        if block_m is None:
+            return group, block, warps, depth
+        return max(g for g in range(1, min(heads, block_m) + 1) if heads % g == 0), block_m, warps, depth
+
+    if stages is not None:
+        paged_triton.PAGED_STAGES[LATENT] = stages
+    paged_triton.latent_config = config
+    try:
+        yield
+    finally:
+        paged_triton.PAGED_STAGES.pop(LATENT, None)
+        paged_triton.latent_config = own
+
+
+def _decode_case(batch, context, heads, variants=((16, None, None),)):
+    """vexact's decode for each (page size, num_stages, BLOCK_M) variant (None: the kernel's own), each
+    with `same_bits`: its output equal to the kernel's own launch on the same inputs (a page size or a
+    depth must never change a bit; a row tile may), then each stock kernel once, every variant against it."""
+    from vexact_vllm.kernels import paged_attention
 
     scale = (D_NOPE + D_ROPE) ** -0.5
     qsl = torch.arange(batch + 1, device=DEVICE, dtype=torch.int32)
     per_token = kv_bytes_per_token(1)
     timed = []
-    for page, stages in variants:
+    for page, stages, block_m in variants:
         q, cache, table, seq_lens = _latent_inputs(batch, context, heads, page)
         k_cache = cache[:, :, None]  # [blocks, page, 1, 576]: the key head; the values its first 512 cells
-        if stages is not None:
-            paged_triton.PAGED_STAGES[LATENT] = stages
-        try:
-            args = (q, k_cache, k_cache[..., :LATENT], table, seq_lens, qsl, scale)
+        args = (q, k_cache, k_cache[..., :LATENT], table, seq_lens, qsl, scale)
+        own = paged_attention(*args)
+        with _latent_launch(stages, block_m):
+            same = bool(torch.equal(paged_attention(*args), own))
             ms = bench_graph(lambda args=args: paged_attention(*args))
-        finally:
-            paged_triton.PAGED_STAGES.pop(LATENT, None)
         label = f"B={batch} ctx={context} H={heads}"
-        if list(variants) != [(16, None)]:
-            label += f" page={page} stages={stages or 'own'}"
-        print(f"decode   {label}: vexact {ms:.4f} ms, {batch * context * per_token / ms / 1e9:.2f} TB/s")
-        timed.append((label, ms))
+        if list(variants) != [(16, None, None)]:
+            label += f" page={page} stages={stages or 'own'} block_m={block_m or 'own'}"
+        print(f"decode   {label}: vexact {ms:.4f} ms, {batch * context * per_token / ms / 1e9:.2f} TB/s, "
+              f"same bits as its own launch: {same}")  # fmt: skip
+        timed.append((label, ms, same))
     stocks = [
         ("fa3-mla", lambda: _fa3_mla_decode(batch, context, heads, scale)),
         ("flashmla", lambda: _flashmla_decode(batch, context, heads, scale)),
@@ -207,12 +234,12 @@ def _decode_case(batch, context, heads, variants=((16, None),)):
             stock_ms = timer()
         except Exception as e:  # a kernel or head-size pair missing from this build: the row says so
             print(f"decode   B={batch} ctx={context} H={heads}: {stock} unavailable ({e})")
-            ROWS.extend({"section": "decode", "case": label, "stock": stock, "vexact_ms": ms, "error": str(e)}
-                        for label, ms in timed)  # fmt: skip
+            ROWS.extend({"section": "decode", "case": label, "stock": stock, "vexact_ms": ms, "same_bits": same,
+                         "error": str(e)} for label, ms, same in timed)  # fmt: skip
             continue
-        for label, ms in timed:
+        for label, ms, same in timed:
             record("decode", label, ms, stock_ms, stock, vexact_tb_s=batch * context * per_token / ms / 1e9,
-                   stock_tb_s=batch * context * per_token / stock_ms / 1e9)  # fmt: skip
+                   stock_tb_s=batch * context * per_token / stock_ms / 1e9, same_bits=same)  # fmt: skip
 
 
 def _latent_inputs(batch, context, heads, page):
@@ -265,6 +292,8 @@ def main(argv=None) -> int:
                         help="decode: vexact's cache page sizes to time (default 16, vLLM's block size)")
     parser.add_argument("--decode-stages", type=ints, default=[],
                         help="decode: vexact's pipelining depths (num_stages) to time; default the kernel's own")
+    parser.add_argument("--decode-block-m", type=ints, default=[],
+                        help="decode: vexact's row tiles (BLOCK_M) to time, each checked for the bits of its own")
     args = parser.parse_args(argv)
     chosen = [s for s in args.only.split(",") if s] or list(SECTIONS)
     if unknown := [s for s in chosen if s not in SECTIONS]:

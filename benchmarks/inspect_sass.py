@@ -1,7 +1,7 @@
 """Compile vexact's attention kernels for Hopper (sm_90a) on any machine, no GPU needed, and print what
 the hardware would run: registers, spills, shared memory, and the instruction mix of each kernel.
 
-    python benchmarks/inspect_sass.py [--kernels paged,paged-shared,prefix,varlen,dkdv,dq,groups,paged-thin,...] [--head-dim 128] [--group 2]
+    python benchmarks/inspect_sass.py [--kernels paged,paged-shared,prefix,varlen,dkdv,dq,groups,paged-thin,latent,...] [--head-dim 128] [--group 2]
         [--block-m 64] [--out DIR]
 
 Why: device time is scarce; a kernel that spills, loads K/V with scalar 16-bit loads instead of
@@ -39,8 +39,8 @@ from vexact_vllm.kernels.settings import DEFAULT_KEY_SPLIT
 
 FLOATS = {"qk_scale", "scale"}
 INT_POINTERS = {"block_table_ptr", "seq_lens_ptr", "start_loc_ptr", "cu_ptr", "resume_ptr", "members_ptr", "tiles_ptr", "starts_ptr", "count_ptr", "table_ptr", "qsl_ptr",
-                "scratch_ptr"}  # fmt: skip
-FP32_POINTERS = {"lse_ptr", "delta_ptr", "ws_acc_ptr", "ws_ml_ptr"}
+                "scratch_ptr", "part_n_ptr"}  # fmt: skip
+FP32_POINTERS = {"lse_ptr", "delta_ptr", "ws_acc_ptr", "ws_ml_ptr", "part_acc_ptr", "part_ml_ptr"}
 # Instruction families worth counting (SASS opcode prefixes).
 FAMILIES = ("HGMMA", "HMMA", "LDGSTS", "LDG", "STG", "LDS", "STS", "LDSM", "STL", "LDL", "MUFU", "SHFL",
             "WARPGROUP", "BAR", "DEPBAR")  # fmt: skip
@@ -77,6 +77,13 @@ def specs(head_dim: int, group: int, block_m: int | None, warps: int | None = No
     paged = dict(common, BLOCK_M=block_m, PAGE=16, SHARED=False)
     shared_opts = dict(fwd_opts, num_stages=paged_fwd.SHARED_STAGES.get(head_dim, fwd_stages))  # paged_attention(shared=)
     thin = dict(fwd_opts, num_stages=max((st for _, st in paged_fwd.THIN_STAGES.get(head_dim, ())), default=fwd_stages))
+    # DeepSeek's latent (MLA): 512 latent + 64 rotary dims, one key head, 16 query heads a tile (Moonlight,
+    # V2-Lite at TP=1), as paged_attention launches it; -split: a decode step's key chunks as programs
+    lat_group, lat_m, lat_warps, lat_stages = core.latent_config(512, 64, 16)
+    latent = dict(GROUP=lat_group, HEAD_DIM=512, HEAD_DIM_V=512, BLOCK_D=512, BLOCK_DV=512, BLOCK_M=block_m or lat_m,
+                  BLOCK_N=KEY_TILE, PAGE=16, PRECISION="tf32", DOT_FP32=False, SHARED=False, HEAD_DIM_R=64,
+                  BLOCK_R=64)  # fmt: skip
+    latent_opts = dict(num_warps=warps or lat_warps, num_stages=lat_stages, enable_fp_fusion=False)
     return {
         "paged": (paged_fwd._paged_fwd_kernel, paged, fwd_opts),
         # rows past the default key split fold their chunks in the program (grpo's, long's)
@@ -93,6 +100,9 @@ def specs(head_dim: int, group: int, block_m: int | None, warps: int | None = No
         "varlen": (varlen_fwd._varlen_fwd_kernel, dict(common, BLOCK_M=block_m, STORE_LSE=True), fwd_opts),
         "dkdv": (bwd._dkdv_kernel, dict(bwd_common, BLOCK_M=kv_m, BLOCK_N=kv_n), dict(num_warps=kv_w, num_stages=kv_s)),
         "dq": (bwd._dq_kernel, dict(bwd_common, BLOCK_M=q_m, BLOCK_N=q_n), dict(num_warps=q_w, num_stages=q_s)),
+        "latent": (paged_fwd._paged_fwd_kernel, latent, latent_opts),
+        "latent-split": (paged_fwd._paged_fwd_kernel, dict(latent, SPLIT_TILES=DEFAULT_KEY_SPLIT // KEY_TILE,
+                         PARTIAL=True, CHUNKS=4), latent_opts),  # fmt: skip
     }
 
 
