@@ -2,6 +2,7 @@
 (sm_90a) on any machine, no GPU needed, and check what the bitwise invariant needs of the compiled code.
 
     python benchmarks/inspect_gated_delta.py [--dtype bf16|fp32] [--rows 16] [--block-v 64] [--warps 4] [--out DIR]
+        [--lines 20]
 
 The step kernel reproduces a chunk kernel's row only if every shared routine
 (`incremental_tiles_triton.py`) compiles to the same arithmetic in both. Triton picks each tensor's layout
@@ -13,6 +14,8 @@ per kernel, from the code around it, so the check is on the compiled TTGIR:
    `first_column`: one nonzero term), never a sum that rounds (its tree would follow the layout);
 3. each kernel's shared memory fits an H100/H200 SM (227 KiB), with its registers and spills where the
    bundled ptxas reports them.
+--lines N prints each kernel's SASS instructions by source line, the N lines with the most
+(`sass_lines.py`: a static map of where the code is, without a GPU).
 Exit status 1 when a check fails. Run it with the GPU host's Triton to check that version's choices.
 """
 
@@ -27,6 +30,7 @@ import sys
 import tempfile
 
 import triton
+from sass_lines import line_profile, print_profile
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -172,6 +176,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warps", type=int, default=tiles.WARPS, help="forward warps (incremental_tiles_triton.WARPS)")
     parser.add_argument("--kernels", default=None, help="comma-separated subset (default: all)")
     parser.add_argument("--out", help="folder for each kernel's PTX and TTGIR")
+    parser.add_argument("--lines", type=int, default=0, help="print each kernel's N busiest source lines (SASS)")
     args = parser.parse_args(argv)
     out_dir = args.out or tempfile.mkdtemp(prefix="vexact-gdn-")
     os.makedirs(out_dir, exist_ok=True)
@@ -190,6 +195,8 @@ def main(argv=None) -> int:
             failures.append(f"{name}: does not compile: {str(e)[-1200:]}")
             continue
         print(f"{name:10} shared {stats['shared']:>7} B  registers {stats['registers']:>4}  spill stores {stats['spill_stores']}")
+        if args.lines:
+            print_profile(line_profile(os.path.join(out_dir, f"{name}.ptx")), args.lines)
         if stats["shared"] > SHARED_LIMIT:
             failures.append(f"{name}: {stats['shared']} B of shared memory > {SHARED_LIMIT}")
 

@@ -2,7 +2,7 @@
 the hardware would run: registers, spills, shared memory, and the instruction mix of each kernel.
 
     python benchmarks/inspect_sass.py [--kernels paged,paged-shared,prefix,varlen,dkdv,dq,groups,paged-thin,latent,...] [--head-dim 128] [--group 2]
-        [--block-m 64] [--out DIR]
+        [--block-m 64] [--lines 20] [--out DIR]
 
 Why: device time is scarce; a kernel that spills, loads K/V with scalar 16-bit loads instead of
 128-bit cp.async (LDGSTS), or waits on every wgmma (HGMMA) shows it in its SASS, before any timing.
@@ -25,6 +25,7 @@ import sys
 import tempfile
 
 import triton
+from sass_lines import line_profile, print_profile
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -152,6 +153,7 @@ def main() -> int:
     parser.add_argument("--maxnreg", type=int, help="cap each kernel's registers a thread (ptxas .maxnreg; "
                         "spills show in spill_stores): how many programs could share an SM")  # fmt: skip
     parser.add_argument("--out", help="folder for the cubin, PTX and SASS of each kernel")
+    parser.add_argument("--lines", type=int, default=0, help="print each kernel's N busiest source lines (sass_lines.py)")
     args = parser.parse_args()
     out_dir = args.out or tempfile.mkdtemp(prefix="vexact-sass-")
     os.makedirs(out_dir, exist_ok=True)
@@ -166,6 +168,8 @@ def main() -> int:
         mix = row.pop("mix")
         print(" ".join(f"{k}={v}" for k, v in row.items()))
         print("   ", " ".join(f"{k}:{v}" for k, v in mix.items()))
+        if args.lines:
+            print_profile(line_profile(os.path.join(out_dir, f"{name}.ptx")), args.lines)
     return 0
 
 
