@@ -3,7 +3,7 @@ against flash-linear-attention's and vLLM's kernels, at Qwen3-Next / Qwen3.5 GDN
 the device that C's decode schedule equals its training forward.
 
     python benchmarks/bench_gated_delta.py [--v-heads 32,48] [--rows 16] [--block-v 64] [--warps 8]
-        [--output F.json] [--jsonl F.jsonl]
+        [--step-warps 4] [--step-maxnreg 128] [--output F.json] [--jsonl F.jsonl]
     TRITON_INTERPRET=1 python benchmarks/bench_gated_delta.py --small    # CPU smoke run, tiny shapes
 
 Shapes: 16 k heads, 32 (Qwen3-Next-80B-A3B) or 48 v heads, d_k = d_v = 128, bf16 inputs, fp32 state.
@@ -17,8 +17,9 @@ Systems:
                  Decode "C@p" = the step kernel for sequences holding p rows of a partial chunk (p = 0,
                  31, 63; p = 63 commits a state): kernel time, its per-sequence indices precomputed as
                  vLLM's metadata builder would. --rows sets its row tile (ROWS: 16 or 64), --block-v its
-                 v tile (BLOCK_V) and --warps its num_warps (WARPS), for every C kernel alike (the
-                 check section says whether the bits still agree)
+                 v tile (BLOCK_V) and --warps its num_warps (WARPS), for every C kernel alike;
+                 --step-warps and --step-maxnreg the step kernel's alone (how many decode programs
+                 share an SM). The check section says whether the bits still agree
   fla-chunk      flash-linear-attention's chunk_gated_delta_rule (pip fla-core; skipped if absent)
   fla-recurrent  its fused_recurrent_gated_delta_rule (decode)
   vllm-chunk     vLLM's vendored chunk_gated_delta_rule (train forward, prefill; skipped without vLLM)
@@ -458,8 +459,10 @@ def _compare(case: str, rows: list[dict], results: dict) -> None:
             row["max_abs_diff_vs_c"] = float((got["out"].float() - ours["out"].float()).abs().max())
 
 
-def _set_tiles(block_v: int | None, warps: int | None) -> dict:
-    """C's ROWS, BLOCK_V and WARPS after applying the overrides given (every C kernel reads them at launch)."""
+def _set_tiles(block_v: int | None, warps: int | None, step_warps: int | None = None,
+               step_maxnreg: int | None = None) -> dict:  # fmt: skip
+    """C's ROWS, BLOCK_V, WARPS and the step kernel's warps and register cap after applying the overrides
+    given (every C kernel reads them at launch)."""
     from vexact_vllm.kernels.gated_delta import incremental_tiles_triton as tiles
 
     if block_v is not None:
@@ -470,7 +473,17 @@ def _set_tiles(block_v: int | None, warps: int | None) -> dict:
         if warps not in (1, 2, 4, 8, 16):
             raise SystemExit(f"--warps must be 1, 2, 4, 8 or 16, got {warps}")
         tiles.WARPS = warps
-    return {"rows": tiles.ROWS, "block_v": tiles.BLOCK_V, "warps": tiles.WARPS}
+    if step_warps is not None:
+        if step_warps not in (1, 2, 4, 8, 16):
+            raise SystemExit(f"--step-warps must be 1, 2, 4, 8 or 16, got {step_warps}")
+        tiles.STEP_WARPS = step_warps
+    if step_maxnreg is not None:
+        if not 24 <= step_maxnreg <= 255:
+            raise SystemExit(f"--step-maxnreg must be 24-255 registers, got {step_maxnreg}")
+        tiles.STEP_MAXNREG = step_maxnreg
+    step = tiles.launch_options(step=True)
+    return {"rows": tiles.ROWS, "block_v": tiles.BLOCK_V, "warps": tiles.WARPS, "step_warps": step["num_warps"],
+            "step_maxnreg": step.get("maxnreg")}  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -490,6 +503,10 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", type=int, default=None, help="C's row tile (default: its ROWS, 16)")
     parser.add_argument("--block-v", type=int, default=None, help="C's v tile (default: its BLOCK_V, 64)")
     parser.add_argument("--warps", type=int, default=None, help="C's num_warps (default: its WARPS, 8)")
+    parser.add_argument("--step-warps", type=int, default=None,
+                        help="C's step kernel's (decode's) num_warps (default: WARPS)")
+    parser.add_argument("--step-maxnreg", type=int, default=None,
+                        help="C's step kernel's registers a thread at most (default: no cap)")
     args = parser.parse_args(argv)
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -515,7 +532,7 @@ def main(argv=None) -> int:
         from vexact_vllm.kernels.gated_delta import incremental_tiles_triton
 
         incremental_tiles_triton.ROWS = min(args.rows or incremental_tiles_triton.ROWS, SMALL_CHUNK if args.small else 64)
-    tiles = _set_tiles(args.block_v, args.warps)
+    tiles = _set_tiles(args.block_v, args.warps, args.step_warps, args.step_maxnreg)
     mode = " (Triton interpreter)" if device == "cpu" and _interpreted() else ""
     print(f"shape {shape}, v heads {v_heads}, bf16, device {device}{mode}, C tiles {tiles}", flush=True)
 

@@ -2,7 +2,7 @@
 (sm_90a) on any machine, no GPU needed, and check what the bitwise invariant needs of the compiled code.
 
     python benchmarks/inspect_gated_delta.py [--dtype bf16|fp32] [--rows 16] [--block-v 64] [--warps 4] [--out DIR]
-        [--lines 20]
+        [--step-warps 4] [--step-maxnreg 128] [--lines 20]
 
 The step kernel reproduces a chunk kernel's row only if every shared routine
 (`incremental_tiles_triton.py`) compiles to the same arithmetic in both. Triton picks each tensor's layout
@@ -80,9 +80,9 @@ def specs(dtype: str, rows: int, block_v: int) -> dict:
         "state": (chunk.state_kernel, dict(base, BLOCK_V=block_v, **dots), tiles.launch_options()),
         "output": (chunk.output_kernel, dict(base, BLOCK_V=block_v, **dots), tiles.launch_options()),
         "step": (step._step_kernel, dict(base, BLOCK_V=block_v, SOFTPLUS_MAX=20.0, SINGLE=False, **dots),
-                 tiles.launch_options()),
+                 tiles.launch_options(step=True)),
         "decode": (step._step_kernel, dict(base, BLOCK_V=block_v, SOFTPLUS_MAX=20.0, SINGLE=True, **dots),
-                   tiles.launch_options()),
+                   tiles.launch_options(step=True)),
         "bwd_state": (bwd._bwd_state_kernel, back, bwd.LAUNCH),
         "bwd_chunk": (bwd._bwd_chunk_kernel, back, bwd.LAUNCH),
     }
@@ -174,18 +174,21 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", type=int, default=tiles.ROWS, help="row tile (incremental_tiles_triton.ROWS)")
     parser.add_argument("--block-v", type=int, default=tiles.BLOCK_V, help="v tile (incremental_tiles_triton.BLOCK_V)")
     parser.add_argument("--warps", type=int, default=tiles.WARPS, help="forward warps (incremental_tiles_triton.WARPS)")
+    parser.add_argument("--step-warps", type=int, help="the step kernel's warps (STEP_WARPS; default WARPS)")
+    parser.add_argument("--step-maxnreg", type=int, help="the step kernel's register cap (STEP_MAXNREG)")
     parser.add_argument("--kernels", default=None, help="comma-separated subset (default: all)")
     parser.add_argument("--out", help="folder for each kernel's PTX and TTGIR")
     parser.add_argument("--lines", type=int, default=0, help="print each kernel's N busiest source lines (SASS)")
     args = parser.parse_args(argv)
     out_dir = args.out or tempfile.mkdtemp(prefix="vexact-gdn-")
     os.makedirs(out_dir, exist_ok=True)
-    tiles.WARPS = args.warps
+    tiles.WARPS, tiles.STEP_WARPS, tiles.STEP_MAXNREG = args.warps, args.step_warps, args.step_maxnreg
     table = specs(args.dtype, args.rows, args.block_v)
     names = args.kernels.split(",") if args.kernels else list(table)
     functions = _functions(tiles.__file__)
     print(f"Triton {triton.__version__}, sm_90a, {args.dtype}, ROWS {args.rows}, BLOCK_V {args.block_v}, "
-          f"{args.warps} warps; files in {out_dir}")  # fmt: skip
+          f"{args.warps} warps (step kernel {args.step_warps or args.warps}, register cap {args.step_maxnreg}); "
+          f"files in {out_dir}")  # fmt: skip
     compiled, failures = {}, []
     for name in names:
         kernel, constexprs, options = table[name]

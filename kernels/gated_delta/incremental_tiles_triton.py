@@ -36,6 +36,12 @@ BLOCK_V = 64
 # Warps of every kernel that calls these routines (one value: the MMA layouts follow it). 8 keeps the
 # chunk kernels free of register spills at d = 128 (`benchmarks/inspect_gated_delta.py`, sm_90a).
 WARPS = 8
+# The step kernel's (decode's) own warps and register cap, None: WARPS and no cap. Both decide only how
+# many programs share an SM (the decode step runs one program an SM at 255 registers); whether the step
+# keeps the chunk kernels' bits at other warps is the GPU's to say (`bench_gated_delta.py --step-warps
+# --step-maxnreg`, its decode == training check), so they stay None until it has.
+STEP_WARPS: int | None = None
+STEP_MAXNREG: int | None = None
 
 
 @triton.jit
@@ -182,9 +188,13 @@ def state_after(s, k_c, G_c, vn_c, rc, CHUNK: tl.constexpr, PRECISION: tl.conste
     return dot(tl.trans(vn_c), decayed, s * tl.exp(g_last), PRECISION, DOT_FP32)
 
 
-def launch_options() -> dict:
-    """The compile options every design-C kernel launches with (module docstring)."""
-    return dict(num_warps=WARPS, enable_fp_fusion=False)
+def launch_options(step: bool = False) -> dict:
+    """The compile options every design-C kernel launches with (module docstring); `step`: the step
+    kernel's, with STEP_WARPS and STEP_MAXNREG where set."""
+    options = dict(num_warps=(STEP_WARPS if step and STEP_WARPS else WARPS), enable_fp_fusion=False)
+    if step and STEP_MAXNREG:
+        options["maxnreg"] = STEP_MAXNREG
+    return options
 
 
 def is_interpreted() -> bool:

@@ -178,21 +178,27 @@ def test_chunked_baseline_adapter_matches_c():
 
 
 def test_tile_overrides_reach_every_c_launch(monkeypatch):
-    """--block-v and --warps set the module values every C kernel reads at launch (the v tile of
-    `block_sizes`, the num_warps of `launch_options`); bad values are refused before anything runs."""
+    """--block-v, --warps, --step-warps and --step-maxnreg set the module values the C kernels read at
+    launch (the v tile of `block_sizes`, the num_warps of `launch_options`, the step kernel's own warps
+    and register cap); bad values are refused before anything runs."""
     from vexact_vllm.kernels.gated_delta import incremental_tiles_triton as tiles
 
     bench = _load(SCRIPT, "bench_gated_delta_tiles")
-    for name in ("BLOCK_V", "WARPS", "ROWS"):
+    for name in ("BLOCK_V", "WARPS", "ROWS", "STEP_WARPS", "STEP_MAXNREG"):
         monkeypatch.setattr(tiles, name, getattr(tiles, name))
-    assert bench._set_tiles(None, None) == {"rows": tiles.ROWS, "block_v": 64, "warps": 8}
-    assert bench._set_tiles(32, 4) == {"rows": tiles.ROWS, "block_v": 32, "warps": 4}
+    own = {"rows": tiles.ROWS, "block_v": 64, "warps": 8, "step_warps": 8, "step_maxnreg": None}
+    assert bench._set_tiles(None, None) == own
+    assert tiles.launch_options(step=True) == tiles.launch_options() == dict(num_warps=8, enable_fp_fusion=False)
+    assert bench._set_tiles(32, 4) == dict(own, block_v=32, warps=4, step_warps=4)
     assert tiles.block_sizes(128, 128) == (128, 128, 32) and tiles.launch_options()["num_warps"] == 4
-    for block_v, warps in ((48, None), (8, None), (None, 3)):
-        with pytest.raises(SystemExit, match="--block-v|--warps"):
-            bench._set_tiles(block_v, warps)
+    assert bench._set_tiles(None, 8, 4, 128) == dict(own, block_v=32, step_warps=4, step_maxnreg=128)
+    assert tiles.launch_options() == dict(num_warps=8, enable_fp_fusion=False)  # the chunk kernels keep theirs
+    assert tiles.launch_options(step=True) == dict(num_warps=4, enable_fp_fusion=False, maxnreg=128)
+    for args in ((48, None), (8, None), (None, 3), (None, None, 5), (None, None, None, 300)):
+        with pytest.raises(SystemExit, match="--block-v|--warps|--step-warps|--step-maxnreg"):
+            bench._set_tiles(*args)
 
 
 def test_smoke_run_reports_its_tiles(smoke_run):
     _, report, _ = smoke_run
-    assert report["tiles"]["block_v"] == 64 and report["tiles"]["warps"] == 8
+    assert report["tiles"] == {"rows": 16, "block_v": 64, "warps": 8, "step_warps": 8, "step_maxnreg": None}
