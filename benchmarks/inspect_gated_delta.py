@@ -50,15 +50,19 @@ EXACT_PICKS = {"pick", "pick_one", "pick_entries", "first_column"}
 CHUNK_KERNELS = ("normalize", "prepare", "state", "output")
 
 
-def signature(kernel, constexprs: dict, dtype: str) -> tuple[dict, dict]:
-    """(types, attrs) for ASTSource: pointers in the input dtype unless fp32 / int64 scratch, int32
-    scalars, divisibility 16 on pointers and strides (as the launchers' tensors specialise)."""
+# Kernels whose inputs of these names are fp32: decode reads its row's g and beta as `prepared_rows` left them.
+F32_INPUTS = {"decode": {"A", "B"}}
+
+
+def signature(kernel, constexprs: dict, dtype: str, f32: set = frozenset()) -> tuple[dict, dict]:
+    """(types, attrs) for ASTSource: pointers in the input dtype unless fp32 / int64 scratch (or named in
+    `f32`), int32 scalars, divisibility 16 on pointers and strides (as the launchers' tensors specialise)."""
     types, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
             types[name] = "constexpr"
         elif (name.isupper() or name.endswith("_")) and name not in INTS:
-            types[name] = "*fp32" if name in F32_POINTERS else "*i64" if name in I64_POINTERS else f"*{dtype}"
+            types[name] = "*fp32" if name in F32_POINTERS | f32 else "*i64" if name in I64_POINTERS else f"*{dtype}"
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in FLOATS:
             types[name] = "fp32"
@@ -150,7 +154,7 @@ class Ttgir:
 
 
 def compile_kernel(name, kernel, constexprs, options, dtype, out_dir) -> tuple[Ttgir, dict]:
-    types, attrs = signature(kernel, constexprs, dtype)
+    types, attrs = signature(kernel, constexprs, dtype, F32_INPUTS.get(name, set()))
     compiled = triton.compile(ASTSource(fn=kernel, signature=types, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=options)  # fmt: skip
     ptx = os.path.join(out_dir, f"{name}.ptx")

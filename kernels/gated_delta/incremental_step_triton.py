@@ -14,11 +14,13 @@ and writes one row; the state is written only when a chunk completes (or zeros, 
 here): vLLM's recurrent step reads and writes the whole state every token.
 """
 
+import torch
 import triton
 import triton.language as tl
 
 from . import incremental_cache as layout
 from . import incremental_tiles_triton as tiles
+from .incremental_chunk_triton import normalize_kernel
 from .incremental_tiles_triton import (
     a_rows,
     block_base,
@@ -153,7 +155,10 @@ def _decode_row(
     """A decode step's one row (packed row start) at chunk position p: `_step_row`'s arithmetic, each held
     tile loaded just before its first use and only the new row written back, so that fewer tiles are live
     at once (registers: `benchmarks/inspect_gated_delta.py`). The state is held as dt, the type both of
-    its products read; in fp32 only when the row completes the chunk (the state update)."""
+    its products read; in fp32 only when the row completes the chunk (the state update).
+    The row's inputs come prepared by the chunk kernels' `normalize_kernel` (`decode_forward`): Q, K its
+    normalised q and k (dt), V its x = dt(beta v), A, B its g and beta (fp32), the values `_step_row`
+    computes with the same routines."""
     dt = K.dtype.element_ty
     pos = (p // ROWS) * ROWS + rr
     own = pos == p
@@ -162,10 +167,13 @@ def _decode_row(
     old = rc < p
     first = (p // ROWS) * ROWS
     # the row's own values, in row tiles
-    q_r = normalized_rows(Q, rows_r, own, hk, stride_qt, stride_qh, ok, eps, scale, DK).to(dt)
-    k_r = normalized_rows(K, rows_r, own, hk, stride_kt, stride_kh, ok, eps, 1.0, DK).to(dt)
-    g_r, beta_r = gate_rows(A, B, rows_r, own, hv, stride_at, stride_bt, decay, dt_bias, SOFTPLUS_MAX)
-    g_p, beta_p, k_p = pick_one(g_r, own), pick_one(beta_r, own), pick(k_r, own).to(dt)
+    mkr = own[:, None] & mk[None, :]
+    q_r = tl.load(Q + rows_r[:, None] * stride_qt + hk * stride_qh + ok[None, :], mask=mkr, other=0.0)
+    k_r = tl.load(K + rows_r[:, None] * stride_kt + hk * stride_kh + ok[None, :], mask=mkr, other=0.0)
+    beta_r = tl.load(B + rows_r * stride_bt + hv, mask=own, other=0.0)
+    g_p = tl.load(A + start * stride_at + hv)
+    beta_p = tl.load(B + start * stride_bt + hv)
+    k_p = tl.load(K + start * stride_kt + hk * stride_kh + ok, mask=mk, other=0.0)
     # the chunk's gates and keys, the row in its place
     g_c = tl.where(at, g_p, tl.load(cg + rc * HV + hv, mask=old, other=0.0))
     beta_c = tl.where(at, beta_p, tl.load(cb + rc * HV + hv, mask=old, other=0.0))
@@ -185,8 +193,7 @@ def _decode_row(
     # W and U, then V' = U - W S and o, with the state tile read as dt
     w = solved_product(t_r, decayed_keys(k_c, beta_c, G_c, dt), PRECISION, DOT_FP32)
     mvr = own[:, None] & mv[None, :]
-    v_r = tl.load(V + rows_r[:, None] * stride_vt + hv * stride_vh + ov[None, :], mask=mvr, other=0.0)
-    x_p = pick((v_r.to(tl.float32) * beta_r[:, None]).to(dt), own).to(dt)
+    x_p = tl.load(V + start * stride_vt + hv * stride_vh + ov, mask=mv, other=0.0)
     x_c = tl.load(cx + (rc[:, None] * HV + hv) * DV + ov[None, :], mask=old[:, None] & mv[None, :], other=0.0)
     u = solved_product(t_r, tl.where(at[:, None], x_p[None, :], x_c), PRECISION, DOT_FP32)
     s = _boundary_state(STATE, read, S_STATE, tile, live, ok).to(dt)
@@ -240,7 +247,8 @@ def _step_kernel(
         mk, mv = ok < DK, ov < DV
         rc = tl.arange(0, CHUNK)
         rr = tl.arange(0, ROWS)
-        tile = (hv * DV + ov[:, None]).to(tl.int64) * DK + ok[None, :]  # the state tile
+        STATE += hv * DV * DK  # the v head's state; its tile's cells at int32 offsets (one base per slot)
+        tile = ov[:, None] * DK + ok[None, :]  # the state tile
         live = mv[:, None] & mk[None, :]
         # the slot's cache rows: row i of the chunk at cache row i (each tensor at its slot stride S*)
         ck, cx, cvn = CK + slot * SK, CX + slot * SX, CVN + slot * SVN
@@ -262,15 +270,41 @@ def _step_kernel(
                 DK, DV, BLOCK_K, ROWS, CHUNK, SOFTPLUS_MAX, PRECISION, DOT_FP32,
             )  # fmt: skip
 
+def prepared_rows(q, k, v, a, b, A_log, dt_bias, start, slots):
+    """(q_hat, k_hat, x, g, beta) of each sequence's row start[n] (a decode step's one row; none where
+    slots[n] < 0), by the chunk kernels' `normalize_kernel` in programs of one row: q_hat, k_hat [T, HK,
+    DK] and x = dt(beta v) [T, HV, DV] in q's dtype, g and beta [T, HV] fp32, other rows unwritten. A row's
+    values do not depend on its place in the row tile (its norm an FMA dot in K order, the rest elementwise)."""
+    n_seqs, (n_tokens, hk, d_k), (_, hv, d_v) = start.shape[0], q.shape, v.shape
+    device, dt = q.device, q.dtype
+    q_hat, k_hat = (torch.empty(n_tokens, hk, d_k, dtype=dt, device=device) for _ in range(2))
+    x = torch.empty(n_tokens, hv, d_v, dtype=dt, device=device)
+    g, beta = (torch.empty(n_tokens, hv, dtype=torch.float32, device=device) for _ in range(2))
+    block_k, block_dv, _ = tiles.block_sizes(d_k, d_v)
+    start = start.long()
+    eos = torch.where(slots >= 0, start + 1, start)  # a padded request's row (slot -1) is not read
+    normalize_kernel[(n_seqs, hk)](
+        q, k, v, a, b, A_log.contiguous(), dt_bias.contiguous(), q_hat, k_hat, x, g, beta, eos,
+        torch.arange(n_seqs, device=device), start, n_seqs, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), a.stride(0), b.stride(0), hk, hv, hv // hk, qk_scale(d_k), L2NORM_EPS,
+        DK=d_k, DV=d_v, BLOCK_K=block_k, BLOCK_DV=block_dv, ROWS=tiles.ROWS, CHUNK=tiles.ROWS,
+        SOFTPLUS_MAX=SOFTPLUS_THRESHOLD, **tiles.launch_options(),
+    )  # fmt: skip
+    return q_hat, k_hat, x, g, beta
+
+
 def step_forward(q, k, v, a, b, A_log, dt_bias, out, cache, start, count, held, slots, read, single=False) -> None:
     """The step kernel: for each sequence n, count[n] rows from packed row start[n] on, at chunk positions
     held[n] .. held[n] + count[n] - 1 (held[n] + count[n] <= CHUNK) of its slot slots[n] of the cache
     (an IncrementalCache, each tensor at its slot stride: held[n] rows held, the boundary state at read[n],
     -1: zeros; slots[n] = -1: none, the sequence is skipped); o to out's rows.
-    single: every count is 1 (a decode step: the kernel's variant without the row loop)."""
+    single: every count is 1 (a decode step: `prepared_rows`, then the kernel's variant without the row
+    loop, on those rows)."""
     n_seqs, (_, hk, d_k), (_, hv, d_v) = start.shape[0], q.shape, v.shape
     if n_seqs == 0:
         return
+    if single:
+        q, k, v, a, b = prepared_rows(q, k, v, a, b, A_log, dt_bias, start, slots)
     block_k, _, block_v = tiles.block_sizes(d_k, d_v)
     _step_kernel[(triton.cdiv(d_v, block_v), n_seqs * hv)](
         q, k, v, a, b, A_log.contiguous(), dt_bias.contiguous(), out, *cache.tensors(),
