@@ -8,6 +8,9 @@ routines the chunk kernels use, in a row tile of their shape with the row at its
 before the row tile in one dot, the tile's earlier rows in another, as the chunk kernels solve a tile),
 its U, W, V' and o. A row at chunk position CHUNK - 1 completes the chunk: the state update of the full tiles,
 the product the chunk kernels compute. Then the rows go to the slot (or, after a full chunk, the state).
+A decode launch (one row a sequence) takes its row normalised, with its gates and dt(beta v), from the
+chunk kernels' `normalize_kernel` run on the step's rows first (`prepared_rows`), which leaves the step
+program its products alone.
 
 Per step the program reads the state tile and the held rows once (a row at position p reads p rows)
 and writes one row; the state is written only when a chunk completes (or zeros, when a sequence starts
