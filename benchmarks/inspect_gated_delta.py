@@ -41,6 +41,9 @@ from vexact_vllm.kernels.gated_delta import incremental_triton_bwd as bwd
 
 SHARED_LIMIT = 227 * 1024
 INTS = {"HK", "HV", "RATIO", "S_STATE", "S_H0", "S_HT", "SK", "SX", "SG", "SB", "ST", "SVN"}  # the slot strides: ints
+# Ints the launcher's specialisation finds divisible by 16 at the published shapes (16 k heads, 32 or 48
+# v heads, the slots' strides): all but RATIO (2 or 3).
+DIVISIBLE_INTS = INTS - {"RATIO"}
 FLOATS = {"scale", "eps"}
 F32_POINTERS = {"A_LOG", "DT_BIAS", "GR", "BETA", "GC", "TS", "CG", "CB", "CT", "H0", "HT", "STATE", "DHT", "DH", "DVN",
                 "DH0", "DQ", "DK_", "DV_", "DG", "DBETA"}  # fmt: skip
@@ -68,7 +71,7 @@ def signature(kernel, constexprs: dict, dtype: str, f32: set = frozenset()) -> t
             types[name] = "fp32"
         else:
             types[name] = "i32"
-            if name.startswith("stride"):
+            if name.startswith("stride") or name in DIVISIBLE_INTS:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return types, attrs
 
