@@ -35,6 +35,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from vexact_vllm.kernels.gated_delta import incremental_chunk_triton as chunk
+from vexact_vllm.kernels.gated_delta import incremental_decode_triton as decode
 from vexact_vllm.kernels.gated_delta import incremental_step_triton as step
 from vexact_vllm.kernels.gated_delta import incremental_tiles_triton as tiles
 from vexact_vllm.kernels.gated_delta import incremental_triton_bwd as bwd
@@ -45,7 +46,7 @@ INTS = {"HK", "HV", "RATIO", "S_STATE", "S_H0", "S_HT", "SK", "SX", "SG", "SB", 
 # v heads, the slots' strides): all but RATIO (2 or 3).
 DIVISIBLE_INTS = INTS - {"RATIO"}
 FLOATS = {"scale", "eps"}
-F32_POINTERS = {"A_LOG", "DT_BIAS", "GR", "BETA", "GC", "TS", "CG", "CB", "CT", "H0", "HT", "STATE", "DHT", "DH", "DVN",
+F32_POINTERS = {"A_LOG", "DT_BIAS", "GR", "BETA", "GC", "TS", "CG", "CB", "CT", "H0", "HT", "STATE", "DHT", "DH", "DVN", "T_ROW",
                 "DH0", "DQ", "DK_", "DV_", "DG", "DBETA"}  # fmt: skip
 I64_POINTERS = {"EOS", "BOS", "CHUNK_SEQ", "CHUNK_ROW", "CACHE_SLOT", "CHUNK_START", "READ", "WRITE", "START", "COUNT",
                 "HELD", "SLOT"}  # fmt: skip
@@ -53,8 +54,9 @@ EXACT_PICKS = {"pick", "pick_one", "pick_entries", "first_column"}
 CHUNK_KERNELS = ("normalize", "prepare", "state", "output")
 
 
-# Kernels whose inputs of these names are fp32: decode reads its row's g and beta as `prepared_rows` left them.
-F32_INPUTS = {"decode": {"A", "B"}}
+# Kernels whose inputs of these names are fp32: the decode kernels read the row's g and beta as
+# `prepared_rows` left them.
+F32_INPUTS = {"decode_weights": {"A", "B"}, "decode": {"A"}}
 
 
 def signature(kernel, constexprs: dict, dtype: str, f32: set = frozenset()) -> tuple[dict, dict]:
@@ -86,10 +88,11 @@ def specs(dtype: str, rows: int, block_v: int) -> dict:
         "prepare": (chunk.prepare_kernel, dict(base, BLOCK_V=block_v, STORE_T=False, **dots), tiles.launch_options()),
         "state": (chunk.state_kernel, dict(base, BLOCK_V=block_v, **dots), tiles.launch_options()),
         "output": (chunk.output_kernel, dict(base, BLOCK_V=block_v, **dots), tiles.launch_options()),
-        "step": (step._step_kernel, dict(base, BLOCK_V=block_v, SOFTPLUS_MAX=20.0, SINGLE=False, **dots),
+        "step": (step._step_kernel, dict(base, BLOCK_V=block_v, SOFTPLUS_MAX=20.0, **dots),
                  tiles.launch_options(step=True)),
-        "decode": (step._step_kernel, dict(base, BLOCK_V=block_v, SOFTPLUS_MAX=20.0, SINGLE=True, **dots),
-                   tiles.launch_options(step=True)),
+        "decode_weights": (decode._decode_weights_kernel, dict(DK=128, BLOCK_K=128, ROWS=rows, CHUNK=64, **dots),
+                           tiles.launch_options(step=True)),
+        "decode": (decode._decode_kernel, dict(base, BLOCK_V=block_v, **dots), tiles.launch_options(step=True)),
         "bwd_state": (bwd._bwd_state_kernel, back, bwd.LAUNCH),
         "bwd_chunk": (bwd._bwd_chunk_kernel, back, bwd.LAUNCH),
     }
@@ -214,7 +217,7 @@ def main(argv=None) -> int:
         return functions.get(int(frame.split(":")[1]), "?")
 
     chunk_dots = {d for n in CHUNK_KERNELS if n in compiled for d in compiled[n].dots()}
-    for name in [n for n in ("step", "decode") if n in compiled]:  # 1. every shared dot has its chunk twin
+    for name in [n for n in ("step", "decode_weights", "decode") if n in compiled]:  # 1. every shared dot: a twin
         for frames, sig in sorted(set(compiled[name].dots())):
             where = " <- ".join(routine(f) for f in frames if routine(f) != "_step_row")
             twin = (frames, sig) in chunk_dots

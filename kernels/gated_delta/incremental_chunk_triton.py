@@ -25,7 +25,8 @@ from .incremental_tiles_triton import (
     gate_cumsum,
     gate_rows,
     normalized_rows,
-    output_rows,
+    output_product,
+    output_weights,
     pick_entries,
     solve_row,
     solved_product,
@@ -227,7 +228,8 @@ def output_kernel(
                       other=0.0)  # fmt: skip
         q_r = computed(q_r, valid_r)
         G_r = pick_entries(G_c, rc[None, :] == pos[:, None])
-        o = output_rows(q_r, G_r, pos, k_c, G_c, vn_c, tl.trans(h), rc, PRECISION, DOT_FP32)
+        p, qg = output_weights(q_r, G_r, pos, k_c, G_c, rc, PRECISION, DOT_FP32)
+        o = output_product(p, qg, vn_c, tl.trans(h), PRECISION, DOT_FP32)
         tl.store(OUT + rows_r[:, None] * stride_ot + hv * stride_oh + ov[None, :], o.to(OUT.dtype.element_ty),
                  mask=valid_r[:, None] & mv[None, :])  # fmt: skip
 

@@ -1,5 +1,7 @@
-"""Design C's step kernel: decode, and the rows of a step that complete a sequence's partial chunk (math
-in `incremental.py`; the shared row-tile routines and their invariant in `incremental_tiles_triton.py`).
+"""Design C's step kernel: the rows of a step that complete a sequence's partial chunk (a prefill that
+continues a slot), and the entry `step_forward`, which sends a decode step (one row a sequence) to
+`incremental_decode_triton.py` (math in `incremental.py`; the shared row-tile routines and their
+invariant in `incremental_tiles_triton.py`).
 
 Program (v tile, sequence x v head) loads the slot's boundary state tile and the partial chunk's rows
 (k, x, g, beta, T, V') into chunk tiles, then computes its rows one at a time: each row through the
@@ -8,22 +10,18 @@ routines the chunk kernels use, in a row tile of their shape with the row at its
 before the row tile in one dot, the tile's earlier rows in another, as the chunk kernels solve a tile),
 its U, W, V' and o. A row at chunk position CHUNK - 1 completes the chunk: the state update of the full tiles,
 the product the chunk kernels compute. Then the rows go to the slot (or, after a full chunk, the state).
-A decode launch (one row a sequence) takes its row normalised, with its gates and dt(beta v), from the
-chunk kernels' `normalize_kernel` run on the step's rows first (`prepared_rows`), which leaves the step
-program its products alone.
 
 Per step the program reads the state tile and the held rows once (a row at position p reads p rows)
 and writes one row; the state is written only when a chunk completes (or zeros, when a sequence starts
 here): vLLM's recurrent step reads and writes the whole state every token.
 """
 
-import torch
 import triton
 import triton.language as tl
 
 from . import incremental_cache as layout
 from . import incremental_tiles_triton as tiles
-from .incremental_chunk_triton import normalize_kernel
+from .incremental_decode_triton import decode_forward
 from .incremental_tiles_triton import (
     a_rows,
     block_base,
@@ -32,13 +30,16 @@ from .incremental_tiles_triton import (
     gate_cumsum,
     gate_rows,
     normalized_rows,
-    output_rows,
+    output_product,
+    output_weights,
     pick,
     pick_entries,
     pick_one,
     solve_row,
     solved_product,
     state_after,
+    state_cells,
+    state_tile,
 )
 from .rules import L2NORM_EPS, SOFTPLUS_THRESHOLD, qk_scale
 
@@ -86,18 +87,13 @@ def _step_row(
     u = solved_product(t_r, x_c, PRECISION, DOT_FP32)
     vn = delta_rows(u, w, s, PRECISION, DOT_FP32)
     vn_c = tl.where(at[:, None], pick(vn, own).to(dt)[None, :], vn_c)
-    o = output_rows(q_r, G_r, pos, k_c, G_c, vn_c, tl.trans(s.to(dt)), rc, PRECISION, DOT_FP32)
+    p_w, qg = output_weights(q_r, G_r, pos, k_c, G_c, rc, PRECISION, DOT_FP32)
+    o = output_product(p_w, qg, vn_c, tl.trans(s.to(dt)), PRECISION, DOT_FP32)
     tl.store(OUT + rows_r[:, None] * stride_ot + hv * stride_oh + ov[None, :], o.to(OUT.dtype.element_ty),
              mask=mvr)  # fmt: skip
     if p == CHUNK - 1:
         s = state_after(s, k_c, G_c, vn_c, rc, CHUNK, PRECISION, DOT_FP32)
     return s, k_c, x_c, vn_c, g_c, beta_c, t_c, k_b, t_b
-
-
-@triton.jit
-def _boundary_state(STATE, read, S_STATE, tile, live, ok):
-    """The fp32 state tile of slot `read` (zeros where read < 0: a sequence that starts here)."""
-    return tl.load(STATE + read * S_STATE + tile, mask=live & ((ok * 0 + read)[None, :] >= 0), other=0.0)
 
 
 @triton.jit
@@ -111,7 +107,7 @@ def _step_rows(
     """count rows from chunk position held on (held + count <= CHUNK): the boundary state tile and the held
     rows loaded into whole chunk tiles (zeros from row `held` on), each row through `_step_row`, then the
     new rows to the slot, or the state of a completed chunk (or of a sequence starting here)."""
-    s = _boundary_state(STATE, read, S_STATE, tile, live, ok)
+    s = state_tile(STATE, read, S_STATE, tile, live, ok)
     old = rc < held
     k_c = tl.load(ck + (rc[:, None] * HK + hk) * DK + ok[None, :], mask=old[:, None] & mk[None, :], other=0.0)
     x_c = tl.load(cx + (rc[:, None] * HV + hv) * DV + ov[None, :], mask=old[:, None] & mv[None, :], other=0.0)
@@ -147,84 +143,6 @@ def _step_rows(
                 tl.store(ck + (rc[:, None] * HK + hk) * DK + ok[None, :], k_c, mask=new[:, None] & mk[None, :])
 
 
-@triton.jit
-def _decode_row(
-    p, start, read, slot, Q, K, V, A, B, OUT, STATE, S_STATE, ck, cx, cvn, cg, cb, ct, tile, live, stride_qt,
-    stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt, stride_ot, stride_oh, HK, HV, RATIO,
-    iv, hk, hv, ok, ov, mk, mv, rc, rr, decay, dt_bias, scale, eps, DK: tl.constexpr, DV: tl.constexpr,
-    ROWS: tl.constexpr, CHUNK: tl.constexpr, SOFTPLUS_MAX: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-):  # fmt: skip
-    """A decode step's one row (packed row start) at chunk position p: `_step_row`'s arithmetic, each held
-    tile loaded just before its first use and only the new row written back, so that fewer tiles are live
-    at once (registers: `benchmarks/inspect_gated_delta.py`). The state is held as dt, the type both of
-    its products read; in fp32 only when the row completes the chunk (the state update).
-    The row's inputs come prepared by the chunk kernels' `normalize_kernel` (`decode_forward`): Q, K its
-    normalised q and k (dt), V its x = dt(beta v), A, B its g and beta (fp32), the values `_step_row`
-    computes with the same routines."""
-    dt = K.dtype.element_ty
-    pos = (p // ROWS) * ROWS + rr
-    own = pos == p
-    rows_r = tl.where(own, start, 0)
-    at = rc == p
-    old = rc < p
-    first = (p // ROWS) * ROWS
-    # the row's own values, in row tiles
-    mkr = own[:, None] & mk[None, :]
-    q_r = tl.load(Q + rows_r[:, None] * stride_qt + hk * stride_qh + ok[None, :], mask=mkr, other=0.0)
-    k_r = tl.load(K + rows_r[:, None] * stride_kt + hk * stride_kh + ok[None, :], mask=mkr, other=0.0)
-    beta_r = tl.load(B + rows_r * stride_bt + hv, mask=own, other=0.0)
-    g_p = tl.load(A + start * stride_at + hv)
-    beta_p = tl.load(B + start * stride_bt + hv)
-    k_p = tl.load(K + start * stride_kt + hk * stride_kh + ok, mask=mk, other=0.0)
-    # the chunk's gates and keys, the row in its place
-    g_c = tl.where(at, g_p, tl.load(cg + rc * HV + hv, mask=old, other=0.0))
-    beta_c = tl.where(at, beta_p, tl.load(cb + rc * HV + hv, mask=old, other=0.0))
-    k_c = tl.load(ck + (rc[:, None] * HK + hk) * DK + ok[None, :], mask=old[:, None] & mk[None, :], other=0.0)
-    k_c = tl.where(at[:, None], k_p[None, :], k_c)
-    G_c = gate_cumsum(g_c, rc)
-    G_r = pick_entries(G_c, rc[None, :] == pos[:, None])
-    # the row of T: the rows of T before its row tile in one product, the tile's earlier rows in another
-    a_t = a_rows(k_r, k_c, beta_r, G_r, G_c, pos, rc, PRECISION, DOT_FP32)
-    before = tl.load(ct + (rc[:, None] * HV + hv) * CHUNK + rc[None, :], mask=(rc < first)[:, None], other=0.0)
-    d = block_base(tl.where(rc[None, :] < first, a_t, 0.0), before, pos, rc)
-    k_b = tl.load(ck + (pos[:, None] * HK + hk) * DK + ok[None, :], mask=(pos < p)[:, None] & mk[None, :], other=0.0)
-    a_in = a_rows(k_r, tl.where(own[:, None], k_r, k_b), beta_r, G_r, G_r, pos, pos, PRECISION, DOT_FP32)
-    t_b = tl.load(ct + (pos[:, None] * HV + hv) * CHUNK + rc[None, :], mask=(pos < p)[:, None], other=0.0)
-    t_row = solve_row(d, a_in, t_b, own, p, rc)
-    t_r = tl.where(own[:, None], t_row[None, :], 0.0)
-    # W and U, then V' = U - W S and o, with the state tile read as dt
-    w = solved_product(t_r, decayed_keys(k_c, beta_c, G_c, dt), PRECISION, DOT_FP32)
-    mvr = own[:, None] & mv[None, :]
-    x_p = tl.load(V + start * stride_vt + hv * stride_vh + ov, mask=mv, other=0.0)
-    x_c = tl.load(cx + (rc[:, None] * HV + hv) * DV + ov[None, :], mask=old[:, None] & mv[None, :], other=0.0)
-    u = solved_product(t_r, tl.where(at[:, None], x_p[None, :], x_c), PRECISION, DOT_FP32)
-    s = _boundary_state(STATE, read, S_STATE, tile, live, ok).to(dt)
-    vn_p = pick(delta_rows(u, w, s, PRECISION, DOT_FP32), own).to(dt)
-    vn_c = tl.load(cvn + (rc[:, None] * HV + hv) * DV + ov[None, :], mask=old[:, None] & mv[None, :], other=0.0)
-    vn_c = tl.where(at[:, None], vn_p[None, :], vn_c)
-    o = output_rows(q_r, G_r, pos, k_c, G_c, vn_c, tl.trans(s), rc, PRECISION, DOT_FP32)
-    tl.store(OUT + rows_r[:, None] * stride_ot + hv * stride_oh + ov[None, :], o.to(OUT.dtype.element_ty),
-             mask=mvr)  # fmt: skip
-    # the row to the slot, or the state of the completed chunk (zeros, for a sequence that starts here)
-    if p == CHUNK - 1:
-        s32 = _boundary_state(STATE, read, S_STATE, tile, live, ok)
-        s32 = state_after(s32, k_c, G_c, vn_c, rc, CHUNK, PRECISION, DOT_FP32)
-        tl.debug_barrier()  # every thread has read the state before any writes to it
-        tl.store(STATE + slot * S_STATE + tile, s32, mask=live)
-    else:
-        if read < 0:
-            tl.store(STATE + slot * S_STATE + tile, tl.where(live, 0.0, 0.0), mask=live)
-        tl.store(cx + (p * HV + hv) * DV + ov, x_p, mask=mv)
-        tl.store(cvn + (p * HV + hv) * DV + ov, vn_p, mask=mv)
-        if iv == 0:
-            tl.store(cg + p * HV + hv, g_p)
-            tl.store(cb + p * HV + hv, beta_p)
-            tl.store(ct + (p * HV + hv) * CHUNK + rc, t_row)
-            if hv % RATIO == 0:
-                tl.store(ck + (p * HK + hk) * DK + ok, k_p, mask=mk)
-
-
 @triton.jit(do_not_specialize=["n_seqs"])
 def _step_kernel(
     Q, K, V, A, B, A_LOG, DT_BIAS, OUT, STATE, CK, CX, CG, CB, CT, CVN, S_STATE, SK, SX, SG, SB, ST, SVN, START, COUNT,
@@ -233,7 +151,6 @@ def _step_kernel(
     HK, HV, RATIO, scale, eps,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, ROWS: tl.constexpr,
     CHUNK: tl.constexpr, SOFTPLUS_MAX: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-    SINGLE: tl.constexpr,  # a decode launch: one row a sequence
 ):  # fmt: skip
     iv = tl.program_id(0)
     n = tl.program_id(1) // HV
@@ -245,69 +162,33 @@ def _step_kernel(
         held = tl.load(HELD + n).to(tl.int64)
         start = tl.load(START + n).to(tl.int64)
         read = tl.load(READ + n).to(tl.int64)
-        ok = tl.arange(0, BLOCK_K)
-        ov = iv * BLOCK_V + tl.arange(0, BLOCK_V)
-        mk, mv = ok < DK, ov < DV
+        STATE, tile, live, ok, ov, mk, mv = state_cells(STATE, hv, iv, DK, DV, BLOCK_K, BLOCK_V)
         rc = tl.arange(0, CHUNK)
         rr = tl.arange(0, ROWS)
-        STATE += hv * DV * DK  # the v head's state; its tile's cells at int32 offsets (one base per slot)
-        tile = ov[:, None] * DK + ok[None, :]  # the state tile
-        live = mv[:, None] & mk[None, :]
         # the slot's cache rows: row i of the chunk at cache row i (each tensor at its slot stride S*)
         ck, cx, cvn = CK + slot * SK, CX + slot * SX, CVN + slot * SVN
         cg, cb, ct = CG + slot * SG, CB + slot * SB, CT + slot * ST
         decay = tl.exp(tl.load(A_LOG + hv).to(tl.float32))
         dt_bias = tl.load(DT_BIAS + hv).to(tl.float32)
-        if SINGLE:  # a decode launch: its one row, without the loop and the whole tiles
-            _decode_row(
-                held, start, read, slot, Q, K, V, A, B, OUT, STATE, S_STATE, ck, cx, cvn, cg, cb, ct, tile, live,
-                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt, stride_ot,
-                stride_oh, HK, HV, RATIO, iv, hk, hv, ok, ov, mk, mv, rc, rr, decay, dt_bias, scale, eps, DK, DV, ROWS,
-                CHUNK, SOFTPLUS_MAX, PRECISION, DOT_FP32,
-            )  # fmt: skip
-        else:
-            _step_rows(
-                held, count, start, read, slot, Q, K, V, A, B, OUT, STATE, S_STATE, ck, cx, cvn, cg, cb, ct, tile,
-                live, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
-                stride_ot, stride_oh, HK, HV, RATIO, iv, hk, hv, ok, ov, mk, mv, rc, rr, decay, dt_bias, scale, eps,
-                DK, DV, BLOCK_K, ROWS, CHUNK, SOFTPLUS_MAX, PRECISION, DOT_FP32,
-            )  # fmt: skip
-
-def prepared_rows(q, k, v, a, b, A_log, dt_bias, start, slots):
-    """(q_hat, k_hat, x, g, beta) of each sequence's row start[n] (a decode step's one row; none where
-    slots[n] < 0), by the chunk kernels' `normalize_kernel` in programs of one row: q_hat, k_hat [T, HK,
-    DK] and x = dt(beta v) [T, HV, DV] in q's dtype, g and beta [T, HV] fp32, other rows unwritten. A row's
-    values do not depend on its place in the row tile (its norm an FMA dot in K order, the rest elementwise)."""
-    n_seqs, (n_tokens, hk, d_k), (_, hv, d_v) = start.shape[0], q.shape, v.shape
-    device, dt = q.device, q.dtype
-    q_hat, k_hat = (torch.empty(n_tokens, hk, d_k, dtype=dt, device=device) for _ in range(2))
-    x = torch.empty(n_tokens, hv, d_v, dtype=dt, device=device)
-    g, beta = (torch.empty(n_tokens, hv, dtype=torch.float32, device=device) for _ in range(2))
-    block_k, block_dv, _ = tiles.block_sizes(d_k, d_v)
-    start = start.long()
-    eos = torch.where(slots >= 0, start + 1, start)  # a padded request's row (slot -1) is not read
-    normalize_kernel[(n_seqs, hk)](
-        q, k, v, a, b, A_log.contiguous(), dt_bias.contiguous(), q_hat, k_hat, x, g, beta, eos,
-        torch.arange(n_seqs, device=device), start, n_seqs, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1), a.stride(0), b.stride(0), hk, hv, hv // hk, qk_scale(d_k), L2NORM_EPS,
-        DK=d_k, DV=d_v, BLOCK_K=block_k, BLOCK_DV=block_dv, ROWS=tiles.ROWS, CHUNK=tiles.ROWS,
-        SOFTPLUS_MAX=SOFTPLUS_THRESHOLD, **tiles.launch_options(),
-    )  # fmt: skip
-    return q_hat, k_hat, x, g, beta
-
+        _step_rows(
+            held, count, start, read, slot, Q, K, V, A, B, OUT, STATE, S_STATE, ck, cx, cvn, cg, cb, ct, tile,
+            live, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
+            stride_ot, stride_oh, HK, HV, RATIO, iv, hk, hv, ok, ov, mk, mv, rc, rr, decay, dt_bias, scale, eps,
+            DK, DV, BLOCK_K, ROWS, CHUNK, SOFTPLUS_MAX, PRECISION, DOT_FP32,
+        )  # fmt: skip
 
 def step_forward(q, k, v, a, b, A_log, dt_bias, out, cache, start, count, held, slots, read, single=False) -> None:
     """The step kernel: for each sequence n, count[n] rows from packed row start[n] on, at chunk positions
     held[n] .. held[n] + count[n] - 1 (held[n] + count[n] <= CHUNK) of its slot slots[n] of the cache
     (an IncrementalCache, each tensor at its slot stride: held[n] rows held, the boundary state at read[n],
     -1: zeros; slots[n] = -1: none, the sequence is skipped); o to out's rows.
-    single: every count is 1 (a decode step: `prepared_rows`, then the kernel's variant without the row
-    loop, on those rows)."""
+    single: every count is 1 (a decode step: `incremental_decode_triton.decode_forward`)."""
+    if single:
+        decode_forward(q, k, v, a, b, A_log, dt_bias, out, cache, start, held, slots, read)
+        return
     n_seqs, (_, hk, d_k), (_, hv, d_v) = start.shape[0], q.shape, v.shape
     if n_seqs == 0:
         return
-    if single:
-        q, k, v, a, b = prepared_rows(q, k, v, a, b, A_log, dt_bias, start, slots)
     block_k, _, block_v = tiles.block_sizes(d_k, d_v)
     _step_kernel[(triton.cdiv(d_v, block_v), n_seqs * hv)](
         q, k, v, a, b, A_log.contiguous(), dt_bias.contiguous(), out, *cache.tensors(),
@@ -315,5 +196,5 @@ def step_forward(q, k, v, a, b, A_log, dt_bias, out, cache, start, count, held, 
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         out.stride(0), out.stride(1), hk, hv, hv // hk, qk_scale(d_k), L2NORM_EPS,
         DK=d_k, DV=d_v, BLOCK_K=block_k, BLOCK_V=block_v, ROWS=tiles.ROWS, CHUNK=layout.CHUNK,
-        SOFTPLUS_MAX=SOFTPLUS_THRESHOLD, SINGLE=single, **tiles.dot_options(q.dtype), **tiles.launch_options(step=True),
+        SOFTPLUS_MAX=SOFTPLUS_THRESHOLD, **tiles.dot_options(q.dtype), **tiles.launch_options(step=True),
     )  # fmt: skip

@@ -169,14 +169,20 @@ def delta_rows(u, w, s, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def output_rows(q_r, G_r, pos, k_c, G_c, vn_c, h_t, rc, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
-    """o fp32 [ROWS, BV] = dt(q_i exp(G_i)) S + sum_{j <= i} dt((q_i . k_j) exp(G_i - G_j)) V'_j;
-    h_t = dt(S) [BK, BV]."""
+def output_weights(q_r, G_r, pos, k_c, G_c, rc, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    """The row tile's output weights, both dt: P [ROWS, C] = dt((q_i . k_j) exp(G_i - G_j)) for j <= i
+    (else 0) and dt(q_i exp(G_i)) [ROWS, BK]; `output_product` takes them."""
     qk = dot(q_r, tl.trans(k_c), tl.full([q_r.shape[0], k_c.shape[0]], 0.0, tl.float32), PRECISION, DOT_FP32)
     causal = rc[None, :] <= pos[:, None]
     p = tl.where(causal, qk * tl.exp(tl.where(causal, G_r[:, None] - G_c[None, :], 0.0)), 0.0)
-    qg = (q_r.to(tl.float32) * tl.exp(G_r)[:, None]).to(q_r.dtype)
-    o = dot(qg, h_t, tl.full([q_r.shape[0], h_t.shape[1]], 0.0, tl.float32), PRECISION, DOT_FP32)
+    return p.to(q_r.dtype), (q_r.to(tl.float32) * tl.exp(G_r)[:, None]).to(q_r.dtype)
+
+
+@triton.jit
+def output_product(p, qg, vn_c, h_t, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    """o fp32 [ROWS, BV] = dt(q_i exp(G_i)) S + sum_{j <= i} dt((q_i . k_j) exp(G_i - G_j)) V'_j from
+    `output_weights`' (p, qg); h_t = dt(S) [BK, BV]."""
+    o = dot(qg, h_t, tl.full([qg.shape[0], h_t.shape[1]], 0.0, tl.float32), PRECISION, DOT_FP32)
     return dot(p.to(vn_c.dtype), vn_c, o, PRECISION, DOT_FP32)
 
 
@@ -186,6 +192,31 @@ def state_after(s, k_c, G_c, vn_c, rc, CHUNK: tl.constexpr, PRECISION: tl.conste
     g_last = pick_one(G_c, rc == CHUNK - 1)
     decayed = (k_c.to(tl.float32) * tl.exp(g_last - G_c)[:, None]).to(k_c.dtype)
     return dot(tl.trans(vn_c), decayed, s * tl.exp(g_last), PRECISION, DOT_FP32)
+
+
+@triton.jit
+def row_place(p, start, rc, rr, ROWS: tl.constexpr):
+    """Row p of a chunk (packed row start) in its row tile: (pos, the tile's chunk positions; own, the
+    row's place; rows_r, its packed row there and 0 elsewhere; at = rc == p; old = rc < p)."""
+    pos = (p // ROWS) * ROWS + rr
+    own = pos == p
+    return pos, own, tl.where(own, start, 0), rc == p, rc < p
+
+
+@triton.jit
+def state_cells(STATE, hv, iv, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    """A program's v tile iv of v head hv's state: (the head's state base, the tile's cells [BLOCK_V,
+    BLOCK_K] as int32 offsets from it, their mask, ok, ov, mk, mv)."""
+    ok = tl.arange(0, BLOCK_K)
+    ov = iv * BLOCK_V + tl.arange(0, BLOCK_V)
+    mk, mv = ok < DK, ov < DV
+    return STATE + hv * DV * DK, ov[:, None] * DK + ok[None, :], mv[:, None] & mk[None, :], ok, ov, mk, mv
+
+
+@triton.jit
+def state_tile(STATE, read, S_STATE, tile, live, ok):
+    """The fp32 state tile of slot `read` (zeros where read < 0: a sequence that starts here)."""
+    return tl.load(STATE + read * S_STATE + tile, mask=live & ((ok * 0 + read)[None, :] >= 0), other=0.0)
 
 
 def launch_options(step: bool = False) -> dict:

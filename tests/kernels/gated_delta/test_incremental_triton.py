@@ -33,7 +33,8 @@ from vexact_vllm.kernels.gated_delta import incremental_cache as layout  # noqa:
 
 PACKAGE = "vexact_vllm.kernels.gated_delta."
 MODULES = tuple(PACKAGE + m for m in ("incremental_triton", "incremental_tiles_triton", "incremental_chunk_triton",
-                                      "incremental_step_triton", "incremental_triton_bwd"))  # fmt: skip
+                                      "incremental_step_triton", "incremental_decode_triton",
+                                      "incremental_triton_bwd"))  # fmt: skip
 F32, BF16 = torch.float32, torch.bfloat16
 # dtype -> tolerance of o against the float64 recurrence (bf16: dot operands rounded to bf16, by
 # truncation under the interpreter)
