@@ -1,6 +1,6 @@
 """The row-tile arithmetic of design C's Triton kernels (math: `incremental.py`), one @triton.jit routine per
 operation, called by the chunk kernels (`incremental_triton.py`: training, prefill) and by the step kernel
-(`incremental_step_triton.py`: decode, the rows that complete a partial chunk).
+(`incremental_step_triton.py`: the rows that complete a partial chunk; `incremental_decode_triton.py`: decode).
 
 Invariant: every operation on a row runs in a tile of a fixed shape, with the row at its chunk position:
 rows of a chunk are processed ROWS at a time (a row tile), row i of the chunk at place i % ROWS, and

@@ -1,8 +1,8 @@
 """Design C on Triton (the CUDA path of `incremental.py`): the chunk kernels' launcher (`chunk_forward`),
 the training op with its autograd, and the cached step that sends each sequence's rows to the step kernel
-(`incremental_step_triton.py`: the rows that complete its partial chunk, or its decode row) and the rest,
-which start on a chunk boundary, to the chunk kernels (`incremental_chunk_triton.py`). Both give a row
-the same bits (`incremental_tiles_triton.py`).
+(`incremental_step_triton.py`: the rows that complete its partial chunk; a decode row through
+`incremental_decode_triton.py`) and the rest, which start on a chunk boundary, to the chunk kernels
+(`incremental_chunk_triton.py`). Both give a row the same bits (`incremental_tiles_triton.py`).
 
 Backward (`incremental_triton_bwd.py`): the forward's scratch is recomputed, the chunks' gradients are
 taken in reverse (fp32), and autograd of the torch rules carries them to q, k, a, b, A_log, dt_bias;
