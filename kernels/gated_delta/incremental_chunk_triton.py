@@ -31,6 +31,7 @@ from .incremental_tiles_triton import (
     solve_row,
     solved_product,
     state_after,
+    state_tile,
 )
 
 
@@ -159,7 +160,7 @@ def state_kernel(
     tile = (hv * DV + ov[:, None]).to(tl.int64) * DK + ok[None, :]  # [BV, BK] in one state
     live = mv[:, None] & mk[None, :]
     read = tl.load(READ + n).to(tl.int64)
-    s = tl.load(H0 + read * S_H0 + tile, mask=live & ((ok * 0 + read)[None, :] >= 0), other=0.0)
+    s = state_tile(H0, read, S_H0, tile, live, ok)
     full = (eos - bos) // CHUNK
     first_chunk = tl.load(CHUNK_START + n).to(tl.int64)
     slot = tl.load(CACHE_SLOT + n).to(tl.int64)

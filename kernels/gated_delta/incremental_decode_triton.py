@@ -43,6 +43,19 @@ def _store_row(ROW, tile, cols, own, valid_cols):
     tl.store(ROW + (own.to(tl.int32) * 0)[:, None] + cols[None, :], tile, mask=own[:, None] & valid_cols[None, :])
 
 
+@triton.jit
+def _chunk_keys_gates(K, A, ck, cg, start, stride_kt, stride_kh, stride_at, hk, hv, ok, mk, rc, at, old,
+                      HK, HV, DK: tl.constexpr):  # fmt: skip
+    """The chunk's k [CHUNK, BK] and g [CHUNK] tiles: the slot's held rows, the step's row (prepared K, A)
+    at its place, zeros past it; and that row's (k, g)."""
+    k_p = tl.load(K + start * stride_kt + hk * stride_kh + ok, mask=mk, other=0.0)
+    g_p = tl.load(A + start * stride_at + hv)
+    k_c = tl.load(ck + (rc[:, None] * HK + hk) * DK + ok[None, :], mask=old[:, None] & mk[None, :], other=0.0)
+    k_c = tl.where(at[:, None], k_p[None, :], k_c)
+    g_c = tl.where(at, g_p, tl.load(cg + rc * HV + hv, mask=old, other=0.0))
+    return k_c, g_c, k_p, g_p
+
+
 @triton.jit(do_not_specialize=["n_seqs"])
 def _decode_weights_kernel(
     Q, K, A, B, CK, CG, CB, CT, SK, SG, SB, ST, START, HELD, SLOT, T_ROW, W_ROW, P_ROW, QG_ROW, n_seqs,
@@ -72,14 +85,11 @@ def _decode_weights_kernel(
         q_r = tl.load(Q + rows_r[:, None] * stride_qt + hk * stride_qh + ok[None, :], mask=mkr, other=0.0)
         k_r = tl.load(K + rows_r[:, None] * stride_kt + hk * stride_kh + ok[None, :], mask=mkr, other=0.0)
         beta_r = tl.load(B + rows_r * stride_bt + hv, mask=own, other=0.0)
-        g_p = tl.load(A + start * stride_at + hv)
         beta_p = tl.load(B + start * stride_bt + hv)
-        k_p = tl.load(K + start * stride_kt + hk * stride_kh + ok, mask=mk, other=0.0)
         # the chunk's gates and keys, the row in its place
-        g_c = tl.where(at, g_p, tl.load(cg + rc * HV + hv, mask=old, other=0.0))
+        k_c, g_c, k_p, g_p = _chunk_keys_gates(K, A, ck, cg, start, stride_kt, stride_kh, stride_at, hk, hv, ok, mk,
+                                               rc, at, old, HK, HV, DK)  # fmt: skip
         beta_c = tl.where(at, beta_p, tl.load(cb + rc * HV + hv, mask=old, other=0.0))
-        k_c = tl.load(ck + (rc[:, None] * HK + hk) * DK + ok[None, :], mask=old[:, None] & mk[None, :], other=0.0)
-        k_c = tl.where(at[:, None], k_p[None, :], k_c)
         G_c = tiles.gate_cumsum(g_c, rc)
         G_r = tiles.pick_entries(G_c, rc[None, :] == pos[:, None])
         # the row of T: the rows of T before its row tile in one product, the tile's earlier rows in another
@@ -147,10 +157,8 @@ def _decode_kernel(
         tl.store(OUT + rows_r[:, None] * stride_ot + hv * stride_oh + ov[None, :], o.to(OUT.dtype.element_ty),
                  mask=own[:, None] & mv[None, :])  # fmt: skip
         if p == CHUNK - 1:  # the chunk completes: the state update of its full tiles
-            k_p = tl.load(K + start * stride_kt + hk * stride_kh + ok, mask=mk, other=0.0)
-            k_c = tl.load(ck + (rc[:, None] * HK + hk) * DK + ok[None, :], mask=old[:, None] & mk[None, :], other=0.0)
-            k_c = tl.where(at[:, None], k_p[None, :], k_c)
-            g_c = tl.where(at, tl.load(A + start * stride_at + hv), tl.load(cg + rc * HV + hv, mask=old, other=0.0))
+            k_c, g_c, _, _ = _chunk_keys_gates(K, A, ck, cg, start, stride_kt, stride_kh, stride_at, hk, hv, ok, mk,
+                                               rc, at, old, HK, HV, DK)  # fmt: skip
             G_c = tiles.gate_cumsum(g_c, rc)
             s32 = tiles.state_after(tiles.state_tile(STATE, read, S_STATE, tile, live, ok), k_c, G_c, vn_c, rc, CHUNK,
                               PRECISION, DOT_FP32)  # fmt: skip
