@@ -36,12 +36,12 @@ BLOCK_V = 64
 # Warps of every kernel that calls these routines (one value: the MMA layouts follow it). 8 keeps the
 # chunk kernels free of register spills at d = 128 (`benchmarks/inspect_gated_delta.py`, sm_90a).
 WARPS = 8
-# The step kernel's (decode's) own warps and register cap, None: WARPS and no cap. Both decide only how
-# many programs share an SM (the decode step runs one program an SM at 255 registers); whether the step
-# keeps the chunk kernels' bits at other warps is the GPU's to say (`bench_gated_delta.py --step-warps
-# --step-maxnreg`, its decode == training check), so they stay None until it has.
+# The step kernels' (decode's) own warps and register cap (None: WARPS, no cap). They decide only how many
+# programs share an SM: uncapped, the decode kernels take 170 and 149 registers a thread (one program an
+# SM at 8 warps); at 128, two. Measured on the H200 (`bench_gated_delta.py --step-maxnreg`, 32 value heads):
+# the step at 256 sequences 24% faster, its bits the training forward's (the CUDA tests run with it).
 STEP_WARPS: int | None = None
-STEP_MAXNREG: int | None = None
+STEP_MAXNREG: int | None = 128
 
 
 @triton.jit
