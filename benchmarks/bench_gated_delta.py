@@ -6,7 +6,7 @@ the device that C's decode schedule equals its training forward.
         [--step-warps 4] [--step-maxnreg 128] [--output F.json] [--jsonl F.jsonl]
     TRITON_INTERPRET=1 python benchmarks/bench_gated_delta.py --small    # CPU smoke run, tiny shapes
 
-Shapes: 16 k heads, 32 (Qwen3-Next-80B-A3B) or 48 v heads, d_k = d_v = 128, bf16 inputs, fp32 state.
+Shapes: 16 k heads, 32 (Qwen3-Next-80B-A3B) or 48 v heads, d_k = d_v = 128, bf16 inputs (--dtype fp32: fp32), fp32 state.
 Cases:
   train    a packed training batch, TOKENSxSEQLEN (--train): forward and forward+backward
   prefill  BATCHxPROMPT (--prefill) from empty states: forward (tokens/s)
@@ -63,6 +63,9 @@ PACKAGES = {"triton": ("triton",), "fla": ("fla-core", "flash-linear-attention")
 SMALL = {"hk": 2, "dk": 16, "dv": 16}
 # Sequence lengths of the decode == training check: several chunks of 64, exactly one, one row, one past.
 CHECK_LENGTHS = {"full": [130, 64, 1, 65], "small": [17, 1, 3]}
+# The inputs' dtype (--dtype): bf16 as the models run; fp32 makes every product of C an fp32 FMA dot.
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPE = "bf16"
 # The smoke run (--small): one timed call a case, C in chunks of 16 (the interpreter is slow).
 CPU_REPS = 3
 SMALL_CHUNK = 16
@@ -110,13 +113,13 @@ def _time_ms(fn, device: str, graph: bool = False) -> float:
 def _inputs(lengths: list[int], shape: dict, hv: int, device: str, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     n = sum(lengths)
-    bf16 = dict(dtype=torch.bfloat16)
+    dt = dict(dtype=DTYPES[DTYPE])
     out = {
-        "q": torch.randn(n, shape["hk"], shape["dk"], generator=g).to(**bf16),
-        "k": torch.randn(n, shape["hk"], shape["dk"], generator=g).to(**bf16),
-        "v": torch.randn(n, hv, shape["dv"], generator=g).to(**bf16),
-        "a": torch.randn(n, hv, generator=g).to(**bf16),
-        "b": torch.randn(n, hv, generator=g).to(**bf16),
+        "q": torch.randn(n, shape["hk"], shape["dk"], generator=g).to(**dt),
+        "k": torch.randn(n, shape["hk"], shape["dk"], generator=g).to(**dt),
+        "v": torch.randn(n, hv, shape["dv"], generator=g).to(**dt),
+        "a": torch.randn(n, hv, generator=g).to(**dt),
+        "b": torch.randn(n, hv, generator=g).to(**dt),
         "A_log": torch.log(torch.rand(hv, generator=g) * 15.99 + 0.01),
         "dt_bias": torch.randn(hv, generator=g) * 0.5,
         "cu_seqlens": torch.tensor([0, *lengths]).cumsum(0).to(torch.int32),
@@ -366,7 +369,7 @@ def _check(shape: dict, hv: int, device: str, lengths: list[int]) -> list[dict]:
     with torch.no_grad():
         want, _ = forward(**_rows(x))
         cache = IncrementalCache.empty(
-            len(lengths), shape["hk"], hv, shape["dk"], shape["dv"], torch.bfloat16, device
+            len(lengths), shape["hk"], hv, shape["dk"], shape["dv"], x["v"].dtype, device
         )
         for t in cache.tensors():
             t.fill_(float("nan"))  # a slot's stale contents must never be read
@@ -500,6 +503,8 @@ def main(argv=None) -> int:
     parser.add_argument("--jsonl", default=None, help="also write docs/results.jsonl rows to this file")
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
+                        help="the inputs' dtype (default bf16; fp32 runs every product of C as fp32 FMAs)")
     parser.add_argument("--rows", type=int, default=None, help="C's row tile (default: its ROWS, 16)")
     parser.add_argument("--block-v", type=int, default=None, help="C's v tile (default: its BLOCK_V, 64)")
     parser.add_argument("--warps", type=int, default=None, help="C's num_warps (default: its WARPS, 8)")
@@ -509,6 +514,8 @@ def main(argv=None) -> int:
                         help="C's step kernel's registers a thread at most (default: no cap)")
     args = parser.parse_args(argv)
 
+    global DTYPE
+    DTYPE = args.dtype
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but CUDA is not available")
@@ -534,7 +541,7 @@ def main(argv=None) -> int:
         incremental_tiles_triton.ROWS = min(args.rows or incremental_tiles_triton.ROWS, SMALL_CHUNK if args.small else 64)
     tiles = _set_tiles(args.block_v, args.warps, args.step_warps, args.step_maxnreg)
     mode = " (Triton interpreter)" if device == "cpu" and _interpreted() else ""
-    print(f"shape {shape}, v heads {v_heads}, bf16, device {device}{mode}, C tiles {tiles}", flush=True)
+    print(f"shape {shape}, v heads {v_heads}, {DTYPE}, device {device}{mode}, C tiles {tiles}", flush=True)
 
     rows = []
     for hv in v_heads:
@@ -551,7 +558,7 @@ def main(argv=None) -> int:
             if device == "cuda":
                 torch.cuda.empty_cache()
 
-    report = {"environment": environment(device, PACKAGES), "shape": shape, "dtype": "bf16", "tiles": tiles,
+    report = {"environment": environment(device, PACKAGES), "shape": shape, "dtype": DTYPE, "tiles": tiles,
               "rows": rows}  # fmt: skip
     with open(args.output, "w") as f:
         json.dump(report, f, indent=2)

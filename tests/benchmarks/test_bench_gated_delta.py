@@ -186,14 +186,15 @@ def test_tile_overrides_reach_every_c_launch(monkeypatch):
     bench = _load(SCRIPT, "bench_gated_delta_tiles")
     for name in ("BLOCK_V", "WARPS", "ROWS", "STEP_WARPS", "STEP_MAXNREG"):
         monkeypatch.setattr(tiles, name, getattr(tiles, name))
-    own = {"rows": tiles.ROWS, "block_v": 64, "warps": 8, "step_warps": 8, "step_maxnreg": None}
+    own = {"rows": tiles.ROWS, "block_v": 64, "warps": 8, "step_warps": 8, "step_maxnreg": 128}
     assert bench._set_tiles(None, None) == own
-    assert tiles.launch_options(step=True) == tiles.launch_options() == dict(num_warps=8, enable_fp_fusion=False)
+    assert tiles.launch_options() == dict(num_warps=8, enable_fp_fusion=False)
+    assert tiles.launch_options(step=True) == dict(num_warps=8, enable_fp_fusion=False, maxnreg=128)
     assert bench._set_tiles(32, 4) == dict(own, block_v=32, warps=4, step_warps=4)
     assert tiles.block_sizes(128, 128) == (128, 128, 32) and tiles.launch_options()["num_warps"] == 4
-    assert bench._set_tiles(None, 8, 4, 128) == dict(own, block_v=32, step_warps=4, step_maxnreg=128)
+    assert bench._set_tiles(None, 8, 4, 160) == dict(own, block_v=32, step_warps=4, step_maxnreg=160)
     assert tiles.launch_options() == dict(num_warps=8, enable_fp_fusion=False)  # the chunk kernels keep theirs
-    assert tiles.launch_options(step=True) == dict(num_warps=4, enable_fp_fusion=False, maxnreg=128)
+    assert tiles.launch_options(step=True) == dict(num_warps=4, enable_fp_fusion=False, maxnreg=160)
     for args in ((48, None), (8, None), (None, 3), (None, None, 5), (None, None, None, 300)):
         with pytest.raises(SystemExit, match="--block-v|--warps|--step-warps|--step-maxnreg"):
             bench._set_tiles(*args)
@@ -201,4 +202,4 @@ def test_tile_overrides_reach_every_c_launch(monkeypatch):
 
 def test_smoke_run_reports_its_tiles(smoke_run):
     _, report, _ = smoke_run
-    assert report["tiles"] == {"rows": 16, "block_v": 64, "warps": 8, "step_warps": 8, "step_maxnreg": None}
+    assert report["tiles"] == {"rows": 16, "block_v": 64, "warps": 8, "step_warps": 8, "step_maxnreg": 128}
