@@ -2,7 +2,7 @@
 
     python benchmarks/bench_trainer.py [--shape 1.7b|30b-a3b-4l|moonlight-4l|tiny|tiny-moe|tiny-deepseek] [--batch 8]
         [--seq-len 1024] [--steps 10]
-        [--warmup 3] [--stock sdpa-padded,sdpa-packed] [--json OUT]
+        [--warmup 3] [--stock sdpa-padded,sdpa-packed] [--json OUT] [--profile N]
 
 One step = forward, token log-probs of the next token, loss = -mean(log-probs), backward; gradients
 are set to None between steps, no optimizer. Rows:
@@ -22,6 +22,8 @@ tensor of T x V (or more) elements ending in the vocabulary dimension was create
 step (checked in an extra, untimed step): the fused log-prob never makes one.
 Timing: CUDA events around each step after `--warmup` steps (the Triton kernels compile on first
 use), peak memory from torch.cuda.max_memory_allocated (weights and gradients included).
+`--profile N`: one more step of each path under torch.profiler, its N ops with the most self time on
+the device (on the CPU without CUDA), with their share of the step: where a path's time goes.
 """
 
 from __future__ import annotations
@@ -160,6 +162,32 @@ def measure(step, model, steps: int, warmup: int, device: torch.device) -> dict:
             "peak_gib": peak, "loss": float(loss.detach())}
 
 
+def profile_step(step, model, device: torch.device, top: int) -> list[dict]:
+    """The `top` ops of one step by self time on the device (the CPU without CUDA): name, ms, calls
+    and share of the step's summed self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    model.zero_grad(set_to_none=True)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, key) > 0]
+    total = sum(getattr(e, key) for e in events) or 1.0
+    events.sort(key=lambda e: getattr(e, key), reverse=True)
+    return [{"op": e.key, "ms": getattr(e, key) / 1e3, "calls": e.count, "share": getattr(e, key) / total}
+            for e in events[:top]]  # fmt: skip
+
+
+def print_profile(name: str, ops: list[dict]) -> None:
+    print(f"\n{name}: the ops with the most self time in one step")
+    print(f"{'ms':>9s} {'share':>6s} {'calls':>6s}  op")
+    for op in ops:
+        print(f"{op['ms']:9.3f} {op['share']:6.1%} {op['calls']:6d}  {op['op'][:100]}")
+
+
 def run_path(name, config, batch, args, device) -> dict:
     attn, packed = (None, True) if name == "vexact" else STOCK[name.removeprefix("stock-")]
     model = build(config, device, attn, args.init_std)
@@ -179,6 +207,8 @@ def run_path(name, config, batch, args, device) -> dict:
             row["full_logits"] = spy.largest >= batch.input_ids.numel() * config.vocab_size
         except Exception:  # the check must not cost the timing row
             traceback.print_exc()
+    if args.profile:
+        row["profile"] = profile_step(step, model, device, args.profile)
     return row
 
 
@@ -211,7 +241,11 @@ def main(argv=None):
     parser.add_argument("--no-logits-check", action="store_true", help="skip the extra [T,V] check step")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", help="write every number to this file")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also profile one step of each path and print its N ops with the most device time")
     args = parser.parse_args(argv)
+    if args.profile < 0:
+        parser.error(f"--profile takes a number of ops, got {args.profile}")
     stock = [s for s in args.stock.split(",") if s]
     if unknown := [s for s in stock if s not in STOCK]:
         parser.error(f"unknown --stock {unknown}; expected {list(STOCK)}")
@@ -235,6 +269,9 @@ def main(argv=None):
     header = (f"\n{dev}, torch {torch.__version__}, shape {args.shape}, {args.batch} x {args.seq_len} tokens, "
               f"{args.steps} steps after {args.warmup} warm-up")
     print_table(rows, header)
+    for r in rows:
+        if "profile" in r:
+            print_profile(r["path"], r["profile"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": dev, "torch": torch.__version__, "args": vars(args), "rows": rows}, f, indent=1)

@@ -69,3 +69,31 @@ def test_moe_shape_same_loss(bench, tmp_path, capsys, one_thread):
     assert rows["stock-sdpa-packed"]["experts"] in ("eager", "grouped_mm")
     assert rows["vexact"]["loss"] > 9
     assert rows["stock-sdpa-packed"]["loss"] == pytest.approx(rows["vexact"]["loss"], rel=5e-4)
+
+
+def test_profile_names_where_each_path_spends_its_step(bench, tmp_path, capsys, one_thread):
+    """--profile N: each path's N ops with the most self time in one step, largest first, in the table
+    and the JSON; each names its own scoring (vexact's fused log-prob, stock's log_softmax)."""
+    out = tmp_path / "trainer.json"
+    rc = bench.main([
+        "--shape", "tiny", "--device", "cpu", "--batch", "2", "--seq-len", "64", "--steps", "1", "--warmup", "0",
+        "--stock", "sdpa-padded", "--no-logits-check", "--json", str(out), "--profile", "40",
+    ])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    rows = {r["path"]: r for r in json.loads(out.read_text())["rows"]}
+    for name in ("vexact", "stock-sdpa-padded"):
+        ops = rows[name]["profile"]
+        assert 0 < len(ops) <= 40, ops
+        assert [op["ms"] for op in ops] == sorted((op["ms"] for op in ops), reverse=True)
+        assert all(op["calls"] > 0 and 0 < op["share"] <= 1 for op in ops)
+        assert sum(op["share"] for op in ops) <= 1 + 1e-9
+        assert f"\n{name}: the ops with the most self time in one step" in printed
+    names = {path: {op["op"] for op in rows[path]["profile"]} for path in rows}
+    assert "_LinearTokenLogProbsFunction" in names["vexact"] and "aten::_log_softmax" not in names["vexact"]
+    assert "aten::_log_softmax" in names["stock-sdpa-padded"], names["stock-sdpa-padded"]
+
+
+def test_negative_profile_is_refused(bench):
+    with pytest.raises(SystemExit):
+        bench.main(["--shape", "tiny", "--device", "cpu", "--profile", "-1"])
