@@ -8,7 +8,8 @@ other attention, so training, prefill, chunked prefill and decode keep one reduc
 
 `latent_attention_backward` (training only: correct and deterministic, not batch-invariant) recomputes
 the probabilities from the forward's log-sum-exp, a sequence and a block of queries at a time, and
-sums the one key head's gradient over every query head and query in a fixed order:
+sums the one key head's gradient over every query head and query in a fixed order (the elementwise
+passes between the products in `latent_scores_triton.py` where its kernels run, torch ops elsewhere):
 with s = scale q.k, p = exp(s - lse), D_i = sum_c dO_i O_i,
     dV_j = sum_{i,h} p_ij dO_i,   dP_ij = dO_i . V_j,   dS_ij = p_ij (dP_ij - D_i) scale,
     dQ_i = sum_j dS_ij K_j,       dK_j = sum_{i,h} dS_ij Q_i
@@ -24,6 +25,13 @@ from __future__ import annotations
 import math
 
 import torch
+
+try:  # the elementwise passes' kernels: Triton comes with the gpu extra; a CPU install may lack it
+    from . import latent_scores_triton
+except ModuleNotFoundError as err:
+    if err.name != "triton":
+        raise
+    latent_scores_triton = None
 
 # Largest [queries, heads, keys] fp32 block of probabilities formed at once (elements): memory only. A
 # block's products reach its last query's keys only. Fewer, larger blocks are faster: on the H200 at 16
@@ -69,11 +77,18 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a.float(), b.float())
 
 
+def _scores_kernels(device: torch.device):
+    """`latent_scores_triton` where its kernels run (CUDA, or the interpreter's CPU tensors), else None."""
+    scores = latent_scores_triton
+    return scores if scores is not None and (device.type == "cuda" or scores.is_interpreted()) else None
+
+
 def _sequence_backward(do, q, kv, out, lse, scale, dq, dk, dv):
     """One sequence (positions 0 .. L - 1), query blocks in order; writes dq, accumulates dk, dv."""
     length, n_heads, dim = q.shape
     c = dv.shape[-1]
     operand = q.dtype if q.dtype in _LOW_PRECISION else torch.float32  # the products' operand dtype
+    scores = _scores_kernels(q.device)
     kv = kv.to(operand)  # [L, C + R]
     delta = (do.float() * out.float()).sum(-1)  # [L, H]
     step = max(1, _BLOCK_ELEMENTS // (n_heads * length))
@@ -83,12 +98,20 @@ def _sequence_backward(do, q, kv, out, lse, scale, dq, dk, dv):
         keys = kv[:i1]  # causal: no query of the block reaches past i1 - 1
         qb = q[i0:i1].reshape(-1, dim).to(operand)  # [Q H, C + R], rows (query, head)
         dob = do[i0:i1].reshape(-1, c).to(operand)  # [Q H, C]
-        p = _mm(qb, keys.T).view(i1 - i0, n_heads, i1)  # [Q, H, K]: s, then p in place (no temporaries)
-        p.mul_(scale).sub_(lse[i0:i1, :, None] * math.log(2.0)).exp_()
-        p.masked_fill_(pos[None, None, :i1] > pos[i0:i1, None, None], 0.0)  # causal
-        p = p.view(-1, i1)
-        dv[:i1] += _mm(p.to(operand).T, dob)
-        ds = _mm(dob, keys[:, :c].T)  # [Q H, K]: dP, then dS = p (dP - D) scale in place
-        ds = ds.sub_(delta[i0:i1].reshape(-1, 1)).mul_(p).mul_(scale).to(operand)
+        p = _mm(qb, keys.T)  # [Q H, K]: s, then p in place
+        if scores is not None:
+            p_op = scores.probabilities_(p, lse[i0:i1].reshape(-1).contiguous(), i0, n_heads, scale, operand)
+        else:
+            pv = p.view(i1 - i0, n_heads, i1)
+            pv.mul_(scale).sub_(lse[i0:i1, :, None] * math.log(2.0)).exp_()
+            pv.masked_fill_(pos[None, None, :i1] > pos[i0:i1, None, None], 0.0)  # causal
+            p_op = p.to(operand)
+        dv[:i1] += _mm(p_op.T, dob)
+        ds = _mm(dob, keys[:, :c].T)  # [Q H, K]: dP, then dS = p (dP - D) scale
+        d_rows = delta[i0:i1].reshape(-1)
+        if scores is not None:
+            ds = scores.score_gradients_(ds, p, d_rows.contiguous(), scale, operand)
+        else:
+            ds = ds.sub_(d_rows[:, None]).mul_(p).mul_(scale).to(operand)
         dq[i0:i1] = _mm(ds, keys).view(i1 - i0, n_heads, dim)
         dk[:i1] += _mm(ds.T, qb)

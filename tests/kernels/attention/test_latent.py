@@ -95,7 +95,7 @@ def test_torch_latent(dtype):
     check_latent(_TorchOps(), (1, 63, 65, 70), 3, 40, 16, dtype)
 
 
-def latent_gradients(lens, n_heads, latent, rope, dtype, device="cpu", seed=0):
+def latent_gradients(lens, n_heads, latent, rope, dtype, device="cpu", seed=0, backward=latent_attention_backward):
     """(the latent backward's (dq, dk + (dv, 0)) from a float64 forward's output and log-sum-exp,
     float64 autograd's (dq, dkv)), inputs drawn in `dtype`."""
     torch.manual_seed(seed)
@@ -110,8 +110,7 @@ def latent_gradients(lens, n_heads, latent, rope, dtype, device="cpu", seed=0):
         s = torch.einsum("qhd,kd->qhk", qd[lo:hi].detach(), kvd[lo:hi, 0].detach()) * scale
         s = s.masked_fill(~torch.ones(hi - lo, hi - lo, dtype=torch.bool, device=device).tril()[:, None], -float("inf"))
         lse.append(torch.logsumexp(s, -1) / math.log(2.0))
-    dq, dk, dv = latent_attention_backward(g, q, kv, kv[..., :latent], out.detach().to(dtype),
-                                           torch.cat(lse).float(), cu, scale)  # fmt: skip
+    dq, dk, dv = backward(g, q, kv, kv[..., :latent], out.detach().to(dtype), torch.cat(lse).float(), cu, scale)
     dkv = dk.double()
     dkv[..., :latent] += dv.double()
     return (dq, dkv), (qd.grad, kvd.grad)
@@ -131,6 +130,70 @@ def test_latent_backward_against_float64(dtype, tol, block_elements, monkeypatch
     for got, want in ((dq, want_q), (dkv, want_kv)):
         err = (got.double() - want).abs().max() / want.abs().max()
         assert err < tol, err
+
+
+@pytest.fixture(scope="module")
+def interpreted_latent(interpreted_modules):
+    """latent.py and its Triton elementwise passes imported with TRITON_INTERPRET=1: its backward takes
+    the kernels' path on CPU tensors."""
+    latent, scores = interpreted_modules(
+        ("vexact_vllm.kernels.attention.latent", "vexact_vllm.kernels.attention.latent_scores_triton")
+    )
+    assert scores.is_interpreted() and latent._scores_kernels(torch.device("cpu")) is scores
+    return latent, scores
+
+
+@pytest.mark.parametrize("block_elements", [1 << 26, 16 * 4 * 70])
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+def test_interpreted_latent_backward_kernels_against_float64(interpreted_latent, dtype, tol, block_elements,
+                                                              monkeypatch):  # fmt: skip
+    """The backward with its elementwise passes in `latent_scores_triton` (as on CUDA): against float64
+    autograd as the torch path is; in fp32 also within the last bits of the torch path (exp's
+    implementation; in bf16 the interpreter rounds p and dS toward zero, the GPU to nearest)."""
+    latent, _ = interpreted_latent
+    monkeypatch.setattr(latent, "_BLOCK_ELEMENTS", block_elements)
+    (dq, dkv), (want_q, want_kv) = latent_gradients((1, 37, 70), 4, 48, 16, dtype,
+                                                    backward=latent.latent_attention_backward)  # fmt: skip
+    (tq, tkv), _ = latent_gradients((1, 37, 70), 4, 48, 16, dtype)
+    assert dq.dtype == dtype and dkv.shape == want_kv.shape
+    for got, want, torch_path in ((dq, want_q, tq), (dkv, want_kv, tkv)):
+        err = (got.double() - want).abs().max() / want.abs().max()
+        assert err < tol, err
+        if dtype == torch.float32:
+            assert (got.double() - torch_path.double()).abs().max() / want.abs().max() < tol / 4
+
+
+@pytest.mark.parametrize("n_heads,first_query,keys", [(4, 0, 70), (3, 5, 1100), (1, 0, 1)])
+def test_interpreted_latent_score_passes(interpreted_latent, n_heads, first_query, keys):
+    """probabilities_: exactly 0 past each row's query, exp(s scale - lse ln 2) elsewhere, its bf16 copy
+    the fp32 result rounded; score_gradients_: (dP - D) p scale, in bf16 or in place in fp32. Keys past
+    one 1,024-key program included. The interpreter rounds to bf16 toward zero (the GPU to nearest): its
+    bf16 results are checked to one bf16 step."""
+    _, scores = interpreted_latent
+    gen = torch.Generator().manual_seed(keys)
+    queries = min(keys - first_query, 7)
+    rows = queries * n_heads
+    s = torch.randn(rows, keys, generator=gen) * 4
+    lse = torch.randn(rows, generator=gen) + 3
+    query = first_query + torch.arange(rows) // n_heads
+    causal = torch.arange(keys)[None, :] <= query[:, None]
+    want = torch.where(causal, torch.exp(s * 0.3 - lse[:, None] * math.log(2.0)), 0.0)
+    p = s.clone()
+    low = scores.probabilities_(p, lse, first_query, n_heads, 0.3, torch.bfloat16)
+    assert torch.equal(p[~causal], torch.zeros(int((~causal).sum()))) and low.dtype == torch.bfloat16
+    torch.testing.assert_close(p, want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(low.float(), p, rtol=2**-7, atol=0)
+    p32 = s.clone()
+    assert scores.probabilities_(p32, lse, first_query, n_heads, 0.3, torch.float32) is p32
+    assert torch.equal(p32, p)
+    dp, delta = torch.randn(rows, keys, generator=gen), torch.randn(rows, generator=gen)
+    ds = scores.score_gradients_(dp.clone(), p, delta, 0.3, torch.bfloat16)
+    torch.testing.assert_close(ds.float(), (dp - delta[:, None]) * p * 0.3, rtol=2**-7, atol=0)
+    inplace = dp.clone()
+    assert scores.score_gradients_(inplace, p, delta, 0.3, torch.float32) is inplace
+    assert torch.equal(inplace, (dp - delta[:, None]) * p * 0.3)
+    with pytest.raises(ValueError, match="fp32"):
+        scores.probabilities_(s.double(), lse, first_query, n_heads, 0.3, torch.bfloat16)
 
 
 def test_values_in_keys():
