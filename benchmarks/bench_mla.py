@@ -20,7 +20,8 @@ Sections (16 heads by default: Moonlight-16B-A3B and DeepSeek-V2-Lite at TP=1, D
   `--decode-stages` and `--decode-block-m` time ours at other page sizes, pipelining depths and row
   tiles, each against the same stock figures and each with `same_bits`: its output equal to the
   kernel's own launch (pages and depths must keep every bit; a row tile other than training's changes
-  the dots' shape, MMA instruction included, so only this check can say whether decode may take it).
+  the dots' shape, MMA instruction included, so only this check can say whether decode may take it),
+  and where not, how many values differ and by how much (`differing`).
 - train: ours forward+backward over the latent against torch SDPA's at 192/128 (vLLM's FlashAttention
   has no backward).
 The per-head absorption and up-projection GEMMs around the attention (kernels.head_linear) are not
@@ -201,6 +202,15 @@ def _latent_launch(stages, block_m):
         paged_triton.latent_config = own
 
 
+def differences(got: torch.Tensor, want: torch.Tensor) -> tuple[int, float]:
+    """(how many values' bits differ, the largest |got - want| among them): a rare difference points at
+    a sum's rounding, one everywhere at the products themselves."""
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]
+    differ = got.view(bits) != want.view(bits)
+    count = int(differ.sum())
+    return count, float((got.float() - want.float())[differ].abs().max()) if count else 0.0
+
+
 def _decode_case(batch, context, heads, variants=((16, None, None),)):
     """vexact's decode for each (page size, num_stages, BLOCK_M) variant (None: the kernel's own), each
     with `same_bits`: its output equal to the kernel's own launch on the same inputs (a page size or a
@@ -217,14 +227,16 @@ def _decode_case(batch, context, heads, variants=((16, None, None),)):
         args = (q, k_cache, k_cache[..., :LATENT], table, seq_lens, qsl, scale)
         own = paged_attention(*args)
         with _latent_launch(stages, block_m):
-            same = bool(torch.equal(paged_attention(*args), own))
+            differing, most = differences(paged_attention(*args), own)
+            same = differing == 0
             ms = bench_graph(lambda args=args: paged_attention(*args))
         label = f"B={batch} ctx={context} H={heads}"
         if list(variants) != [(16, None, None)]:
             label += f" page={page} stages={stages or 'own'} block_m={block_m or 'own'}"
+        diff = "" if same else f" ({differing:,} of {own.numel():,} values differ, max |diff| {most:.3g})"
         print(f"decode   {label}: vexact {ms:.4f} ms, {batch * context * per_token / ms / 1e9:.2f} TB/s, "
-              f"same bits as its own launch: {same}")  # fmt: skip
-        timed.append((label, ms, same))
+              f"same bits as its own launch: {same}{diff}")  # fmt: skip
+        timed.append((label, ms, same, differing))
     stocks = [
         ("fa3-mla", lambda: _fa3_mla_decode(batch, context, heads, scale)),
         ("flashmla", lambda: _flashmla_decode(batch, context, heads, scale)),
@@ -235,11 +247,12 @@ def _decode_case(batch, context, heads, variants=((16, None, None),)):
         except Exception as e:  # a kernel or head-size pair missing from this build: the row says so
             print(f"decode   B={batch} ctx={context} H={heads}: {stock} unavailable ({e})")
             ROWS.extend({"section": "decode", "case": label, "stock": stock, "vexact_ms": ms, "same_bits": same,
-                         "error": str(e)} for label, ms, same in timed)  # fmt: skip
+                         "differing": differing, "error": str(e)} for label, ms, same, differing in timed)  # fmt: skip
             continue
-        for label, ms, same in timed:
+        for label, ms, same, differing in timed:
             record("decode", label, ms, stock_ms, stock, vexact_tb_s=batch * context * per_token / ms / 1e9,
-                   stock_tb_s=batch * context * per_token / stock_ms / 1e9, same_bits=same)  # fmt: skip
+                   stock_tb_s=batch * context * per_token / stock_ms / 1e9, same_bits=same,
+                   differing=differing)  # fmt: skip
 
 
 def _latent_inputs(batch, context, heads, page):

@@ -138,8 +138,18 @@ def test_decode_variants_each_against_the_same_stock(bench, monkeypatch):
     group, _, warps, depth = own(512, 64, 16)
     assert seen[:2] == [({**before, bench.LATENT: 3}, (group, 16, warps, depth))] * 2  # then stock's timing
     rows = [r for r in bench.ROWS if "speed" in r]
-    assert [(r["case"], r["vexact_ms"], r["stock"], r["same_bits"]) for r in rows] == [
-        ("B=2 ctx=70 H=2 page=16 stages=3 block_m=16", 1.0, "fa3-mla", True),  # the torch path on the CPU
-        ("B=2 ctx=70 H=2 page=64 stages=3 block_m=16", 2.0, "fa3-mla", True),
+    assert [(r["case"], r["vexact_ms"], r["stock"], r["same_bits"], r["differing"]) for r in rows] == [
+        ("B=2 ctx=70 H=2 page=16 stages=3 block_m=16", 1.0, "fa3-mla", True, 0),  # the torch path on the CPU
+        ("B=2 ctx=70 H=2 page=64 stages=3 block_m=16", 2.0, "fa3-mla", True, 0),
     ]
     assert {r["stock_ms"] for r in rows} == {3.0} and len(calls) == 1  # stock's kernel timed once for both
+
+
+def test_differences_counts_bits(bench):
+    """A value whose bits differ counts, even where == holds (-0.0 against 0.0); equal NaNs do not."""
+    want = torch.tensor([1.0, 0.0, float("nan"), 2.0, 3.0], dtype=torch.bfloat16)
+    got = want.clone()
+    assert bench.differences(got, want) == (0, 0.0)
+    got[1], got[3] = -0.0, 2.5
+    assert bench.differences(got, want) == (2, 0.5)
+    assert bench.differences(got.float(), want.float()) == (2, 0.5)
