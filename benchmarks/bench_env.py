@@ -1,5 +1,5 @@
 """What the benchmark scripts share: the environment a run records (date, device, versions, commit,
-command) and report sections that fail alone. The scripts import it as a sibling module: running
+command), report sections that fail alone, and the ops a call spends its time in (`top_ops`). The scripts import it as a sibling module: running
 `python benchmarks/X.py` puts this folder on sys.path, and tests/benchmarks/conftest.py's
 `load_script` does too."""
 
@@ -63,3 +63,29 @@ def sections(rows: list[dict]) -> Callable:
         return run
 
     return section
+
+
+def top_ops(call: Callable[[], object], cuda: bool, top: int, calls: int = 1) -> list[dict]:
+    """The `top` ops of `calls` runs of `call` under torch.profiler by self time on the device (on the
+    CPU without CUDA), largest first: name, ms a run, calls a run and share of the summed self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(calls):
+            call()
+        if cuda:
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, key) > 0]
+    total = sum(getattr(e, key) for e in events) or 1.0
+    events.sort(key=lambda e: getattr(e, key), reverse=True)
+    return [{"op": e.key, "ms": getattr(e, key) / 1e3 / calls, "calls": e.count // calls, "share": getattr(e, key) / total}
+            for e in events[:top]]  # fmt: skip
+
+
+def print_ops(title: str, ops: list[dict]) -> None:
+    """`top_ops`' rows as a table under `title`."""
+    print(f"\n{title}")
+    print(f"{'ms':>9s} {'share':>6s} {'calls':>6s}  op")
+    for op in ops:
+        print(f"{op['ms']:9.3f} {op['share']:6.1%} {op['calls']:6d}  {op['op'][:100]}")

@@ -54,7 +54,7 @@ import traceback
 
 import torch
 import torch.nn.functional as F
-from bench_env import environment
+from bench_env import environment, print_ops, top_ops
 from gated_delta_report import fmt, results_rows, table
 
 FULL = {"hk": 16, "dk": 128, "dv": 128}
@@ -69,6 +69,9 @@ DTYPE = "bf16"
 # The smoke run (--small): one timed call a case, C in chunks of 16 (the interpreter is slow).
 CPU_REPS = 3
 SMALL_CHUNK = 16
+# --ops N: each timed call's N ops with the most device time (`_time_ms` fills LAST_OPS for its case).
+OPS = 0
+LAST_OPS: list[dict] = []
 
 
 def _interpreted() -> bool:
@@ -95,7 +98,10 @@ def _c_ops(device: str):
 
 def _time_ms(fn, device: str, graph: bool = False) -> float:
     """Median milliseconds of fn() (CPU: CPU_REPS timed calls). graph: on a GPU, fn replayed in a CUDA
-    graph, as vLLM runs a decode step (no launch overhead in the figure)."""
+    graph, as vLLM runs a decode step (no launch overhead in the figure). With --ops N, also the N ops
+    with the most device time in 10 more calls (launched one by one), for `_run_case` to report."""
+    if OPS:
+        LAST_OPS[:] = top_ops(fn, device == "cuda", OPS, calls=10)
     if device == "cuda":
         from triton.testing import do_bench, do_bench_cudagraph
 
@@ -429,8 +435,11 @@ def _run_case(
             row["skipped"] = reason
         else:
             try:
+                LAST_OPS.clear()
                 results[name] = result = fn(x, device)
                 row.update({k: v for k, v in result.items() if k != "out"})
+                if LAST_OPS:
+                    row["ops"] = list(LAST_OPS)
                 row["tokens_per_s"] = sum(lengths) / (result["fwd_ms"] * 1e-3)
             except ImportError as e:
                 row["skipped"] = f"not importable: {e}"
@@ -440,6 +449,8 @@ def _run_case(
         rows.append(row)
         status = row.get("skipped") or row.get("error") or f"fwd {fmt(row['fwd_ms'])} ms"
         print(f"{case:8} hv {hv} {size:>12}  {name:14} {status}", flush=True)
+        if row.get("ops"):
+            print_ops(f"{case} hv {hv} {size} {name}: the ops with the most device time a call", row["ops"])
     _compare(case, rows, results)
     return rows
 
@@ -505,6 +516,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
                         help="the inputs' dtype (default bf16; fp32 runs every product of C as fp32 FMAs)")
+    parser.add_argument("--ops", type=int, default=0, metavar="N",
+                        help="also each timed call's N ops (kernels) with the most device time")
     parser.add_argument("--rows", type=int, default=None, help="C's row tile (default: its ROWS, 16)")
     parser.add_argument("--block-v", type=int, default=None, help="C's v tile (default: its BLOCK_V, 64)")
     parser.add_argument("--warps", type=int, default=None, help="C's num_warps (default: its WARPS, 8)")
@@ -514,8 +527,10 @@ def main(argv=None) -> int:
                         help="C's step kernel's registers a thread at most (default: no cap)")
     args = parser.parse_args(argv)
 
-    global DTYPE
-    DTYPE = args.dtype
+    global DTYPE, OPS
+    DTYPE, OPS = args.dtype, args.ops
+    if OPS < 0:
+        parser.error(f"--ops takes a number of ops, got {OPS}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but CUDA is not available")

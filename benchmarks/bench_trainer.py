@@ -38,6 +38,7 @@ import time
 import traceback
 
 import torch
+from bench_env import print_ops, top_ops
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vexact_vllm.model_patches import PackedBatch
@@ -162,32 +163,6 @@ def measure(step, model, steps: int, warmup: int, device: torch.device) -> dict:
             "peak_gib": peak, "loss": float(loss.detach())}
 
 
-def profile_step(step, model, device: torch.device, top: int) -> list[dict]:
-    """The `top` ops of one step by self time on the device (the CPU without CUDA): name, ms, calls
-    and share of the step's summed self time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device.type == "cuda"
-    model.zero_grad(set_to_none=True)
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        step()
-        if cuda:
-            torch.cuda.synchronize()
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    events = [e for e in prof.key_averages() if getattr(e, key) > 0]
-    total = sum(getattr(e, key) for e in events) or 1.0
-    events.sort(key=lambda e: getattr(e, key), reverse=True)
-    return [{"op": e.key, "ms": getattr(e, key) / 1e3, "calls": e.count, "share": getattr(e, key) / total}
-            for e in events[:top]]  # fmt: skip
-
-
-def print_profile(name: str, ops: list[dict]) -> None:
-    print(f"\n{name}: the ops with the most self time in one step")
-    print(f"{'ms':>9s} {'share':>6s} {'calls':>6s}  op")
-    for op in ops:
-        print(f"{op['ms']:9.3f} {op['share']:6.1%} {op['calls']:6d}  {op['op'][:100]}")
-
-
 def run_path(name, config, batch, args, device) -> dict:
     attn, packed = (None, True) if name == "vexact" else STOCK[name.removeprefix("stock-")]
     model = build(config, device, attn, args.init_std)
@@ -208,7 +183,8 @@ def run_path(name, config, batch, args, device) -> dict:
         except Exception:  # the check must not cost the timing row
             traceback.print_exc()
     if args.profile:
-        row["profile"] = profile_step(step, model, device, args.profile)
+        model.zero_grad(set_to_none=True)
+        row["profile"] = top_ops(step, device.type == "cuda", args.profile)
     return row
 
 
@@ -271,7 +247,7 @@ def main(argv=None):
     print_table(rows, header)
     for r in rows:
         if "profile" in r:
-            print_profile(r["path"], r["profile"])
+            print_ops(f"{r['path']}: the ops with the most self time in one step", r["profile"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": dev, "torch": torch.__version__, "args": vars(args), "rows": rows}, f, indent=1)

@@ -203,3 +203,29 @@ def test_tile_overrides_reach_every_c_launch(monkeypatch):
 def test_smoke_run_reports_its_tiles(smoke_run):
     _, report, _ = smoke_run
     assert report["tiles"] == {"rows": 16, "block_v": 64, "warps": 8, "step_warps": 8, "step_maxnreg": 128}
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_ops_and_dtype(tmp_path, dtype):
+    """--ops N: each timed case's N ops with the most time a call, largest first, printed and in the
+    JSON rows; --dtype: the inputs' dtype, recorded in the report."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("TRITON_INTERPRET", None)  # the torch path: quick
+    cmd = [sys.executable, str(SCRIPT), "--small", "--systems", "C", "--train", "", "--prefill", "", "--decode", "3",
+           "--no-check", "--ops", "3", "--dtype", dtype, "--output", str(tmp_path / "r.json")]  # fmt: skip
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["dtype"] == dtype and f"v heads [4], {dtype}," in done.stdout
+    rows = [r for r in report["rows"] if r["case"] == "decode"]
+    assert [r["system"] for r in rows] == ["C@0", "C@31", "C@63"]
+    for r in rows:
+        ms = [op["ms"] for op in r["ops"]]
+        assert 0 < len(ms) <= 3 and ms == sorted(ms, reverse=True) and ms[0] > 0, r["ops"]
+        assert f"decode hv 4 3 {r['system']}: the ops with the most device time a call" in done.stdout
+
+
+def test_negative_ops_refused():
+    done = subprocess.run([sys.executable, str(SCRIPT), "--small", "--ops", "-2"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and "--ops takes a number of ops" in done.stderr
