@@ -26,13 +26,6 @@ import math
 
 import torch
 
-try:  # the elementwise passes' kernels: Triton comes with the gpu extra; a CPU install may lack it
-    from . import latent_scores_triton
-except ModuleNotFoundError as err:
-    if err.name != "triton":
-        raise
-    latent_scores_triton = None
-
 # Largest [queries, heads, keys] fp32 block of probabilities formed at once (elements): memory only. A
 # block's products reach its last query's keys only. Fewer, larger blocks are faster: on the H200 at 16
 # heads, blocks of at most 256 queries (less of the causal square computed) took 16.7 ms for 8 x 1k
@@ -78,9 +71,13 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _scores_kernels(device: torch.device):
-    """`latent_scores_triton` where its kernels run (CUDA, or the interpreter's CPU tensors), else None."""
-    scores = latent_scores_triton
-    return scores if scores is not None and (device.type == "cuda" or scores.is_interpreted()) else None
+    """The elementwise passes' Triton kernels (`latent_scores_triton`) on CUDA; None elsewhere (torch ops).
+    Imported on first use: importing the kernels must not import Triton (a CPU install may lack it)."""
+    if device.type != "cuda":
+        return None
+    from . import latent_scores_triton
+
+    return latent_scores_triton
 
 
 def _sequence_backward(do, q, kv, out, lse, scale, dq, dk, dv):

@@ -92,8 +92,3 @@ def score_gradients_(dp, p, delta, scale: float, dtype: torch.dtype) -> torch.Te
             dp.stride(0) if low is None else low.stride(0), scale, BLOCK=BLOCK, WRITE_LOW=low is not None, **_OPTIONS,
         )  # fmt: skip
     return dp if low is None else low
-
-
-def is_interpreted() -> bool:
-    """Whether this module's kernels run under the Triton interpreter (imported with TRITON_INTERPRET=1)."""
-    return type(_probabilities_kernel).__name__ == "InterpretedFunction"

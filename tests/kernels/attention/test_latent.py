@@ -95,7 +95,7 @@ def test_torch_latent(dtype):
     check_latent(_TorchOps(), (1, 63, 65, 70), 3, 40, 16, dtype)
 
 
-def latent_gradients(lens, n_heads, latent, rope, dtype, device="cpu", seed=0, backward=latent_attention_backward):
+def latent_gradients(lens, n_heads, latent, rope, dtype, device="cpu", seed=0):
     """(the latent backward's (dq, dk + (dv, 0)) from a float64 forward's output and log-sum-exp,
     float64 autograd's (dq, dkv)), inputs drawn in `dtype`."""
     torch.manual_seed(seed)
@@ -110,7 +110,8 @@ def latent_gradients(lens, n_heads, latent, rope, dtype, device="cpu", seed=0, b
         s = torch.einsum("qhd,kd->qhk", qd[lo:hi].detach(), kvd[lo:hi, 0].detach()) * scale
         s = s.masked_fill(~torch.ones(hi - lo, hi - lo, dtype=torch.bool, device=device).tril()[:, None], -float("inf"))
         lse.append(torch.logsumexp(s, -1) / math.log(2.0))
-    dq, dk, dv = backward(g, q, kv, kv[..., :latent], out.detach().to(dtype), torch.cat(lse).float(), cu, scale)
+    dq, dk, dv = latent_attention_backward(g, q, kv, kv[..., :latent], out.detach().to(dtype),
+                                           torch.cat(lse).float(), cu, scale)  # fmt: skip
     dkv = dk.double()
     dkv[..., :latent] += dv.double()
     return (dq, dkv), (qd.grad, kvd.grad)
@@ -133,14 +134,21 @@ def test_latent_backward_against_float64(dtype, tol, block_elements, monkeypatch
 
 
 @pytest.fixture(scope="module")
-def interpreted_latent(interpreted_modules):
-    """latent.py and its Triton elementwise passes imported with TRITON_INTERPRET=1: its backward takes
-    the kernels' path on CPU tensors."""
-    latent, scores = interpreted_modules(
-        ("vexact_vllm.kernels.attention.latent", "vexact_vllm.kernels.attention.latent_scores_triton")
-    )
-    assert scores.is_interpreted() and latent._scores_kernels(torch.device("cpu")) is scores
-    return latent, scores
+def interpreted_scores(interpreted_modules):
+    """The latent backward's Triton elementwise passes imported with TRITON_INTERPRET=1 (CPU tensors)."""
+    (scores,) = interpreted_modules(("vexact_vllm.kernels.attention.latent_scores_triton",))
+    assert type(scores._probabilities_kernel).__name__ == "InterpretedFunction"
+    return scores
+
+
+@pytest.fixture
+def interpreted_latent(interpreted_scores, monkeypatch):
+    """latent.py with its backward taking the Triton passes' path on CPU tensors, as on CUDA."""
+    from vexact_vllm.kernels.attention import latent
+
+    assert latent._scores_kernels(torch.device("cpu")) is None  # the torch ops on the CPU
+    monkeypatch.setattr(latent, "_scores_kernels", lambda device: interpreted_scores)
+    return latent, interpreted_scores
 
 
 @pytest.mark.parametrize("block_elements", [1 << 26, 16 * 4 * 70])
@@ -150,10 +158,10 @@ def test_interpreted_latent_backward_kernels_against_float64(interpreted_latent,
     """The backward with its elementwise passes in `latent_scores_triton` (as on CUDA): against float64
     autograd as the torch path is; in fp32 also within the last bits of the torch path (exp's
     implementation; in bf16 the interpreter rounds p and dS toward zero, the GPU to nearest)."""
-    latent, _ = interpreted_latent
+    latent, scores = interpreted_latent
     monkeypatch.setattr(latent, "_BLOCK_ELEMENTS", block_elements)
-    (dq, dkv), (want_q, want_kv) = latent_gradients((1, 37, 70), 4, 48, 16, dtype,
-                                                    backward=latent.latent_attention_backward)  # fmt: skip
+    (dq, dkv), (want_q, want_kv) = latent_gradients((1, 37, 70), 4, 48, 16, dtype)
+    monkeypatch.setattr(latent, "_scores_kernels", lambda device: None)  # the torch ops, for the comparison
     (tq, tkv), _ = latent_gradients((1, 37, 70), 4, 48, 16, dtype)
     assert dq.dtype == dtype and dkv.shape == want_kv.shape
     for got, want, torch_path in ((dq, want_q, tq), (dkv, want_kv, tkv)):
