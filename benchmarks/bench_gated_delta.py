@@ -2,8 +2,8 @@
 against flash-linear-attention's and vLLM's kernels, at Qwen3-Next / Qwen3.5 GDN shapes, and check on
 the device that C's decode schedule equals its training forward.
 
-    python benchmarks/bench_gated_delta.py [--v-heads 32,48] [--rows 16] [--block-v 64] [--warps 8]
-        [--step-warps 4] [--step-maxnreg 128] [--output F.json] [--jsonl F.jsonl]
+    python benchmarks/bench_gated_delta.py [--v-heads 32,48] [--dtype bf16|fp32] [--rows 16] [--block-v 64]
+        [--warps 8] [--step-warps 4] [--step-maxnreg 128] [--ops 6] [--output F.json] [--jsonl F.jsonl]
     TRITON_INTERPRET=1 python benchmarks/bench_gated_delta.py --small    # CPU smoke run, tiny shapes
 
 Shapes: 16 k heads, 32 (Qwen3-Next-80B-A3B) or 48 v heads, d_k = d_v = 128, bf16 inputs (--dtype fp32: fp32), fp32 state.
@@ -38,7 +38,8 @@ table prints last; --output gets every number, the device, the versions, the com
 --jsonl writes docs/results.jsonl rows (one per case kind and one for the check; results_page.py's
 schema) for the lead to paste.
 
-On the CPU the full shapes are refused. With TRITON_INTERPRET=1 the smoke run takes C through its
+--ops N adds each timed call's N ops (on a GPU: kernels) with the most device time, e.g. which of the
+decode step's three launches costs. On the CPU the full shapes are refused. With TRITON_INTERPRET=1 the smoke run takes C through its
 Triton kernels on the interpreter; without it, its torch path.
 """
 
