@@ -35,6 +35,7 @@ from .incremental_tiles_triton import (
     pick,
     pick_entries,
     pick_one,
+    row_place,
     solve_row,
     solved_product,
     state_after,
@@ -53,20 +54,16 @@ def _step_row(
 ):  # fmt: skip
     """Row p of the chunk (packed row start + p - held): its o to OUT, and the tiles with the row in."""
     dt = k_c.dtype
-    row = start + p - held  # its packed row
-    pos = (p // ROWS) * ROWS + rr  # its row tile's chunk positions
-    own = pos == p
+    pos, own, rows_r, at, _ = row_place(p, start + p - held, rc, rr, ROWS)  # its row tile, its packed row
     if p % ROWS == 0:  # a new row tile
         k_b = tl.full([ROWS, BLOCK_K], 0.0, dt)
         t_b = tl.full([ROWS, CHUNK], 0.0, tl.float32)
-    rows_r = tl.where(own, row, 0)
     q_r = normalized_rows(Q, rows_r, own, hk, stride_qt, stride_qh, ok, eps, scale, DK).to(dt)
     k_r = normalized_rows(K, rows_r, own, hk, stride_kt, stride_kh, ok, eps, 1.0, DK).to(dt)
     g_r, beta_r = gate_rows(A, B, rows_r, own, hv, stride_at, stride_bt, decay, dt_bias, SOFTPLUS_MAX)
     mvr = own[:, None] & mv[None, :]
     v_r = tl.load(V + rows_r[:, None] * stride_vt + hv * stride_vh + ov[None, :], mask=mvr, other=0.0)
     x_r = (v_r.to(tl.float32) * beta_r[:, None]).to(dt)
-    at = rc == p
     k_c = tl.where(at[:, None], pick(k_r, own).to(dt)[None, :], k_c)
     k_b = tl.where(own[:, None], k_r, k_b)
     x_c = tl.where(at[:, None], pick(x_r, own).to(dt)[None, :], x_c)
