@@ -14,11 +14,11 @@ Cases:
 Systems:
   C              chunk-anchored and incremental (kernels/gated_delta/incremental*.py): train forward and
                  forward+backward (its chunked backward), prefill (the cached op from empty slots).
-                 Decode "C@p" = the step kernel for sequences holding p rows of a partial chunk (p = 0,
+                 Decode "C@p" = the decode step for sequences holding p rows of a partial chunk (p = 0,
                  31, 63; p = 63 commits a state): kernel time, its per-sequence indices precomputed as
                  vLLM's metadata builder would. --rows sets its row tile (ROWS: 16 or 64), --block-v its
                  v tile (BLOCK_V) and --warps its num_warps (WARPS), for every C kernel alike;
-                 --step-warps and --step-maxnreg the step kernel's alone (how many decode programs
+                 --step-warps and --step-maxnreg the decode kernels' alone (how many decode programs
                  share an SM). The check section says whether the bits still agree
   fla-chunk      flash-linear-attention's chunk_gated_delta_rule (pip fla-core; skipped if absent)
   fla-recurrent  its fused_recurrent_gated_delta_rule (decode)
@@ -38,8 +38,8 @@ table prints last; --output gets every number, the device, the versions, the com
 --jsonl writes docs/results.jsonl rows (one per case kind and one for the check; results_page.py's
 schema) for the lead to paste.
 
---ops N adds each timed call's N ops (on a GPU: kernels) with the most device time, e.g. which of the
-decode step's three launches costs. On the CPU the full shapes are refused. With TRITON_INTERPRET=1 the smoke run takes C through its
+--ops N adds the N ops (on a GPU: kernels) with the most device time of each case's last timed call
+(train: its forward+backward), e.g. which of the decode step's three launches costs. On the CPU the full shapes are refused. With TRITON_INTERPRET=1 the smoke run takes C through its
 Triton kernels on the interpreter; without it, its torch path.
 """
 
@@ -70,7 +70,7 @@ DTYPE = "bf16"
 # The smoke run (--small): one timed call a case, C in chunks of 16 (the interpreter is slow).
 CPU_REPS = 3
 SMALL_CHUNK = 16
-# --ops N: each timed call's N ops with the most device time (`_time_ms` fills LAST_OPS for its case).
+# --ops N: the N ops with the most device time of a case's last timed call (`_time_ms` fills LAST_OPS).
 OPS = 0
 LAST_OPS: list[dict] = []
 
@@ -476,7 +476,7 @@ def _compare(case: str, rows: list[dict], results: dict) -> None:
 
 def _set_tiles(block_v: int | None, warps: int | None, step_warps: int | None = None,
                step_maxnreg: int | None = None) -> dict:  # fmt: skip
-    """C's ROWS, BLOCK_V, WARPS and the step kernel's warps and register cap after applying the overrides
+    """C's ROWS, BLOCK_V, WARPS and the decode kernels' warps and register cap after applying the overrides
     given (every C kernel reads them at launch)."""
     from vexact_vllm.kernels.gated_delta import incremental_tiles_triton as tiles
 
@@ -518,14 +518,15 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
                         help="the inputs' dtype (default bf16; fp32 runs every product of C as fp32 FMAs)")
     parser.add_argument("--ops", type=int, default=0, metavar="N",
-                        help="also each timed call's N ops (kernels) with the most device time")
+                        help="also the N ops (kernels) with the most device time of each case's last timed call "
+                             "(train: its forward+backward)")
     parser.add_argument("--rows", type=int, default=None, help="C's row tile (default: its ROWS, 16)")
     parser.add_argument("--block-v", type=int, default=None, help="C's v tile (default: its BLOCK_V, 64)")
     parser.add_argument("--warps", type=int, default=None, help="C's num_warps (default: its WARPS, 8)")
     parser.add_argument("--step-warps", type=int, default=None,
-                        help="C's step kernel's (decode's) num_warps (default: WARPS)")
+                        help="C's decode kernels' num_warps (default: STEP_WARPS, else WARPS)")
     parser.add_argument("--step-maxnreg", type=int, default=None,
-                        help="C's step kernel's registers a thread at most (default: no cap)")
+                        help="C's decode kernels' registers a thread at most (default: STEP_MAXNREG)")
     args = parser.parse_args(argv)
 
     global DTYPE, OPS

@@ -4,10 +4,10 @@
     python benchmarks/inspect_gated_delta.py [--dtype bf16|fp32] [--rows 16] [--block-v 64] [--warps 4] [--out DIR]
         [--step-warps 4] [--step-maxnreg 128] [--lines 20]
 
-The step kernel reproduces a chunk kernel's row only if every shared routine
+The step and decode kernels reproduce a chunk kernel's row only if every shared routine
 (`incremental_tiles_triton.py`) compiles to the same arithmetic in both. Triton picks each tensor's layout
 per kernel, from the code around it, so the check is on the compiled TTGIR:
-1. every dot of a shared routine in the step kernel has a twin in a chunk kernel: the same routine and
+1. every dot of a shared routine in the step and decode kernels has a twin in a chunk kernel: the same routine and
    call chain, operand shapes and types, precision, and MMA instruction (version, instrShape; FMA dots
    add in K order, whatever their blocked layout);
 2. every tt.reduce of the forward kernels is an exact pick (`pick`, `pick_one`, `pick_entries`,
@@ -88,8 +88,7 @@ def specs(dtype: str, rows: int, block_v: int) -> dict:
         "prepare": (chunk.prepare_kernel, dict(base, BLOCK_V=block_v, STORE_T=False, **dots), tiles.launch_options()),
         "state": (chunk.state_kernel, dict(base, BLOCK_V=block_v, **dots), tiles.launch_options()),
         "output": (chunk.output_kernel, dict(base, BLOCK_V=block_v, **dots), tiles.launch_options()),
-        "step": (step._step_kernel, dict(base, BLOCK_V=block_v, SOFTPLUS_MAX=20.0, **dots),
-                 tiles.launch_options(step=True)),
+        "step": (step._step_kernel, dict(base, BLOCK_V=block_v, SOFTPLUS_MAX=20.0, **dots), tiles.launch_options()),
         "decode_weights": (decode._decode_weights_kernel, dict(DK=128, BLOCK_K=128, ROWS=rows, CHUNK=64, **dots),
                            tiles.launch_options(step=True)),
         "decode": (decode._decode_kernel, dict(base, BLOCK_V=block_v, **dots), tiles.launch_options(step=True)),
@@ -184,8 +183,10 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", type=int, default=tiles.ROWS, help="row tile (incremental_tiles_triton.ROWS)")
     parser.add_argument("--block-v", type=int, default=tiles.BLOCK_V, help="v tile (incremental_tiles_triton.BLOCK_V)")
     parser.add_argument("--warps", type=int, default=tiles.WARPS, help="forward warps (incremental_tiles_triton.WARPS)")
-    parser.add_argument("--step-warps", type=int, help="the step kernel's warps (STEP_WARPS; default WARPS)")
-    parser.add_argument("--step-maxnreg", type=int, help="the step kernel's register cap (STEP_MAXNREG)")
+    parser.add_argument("--step-warps", type=int, default=tiles.STEP_WARPS,
+                        help="the decode kernels' warps (incremental_tiles_triton.STEP_WARPS; None: WARPS)")
+    parser.add_argument("--step-maxnreg", type=int, default=tiles.STEP_MAXNREG,
+                        help="the decode kernels' register cap (incremental_tiles_triton.STEP_MAXNREG)")
     parser.add_argument("--kernels", default=None, help="comma-separated subset (default: all)")
     parser.add_argument("--out", help="folder for each kernel's PTX and TTGIR")
     parser.add_argument("--lines", type=int, default=0, help="print each kernel's N busiest source lines (SASS)")
@@ -197,7 +198,7 @@ def main(argv=None) -> int:
     names = args.kernels.split(",") if args.kernels else list(table)
     functions = _functions(tiles.__file__)
     print(f"Triton {triton.__version__}, sm_90a, {args.dtype}, ROWS {args.rows}, BLOCK_V {args.block_v}, "
-          f"{args.warps} warps (step kernel {args.step_warps or args.warps}, register cap {args.step_maxnreg}); "
+          f"{args.warps} warps (decode kernels {args.step_warps or args.warps}, register cap {args.step_maxnreg}); "
           f"files in {out_dir}")  # fmt: skip
     compiled, failures = {}, []
     for name in names:

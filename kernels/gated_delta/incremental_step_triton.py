@@ -193,5 +193,5 @@ def step_forward(q, k, v, a, b, A_log, dt_bias, out, cache, start, count, held, 
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         out.stride(0), out.stride(1), hk, hv, hv // hk, qk_scale(d_k), L2NORM_EPS,
         DK=d_k, DV=d_v, BLOCK_K=block_k, BLOCK_V=block_v, ROWS=tiles.ROWS, CHUNK=layout.CHUNK,
-        SOFTPLUS_MAX=SOFTPLUS_THRESHOLD, **tiles.dot_options(q.dtype), **tiles.launch_options(step=True),
+        SOFTPLUS_MAX=SOFTPLUS_THRESHOLD, **tiles.dot_options(q.dtype), **tiles.launch_options(),
     )  # fmt: skip

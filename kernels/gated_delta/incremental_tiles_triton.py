@@ -36,10 +36,11 @@ BLOCK_V = 64
 # Warps of every kernel that calls these routines (one value: the MMA layouts follow it). 8 keeps the
 # chunk kernels free of register spills at d = 128 (`benchmarks/inspect_gated_delta.py`, sm_90a).
 WARPS = 8
-# The step kernels' (decode's) own warps and register cap (None: WARPS, no cap). They decide only how many
-# programs share an SM: uncapped, the decode kernels take 170 and 149 registers a thread (one program an
-# SM at 8 warps); at 128, two. Measured on the H200 (`bench_gated_delta.py --step-maxnreg`, 32 value heads):
-# the step at 256 sequences 24% faster, its bits the training forward's (the CUDA tests run with it).
+# The decode step's kernels' own warps and register cap (None: WARPS, no cap; the multi-row step kernel
+# keeps the chunk kernels' options). They decide only how many programs share an SM: uncapped, the decode
+# kernels take 170 and 149 registers a thread (one program an SM at 8 warps); at 128, two. Measured on the
+# H200 (`bench_gated_delta.py --step-maxnreg`, 32 value heads): the step at 256 sequences 24% faster, its
+# bits the training forward's (the CUDA tests run with it).
 STEP_WARPS: int | None = None
 STEP_MAXNREG: int | None = 128
 
@@ -220,8 +221,8 @@ def state_tile(STATE, read, S_STATE, tile, live, ok):
 
 
 def launch_options(step: bool = False) -> dict:
-    """The compile options every design-C kernel launches with (module docstring); `step`: the step
-    kernel's, with STEP_WARPS and STEP_MAXNREG where set."""
+    """The compile options every design-C kernel launches with (module docstring); `step`: the decode
+    step's kernels', with STEP_WARPS and STEP_MAXNREG where set."""
     options = dict(num_warps=(STEP_WARPS if step and STEP_WARPS else WARPS), enable_fp_fusion=False)
     if step and STEP_MAXNREG:
         options["maxnreg"] = STEP_MAXNREG
