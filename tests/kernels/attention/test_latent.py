@@ -117,22 +117,6 @@ def latent_gradients(lens, n_heads, latent, rope, dtype, device="cpu", seed=0):
     return (dq, dkv), (qd.grad, kvd.grad)
 
 
-@pytest.mark.parametrize("block_elements", [1 << 26, 16 * 4 * 70])
-@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
-def test_latent_backward_against_float64(dtype, tol, block_elements, monkeypatch):
-    """bf16: the products' operands in bf16 (p and dS rounded, as FlashAttention's backward) with fp32
-    results; fp32 throughout for fp32 inputs. Against float64 autograd, relative to each gradient's scale;
-    with every sequence in one query block, and in blocks of 16-30 queries (each reaching its own keys only)."""
-    from vexact_vllm.kernels.attention import latent
-
-    monkeypatch.setattr(latent, "_BLOCK_ELEMENTS", block_elements)
-    (dq, dkv), (want_q, want_kv) = latent_gradients((1, 37, 70), 4, 48, 16, dtype)
-    assert dq.dtype == dtype and dkv.shape == want_kv.shape
-    for got, want in ((dq, want_q), (dkv, want_kv)):
-        err = (got.double() - want).abs().max() / want.abs().max()
-        assert err < tol, err
-
-
 @pytest.fixture(scope="module")
 def interpreted_scores(interpreted_modules):
     """The latent backward's Triton elementwise passes imported with TRITON_INTERPRET=1 (CPU tensors)."""
@@ -141,43 +125,41 @@ def interpreted_scores(interpreted_modules):
     return scores
 
 
-@pytest.fixture
-def interpreted_latent(interpreted_scores, monkeypatch):
-    """latent.py with its backward taking the Triton passes' path on CPU tensors, as on CUDA."""
+@pytest.mark.parametrize("passes", ["torch", "triton"])
+@pytest.mark.parametrize("block_elements", [1 << 26, 16 * 4 * 70])
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+def test_latent_backward_against_float64(dtype, tol, block_elements, passes, monkeypatch, request):
+    """bf16: the products' operands in bf16 (p and dS rounded, as FlashAttention's backward) with fp32
+    results; fp32 throughout for fp32 inputs. Against float64 autograd, relative to each gradient's scale;
+    with every sequence in one query block, and in blocks of 16-30 queries (each reaching its own keys only).
+    The elementwise passes as torch ops (the CPU's) and as `latent_scores_triton`'s kernels (CUDA's, here
+    interpreted); in fp32 the kernels' results also within the last bits of the torch ops' (exp's
+    implementation; in bf16 the interpreter rounds p and dS toward zero, the GPU to nearest)."""
     from vexact_vllm.kernels.attention import latent
 
     assert latent._scores_kernels(torch.device("cpu")) is None  # the torch ops on the CPU
-    monkeypatch.setattr(latent, "_scores_kernels", lambda device: interpreted_scores)
-    return latent, interpreted_scores
-
-
-@pytest.mark.parametrize("block_elements", [1 << 26, 16 * 4 * 70])
-@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
-def test_interpreted_latent_backward_kernels_against_float64(interpreted_latent, dtype, tol, block_elements,
-                                                              monkeypatch):  # fmt: skip
-    """The backward with its elementwise passes in `latent_scores_triton` (as on CUDA): against float64
-    autograd as the torch path is; in fp32 also within the last bits of the torch path (exp's
-    implementation; in bf16 the interpreter rounds p and dS toward zero, the GPU to nearest)."""
-    latent, scores = interpreted_latent
     monkeypatch.setattr(latent, "_BLOCK_ELEMENTS", block_elements)
-    (dq, dkv), (want_q, want_kv) = latent_gradients((1, 37, 70), 4, 48, 16, dtype)
-    monkeypatch.setattr(latent, "_scores_kernels", lambda device: None)  # the torch ops, for the comparison
-    (tq, tkv), _ = latent_gradients((1, 37, 70), 4, 48, 16, dtype)
+    (tq, tkv), (want_q, want_kv) = latent_gradients((1, 37, 70), 4, 48, 16, dtype)
+    dq, dkv = tq, tkv
+    if passes == "triton":
+        scores = request.getfixturevalue("interpreted_scores")
+        monkeypatch.setattr(latent, "_scores_kernels", lambda device: scores)
+        (dq, dkv), _ = latent_gradients((1, 37, 70), 4, 48, 16, dtype)
     assert dq.dtype == dtype and dkv.shape == want_kv.shape
-    for got, want, torch_path in ((dq, want_q, tq), (dkv, want_kv, tkv)):
+    for got, want, torch_ops in ((dq, want_q, tq), (dkv, want_kv, tkv)):
         err = (got.double() - want).abs().max() / want.abs().max()
         assert err < tol, err
-        if dtype == torch.float32:
-            assert (got.double() - torch_path.double()).abs().max() / want.abs().max() < tol / 4
+        if passes == "triton" and dtype == torch.float32:
+            assert (got.double() - torch_ops.double()).abs().max() / want.abs().max() < tol / 4
 
 
 @pytest.mark.parametrize("n_heads,first_query,keys", [(4, 0, 70), (3, 5, 1100), (1, 0, 1)])
-def test_interpreted_latent_score_passes(interpreted_latent, n_heads, first_query, keys):
+def test_interpreted_latent_score_passes(interpreted_scores, n_heads, first_query, keys):
     """probabilities_: exactly 0 past each row's query, exp(s scale - lse ln 2) elsewhere, its bf16 copy
     the fp32 result rounded; score_gradients_: (dP - D) p scale, in bf16 or in place in fp32. Keys past
     one 1,024-key program included. The interpreter rounds to bf16 toward zero (the GPU to nearest): its
     bf16 results are checked to one bf16 step."""
-    _, scores = interpreted_latent
+    scores = interpreted_scores
     gen = torch.Generator().manual_seed(keys)
     queries = min(keys - first_query, 7)
     rows = queries * n_heads
