@@ -6,7 +6,8 @@ the device that C's decode schedule equals its training forward.
         [--warps 8] [--step-warps 4] [--step-maxnreg 128] [--ops 6] [--output F.json] [--jsonl F.jsonl]
     TRITON_INTERPRET=1 python benchmarks/bench_gated_delta.py --small    # CPU smoke run, tiny shapes
 
-Shapes: 16 k heads, 32 (Qwen3-Next-80B-A3B) or 48 v heads, d_k = d_v = 128, bf16 inputs (--dtype fp32: fp32), fp32 state.
+Shapes: 16 k heads, 32 (Qwen3-Next-80B-A3B) or 48 v heads, d_k = d_v = 128, bf16 inputs (--dtype fp32:
+fp32), fp32 state.
 Cases:
   train    a packed training batch, TOKENSxSEQLEN (--train): forward and forward+backward
   prefill  BATCHxPROMPT (--prefill) from empty states: forward (tokens/s)
@@ -39,7 +40,9 @@ table prints last; --output gets every number, the device, the versions, the com
 schema) for the lead to paste.
 
 --ops N adds the N ops (on a GPU: kernels) with the most device time of each case's last timed call
-(train: its forward+backward), e.g. which of the decode step's three launches costs. On the CPU the full shapes are refused. With TRITON_INTERPRET=1 the smoke run takes C through its
+(train: its forward+backward), e.g. which of the decode step's three launches costs.
+
+On the CPU the full shapes are refused. With TRITON_INTERPRET=1 the smoke run takes C through its
 Triton kernels on the interpreter; without it, its torch path.
 """
 
