@@ -183,7 +183,7 @@ def test_tile_overrides_reach_every_c_launch(monkeypatch):
     and register cap); bad values are refused before anything runs."""
     from vexact_vllm.kernels.gated_delta import incremental_tiles_triton as tiles
 
-    bench = _load(SCRIPT, "bench_gated_delta_tiles")
+    bench = _bench("bench_gated_delta_tiles")
     for name in ("BLOCK_V", "WARPS", "ROWS", "STEP_WARPS", "STEP_MAXNREG"):
         monkeypatch.setattr(tiles, name, getattr(tiles, name))
     own = {"rows": tiles.ROWS, "block_v": 64, "warps": 8, "step_warps": 8, "step_maxnreg": 128}
