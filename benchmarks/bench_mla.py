@@ -19,9 +19,9 @@ Sections (16 heads by default: Moonlight-16B-A3B and DeepSeek-V2-Lite at TP=1, D
   flashmla: FlashMLA (64-token pages), the next backend. The same bytes on every side. `--decode-pages`,
   `--decode-stages` and `--decode-block-m` time ours at other page sizes, pipelining depths and row
   tiles, each against the same stock figures and each with `same_bits`: its output equal to the
-  kernel's own launch (pages and depths must keep every bit; a row tile other than training's changes
-  the dots' shape, MMA instruction included, so only this check can say whether decode may take it),
-  and where not, how many values differ and by how much (`differing`).
+  kernel's own launch (pages, depths and row tiles must keep every bit: decode takes smaller row tiles
+  than training, `core_triton.latent_config`), and where not, how many values differ and by how much
+  (`differing`).
 - train: ours forward+backward over the latent against torch SDPA's at 192/128 (vLLM's FlashAttention
   has no backward).
 The per-head absorption and up-projection GEMMs around the attention (kernels.head_linear) are not
@@ -186,8 +186,8 @@ def _latent_launch(stages, block_m):
 
     own = paged_triton.latent_config
 
-    def config(latent_dim, rope_dim, heads):
-        group, block, warps, depth = own(latent_dim, rope_dim, heads)
+    def config(latent_dim, rope_dim, heads, decode=False, fp32=False):
+        group, block, warps, depth = own(latent_dim, rope_dim, heads, decode, fp32)
         if block_m is None:
             return group, block, warps, depth
         return max(g for g in range(1, min(heads, block_m) + 1) if heads % g == 0), block_m, warps, depth
@@ -214,7 +214,7 @@ def differences(got: torch.Tensor, want: torch.Tensor) -> tuple[int, float]:
 def _decode_case(batch, context, heads, variants=((16, None, None),)):
     """vexact's decode for each (page size, num_stages, BLOCK_M) variant (None: the kernel's own), each
     with `same_bits`: its output equal to the kernel's own launch on the same inputs (a page size or a
-    depth must never change a bit; a row tile may), then each stock kernel once, every variant against it."""
+    depth or a row tile must never change a bit), then each stock kernel once, every variant against it."""
     from vexact_vllm.kernels import paged_attention
 
     scale = (D_NOPE + D_ROPE) ** -0.5

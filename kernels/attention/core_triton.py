@@ -283,7 +283,16 @@ def attend_tile(
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(tl.fma(s, qk_scale, -m_use[:, None]))
-    l_i = tl.fma(l_i, alpha, tl.reduce(p, 1, _sum_combine))
+    if HEAD_DIM_R > 0:
+        # The latent decodes in smaller row tiles than it trains (`latent_config`), so a row's sum must
+        # not depend on the tile's layout: tl.reduce's tree follows it (a 16-row mma.sync tile and a
+        # 64-row wgmma tile sum differently on the H200) while a dot is one K-order chain per element in
+        # either. Summed: the rounded p that the values are weighted with; its 16 equal columns, one read.
+        ones = tl.full([BLOCK_N, 16], 1.0, v.dtype)
+        row_sum = tl.reduce(tile_dot(p.to(v.dtype), ones, None, PRECISION, DOT_FP32), 1, _elementwise_max)
+    else:
+        row_sum = tl.reduce(p, 1, _sum_combine)
+    l_i = tl.fma(l_i, alpha, row_sum)
     acc = acc * alpha[:, None]
     acc = tile_dot(p.to(v.dtype), v, acc, PRECISION, DOT_FP32)
     return m_new, l_i, acc
@@ -455,19 +464,39 @@ def forward_config(head_dim: int, group: int, head_dim_v: int | None = None) -> 
 # The latent (DeepSeek's MLA: one key head of C latent + R rotary dims, values its latent dims), every
 # launch: (BLOCK_M rows, num_warps, num_stages). 8 warps hold the [64, C] fp32 accumulator. The rows of
 # a tile are (token, query head) pairs as above; a rank with more query heads than rows takes its
-# heads in blocks of `latent_group` (programs along the kv-head axis, reading the one key head).
+# heads in blocks of `latent_group` (programs along the kv-head axis, reading the one key head). A
+# decode launch (one query token a sequence) takes the smallest of LATENT_DECODE_ROWS that holds
+# its heads (at most 64): a row's bits do not depend on its tile's rows (the row sum in
+# `attend_tile`), and a 64-row tile would hold 16 heads and 48 idle rows.
 LATENT_FWD_CONFIG = (64, 8, 2)
+LATENT_DECODE_ROWS = (16, 32, 64)
 
 
-def latent_config(latent_dim: int, rope_dim: int, heads: int) -> tuple[int, int, int, int]:
+def latent_config(
+    latent_dim: int, rope_dim: int, heads: int, decode: bool = False, fp32: bool = False
+) -> tuple[int, int, int, int]:
     """(group, BLOCK_M, num_warps, num_stages) of the latent's launches: `group` query heads a tile
-    (the largest divisor of `heads` that fits BLOCK_M rows). ValueError for sizes it does not take."""
+    (the largest divisor of `heads` that fits BLOCK_M rows); `decode`: a launch of one query token a
+    sequence; `fp32`: float32 inputs (one stage: twice the bytes a tile). ValueError for sizes it does
+    not take."""
     if latent_dim % 8 or rope_dim % 8 or not 0 < rope_dim <= 256 or not 8 <= latent_dim <= 512:
         raise ValueError(
             f"Triton latent attention takes a latent of 8-512 dims and rotary dims of 8-256 (multiples of 8), "
             f"got {latent_dim} and {rope_dim}; use the torch backend (dispatch.reference_mode) for other sizes"
         )
     block_m, num_warps, num_stages = LATENT_FWD_CONFIG
+    if fp32:
+        # sm_90a, Triton 3.6: 164 KiB of shared memory at 256 + 64 dims, one stage; 304 KiB at 512 + 64
+        # with two stages (an H200 SM has 227), and past the limit at one stage too.
+        num_stages = 1
+        if latent_dim > 256 and not interpreted():
+            raise ValueError(
+                f"float32 latent attention on the GPU takes at most 256 latent dims, got {latent_dim} (its tiles "
+                "exceed an SM's shared memory): run the model in bfloat16 (verl's FSDP runs it under bf16 "
+                "autocast), or use the torch backend (dispatch.reference_mode)"
+            )
+    if decode:
+        block_m = min(rows for rows in LATENT_DECODE_ROWS if rows >= min(heads, block_m))
     group = max(g for g in range(1, min(heads, block_m) + 1) if heads % g == 0)
     return group, block_m, num_warps, num_stages
 

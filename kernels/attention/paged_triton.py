@@ -422,7 +422,9 @@ def paged_attention(
     if latent:  # the latent: the key head's first cells are the values; head blocks read the one head
         if shared is not None:
             raise ValueError("the shared-prompt groups do not take the latent (MLA) cache: set VEXACT_SHARED_PREFIX=0")
-        group, block_m, num_warps, num_stages = latent_config(head_dim_v, head_dim - head_dim_v, n_heads)
+        group, block_m, num_warps, num_stages = latent_config(
+            head_dim_v, head_dim - head_dim_v, n_heads, n_tokens == seq_lens.shape[0], q.dtype == torch.float32
+        )
         head_dim_r, head_dim, n_kv = head_dim - head_dim_v, head_dim_v, n_heads // group
     else:
         n_kv, head_dim_r = k_cache.shape[2], 0

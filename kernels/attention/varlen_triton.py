@@ -129,7 +129,9 @@ def _varlen_forward(q, k, v, cu_seqlens, scale, store_lse, split_tiles):
     n_tokens, n_heads, head_dim = q.shape
     head_dim_v = v.shape[2]
     if values_in_keys(k, v):
-        group, block_m, num_warps, num_stages = latent_config(head_dim_v, head_dim - head_dim_v, n_heads)
+        group, block_m, num_warps, num_stages = latent_config(
+            head_dim_v, head_dim - head_dim_v, n_heads, fp32=q.dtype == torch.float32
+        )
         head_dim_r, head_dim, n_kv, stride_kh = head_dim - head_dim_v, head_dim_v, n_heads // group, 0
     else:
         n_kv, head_dim_r, stride_kh = k.shape[1], 0, k.stride(1)
@@ -178,7 +180,7 @@ def varlen_attention(q, k, v, cu_seqlens, scale, longest=None):
     """Triton implementation of `causal.varlen_attention` (inputs already checked there);
     `longest`: the longest sequence, if the caller has it (`key_split_tiles`)."""
     if values_in_keys(k, v):
-        latent_config(v.shape[2], k.shape[2] - v.shape[2], q.shape[1])
+        latent_config(v.shape[2], k.shape[2] - v.shape[2], q.shape[1], fp32=q.dtype == torch.float32)
     else:
         forward_config(q.shape[2], q.shape[1] // k.shape[1], v.shape[2])
     split_tiles = key_split_tiles(q.shape[0] if longest is None else longest)

@@ -259,13 +259,19 @@ def test_interpreted_latent_refuses_shared_prefix_and_odd_sizes(interp):
 
 @needs_cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("n_heads", [16, 128])
-def test_cuda_latent_at_deepseek_sizes(n_heads):
-    """512 + 64, 16 heads (Moonlight, V2-Lite; V3 at TP=8) and 128 (V3 at TP=1: two head blocks), bf16:
-    every schedule against training, key splits included (sequences past 2,048 keys)."""
+@pytest.mark.parametrize(
+    "n_heads,dtype",
+    [(16, torch.bfloat16), (128, torch.bfloat16), (32, torch.bfloat16), (64, torch.bfloat16), (20, torch.float32)],
+)
+def test_cuda_latent_at_deepseek_sizes(n_heads, dtype):
+    """512 + 64 in bf16 at 16 heads (Moonlight, V2-Lite; V3 at TP=8), 128 (V3 at TP=1: two head
+    blocks), 32 and 64 (TP=4 and 2); 256 + 64 in fp32 at 20 heads (fp32 takes at most 256): every
+    schedule against training, key splits included (sequences past 2,048 keys). Decode steps run in
+    16-, 32- or 64-row tiles, training in 64-row ones."""
     ops = compiled_attention()
     lens = (1, 63, 65, 700) if n_heads > 16 else (1, 63, 65, 700, 2200)
-    check_latent(ops, lens, n_heads, 512, 64, torch.bfloat16, block_size=64, device="cuda")
+    latent = 256 if dtype == torch.float32 else 512
+    check_latent(ops, lens, n_heads, latent, 64, dtype, block_size=64, device="cuda")
 
 
 @needs_cuda
@@ -280,3 +286,23 @@ def test_cuda_latent_backward_at_deepseek_sizes(n_heads):
         assert (got.double() - want).abs().max() / want.abs().max() < 2e-2
     (dq2, dkv2), _ = latent_gradients(lens, n_heads, 512, 64, torch.bfloat16, "cuda")
     assert torch.equal(dq, dq2) and torch.equal(dkv, dkv2)
+
+
+@pytest.mark.parametrize("heads,rows,group", [(3, 16, 3), (16, 16, 16), (20, 32, 20), (32, 32, 32), (64, 64, 64), (128, 64, 64)])
+def test_latent_decode_rows(heads, rows, group):
+    """A decode launch takes the smallest row tile that holds its heads (at most 64); training 64 rows."""
+    from vexact_vllm.kernels.attention.core_triton import latent_config
+
+    assert latent_config(512, 64, heads, decode=True)[:2] == (group, rows)
+    assert latent_config(512, 64, heads)[1] == 64
+
+
+def test_compiled_fp32_latent_refuses_past_256_dims(monkeypatch):
+    """fp32 runs one stage; past 256 latent dims its tiles exceed an SM's shared memory: a clear error."""
+    from vexact_vllm.kernels.attention import core_triton
+
+    monkeypatch.setattr(core_triton, "interpreted", lambda: False)
+    assert core_triton.latent_config(256, 64, 16, fp32=True)[3] == 1
+    assert core_triton.latent_config(512, 64, 16)[3] == core_triton.LATENT_FWD_CONFIG[2]
+    with pytest.raises(ValueError, match="float32 latent attention on the GPU takes at most 256"):
+        core_triton.latent_config(512, 64, 16, fp32=True)
