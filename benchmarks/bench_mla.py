@@ -3,7 +3,7 @@ model_patches/mla.py: q 512 + 64 against one shared key head of 512 + 64, values
 against what stock vLLM runs on Hopper, prefill, decode and training; and what each KV cache holds.
 
     python benchmarks/bench_mla.py [--out DIR] [--quick] [--only prefill,decode,train] [--heads 16]
-        [--decode-pages 16,64] [--decode-stages 1,2,3] [--decode-block-m 16,64]
+        [--decode-pages 16,64] [--decode-stages 1,2,3] [--decode-block-m 16,64] [--decode-warps 4,8]
 
 Sections (16 heads by default: Moonlight-16B-A3B and DeepSeek-V2-Lite at TP=1, DeepSeek-V3 at TP=8):
 - cache: KV bytes per token of vexact's cache and of stock's (both vLLM's MLA spec: kv_lora_rank +
@@ -17,8 +17,8 @@ Sections (16 heads by default: Moonlight-16B-A3B and DeepSeek-V2-Lite at TP=1, D
   `paged_attention` (16-token pages); fa3-mla: FlashAttention-3 over the latent as vLLM's FLASH_ATTN_MLA
   backend calls it (the first on SM90: the rotary 64 as q/k, the 512 latent as v, q_nope as q_v);
   flashmla: FlashMLA (64-token pages), the next backend. The same bytes on every side. `--decode-pages`,
-  `--decode-stages` and `--decode-block-m` time ours at other page sizes, pipelining depths and row
-  tiles, each against the same stock figures and each with `same_bits`: its output equal to the
+  `--decode-stages`, `--decode-block-m` and `--decode-warps` time ours at other page sizes, pipelining
+  depths, row tiles and warp counts, each against the same stock figures and each with `same_bits`: its output equal to the
   kernel's own launch (pages, depths and row tiles must keep every bit: decode takes smaller row tiles
   than training, `core_triton.latent_config`), and where not, how many values differ and by how much
   (`differing`).
@@ -171,26 +171,28 @@ def _train_case(nseq, length, heads):
 
 @section
 def decode(args):
-    variants = [(page, stages, block_m) for page in getattr(args, "decode_pages", None) or [16]
+    variants = [(page, stages, block_m, warps) for page in getattr(args, "decode_pages", None) or [16]
                 for stages in getattr(args, "decode_stages", None) or [None]
-                for block_m in getattr(args, "decode_block_m", None) or [None]]  # fmt: skip
+                for block_m in getattr(args, "decode_block_m", None) or [None]
+                for warps in getattr(args, "decode_warps", None) or [None]]  # fmt: skip
     for batch, context in DECODE_CASES[: 1 if args.quick else None]:
         _decode_case(batch, context, args.heads, variants)
 
 
 @contextlib.contextmanager
-def _latent_launch(stages, block_m):
-    """paged_attention's latent launches with another num_stages (PAGED_STAGES: speed only) and another
-    row tile (BLOCK_M: a different dot shape, whose bits the decode section compares), None: its own."""
+def _latent_launch(stages, block_m, warps=None):
+    """paged_attention's latent launches with another num_stages (PAGED_STAGES: speed only), another
+    row tile (BLOCK_M: a different dot shape, whose bits the decode section compares) and another
+    num_warps; None: its own."""
     from vexact_vllm.kernels.attention import paged_triton
 
     own = paged_triton.latent_config
 
     def config(latent_dim, rope_dim, heads, decode=False, fp32=False):
-        group, block, warps, depth = own(latent_dim, rope_dim, heads, decode, fp32)
-        if block_m is None:
-            return group, block, warps, depth
-        return max(g for g in range(1, min(heads, block_m) + 1) if heads % g == 0), block_m, warps, depth
+        group, block, own_warps, depth = own(latent_dim, rope_dim, heads, decode, fp32)
+        if block_m is not None:
+            group, block = max(g for g in range(1, min(heads, block_m) + 1) if heads % g == 0), block_m
+        return group, block, warps or own_warps, depth
 
     if stages is not None:
         paged_triton.PAGED_STAGES[LATENT] = stages
@@ -211,8 +213,8 @@ def differences(got: torch.Tensor, want: torch.Tensor) -> tuple[int, float]:
     return count, float((got.float() - want.float())[differ].abs().max()) if count else 0.0
 
 
-def _decode_case(batch, context, heads, variants=((16, None, None),)):
-    """vexact's decode for each (page size, num_stages, BLOCK_M) variant (None: the kernel's own), each
+def _decode_case(batch, context, heads, variants=((16, None, None, None),)):
+    """vexact's decode for each (page size, num_stages, BLOCK_M, num_warps) variant (None: the kernel's own), each
     with `same_bits`: its output equal to the kernel's own launch on the same inputs (a page size or a
     depth or a row tile must never change a bit), then each stock kernel once, every variant against it."""
     from vexact_vllm.kernels import paged_attention
@@ -221,18 +223,19 @@ def _decode_case(batch, context, heads, variants=((16, None, None),)):
     qsl = torch.arange(batch + 1, device=DEVICE, dtype=torch.int32)
     per_token = kv_bytes_per_token(1)
     timed = []
-    for page, stages, block_m in variants:
+    for page, stages, block_m, warps in variants:
         q, cache, table, seq_lens = _latent_inputs(batch, context, heads, page)
         k_cache = cache[:, :, None]  # [blocks, page, 1, 576]: the key head; the values its first 512 cells
         args = (q, k_cache, k_cache[..., :LATENT], table, seq_lens, qsl, scale)
         own = paged_attention(*args)
-        with _latent_launch(stages, block_m):
+        with _latent_launch(stages, block_m, warps):
             differing, most = differences(paged_attention(*args), own)
             same = differing == 0
             ms = bench_graph(lambda args=args: paged_attention(*args))
         label = f"B={batch} ctx={context} H={heads}"
-        if list(variants) != [(16, None, None)]:
+        if list(variants) != [(16, None, None, None)]:
             label += f" page={page} stages={stages or 'own'} block_m={block_m or 'own'}"
+            label += f" warps={warps}" if warps else ""
         diff = "" if same else f" ({differing:,} of {own.numel():,} values differ, max |diff| {most:.3g})"
         print(f"decode   {label}: vexact {ms:.4f} ms, {batch * context * per_token / ms / 1e9:.2f} TB/s, "
               f"same bits as its own launch: {same}{diff}")  # fmt: skip
@@ -307,6 +310,8 @@ def main(argv=None) -> int:
                         help="decode: vexact's pipelining depths (num_stages) to time; default the kernel's own")
     parser.add_argument("--decode-block-m", type=ints, default=[],
                         help="decode: vexact's row tiles (BLOCK_M) to time, each checked for the bits of its own")
+    parser.add_argument("--decode-warps", type=ints, default=[],
+                        help="decode: vexact's num_warps to time; default the kernel's own")
     args = parser.parse_args(argv)
     chosen = [s for s in args.only.split(",") if s] or list(SECTIONS)
     if unknown := [s for s in chosen if s not in SECTIONS]:

@@ -116,9 +116,9 @@ def test_gpu_sections_plumbing_on_cpu(bench, monkeypatch):
 
 
 def test_decode_variants_each_against_the_same_stock(bench, monkeypatch):
-    """--decode-pages / --decode-stages / --decode-block-m: one vexact timing per variant, each with its
-    bits against the kernel's own launch and recorded against each stock figure; the depth and the row
-    tile are set for that variant only (PAGED_STAGES and latent_config are left as found)."""
+    """--decode-pages / --decode-stages / --decode-block-m / --decode-warps: one vexact timing per variant,
+    each with its bits against the kernel's own launch and recorded against each stock figure; the depth,
+    the row tile and the warps are set for that variant only (PAGED_STAGES and latent_config are left as found)."""
     from vexact_vllm.kernels.attention import paged_triton
 
     calls = _on_cpu(bench, monkeypatch)
@@ -132,15 +132,16 @@ def test_decode_variants_each_against_the_same_stock(bench, monkeypatch):
     monkeypatch.setattr(bench, "bench_graph", timing)
     monkeypatch.setattr(bench, "DECODE_CASES", [(2, 70)])
     before, own = dict(paged_triton.PAGED_STAGES), paged_triton.latent_config
-    args = argparse.Namespace(quick=False, heads=2, decode_pages=[16, 64], decode_stages=[3], decode_block_m=[16])
+    args = argparse.Namespace(quick=False, heads=2, decode_pages=[16, 64], decode_stages=[3], decode_block_m=[16],
+                              decode_warps=[4])
     bench.decode(args)
     assert paged_triton.PAGED_STAGES == before and paged_triton.latent_config is own
-    group, _, warps, depth = own(512, 64, 16)
-    assert seen[:2] == [({**before, bench.LATENT: 3}, (group, 16, warps, depth))] * 2  # then stock's timing
+    group, _, _, depth = own(512, 64, 16)
+    assert seen[:2] == [({**before, bench.LATENT: 3}, (group, 16, 4, depth))] * 2  # then stock's timing
     rows = [r for r in bench.ROWS if "speed" in r]
     assert [(r["case"], r["vexact_ms"], r["stock"], r["same_bits"], r["differing"]) for r in rows] == [
-        ("B=2 ctx=70 H=2 page=16 stages=3 block_m=16", 1.0, "fa3-mla", True, 0),  # the torch path on the CPU
-        ("B=2 ctx=70 H=2 page=64 stages=3 block_m=16", 2.0, "fa3-mla", True, 0),
+        ("B=2 ctx=70 H=2 page=16 stages=3 block_m=16 warps=4", 1.0, "fa3-mla", True, 0),  # the torch path on the CPU
+        ("B=2 ctx=70 H=2 page=64 stages=3 block_m=16 warps=4", 2.0, "fa3-mla", True, 0),
     ]
     assert {r["stock_ms"] for r in rows} == {3.0} and len(calls) == 1  # stock's kernel timed once for both
 
