@@ -63,6 +63,11 @@ TRITON_CHUNK_BLOCKS = 2
 TRITON_VOCAB_CHUNK = TRITON_CHUNK_BLOCKS * TRITON_VOCAB_BLOCK
 # Warps per program; fixed with TRITON_VOCAB_BLOCK (it shapes the tree of each chunk's tl.sum).
 LSE_WARPS = 16
+# The backward recomputes the logits of at least this many elements a chunk (0.5 GiB in fp32), more rows
+# than the forward's chunk where the vocabulary allows: each chunk adds its dW part into the fp32 [V, H]
+# sum, and with the forward's 256 rows those adds cost more than the chunk's GEMMs (an eighth of a
+# Moonlight-shape trainer step at 8k tokens: 31 adds of 1.3 GB, H200 profile).
+BACKWARD_CHUNK_ELEMENTS = 1 << 27
 
 _MODE_ALL = 0  # write log_prob[v] for every v
 _MODE_TOKEN = 1  # write log_prob[token] and lse
@@ -355,8 +360,8 @@ def token_log_probs_triton(logits: torch.Tensor, tokens: torch.Tensor, tau: torc
 
 class _LinearTokenLogProbsTritonFunction(torch.autograd.Function):
     """Forward: per row chunk, logits = linear(h, W, fp32) then the token row kernel (the [M, V]
-    logits never exist at once). Backward: per chunk, the same logits again, dz by
-    `_token_grad_kernel` in the hidden dtype, then dH = dz @ W and dW += dz^T @ H."""
+    logits never exist at once). Backward: per chunk (of at least BACKWARD_CHUNK_ELEMENTS logits), the
+    same logits again, dz by `_token_grad_kernel` in the hidden dtype, then dH = dz @ W and dW += dz^T @ H."""
 
     @staticmethod
     def forward(ctx, hidden, weight, tokens, tau, chunk_rows, blocked):
@@ -377,7 +382,8 @@ class _LinearTokenLogProbsTritonFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         hidden, weight, tokens, tau, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        n_rows, chunk_rows = hidden.shape[0], ctx.chunk_rows
+        n_rows = hidden.shape[0]
+        chunk_rows = max(ctx.chunk_rows, BACKWARD_CHUNK_ELEMENTS // weight.shape[0])
         grad_h = torch.empty_like(hidden) if need_h else None  # [M, H]
         grad_w = None  # [V, H]
         for r0 in range(0, n_rows, chunk_rows):

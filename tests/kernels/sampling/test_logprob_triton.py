@@ -163,8 +163,12 @@ def test_token_log_probs_gradient(tk):
     torch.testing.assert_close(logits.grad.double(), ld.grad, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("backward_elements", [1, 1 << 27])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_linear_token_log_probs_gradients(tk, dtype, tol):
+def test_linear_token_log_probs_gradients(tk, dtype, tol, backward_elements, monkeypatch):
+    """Against float64 autograd, the backward in chunks of the forward's rows (1 element: 4 rows of 300
+    logits, four dW parts summed) and in one chunk (the default budget)."""
+    monkeypatch.setattr(tk, "BACKWARD_CHUNK_ELEMENTS", backward_elements)
     hidden = torch.randn(13, 24).to(dtype).requires_grad_()
     weight = (torch.randn(300, 24) / 5).to(dtype).requires_grad_()
     tokens = torch.randint(0, 300, (13,))
