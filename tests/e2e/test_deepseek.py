@@ -3,7 +3,7 @@ composition bit for bit against the training forward (MLA over the latent cache,
 shared experts), at tensor-parallel size 2 and pipeline-parallel size 2 too; stock vLLM (its MLA path: the
 latent cache, absorbed decode) runs beside it and differs.
 
-Two classes of about equal time (~70 s each on this 2-core machine), so the README's `--dist loadscope`
+Two classes of about equal time (100-120 s each on the 2-core CI machine), so the README's `--dist loadscope`
 puts them on two workers.
 The tiny models run every composition by hand (`vexact-vllm check --model tiny-deepseek-v3 --against-stock`).
 """
