@@ -185,13 +185,14 @@ def _latent_launch(stages, block_m, warps=None):
     row tile (BLOCK_M: a different dot shape, whose bits the decode section compares) and another
     num_warps; None: its own."""
     from vexact_vllm.kernels.attention import paged_triton
+    from vexact_vllm.kernels.attention.core_triton import latent_group
 
     own = paged_triton.latent_config
 
     def config(latent_dim, rope_dim, heads, decode=False, fp32=False):
         group, block, own_warps, depth = own(latent_dim, rope_dim, heads, decode, fp32)
         if block_m is not None:
-            group, block = max(g for g in range(1, min(heads, block_m) + 1) if heads % g == 0), block_m
+            group, block = latent_group(heads, block_m), block_m
         return group, block, warps or own_warps, depth
 
     if stages is not None:

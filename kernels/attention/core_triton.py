@@ -472,6 +472,11 @@ LATENT_FWD_CONFIG = (64, 8, 2)
 LATENT_DECODE_ROWS = (16, 32, 64)
 
 
+def latent_group(heads: int, block_m: int) -> int:
+    """Query heads a latent tile of `block_m` rows takes: the largest divisor of `heads` that fits."""
+    return max(g for g in range(1, min(heads, block_m) + 1) if heads % g == 0)
+
+
 def latent_config(
     latent_dim: int, rope_dim: int, heads: int, decode: bool = False, fp32: bool = False
 ) -> tuple[int, int, int, int]:
@@ -497,8 +502,7 @@ def latent_config(
             )
     if decode:
         block_m = min(rows for rows in LATENT_DECODE_ROWS if rows >= min(heads, block_m))
-    group = max(g for g in range(1, min(heads, block_m) + 1) if heads % g == 0)
-    return group, block_m, num_warps, num_stages
+    return latent_group(heads, block_m), block_m, num_warps, num_stages
 
 
 def interpreted() -> bool:
