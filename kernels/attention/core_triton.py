@@ -469,11 +469,11 @@ def forward_config(head_dim: int, group: int, head_dim_v: int | None = None) -> 
 # its heads (at most 64): a row's bits do not depend on its tile's rows (the row sum in
 # `attend_tile`), and a 64-row tile would hold 16 heads and 48 idle rows. LATENT_DECODE_WARPS: its
 # num_warps by rows (speed only: the dots' and the row sum's bits do not depend on the warps). On the
-# H200, 16 heads at 64 x 8k and 16 x 32k: 0.161 / 0.167 ms with 4 warps against 0.227 / 0.234 with 8
-# (FlashMLA 0.166 / 0.168; benchmarks/bench_mla.py --decode-warps 4,8).
+# H200 at 64 x 8k and 16 x 32k, 16 heads: 0.161 / 0.167 ms with 4 warps against 0.227 / 0.234 with 8 (FlashMLA
+# 0.165 / 0.166); 32 heads: 0.229 / 0.235 against 0.301 / 0.308 (benchmarks/bench_mla.py --decode-warps 4,8).
 LATENT_FWD_CONFIG = (64, 8, 2)
 LATENT_DECODE_ROWS = (16, 32, 64)
-LATENT_DECODE_WARPS = {16: 4, 32: 8, 64: 8}
+LATENT_DECODE_WARPS = {16: 4, 32: 4, 64: 8}
 
 
 def latent_group(heads: int, block_m: int) -> int:

@@ -161,8 +161,8 @@ def test_v2_and_v3_configs_read_their_own_routing():
     v3, v2 = DecoderConfig.from_hf(_config("deepseek_v3")), DecoderConfig.from_hf(_config("deepseek_v2"))
     assert (v3.moe.scoring, v3.moe.n_group, v3.moe.topk_group, v3.moe.correction_bias) == ("sigmoid", 4, 2, True)
     assert (v2.moe.scoring, v2.moe.norm_topk_prob, v2.moe.correction_bias) == ("softmax", False, False)
-    assert (v3.head_dim, v3.mla.v_head_dim, v3.rotary_dim) == (96, 32, 64)
-    assert (v2.head_dim, v2.mla.v_head_dim, v2.num_kv_heads) == (88, 24, 4)
+    assert (v3.head_dim, v3.mla.v_head_dim, v3.rotary_dim) == (192, 128, 64)
+    assert (v2.head_dim, v2.mla.v_head_dim, v2.num_kv_heads) == (128, 128, 4)
     assert v3.mla.rope_interleave and v2.mla.rope_interleave
     assert not DecoderConfig.from_hf(_config("deepseek_v3", rope_interleave=False)).mla.rope_interleave
     assert isinstance(DeepseekV2Config(), DeepseekV2Config)

@@ -39,7 +39,7 @@ def test_tiny_deepseek_v2_lite(built):
     cfg = AutoConfig.from_pretrained(built["deepseek_v2"])
     assert cfg.architectures == ["DeepseekV2ForCausalLM"] and cfg.q_lora_rank is None
     assert (cfg.topk_method, cfg.norm_topk_prob, cfg.n_shared_experts) == ("greedy", False, 2)
-    assert (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim) == (88, 24)
+    assert (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (64, 64, 128)  # stock's Hopper prefill takes it
     assert cfg.rope_parameters["mscale_all_dim"] == 0.707
     sd = load_file(built["deepseek_v2"] / "model.safetensors")
     assert "model.layers.0.self_attn.q_proj.weight" in sd and not any("correction_bias" in n for n in sd)
