@@ -48,7 +48,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 EXTENSION = "verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension"
-BUCKET_MB = 1  # the tiny model is ~2.5 MB in fp32: three buckets
+BUCKET_MB = 1  # small, so a tiny model streams in several buckets (raised to its largest tensor: see sync_weights)
 SEED = 1234
 NOISE_STD = 0.02  # the tiny model's weights are N(0, 0.02)
 # Perturbed: the embedding (tied: also the lm_head), q and v (rows of the packed q/k/v weight),
@@ -189,10 +189,13 @@ def sync_weights(llm, weights, tp: int = 1) -> None:
     if not use_shm:
         raise RuntimeError("expected verl's shared-memory transport on CPU (is VERL_PLATFORM=cpu set?)")
     errors: list[BaseException] = []
+    # verl's shared-memory sender takes a tensor only whole (it asks for a larger
+    # rollout.update_weights_bucket_megabytes otherwise): the tiny DeepSeek's kv_b_proj is 2 MB in fp32
+    bucket_mb = max(BUCKET_MB, -(-max(w.nbytes for _, w in weights) // (1 << 20)))
 
     def send(rank: int) -> None:
         try:
-            sender = BucketedWeightSender(zmq_handle=zmq_handle(rank), bucket_size_mb=BUCKET_MB, use_shm=use_shm)
+            sender = BucketedWeightSender(zmq_handle=zmq_handle(rank), bucket_size_mb=bucket_mb, use_shm=use_shm)
             asyncio.run(sender.async_send_weights(iter(weights)))
         except BaseException as e:  # reported by the main thread
             errors.append(e)
