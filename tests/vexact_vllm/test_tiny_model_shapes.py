@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from vexact_vllm.model_shapes import BUILTIN_MODELS, QWEN3_1_7B_SHAPE, SHAPES
 from vexact_vllm.tiny_model import (
+    CACHE_VERSION,
     build_qwen3_shape,
     builtin_model,
     qwen3_shape_config,
@@ -59,7 +60,7 @@ def test_builtin_1_7b_config_only(tmp_path):
     path = builtin_model("qwen3-1.7b-shape", weights=False)
     assert isinstance(path, str)  # what LLM(...) takes: vLLM calls str methods on it
     path = Path(path)
-    assert path == tmp_path / "cache" / "qwen3-1.7b-shape-config-v1"
+    assert path == tmp_path / "cache" / f"qwen3-1.7b-shape-config-{CACHE_VERSION}"
     assert not (path / "model.safetensors").exists()
     _check_1_7b(AutoConfig.from_pretrained(path))
     tok = AutoTokenizer.from_pretrained(path)
