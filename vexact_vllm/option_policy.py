@@ -342,8 +342,8 @@ HYBRID_ENGINE: dict[str, tuple[Any, str]] = {
 
 
 def prefix_caching(model: str) -> bool:
-    """Whether vexact serves `model` (a checkpoint directory or a hub id) with prefix caching: not the
-    Gated DeltaNet families (HYBRID_ENGINE). Recipes set verl's actor_rollout_ref.rollout.enable_prefix_caching
+    """Whether vexact serves `model` (a checkpoint directory or a hub id) with prefix caching: HYBRID_ENGINE's
+    value for the Gated DeltaNet families, vLLM's default (on) for the others. Recipes set verl's actor_rollout_ref.rollout.enable_prefix_caching
     from it (examples/verl/run_qwen3_grpo_gsm8k.sh). True where the config cannot be read here (a hub id
     offline): the engine reads it again and refuses prefix caching for those families with its message."""
     from transformers import PretrainedConfig
@@ -355,7 +355,7 @@ def prefix_caching(model: str) -> bool:
     except OSError:
         return True
     family = BY_MODEL_TYPE.get(model_type)
-    return not (family is not None and family.hybrid)
+    return HYBRID_ENGINE["enable_prefix_caching"][0] if family is not None and family.hybrid else True
 
 
 def groups(side: str) -> dict[str, tuple]:

@@ -21,7 +21,7 @@ PY = sys.executable  # the recipe reads the model's prefix-caching default with 
 def _overrides(script: Path, *args: str, **env: str) -> list[str]:
     out = subprocess.run(
         ["bash", str(script), *args],
-        env={**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable, **env},
+        env={**os.environ, "DRY_RUN": "1", "PYTHON": PY, **env},
         capture_output=True,
         text=True,
         check=True,
@@ -84,7 +84,7 @@ def test_misspelt_key_fails():
 
 def test_bad_choices_are_refused():
     for env in ({"VEXACT": "yes"}, {"MODEL_ENGINE": "megatron"}):
-        proc = subprocess.run(["bash", str(RECIPE)], env={**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable, **env}, capture_output=True)
+        proc = subprocess.run(["bash", str(RECIPE)], env={**os.environ, "DRY_RUN": "1", "PYTHON": PY, **env}, capture_output=True)
         assert proc.returncode == 1 and proc.stdout == b""
 
 
