@@ -121,8 +121,9 @@ FAMILIES: tuple[Family, ...] = (
             "rope_parameters": _DEEPSEEK_YARN, "topk_method": "noaux_tc", "scoring_func": "sigmoid"},
            tokenizer="deepseek"),
     # DeepSeek-V2-Lite's layout: no q LoRA, softmax greedy routing, two shared experts, q/k heads of
-    # 64 + 64 and values of 128 (the no-position dims narrower than the values, unlike V3's tiny), one expert
-    # group as V2-Lite's config.json says (stock vLLM reads n_group), YaRN with V2-Lite's mscale 0.707 (a softmax scale above D^-0.5).
+    # 64 + 64 and values of 128 (the no-position dims narrower than the values, unlike V3's tiny), one
+    # expert group as V2-Lite's config.json says (stock vLLM reads n_group), YaRN with V2-Lite's mscale
+    # 0.707 (a softmax scale above D^-0.5).
     Family("deepseek_v2", "DeepseekV2ForCausalLM", "DeepseekV2Config", "deepseek_v3", "DeepseekV3Decoder",
            {**_DEEPSEEK, "q_lora_rank": None, "qk_nope_head_dim": 64, "v_head_dim": 128, "n_shared_experts": 2,
             "n_group": 1, "topk_group": 1, "topk_method": "greedy", "scoring_func": "softmax", "norm_topk_prob": False, "routed_scaling_factor": 1.0,

@@ -343,9 +343,10 @@ HYBRID_ENGINE: dict[str, tuple[Any, str]] = {
 
 def prefix_caching(model: str) -> bool:
     """Whether vexact serves `model` (a checkpoint directory or a hub id) with prefix caching: HYBRID_ENGINE's
-    value for the Gated DeltaNet families, vLLM's default (on) for the others. Recipes set verl's actor_rollout_ref.rollout.enable_prefix_caching
-    from it (examples/verl/run_qwen3_grpo_gsm8k.sh). True where the config cannot be read here (a hub id
-    offline): the engine reads it again and refuses prefix caching for those families with its message."""
+    value for the Gated DeltaNet families, vLLM's default (on) for the others. Recipes set verl's
+    actor_rollout_ref.rollout.enable_prefix_caching from it (examples/verl/run_qwen3_grpo_gsm8k.sh). True
+    where the config cannot be read here (a hub id offline): the engine reads it again and refuses prefix
+    caching for those families with its message."""
     from transformers import PretrainedConfig
 
     from vexact_vllm.model_patches.families import BY_MODEL_TYPE

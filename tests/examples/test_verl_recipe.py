@@ -15,13 +15,18 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "verl"
 RECIPE = EXAMPLES / "run_qwen3_grpo_gsm8k.sh"
 VERIFY = EXAMPLES / "verify_rollout_match.sh"
-PY = sys.executable  # the recipe reads the model's prefix-caching default with $PYTHON
+
+
+def _env(**env: str) -> dict[str, str]:
+    """A dry run's environment; $PYTHON (with which the recipe reads the model's prefix-caching default)
+    is this interpreter."""
+    return {**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable, **env}
 
 
 def _overrides(script: Path, *args: str, **env: str) -> list[str]:
     out = subprocess.run(
         ["bash", str(script), *args],
-        env={**os.environ, "DRY_RUN": "1", "PYTHON": PY, **env},
+        env=_env(**env),
         capture_output=True,
         text=True,
         check=True,
@@ -84,7 +89,7 @@ def test_misspelt_key_fails():
 
 def test_bad_choices_are_refused():
     for env in ({"VEXACT": "yes"}, {"MODEL_ENGINE": "megatron"}):
-        proc = subprocess.run(["bash", str(RECIPE)], env={**os.environ, "DRY_RUN": "1", "PYTHON": PY, **env}, capture_output=True)
+        proc = subprocess.run(["bash", str(RECIPE)], env=_env(**env), capture_output=True)
         assert proc.returncode == 1 and proc.stdout == b""
 
 
@@ -124,7 +129,7 @@ def test_rollout_pp_reaches_verl_and_the_hooks_accept_it():
 
 def test_rollout_pp_is_vexact_only(tmp_path):
     """Stock vLLM with ROLLOUT_PP > 1 is refused by the recipe; the verify pair runs its stock side at 1."""
-    proc = subprocess.run(["bash", str(RECIPE)], env={**os.environ, "DRY_RUN": "1", "PYTHON": PY, "VEXACT": "0", "ROLLOUT_PP": "2"},
+    proc = subprocess.run(["bash", str(RECIPE)], env=_env(VEXACT="0", ROLLOUT_PP="2"),
                           capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 1 and "needs VEXACT=1" in proc.stderr
     _overrides(VERIFY, LOG_DIR=str(tmp_path), ROLLOUT_PP="2")
