@@ -4,7 +4,7 @@
 Four launches over the chunks of rows [BOS[n], EOS[n]) (anchored at BOS[n], a chunk boundary; launcher:
 `incremental_triton.chunk_forward`):
 1. normalise (chunk row tile, k head): q_hat, k_hat (dt), g, beta, x = dt(beta v) to scratch;
-2. prepare (chunk, v head): G; per row tile, A, then T by forward substitution row by row, U, W;
+2. prepare (chunk, v head): G; per row tile, A, then T by forward substitution in row order, U, W;
    every chunk at once (no state);
 3. state (v tile, sequence x v head): the chunks in order: h = dt(S) kept for 4, V' per row tile, the
    state after a full chunk; the state after the last full chunk to HT[WRITE[n]];
@@ -28,7 +28,7 @@ from .incremental_tiles_triton import (
     output_product,
     output_weights,
     pick_entries,
-    solve_row,
+    solve_tile,
     solved_product,
     state_after,
     state_tile,
@@ -107,11 +107,9 @@ def prepare_kernel(
         a_t = a_rows(k_r, k_c, beta_r, G_r, G_c, pos, rc, PRECISION, DOT_FP32)
         d = block_base(tl.where(rc[None, :] < tile * ROWS, a_t, 0.0), t_c, pos, rc)
         a_in = a_rows(k_r, k_r, beta_r, G_r, G_r, pos, pos, PRECISION, DOT_FP32)
-        t_r = tl.full([ROWS, CHUNK], 0.0, tl.float32)
-        for ii in range(ROWS):  # forward substitution, rows in order
-            t_row = solve_row(d, a_in, t_r, rr == ii, tile * ROWS + ii, rc)
-            t_c = tl.where(rc[:, None] == tile * ROWS + ii, t_row[None, :], t_c)
-            t_r = tl.where(rr[:, None] == ii, t_row[None, :], t_r)
+        t_r = solve_tile(d, a_in, tile * ROWS, rr, rc)  # forward substitution, rows in order
+        spread = tl.reshape(tl.broadcast_to(t_r[None, :, :], [CHUNK // ROWS, ROWS, CHUNK]), [CHUNK, CHUNK])
+        t_c = tl.where((rc // ROWS == tile)[:, None], spread, t_c)  # the tile's rows into T (spread: row r is t_r's r % ROWS)
         w = solved_product(t_r, y_c, PRECISION, DOT_FP32)
         tl.store(W + (rows_r[:, None] * HV + hv) * DK + ok[None, :], w, mask=valid_r[:, None] & mk[None, :])
         for iv in range((DV + BLOCK_V - 1) // BLOCK_V):

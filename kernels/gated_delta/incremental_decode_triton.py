@@ -100,7 +100,7 @@ def _decode_weights_kernel(
                       other=0.0)  # fmt: skip
         a_in = tiles.a_rows(k_r, tl.where(own[:, None], k_r, k_b), beta_r, G_r, G_r, pos, pos, PRECISION, DOT_FP32)
         t_b = tl.load(ct + (pos[:, None] * HV + hv) * CHUNK + rc[None, :], mask=(pos < p)[:, None], other=0.0)
-        t_row = tiles.solve_row(d, a_in, t_b, own, p, rc)
+        t_row = tiles.solve_row(d, a_in, t_b, own, p, first, rc, rr)
         t_r = tl.where(own[:, None], t_row[None, :], 0.0)
         w = tiles.solved_product(t_r, tiles.decayed_keys(k_c, beta_c, G_c, dt), PRECISION, DOT_FP32)
         p_w, qg = tiles.output_weights(q_r, G_r, pos, k_c, G_c, rc, PRECISION, DOT_FP32)

@@ -76,7 +76,7 @@ def _step_row(
     before = tl.where(rc[:, None] < first, t_c, 0.0)  # T's rows before the tile
     d = block_base(tl.where(rc[None, :] < first, a_t, 0.0), before, pos, rc)
     a_in = a_rows(k_r, k_b, beta_r, G_r, G_r, pos, pos, PRECISION, DOT_FP32)
-    t_row = solve_row(d, a_in, t_b, own, p, rc)
+    t_row = solve_row(d, a_in, t_b, own, p, first, rc, rr)
     t_c = tl.where(at[:, None], t_row[None, :], t_c)
     t_b = tl.where(own[:, None], t_row[None, :], t_b)
     t_r = tl.where(own[:, None], t_row[None, :], 0.0)

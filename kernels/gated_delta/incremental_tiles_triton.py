@@ -84,6 +84,12 @@ def pick(tile, at):
 
 
 @triton.jit
+def pick_column(tile, at):
+    """The column of tile [M, N] where at [N] is True, fp32 [M] (exact, as `pick`)."""
+    return tl.reduce(tl.where(at[None, :], tile.to(tl.float32), 0.0), 1, _sum_combine)
+
+
+@triton.jit
 def pick_one(vec, at):
     """vec [N] where at [N] is True, fp32 (exact, as `pick`)."""
     return tl.reduce(tl.where(at, vec.to(tl.float32), 0.0), 0, _sum_combine)
@@ -149,10 +155,32 @@ def block_base(a_off, t_c, pos, rc):
 
 
 @triton.jit
-def solve_row(d, a_in, t_b, own, i, rc):
-    """Row i of T [C] (own: its place in the row tile): D_i - sum_l A_il T_l over the tile's rows l < i
-    (a_in [ROWS, ROWS]: A within the tile; t_b: the tile's solved rows, 0 from row i on); 0 past column i."""
-    return tl.where(rc <= i, pick(fdot(-a_in, t_b, d), own), 0.0)
+def solve_tile(d, a_in, first, rr, rc):
+    """The row tile's rows of T [ROWS, C] (first: the tile's first chunk position): row i is D_i minus
+    A_ij T_j over the tile's rows j < i, each added by an fp32 FMA in j order, then 0 past column
+    first + i. Outer products: once row j is solved, every row of the tile takes its term, so each row's
+    chain is `solve_row`'s, the same FMAs on the same values in the same order, whatever the layout."""
+    acc = d
+    t = tl.full(d.shape, 0.0, tl.float32)
+    for j in range(d.shape[0]):
+        own = rr == j
+        row = tl.where(rc <= first + j, pick(acc, own), 0.0)
+        t = tl.where(own[:, None], row[None, :], t)
+        acc = tl.fma(-pick_column(a_in, own)[:, None], row[None, :], acc)
+    return t
+
+
+@triton.jit
+def solve_row(d, a_in, t_b, own, i, first, rc, rr):
+    """Row i of T [C] (own: its place in the row tile, whose first chunk position is first; t_b: the
+    tile's rows solved before it): D_i minus A_ij T_j over the tile's rows j before it, each added by an
+    fp32 FMA in j order (`solve_tile`'s chain), then 0 past column i."""
+    acc = pick(d, own)
+    a_row = pick(a_in, own)
+    for j in range(i - first):
+        at = rr == j
+        acc = tl.fma(-pick_one(a_row, at), pick(t_b, at), acc)
+    return tl.where(rc <= i, acc, 0.0)
 
 
 @triton.jit
