@@ -10,7 +10,7 @@ per kernel, from the code around it, so the check is on the compiled TTGIR:
 1. every dot of a shared routine in the step and decode kernels has a twin in a chunk kernel: the same routine and
    call chain, operand shapes and types, precision, and MMA instruction (version, instrShape; FMA dots
    add in K order, whatever their blocked layout);
-2. every tt.reduce of the forward kernels is an exact pick (`pick`, `pick_column`, `pick_one`, `pick_entries`,
+2. every tt.reduce of the forward kernels is an exact pick (`pick`, `pick_along`, `pick_one`, `pick_entries`,
    `first_column`: one nonzero term), never a sum that rounds (its tree would follow the layout);
 3. each kernel's shared memory fits an H100/H200 SM (227 KiB), with its registers and spills where the
    bundled ptxas reports them.
@@ -50,7 +50,7 @@ F32_POINTERS = {"A_LOG", "DT_BIAS", "GR", "BETA", "GC", "TS", "CG", "CB", "CT", 
                 "DH0", "DQ", "DK_", "DV_", "DG", "DBETA"}  # fmt: skip
 I64_POINTERS = {"EOS", "BOS", "CHUNK_SEQ", "CHUNK_ROW", "CACHE_SLOT", "CHUNK_START", "READ", "WRITE", "START", "COUNT",
                 "HELD", "SLOT"}  # fmt: skip
-EXACT_PICKS = {"pick", "pick_column", "pick_one", "pick_entries", "first_column"}
+EXACT_PICKS = {"pick", "pick_along", "pick_one", "pick_entries", "first_column"}
 CHUNK_KERNELS = ("normalize", "prepare", "state", "output")
 
 

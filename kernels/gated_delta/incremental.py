@@ -7,8 +7,10 @@ input dtype, to which every product's operands are rounded; S^T = the fp32 state
     G_i   = sum_{j <= i} g_j                                   one sum over the C gate slots
     x_j   = dt(beta_j v_j),  y_j = dt(beta_j exp(G_j) k_j)
     A_ij  = beta_i (k_i . k_j) exp(G_i - G_j)                  j < i, else 0
-    T_i   = e_i - sum_{l < i} A_il T_l                         forward substitution, rows in order (the
-                                                               kernels: rows before i's row tile, then its)
+    T     = (I + A)^-1                                         the torch path: T_i = e_i - sum_{l < i} A_il T_l,
+                                                               rows in order; the kernels, per row tile b:
+                                                               T_bb = L_b = (I + A_bb)^-1 (rows in order),
+                                                               T_b,<b = -L_b (A_b,<b T_<b)
     U_i   = dt(T_i x),  W_i = dt(T_i y)                         (T_i rounded to dt)
     V'_i  = dt(U_i - W_i dt(S))                                the chunk's delta values
     o_i   = dt(q_i exp(G_i)) dt(S) + sum_{j <= i} dt((q_i . k_j) exp(G_i - G_j)) V'_j

@@ -4,7 +4,8 @@
 Four launches over the chunks of rows [BOS[n], EOS[n]) (anchored at BOS[n], a chunk boundary; launcher:
 `incremental_triton.chunk_forward`):
 1. normalise (chunk row tile, k head): q_hat, k_hat (dt), g, beta, x = dt(beta v) to scratch;
-2. prepare (chunk, v head): G; per row tile, A, then T by forward substitution in row order, U, W;
+2. prepare (chunk, v head): G; A within every row tile and its inverse L at once; per row tile in
+   order, its rows of T from L, A and the rows before it, then U, W;
    every chunk at once (no state);
 3. state (v tile, sequence x v head): the chunks in order: h = dt(S) kept for 4, V' per row tile, the
    state after a full chunk; the state after the last full chunk to HT[WRITE[n]];
@@ -18,7 +19,6 @@ import triton.language as tl
 
 from .incremental_tiles_triton import (
     a_rows,
-    block_base,
     computed,
     decayed_keys,
     delta_rows,
@@ -27,11 +27,13 @@ from .incremental_tiles_triton import (
     normalized_rows,
     output_product,
     output_weights,
+    pick_along,
     pick_entries,
-    solve_tile,
+    solve_blocks,
     solved_product,
     state_after,
     state_tile,
+    tile_rows,
 )
 
 
@@ -68,6 +70,18 @@ def normalize_kernel(
         tl.store(X + (rows[:, None] * HV + hv) * DV + ov[None, :], (v.to(tl.float32) * beta[:, None]).to(dt), mask=mv)
 
 
+@triton.jit
+def _tile_rows_in(KH, BETA, G_c, first, tile, eos, hk, hv, HK, HV, ok, mk, rc, rr, DK: tl.constexpr,
+                  ROWS: tl.constexpr):  # fmt: skip
+    """Row tile `tile` of the chunk at packed row first: (pos, rows_r, valid_r, k_r, beta_r, G_r)."""
+    pos = tile * ROWS + rr
+    rows_r = first + pos
+    valid_r = rows_r < eos
+    k_r = tl.load(KH + (rows_r[:, None] * HK + hk) * DK + ok[None, :], mask=valid_r[:, None] & mk[None, :], other=0.0)
+    beta_r = tl.load(BETA + rows_r * HV + hv, mask=valid_r, other=0.0)
+    return pos, rows_r, valid_r, computed(k_r, valid_r), beta_r, pick_entries(G_c, rc[None, :] == pos[:, None])
+
+
 @triton.jit(do_not_specialize=["n_chunks"])
 def prepare_kernel(
     KH, X, GR, BETA, GC, W, U, TS, EOS, CHUNK_SEQ, CHUNK_ROW, CACHE_SLOT, CK, CX, CG, CB, CT, SK, SX, SG, SB, ST,
@@ -75,7 +89,7 @@ def prepare_kernel(
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, ROWS: tl.constexpr,
     CHUNK: tl.constexpr, STORE_T: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
-    """Program (chunk, v head): 1. G; 2. per row tile: A, T rows in order, W, U; 3. a tail's rows to the cache."""
+    """Program (chunk, v head): 1. G, every row tile's L; 2. per row tile: T rows, W, U; 3. a tail's rows to the cache."""
     c = tl.program_id(0)
     hv = tl.program_id(1)
     hk = hv // RATIO
@@ -94,22 +108,23 @@ def prepare_kernel(
     G_c = gate_cumsum(g_c, rc)
     tl.store(GC + rows_c * HV + hv, G_c, mask=valid_c)
     y_c = decayed_keys(k_c, beta_c, G_c, KH.dtype.element_ty)
-    t_c = tl.full([CHUNK, CHUNK], 0.0, tl.float32)
-    for tile in range(CHUNK // ROWS):
-        pos = tile * ROWS + rr
-        rows_r = first + pos
-        valid_r = rows_r < eos
-        k_r = tl.load(KH + (rows_r[:, None] * HK + hk) * DK + ok[None, :], mask=valid_r[:, None] & mk[None, :],
-                      other=0.0)  # fmt: skip
-        k_r = computed(k_r, valid_r)
-        beta_r = tl.load(BETA + rows_r * HV + hv, mask=valid_r, other=0.0)
-        G_r = pick_entries(G_c, rc[None, :] == pos[:, None])
-        a_t = a_rows(k_r, k_c, beta_r, G_r, G_c, pos, rc, PRECISION, DOT_FP32)
-        d = block_base(tl.where(rc[None, :] < tile * ROWS, a_t, 0.0), t_c, pos, rc)
+    nb = tl.arange(0, CHUNK // ROWS)
+    a3 = tl.full([CHUNK // ROWS, ROWS, ROWS], 0.0, tl.float32)
+    for tile in range(CHUNK // ROWS):  # A within each row tile
+        pos, rows_r, valid_r, k_r, beta_r, G_r = _tile_rows_in(KH, BETA, G_c, first, tile, eos, hk, hv, HK, HV, ok, mk,
+                                                               rc, rr, DK, ROWS)  # fmt: skip
         a_in = a_rows(k_r, k_r, beta_r, G_r, G_r, pos, pos, PRECISION, DOT_FP32)
-        t_r = solve_tile(d, a_in, tile * ROWS, rr, rc)  # forward substitution, rows in order
+        a3 = tl.where((nb == tile)[:, None, None], a_in[None, :, :], a3)
+    l3 = solve_blocks(a3, rr)  # every tile's L at once
+    t_c = tl.full([CHUNK, CHUNK], 0.0, tl.float32)
+    for tile in range(CHUNK // ROWS):  # the tiles' rows of T in order, each from the rows before it
+        pos, rows_r, valid_r, k_r, beta_r, G_r = _tile_rows_in(KH, BETA, G_c, first, tile, eos, hk, hv, HK, HV, ok, mk,
+                                                               rc, rr, DK, ROWS)  # fmt: skip
+        a_t = a_rows(k_r, k_c, beta_r, G_r, G_c, pos, rc, PRECISION, DOT_FP32)
+        l_t = pick_along(l3, (nb == tile)[:, None, None], 0)
+        t_r = tile_rows(l_t, tl.where(rc[None, :] < tile * ROWS, a_t, 0.0), t_c, tile * ROWS, rc, ROWS)
         spread = tl.reshape(tl.broadcast_to(t_r[None, :, :], [CHUNK // ROWS, ROWS, CHUNK]), [CHUNK, CHUNK])
-        t_c = tl.where((rc // ROWS == tile)[:, None], spread, t_c)  # the tile's rows into T (spread: row r is t_r's r % ROWS)
+        t_c = tl.where((rc // ROWS == tile)[:, None], spread, t_c)  # row r of spread: t_r's r % ROWS
         w = solved_product(t_r, y_c, PRECISION, DOT_FP32)
         tl.store(W + (rows_r[:, None] * HV + hv) * DK + ok[None, :], w, mask=valid_r[:, None] & mk[None, :])
         for iv in range((DV + BLOCK_V - 1) // BLOCK_V):

@@ -92,15 +92,19 @@ def _decode_weights_kernel(
         beta_c = tl.where(at, beta_p, tl.load(cb + rc * HV + hv, mask=old, other=0.0))
         G_c = tiles.gate_cumsum(g_c, rc)
         G_r = tiles.pick_entries(G_c, rc[None, :] == pos[:, None])
-        # the row of T: the rows of T before its row tile in one product, the tile's earlier rows in another
-        a_t = tiles.a_rows(k_r, k_c, beta_r, G_r, G_c, pos, rc, PRECISION, DOT_FP32)
-        before = tl.load(ct + (rc[:, None] * HV + hv) * CHUNK + rc[None, :], mask=(rc < first)[:, None], other=0.0)
-        d = tiles.block_base(tl.where(rc[None, :] < first, a_t, 0.0), before, pos, rc)
+        # the row of T: its row of L from the tile's earlier rows, then its columns before the tile
         k_b = tl.load(ck + (pos[:, None] * HK + hk) * DK + ok[None, :], mask=(pos < p)[:, None] & mk[None, :],
                       other=0.0)  # fmt: skip
-        a_in = tiles.a_rows(k_r, tl.where(own[:, None], k_r, k_b), beta_r, G_r, G_r, pos, pos, PRECISION, DOT_FP32)
+        k_b = tl.where(own[:, None], k_r, k_b)  # the tile's keys: earlier rows from the slot, the row's own
+        a_in = tiles.a_rows(k_r, k_b, beta_r, G_r, G_r, pos, pos, PRECISION, DOT_FP32)
         t_b = tl.load(ct + (pos[:, None] * HV + hv) * CHUNK + rc[None, :], mask=(pos < p)[:, None], other=0.0)
-        t_row = tiles.solve_row(d, a_in, t_b, own, p, first, rc, rr)
+        l_row = tiles.solve_block_row(tiles.pick(a_in, own), tiles.block_columns(t_b, first, ROWS), p - first, rr)
+        beta_b = tiles.pick_entries(beta_c, rc[None, :] == pos[:, None])
+        a_t = tiles.a_rows(k_b, k_c, beta_b, G_r, G_c, pos, rc, PRECISION, DOT_FP32)
+        before = tl.load(ct + (rc[:, None] * HV + hv) * CHUNK + rc[None, :], mask=(rc < first)[:, None], other=0.0)
+        t_tile = tiles.tile_rows(tl.where(own[:, None], l_row[None, :], 0.0), tl.where(rc[None, :] < first, a_t, 0.0),
+                                 before, first, rc, ROWS)  # fmt: skip
+        t_row = tiles.pick(t_tile, own)
         t_r = tl.where(own[:, None], t_row[None, :], 0.0)
         w = tiles.solved_product(t_r, tiles.decayed_keys(k_c, beta_c, G_c, dt), PRECISION, DOT_FP32)
         p_w, qg = tiles.output_weights(q_r, G_r, pos, k_c, G_c, rc, PRECISION, DOT_FP32)

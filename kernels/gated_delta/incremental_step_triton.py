@@ -24,7 +24,7 @@ from . import incremental_tiles_triton as tiles
 from .incremental_decode_triton import decode_forward
 from .incremental_tiles_triton import (
     a_rows,
-    block_base,
+    block_columns,
     decayed_keys,
     delta_rows,
     gate_cumsum,
@@ -36,11 +36,12 @@ from .incremental_tiles_triton import (
     pick_entries,
     pick_one,
     row_place,
-    solve_row,
+    solve_block_row,
     solved_product,
     state_after,
     state_cells,
     state_tile,
+    tile_rows,
 )
 from .rules import L2NORM_EPS, SOFTPLUS_THRESHOLD, qk_scale
 
@@ -71,12 +72,14 @@ def _step_row(
     beta_c = tl.where(at, pick_one(beta_r, own), beta_c)
     G_c = gate_cumsum(g_c, rc)
     G_r = pick_entries(G_c, rc[None, :] == pos[:, None])
-    a_t = a_rows(k_r, k_c, beta_r, G_r, G_c, pos, rc, PRECISION, DOT_FP32)
     first = (p // ROWS) * ROWS
-    before = tl.where(rc[:, None] < first, t_c, 0.0)  # T's rows before the tile
-    d = block_base(tl.where(rc[None, :] < first, a_t, 0.0), before, pos, rc)
     a_in = a_rows(k_r, k_b, beta_r, G_r, G_r, pos, pos, PRECISION, DOT_FP32)
-    t_row = solve_row(d, a_in, t_b, own, p, first, rc, rr)
+    l_row = solve_block_row(pick(a_in, own), block_columns(t_b, first, ROWS), p - first, rr)
+    a_t = a_rows(k_b, k_c, pick_entries(beta_c, rc[None, :] == pos[:, None]), G_r, G_c, pos, rc, PRECISION, DOT_FP32)
+    before = tl.where(rc[:, None] < first, t_c, 0.0)  # T's rows before the tile
+    t_tile = tile_rows(tl.where(own[:, None], l_row[None, :], 0.0), tl.where(rc[None, :] < first, a_t, 0.0), before,
+                       first, rc, ROWS)  # fmt: skip
+    t_row = pick(t_tile, own)
     t_c = tl.where(at[:, None], t_row[None, :], t_c)
     t_b = tl.where(own[:, None], t_row[None, :], t_b)
     t_r = tl.where(own[:, None], t_row[None, :], 0.0)

@@ -10,12 +10,14 @@ kernel, from the code around it): the products, on tensor cores or as fp32 FMAs 
 fixed shapes in every kernel: [ROWS, DK] x [DK, CHUNK] (k.k, q.k), [ROWS, DK] x [DK, ROWS] (k.k within
 the tile), [ROWS, CHUNK] x [CHUNK, DK or BLOCK_V] (W, U, the causal product), [ROWS, DK] x [DK, BLOCK_V]
 (W S, q S), [BLOCK_V, CHUNK] x [CHUNK, DK] (the state update); and fp32 FMA dots for the l2 norms, the gate
-sums and the substitution ([ROWS, CHUNK] x [CHUNK, CHUNK], then [ROWS, ROWS] x [ROWS, CHUNK]: rows of T
-before the tile, then within it, row by row; as tf32 tensor-core dots its sums differ between the chunk and
-the step kernel on the H200 from the fourth row of T on, as FMA dots they agree). Rows of a dot are independent, and the rows past a row
-enter it only as exact zeros (masked A and P, T's zero columns past the row), so the step gets the chunk
-kernels' bits. The only other sums pick one value out of a tile (a masked sum with one nonzero term:
-exact in any order). The kernels launch with the same num_warps (WARPS) and without FP contraction (no
+sums and T's rows before their tile (`tile_rows`: [ROWS, ROWS] x [ROWS, CHUNK], then [ROWS, CHUNK] x
+[CHUNK, CHUNK]; as tf32 tensor-core dots such sums differ between the chunk and the step kernel on the
+H200, as FMA dots they agree). T within a tile, L = (I + A_bb)^-1, is the one chain that is no dot: row
+by row, fp32 FMAs in row order, every tile of a chunk at once in the chunk kernel (`solve_blocks`), the
+step's one row by the same FMAs on the same values (`solve_block_row`). Rows of a dot are independent,
+and the rows past a row enter it only as exact zeros (masked A and P, L's and T's zero columns past the
+row), so the step gets the chunk kernels' bits. The only other sums pick one value out of a tile (a
+masked sum with one nonzero term: exact in any order). The kernels launch with the same num_warps (WARPS) and without FP contraction (no
 compiler choice may fuse a multiply-add in one kernel and not in the other); every dot names its
 accumulator, so no pass may fold an addition into a dot in one kernel and not in the other.
 `benchmarks/inspect_gated_delta.py` compiles the kernels for sm_90a and checks that each shared dot
@@ -84,9 +86,9 @@ def pick(tile, at):
 
 
 @triton.jit
-def pick_column(tile, at):
-    """The column of tile [M, N] where at [N] is True, fp32 [M] (exact, as `pick`)."""
-    return tl.reduce(tl.where(at[None, :], tile.to(tl.float32), 0.0), 1, _sum_combine)
+def pick_along(tile, at, AXIS: tl.constexpr):
+    """tile (fp32) summed along AXIS where at (broadcast to tile) is True, one True along AXIS (exact, as `pick`)."""
+    return tl.reduce(tl.where(at, tile, 0.0), AXIS, _sum_combine)
 
 
 @triton.jit
@@ -147,40 +149,56 @@ def a_rows(k_r, k_c, beta_r, G_r, G_c, pos, cols, PRECISION: tl.constexpr, DOT_F
 
 
 @triton.jit
-def block_base(a_off, t_c, pos, rc):
-    """D [ROWS, C] = E - A_off T of the row tile: e_i minus its sum over the rows of T before the tile
-    (a_off: the tile's A, columns before the tile; t_c: T, rows from the tile's first on 0)."""
-    e = tl.where(rc[None, :] == pos[:, None], 1.0, 0.0)
-    return fdot(-a_off, t_c, e)
-
-
-@triton.jit
-def solve_tile(d, a_in, first, rr, rc):
-    """The row tile's rows of T [ROWS, C] (first: the tile's first chunk position): row i is D_i minus
-    A_ij T_j over the tile's rows j < i, each added by an fp32 FMA in j order, then 0 past column
-    first + i. Outer products: once row j is solved, every row of the tile takes its term, so each row's
-    chain is `solve_row`'s, the same FMAs on the same values in the same order, whatever the layout."""
-    acc = d
-    t = tl.full(d.shape, 0.0, tl.float32)
-    for j in range(d.shape[0]):
-        own = rr == j
-        row = tl.where(rc <= first + j, pick(acc, own), 0.0)
-        t = tl.where(own[:, None], row[None, :], t)
-        acc = tl.fma(-pick_column(a_in, own)[:, None], row[None, :], acc)
+def solve_blocks(a3, rr):
+    """T within each row tile, every tile at once: a3 [NB, ROWS, ROWS] holds A within tile b (A_ij of its
+    rows i, j); returns L_b = (I + A_bb)^-1 [NB, ROWS, ROWS] by forward substitution in row order: row i
+    is e_i minus A_ij L_j over j < i, each added by an fp32 FMA in j order, then 0 past column i. Outer
+    products: once row j is solved, every row takes its term, so each row's chain is `solve_block_row`'s,
+    the same FMAs on the same values in the same order, whatever the layout."""
+    eye = rr[:, None] == rr[None, :]
+    acc = tl.where(eye[None, :, :], 1.0, tl.full(a3.shape, 0.0, tl.float32))
+    t = tl.full(a3.shape, 0.0, tl.float32)
+    for j in range(a3.shape[1]):
+        own = (rr == j)[None, :, None]
+        row = tl.where((rr <= j)[None, :], pick_along(acc, own, 1), 0.0)  # [NB, ROWS]: row j of every tile
+        t = tl.where(own, row[:, None, :], t)
+        acc = tl.fma(-pick_along(a3, (rr == j)[None, None, :], 2)[:, :, None], row[:, None, :], acc)
     return t
 
 
 @triton.jit
-def solve_row(d, a_in, t_b, own, i, first, rc, rr):
-    """Row i of T [C] (own: its place in the row tile, whose first chunk position is first; t_b: the
-    tile's rows solved before it): D_i minus A_ij T_j over the tile's rows j before it, each added by an
-    fp32 FMA in j order (`solve_tile`'s chain), then 0 past column i."""
-    acc = pick(d, own)
-    a_row = pick(a_in, own)
-    for j in range(i - first):
+def solve_block_row(a_row, t_loc, place, rr):
+    """Row `place` of a row tile's L (`solve_blocks`), fp32 [ROWS]: a_row [ROWS] its row of A within the
+    tile, t_loc [ROWS, ROWS] the tile's rows of L solved before it (`block_columns` of T's rows)."""
+    acc = tl.where(rr == place, 1.0, 0.0)
+    for j in range(place):
         at = rr == j
-        acc = tl.fma(-pick_one(a_row, at), pick(t_b, at), acc)
-    return tl.where(rc <= i, acc, 0.0)
+        acc = tl.fma(-pick_one(a_row, at), pick(t_loc, at), acc)
+    return tl.where(rr <= place, acc, 0.0)
+
+
+@triton.jit
+def block_columns(tile, first, ROWS: tl.constexpr):
+    """Columns first .. first + ROWS - 1 of tile [M, C] (first a multiple of ROWS), fp32 [M, ROWS] (exact)."""
+    m: tl.constexpr = tile.shape[0]
+    nb: tl.constexpr = tile.shape[1] // ROWS
+    cut = tl.reshape(tile, [m, nb, ROWS])
+    return pick_along(cut, (tl.arange(0, nb) == first // ROWS)[None, :, None], 1)
+
+
+@triton.jit
+def tile_rows(l_t, a_off, t_before, first, rc, ROWS: tl.constexpr):
+    """The row tile's rows of T [ROWS, C] (first: the tile's first chunk position): T_bb = L (`solve_blocks`,
+    l_t [ROWS, ROWS]) in the tile's own columns; before them -L (A_off T_before), A_off [ROWS, C] the
+    tile's A at the columns before it (0 from first on), T_before the rows of T before the tile (0 from
+    first on): two fp32 FMA dots, the first over the tile's rows, the second over the rows before it;
+    0 past the tile's columns. A row reads the tile's other rows only through L's zeros past its own."""
+    r = fdot(l_t, a_off, tl.full(a_off.shape, 0.0, tl.float32))
+    off = fdot(-r, t_before, tl.full(a_off.shape, 0.0, tl.float32))
+    c: tl.constexpr = a_off.shape[1]
+    placed = tl.reshape(tl.broadcast_to(l_t[:, None, :], [ROWS, c // ROWS, ROWS]), [ROWS, c])
+    own = (rc >= first) & (rc < first + ROWS)
+    return tl.where((rc < first)[None, :], off, tl.where(own[None, :], placed, 0.0))
 
 
 @triton.jit
