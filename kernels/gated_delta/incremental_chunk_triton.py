@@ -182,6 +182,7 @@ def state_kernel(
     for c in range((eos - bos + CHUNK - 1) // CHUNK):
         start = bos + c * CHUNK
         tl.store(H + (first_chunk + c) * HV * DV * DK + tile, s.to(H.dtype.element_ty), mask=live)
+        vn_c = tl.full([CHUNK, BLOCK_V], 0.0, W.dtype.element_ty)  # the chunk's V' rows, kept for its state update
         for t in range(CHUNK // ROWS):
             rows_r = start + t * ROWS + rr
             valid_r = rows_r < eos
@@ -192,14 +193,13 @@ def state_kernel(
             u = tl.load(U + (rows_r[:, None] * HV + hv) * DV + ov[None, :], mask=mvr, other=0.0)
             vn = delta_rows(u, w, s, PRECISION, DOT_FP32)
             tl.store(VN + (rows_r[:, None] * HV + hv) * DV + ov[None, :], vn, mask=mvr)
+            spread = tl.reshape(tl.broadcast_to(vn[None, :, :], [CHUNK // ROWS, ROWS, BLOCK_V]), [CHUNK, BLOCK_V])
+            vn_c = tl.where((rc // ROWS == t)[:, None], spread, vn_c)  # row r of spread: vn's r % ROWS
             if (slot >= 0) & (c == full):  # the partial last chunk: its V' rows to the cache
                 cached = t * ROWS + rr  # the rows' cache rows
                 tl.store(CVN + slot * SVN + (cached[:, None] * HV + hv) * DV + ov[None, :], vn, mask=mvr)
         if c < full:
-            tl.debug_barrier()  # this chunk's V' rows written by every thread before any reads them
             rows_c = start + rc
-            vn_c = tl.load(VN + (rows_c[:, None] * HV + hv) * DV + ov[None, :], mask=mv[None, :], other=0.0)
-            vn_c = computed(vn_c, rows_c < eos)
             k_c = tl.load(KH + (rows_c[:, None] * HK + hk) * DK + ok[None, :], mask=mk[None, :], other=0.0)
             G_c = tl.load(GC + rows_c * HV + hv)
             s = state_after(s, k_c, G_c, vn_c, rc, CHUNK, PRECISION, DOT_FP32)
