@@ -97,8 +97,13 @@ def _decode_weights_kernel(
                       other=0.0)  # fmt: skip
         k_b = tl.where(own[:, None], k_r, k_b)  # the tile's keys: earlier rows from the slot, the row's own
         a_in = tiles.a_rows(k_r, k_b, beta_r, G_r, G_r, pos, pos, PRECISION, DOT_FP32)
-        t_b = tl.load(ct + (pos[:, None] * HV + hv) * CHUNK + rc[None, :], mask=(pos < p)[:, None], other=0.0)
-        l_row = tiles.solve_block_row(tiles.pick(a_in, own), tiles.block_columns(t_b, first, ROWS), p - first, rr)
+        # (the row's A within the tile through its T scratch row, which takes the T row last)
+        row = n * HV + hv
+        tl.store(T_ROW + row * CHUNK + rr, tiles.pick(a_in, own))
+        tl.debug_barrier()  # the stores are visible to every thread
+        l_row = tiles.solve_block_row_at(T_ROW + row * CHUNK, ct + (first * HV + hv) * CHUNK + first, HV * CHUNK,
+                                         p - first, rr)  # fmt: skip
+        tl.debug_barrier()  # every thread has read the scratch row before the T row overwrites it
         beta_b = tiles.pick_entries(beta_c, rc[None, :] == pos[:, None])
         a_t = tiles.a_rows(k_b, k_c, beta_b, G_r, G_c, pos, rc, PRECISION, DOT_FP32)
         before = tl.load(ct + (rc[:, None] * HV + hv) * CHUNK + rc[None, :], mask=(rc < first)[:, None], other=0.0)
@@ -108,7 +113,6 @@ def _decode_weights_kernel(
         t_r = tl.where(own[:, None], t_row[None, :], 0.0)
         w = tiles.solved_product(t_r, tiles.decayed_keys(k_c, beta_c, G_c, dt), PRECISION, DOT_FP32)
         p_w, qg = tiles.output_weights(q_r, G_r, pos, k_c, G_c, rc, PRECISION, DOT_FP32)
-        row = n * HV + hv
         tl.store(T_ROW + row * CHUNK + rc, t_row)
         _store_row(W_ROW + row * DK, w, ok, own, mk)
         _store_row(P_ROW + row * CHUNK, p_w, rc, own, rc < CHUNK)

@@ -14,7 +14,8 @@ sums and T's rows before their tile (`tile_rows`: [ROWS, ROWS] x [ROWS, CHUNK], 
 [CHUNK, CHUNK]; as tf32 tensor-core dots such sums differ between the chunk and the step kernel on the
 H200, as FMA dots they agree). T within a tile, L = (I + A_bb)^-1, is the one chain that is no dot: row
 by row, fp32 FMAs in row order, every tile of a chunk at once in the chunk kernel (`solve_blocks`), the
-step's one row by the same FMAs on the same values (`solve_block_row`). Rows of a dot are independent,
+step's one row by the same FMAs on the same values (`solve_block_row`; the decode step's
+`solve_block_row_at` reads them from memory). Rows of a dot are independent,
 and the rows past a row enter it only as exact zeros (masked A and P, L's and T's zero columns past the
 row), so the step gets the chunk kernels' bits. The only other sums pick one value out of a tile (a
 masked sum with one nonzero term: exact in any order). The kernels launch with the same num_warps (WARPS) and without FP contraction (no
@@ -174,6 +175,21 @@ def solve_block_row(a_row, t_loc, place, rr):
     for j in range(place):
         at = rr == j
         acc = tl.fma(-pick_one(a_row, at), pick(t_loc, at), acc)
+    return tl.where(rr <= place, acc, 0.0)
+
+
+@triton.jit
+def solve_block_row_at(a_row, l_rows, l_stride, place, rr):
+    """`solve_block_row` with its operands in memory, for the decode step: a_row[j] the row's A within the
+    tile, l_rows + j * l_stride + rr the tile's row j of L (the slot's row of T in the tile's columns).
+    The same FMAs on the same values, unrolled (every load issued ahead of the chain), with no reduction
+    and no barrier: the rows from `place` on are skipped, not added as zeros."""
+    acc = tl.where(rr == place, 1.0, 0.0)
+    for j in tl.static_range(rr.shape[0]):
+        live = j < place
+        a_j = tl.load(a_row + j, mask=live, other=0.0)
+        l_j = tl.load(l_rows + j * l_stride + rr, mask=(rr * 0 + j) < place, other=0.0)
+        acc = tl.where(live, tl.fma(-a_j, l_j, acc), acc)
     return tl.where(rr <= place, acc, 0.0)
 
 
