@@ -34,6 +34,7 @@ from .incremental_tiles_triton import (
     state_after,
     state_tile,
     tile_rows,
+    with_tile_rows,
 )
 
 
@@ -123,8 +124,7 @@ def prepare_kernel(
         a_t = a_rows(k_r, k_c, beta_r, G_r, G_c, pos, rc, PRECISION, DOT_FP32)
         l_t = pick_along(l3, (nb == tile)[:, None, None], 0)
         t_r = tile_rows(l_t, tl.where(rc[None, :] < tile * ROWS, a_t, 0.0), t_c, tile * ROWS, rc, ROWS)
-        spread = tl.reshape(tl.broadcast_to(t_r[None, :, :], [CHUNK // ROWS, ROWS, CHUNK]), [CHUNK, CHUNK])
-        t_c = tl.where((rc // ROWS == tile)[:, None], spread, t_c)  # row r of spread: t_r's r % ROWS
+        t_c = with_tile_rows(t_c, t_r, tile, rc, ROWS)
         w = solved_product(t_r, y_c, PRECISION, DOT_FP32)
         tl.store(W + (rows_r[:, None] * HV + hv) * DK + ok[None, :], w, mask=valid_r[:, None] & mk[None, :])
         for iv in range((DV + BLOCK_V - 1) // BLOCK_V):
@@ -193,8 +193,7 @@ def state_kernel(
             u = tl.load(U + (rows_r[:, None] * HV + hv) * DV + ov[None, :], mask=mvr, other=0.0)
             vn = delta_rows(u, w, s, PRECISION, DOT_FP32)
             tl.store(VN + (rows_r[:, None] * HV + hv) * DV + ov[None, :], vn, mask=mvr)
-            spread = tl.reshape(tl.broadcast_to(vn[None, :, :], [CHUNK // ROWS, ROWS, BLOCK_V]), [CHUNK, BLOCK_V])
-            vn_c = tl.where((rc // ROWS == t)[:, None], spread, vn_c)  # row r of spread: vn's r % ROWS
+            vn_c = with_tile_rows(vn_c, vn, t, rc, ROWS)
             if (slot >= 0) & (c == full):  # the partial last chunk: its V' rows to the cache
                 cached = t * ROWS + rr  # the rows' cache rows
                 tl.store(CVN + slot * SVN + (cached[:, None] * HV + hv) * DV + ov[None, :], vn, mask=mvr)

@@ -203,6 +203,16 @@ def block_columns(tile, first, ROWS: tl.constexpr):
 
 
 @triton.jit
+def with_tile_rows(full, rows, tile, rc, ROWS: tl.constexpr):
+    """full [C, N] with row tile `tile` (chunk rows tile * ROWS ..) replaced by rows [ROWS, N] (exact:
+    a select, no arithmetic); rc = arange(C)."""
+    c: tl.constexpr = full.shape[0]
+    n: tl.constexpr = full.shape[1]
+    spread = tl.reshape(tl.broadcast_to(rows[None, :, :], [c // ROWS, ROWS, n]), [c, n])  # row r: rows' r % ROWS
+    return tl.where((rc // ROWS == tile)[:, None], spread, full)
+
+
+@triton.jit
 def tile_rows(l_t, a_off, t_before, first, rc, ROWS: tl.constexpr):
     """The row tile's rows of T [ROWS, C] (first: the tile's first chunk position): T_bb = L (`solve_blocks`,
     l_t [ROWS, ROWS]) in the tile's own columns; before them -L (A_off T_before), A_off [ROWS, C] the
