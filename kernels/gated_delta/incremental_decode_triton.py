@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from . import incremental_cache as layout
+from . import incremental_decode_cuda
 from . import incremental_tiles_triton as tiles
 from .incremental_chunk_triton import normalize_kernel
 from .rules import L2NORM_EPS, SOFTPLUS_THRESHOLD, qk_scale
@@ -201,6 +202,23 @@ def prepared_rows(q, k, v, a, b, A_log, dt_bias, start, slots):
     return q_hat, k_hat, x, g, beta
 
 
+def _shape(d_k: int, dt: torch.dtype) -> dict:
+    """The two decode kernels' common constexprs and launch options."""
+    block_k, _, _ = tiles.block_sizes(d_k, d_k)
+    return dict(DK=d_k, BLOCK_K=block_k, ROWS=tiles.ROWS, CHUNK=layout.CHUNK, **tiles.dot_options(dt),
+                **tiles.launch_options(step=True))  # fmt: skip
+
+
+def decode_weights_triton(q_hat, k_hat, g, beta, cache, start, held, slots, rows) -> None:
+    """`_decode_weights_kernel` over the step's sequences: rows = (t_row, w_row, p_row, qg_row)."""
+    n_seqs, hk, hv = start.shape[0], q_hat.shape[1], g.shape[1]
+    _decode_weights_kernel[(n_seqs * hv,)](
+        q_hat, k_hat, g, beta, cache.k, cache.g, cache.beta, cache.t, *(t.stride(0) for t in (cache.k, cache.g,
+        cache.beta, cache.t)), start, held, slots, *rows, n_seqs, q_hat.stride(0), q_hat.stride(1), k_hat.stride(0),
+        k_hat.stride(1), g.stride(0), beta.stride(0), hk, hv, hv // hk, **_shape(q_hat.shape[2], q_hat.dtype),
+    )  # fmt: skip
+
+
 def decode_forward(q, k, v, a, b, A_log, dt_bias, out, cache, start, held, slots, read) -> None:
     """A decode step: sequence n's one row, packed row start[n], at chunk position held[n] of its slot
     slots[n] of the cache (an IncrementalCache: held[n] rows held, the boundary state at read[n], -1:
@@ -213,15 +231,15 @@ def decode_forward(q, k, v, a, b, A_log, dt_bias, out, cache, start, held, slots
     t_row = torch.empty(n_seqs, hv, chunk, dtype=torch.float32, device=device)
     p_row = torch.empty(n_seqs, hv, chunk, dtype=dt, device=device)
     w_row, qg_row = (torch.empty(n_seqs, hv, d_k, dtype=dt, device=device) for _ in range(2))
-    block_k, _, block_v = tiles.block_sizes(d_k, d_v)
-    shape = dict(DK=d_k, BLOCK_K=block_k, ROWS=tiles.ROWS, CHUNK=chunk, **tiles.dot_options(dt),
-                 **tiles.launch_options(step=True))  # fmt: skip
+    _, _, block_v = tiles.block_sizes(d_k, d_v)
+    shape = _shape(d_k, dt)
     rows = (t_row, w_row, p_row, qg_row)
-    _decode_weights_kernel[(n_seqs * hv,)](
-        q_hat, k_hat, g, beta, cache.k, cache.g, cache.beta, cache.t, *(t.stride(0) for t in (cache.k, cache.g,
-        cache.beta, cache.t)), start, held, slots, *rows, n_seqs, q_hat.stride(0), q_hat.stride(1), k_hat.stride(0),
-        k_hat.stride(1), g.stride(0), beta.stride(0), hk, hv, hv // hk, **shape,
-    )  # fmt: skip
+    if incremental_decode_cuda.supported(q_hat, d_v):  # the CUDA step, the completing rows left to _decode_kernel
+        incremental_decode_cuda.decode_weights(q_hat, k_hat, g, beta, cache, start, held, slots, rows)
+        incremental_decode_cuda.decode_values(x, out, cache, start, held, slots, read, rows)
+        slots = torch.where(held == chunk - 1, slots, -1)
+    else:
+        decode_weights_triton(q_hat, k_hat, g, beta, cache, start, held, slots, rows)
     _decode_kernel[(triton.cdiv(d_v, block_v), n_seqs * hv)](
         k_hat, g, x, out, cache.state, cache.k, cache.x, cache.g, cache.vnew,
         *(t.stride(0) for t in (cache.state, cache.k, cache.x, cache.g, cache.vnew)), start, held, slots, read, *rows,

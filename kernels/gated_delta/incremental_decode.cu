@@ -1,0 +1,312 @@
+// Design C's decode step (incremental_decode_triton.py) written out for warps: `decode_weights` (its
+// `_decode_weights_kernel`, one warp a (sequence, v head)) and `decode_values` (its `_decode_kernel` for a
+// row that does not complete its chunk, one warp a (sequence, v head, v tile of 64)); bf16 inputs, d_k = 128,
+// chunks of 64, row tiles of 16.
+// Every value is computed by the instructions the Triton chunk kernels use for it, so its bits are theirs:
+//  - a product of bf16 tiles (tl.dot): mma.sync m16n8k16 (bf16 in, fp32 accumulate), K in steps of 16 in
+//    order from a zero accumulator; an element depends only on its row of A and column of B, so the row
+//    sits in a 16-row A whose other rows are whatever (here the tile's rows or zeros);
+//  - an FMA dot (fp32, tl.dot ieee): one fmaf chain per element over K in order from zero, zero terms kept;
+//  - tl.exp: ex2.approx.f32 of x * log2(e) rounded; rounding to bf16: cvt.rn.bf16.f32; no contraction
+//    (the Triton kernels compile with enable_fp_fusion=False): every product and sum is an _rn intrinsic.
+// No headers: NVRTC compiles it without a CUDA toolkit (bf16 as its 16 bits).
+
+typedef unsigned short bf16;
+
+#define CH 64
+#define DK 128
+#define ROWS 16
+#define WARPS 4
+
+__device__ __forceinline__ float bf2f(bf16 x) { return __uint_as_float(((unsigned)x) << 16); }
+
+__device__ __forceinline__ bf16 f2bf(float x) {
+  bf16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+  return r;
+}
+
+__device__ __forceinline__ float texp(float x) {  // Triton's tl.exp
+  float y;
+  asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(__fmul_rn(x, __int_as_float(0x3FB8AA3B))));
+  return y;
+}
+
+__device__ __forceinline__ unsigned pack2(bf16 lo, bf16 hi) { return (unsigned)lo | ((unsigned)hi << 16); }
+
+__device__ __forceinline__ unsigned load2(const bf16* p) { return *reinterpret_cast<const unsigned*>(p); }
+
+__device__ __forceinline__ void mma16816(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
+                                         unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Program: warp (sequence n, v head hv). Q, K: prepared q_hat, k_hat [T, HK, DK]; A, B: prepared g, beta
+// [T, HV] fp32 (row start[n]); CK, CG, CB, CT: the cache's k, g, beta, t (slot strides SK, SG, SB, ST in
+// elements, int: the launcher checks they fit); T_ROW [N, HV, CH] fp32, W_ROW, QG_ROW [N, HV, DK] and P_ROW [N, HV, CH] in bf16: the scratch rows
+// `_decode_kernel` reads. Strides in elements.
+extern "C" __global__ void __launch_bounds__(32 * WARPS) decode_weights(
+    const bf16* Q, const bf16* K, const float* A, const float* B, bf16* CK, float* CG, float* CB, float* CT,
+    int SK, int SG, int SB, int ST, const long long* START, const long long* HELD,
+    const long long* SLOT, float* T_ROW, bf16* W_ROW, bf16* P_ROW, bf16* QG_ROW, int n_seqs, int stride_qt,
+    int stride_qh, int stride_kt, int stride_kh, int stride_at, int stride_bt, int HK, int HV, int RATIO) {
+  __shared__ float s_a[WARPS][ROWS][CH + 1];  // the tile's rows of A against the chunk
+  __shared__ float s_g[WARPS][CH], s_G[WARPS][CH], s_beta[WARPS][CH], s_r[WARPS][CH], s_t[WARPS][CH];
+  __shared__ float s_l[WARPS][ROWS];
+  const int wid = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
+  const long long prog = (long long)blockIdx.x * WARPS + wid;
+  if (prog >= (long long)n_seqs * HV) return;
+  const int n = (int)(prog / HV), hv = (int)(prog % HV), hk = hv / RATIO;
+  const long long slot = SLOT[n];
+  if (slot < 0) return;  // a padded request
+  const int p = (int)HELD[n], first = p & ~(ROWS - 1), place = p & (ROWS - 1);
+  const long long start = START[n];
+  const bf16* ck = CK + slot * SK;
+  float* cg = CG + slot * SG;
+  float* cb = CB + slot * SB;
+  float* ct = CT + slot * ST;
+  const bf16* k_own = K + start * stride_kt + (long long)hk * stride_kh;
+  const bf16* q_own = Q + start * stride_qt + (long long)hk * stride_qh;
+  const float g_p = A[start * stride_at + hv], beta_p = B[start * stride_bt + hv];
+  float* sa = &s_a[wid][0][0];
+  float *sg = s_g[wid], *sG = s_G[wid], *sbeta = s_beta[wid], *sr = s_r[wid], *st = s_t[wid], *sl = s_l[wid];
+
+  // 1. the chunk's gates and betas (the slot's rows, the row's own at p, zeros past it); G by the FMA dot
+  //    of `gate_cumsum` (row i: fmaf(j <= i, g_j, acc) over j = 0 .. CH - 1)
+  for (int j = lane; j < CH; j += 32) {
+    sg[j] = j < p ? cg[j * HV + hv] : (j == p ? g_p : 0.f);
+    sbeta[j] = j < p ? cb[j * HV + hv] : (j == p ? beta_p : 0.f);
+  }
+  __syncwarp();
+  for (int i = lane; i < CH; i += 32) {
+    float acc = 0.f;
+    for (int j = 0; j < CH; ++j) acc = __fmaf_rn(j <= i ? 1.f : 0.f, sg[j], acc);
+    sG[i] = acc;
+  }
+  __syncwarp();
+
+  // a chunk row's key (the slot's rows before p, the row's own at p, zeros past it)
+  auto key_row = [&](int j) -> const bf16* { return j < p ? ck + ((long long)j * HK + hk) * DK : k_own; };
+
+  // 2. kk = k_b k_c^T [16, CH] (the tile's keys against the chunk's) and qk = q k_c^T (the row's own, in
+  //    row `place` of a 16-row tile), one pass over the chunk's keys as B fragments
+  float kk[CH / 8][4], qk[CH / 8][4];
+  #pragma unroll
+  for (int nb = 0; nb < CH / 8; ++nb)
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) kk[nb][e] = qk[nb][e] = 0.f;
+  const int r_lo = first + gq, r_hi = first + gq + 8;  // this lane's A rows (tile rows gq and gq + 8)
+  const bool lo_live = r_lo <= p, hi_live = r_hi <= p;
+  const bool q_lo = gq == place, q_hi = gq + 8 == place;
+  #pragma unroll
+  for (int k0 = 0; k0 < DK; k0 += 16) {
+    const int c0 = k0 + 2 * tq;
+    unsigned a0 = lo_live ? load2(key_row(r_lo) + c0) : 0u, a2 = lo_live ? load2(key_row(r_lo) + c0 + 8) : 0u;
+    unsigned a1 = hi_live ? load2(key_row(r_hi) + c0) : 0u, a3 = hi_live ? load2(key_row(r_hi) + c0 + 8) : 0u;
+    unsigned q0 = q_lo ? load2(q_own + c0) : 0u, q2 = q_lo ? load2(q_own + c0 + 8) : 0u;
+    unsigned q1 = q_hi ? load2(q_own + c0) : 0u, q3 = q_hi ? load2(q_own + c0 + 8) : 0u;
+    #pragma unroll
+    for (int nb = 0; nb < CH / 8; ++nb) {
+      const int j = nb * 8 + gq;  // B's column: chunk row j
+      unsigned b0 = 0u, b1 = 0u;
+      if (j <= p) {
+        b0 = load2(key_row(j) + c0);
+        b1 = load2(key_row(j) + c0 + 8);
+      }
+      mma16816(kk[nb], a0, a1, a2, a3, b0, b1);
+      mma16816(qk[nb], q0, q1, q2, q3, b0, b1);
+    }
+  }
+
+  // 3. A of the tile's rows (`a_rows`: beta_i (k_i . k_j) exp(G_i - G_j) for j < i, else 0) to shared memory;
+  //    the row's P (`output_weights`: dt((q . k_j) exp(G_p - G_j)) for j <= p) straight to its scratch row
+  const long long row = (long long)n * HV + hv;
+  #pragma unroll
+  for (int nb = 0; nb < CH / 8; ++nb)
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = gq + (e >= 2 ? 8 : 0), c = nb * 8 + 2 * tq + (e & 1), pos = first + i;
+      const bool before = c < pos;
+      const float gi = sG[pos];  // pos < CH: first <= CH - ROWS
+      const float x = __fmul_rn(__fmul_rn(sbeta[pos], kk[nb][e]),
+                                texp(before ? __fsub_rn(gi, sG[c]) : 0.f));
+      sa[i * (CH + 1) + c] = before ? x : 0.f;
+      if (i == place) {
+        const bool causal = c <= p;
+        const float w = __fmul_rn(qk[nb][e], texp(causal ? __fsub_rn(sG[p], sG[c]) : 0.f));
+        P_ROW[row * CH + c] = f2bf(causal ? w : 0.f);
+      }
+    }
+  __syncwarp();
+
+  // 4. the row's L within the tile (`solve_block_row_at`): acc = e_place, then fmaf(-a_j, L_j, acc) for j < place
+  if (lane < ROWS) {
+    const int i = lane;
+    float acc = i == place ? 1.f : 0.f;
+    for (int j = 0; j < place; ++j)
+      acc = __fmaf_rn(-sa[place * (CH + 1) + first + j], ct[((long long)(first + j) * HV + hv) * CH + first + i], acc);
+    sl[i] = i <= place ? acc : 0.f;
+  }
+  __syncwarp();
+
+  // 5. the row's T before the tile (`tile_rows`): r = L a_off (FMA dot over the tile's 16 rows), then
+  //    -r T_before (FMA dot over the chunk's 64 rows, zeros from `first` on)
+  for (int c = lane; c < CH; c += 32) {
+    float acc = 0.f;
+    for (int i = 0; i < ROWS; ++i) acc = __fmaf_rn(sl[i], c < first ? sa[i * (CH + 1) + c] : 0.f, acc);
+    sr[c] = acc;
+  }
+  __syncwarp();
+  for (int c = lane; c < CH; c += 32) {
+    float acc = 0.f;
+    for (int j = 0; j < CH; ++j)
+      acc = __fmaf_rn(-sr[j], j < first ? ct[((long long)j * HV + hv) * CH + c] : 0.f, acc);
+    const float t = c < first ? acc : (c < first + ROWS ? sl[c - first] : 0.f);
+    st[c] = t;
+    T_ROW[row * CH + c] = t;
+  }
+  __syncwarp();
+
+  // 6. W = dt(dt(T_row) y), y = dt(k_j beta_j exp(G_j)) (`solved_product` of `decayed_keys`); the row in
+  //    row `place` of the A tile
+  const bool w_lo = gq == place, w_hi = gq + 8 == place;
+  #pragma unroll
+  for (int nb = 0; nb < DK / 8; ++nb) {
+    float w[4] = {0.f, 0.f, 0.f, 0.f};
+    const int d = nb * 8 + gq;  // B's column: key dim d
+    #pragma unroll
+    for (int k0 = 0; k0 < CH; k0 += 16) {
+      const int j0 = k0 + 2 * tq;
+      unsigned t0 = pack2(f2bf(st[j0]), f2bf(st[j0 + 1])), t2 = pack2(f2bf(st[j0 + 8]), f2bf(st[j0 + 9]));
+      bf16 y[4];
+      const int js[4] = {j0, j0 + 1, j0 + 8, j0 + 9};
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int j = js[e];
+        const float scale = __fmul_rn(sbeta[j], texp(sG[j]));
+        y[e] = j <= p ? f2bf(__fmul_rn(bf2f(key_row(j)[d]), scale)) : f2bf(__fmul_rn(0.f, scale));
+      }
+      mma16816(w, w_lo ? t0 : 0u, w_hi ? t0 : 0u, w_lo ? t2 : 0u, w_hi ? t2 : 0u, pack2(y[0], y[1]), pack2(y[2], y[3]));
+    }
+    if (w_lo || w_hi) {
+      const int col = nb * 8 + 2 * tq;
+      W_ROW[row * DK + col] = f2bf(w_lo ? w[0] : w[2]);
+      W_ROW[row * DK + col + 1] = f2bf(w_lo ? w[1] : w[3]);
+    }
+  }
+
+  // 7. dt(q exp(G_p)) (`output_weights`), and the row to the slot unless it completes the chunk
+  const float eg = texp(sG[p]);
+  for (int d = lane; d < DK; d += 32) QG_ROW[row * DK + d] = f2bf(__fmul_rn(bf2f(q_own[d]), eg));
+  if (p < CH - 1) {
+    if (lane == 0) {
+      cg[p * HV + hv] = g_p;
+      cb[p * HV + hv] = beta_p;
+    }
+    for (int c = lane; c < CH; c += 32) ct[((long long)p * HV + hv) * CH + c] = st[c];
+    if (hv % RATIO == 0)
+      for (int d = lane; d < DK; d += 32) CK[slot * SK + ((long long)p * HK + hk) * DK + d] = k_own[d];
+  }
+}
+
+#define BV 64
+
+// Program: warp (sequence n, v head hv, v tile iv) of a row that does not complete its chunk (p < CH - 1; the
+// completing row is `_decode_kernel`'s). V: prepared x = dt(beta v) [T, HV, DV]; OUT [T, HV, DV]; STATE, CX,
+// CVN: the cache's state, x and vnew (slot strides in elements); READ [N]: the slot whose state the row
+// reads (-1: zeros, and the slot's state is zeroed: a sequence that starts here); the scratch rows of
+// `decode_weights`. U = dt(dt(T_row) x), V' = dt(U - W dt(S)), o = dt(q exp(G)) dt(S) + P V' (`_decode_kernel`).
+extern "C" __global__ void __launch_bounds__(32 * WARPS) decode_values(
+    const bf16* V, bf16* OUT, float* STATE, bf16* CX, bf16* CVN, int S_STATE, int SX, int SVN,
+    const long long* START, const long long* HELD, const long long* SLOT, const long long* READ, const float* T_ROW,
+    const bf16* W_ROW, const bf16* P_ROW, const bf16* QG_ROW, int n_seqs, int stride_vt, int stride_vh,
+    int stride_ot, int stride_oh, int HV, int DV) {
+  __shared__ bf16 s_vn[WARPS][BV];
+  const int wid = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
+  const int tiles = DV / BV;
+  const long long prog = (long long)blockIdx.x * WARPS + wid;
+  if (prog >= (long long)n_seqs * HV * tiles) return;
+  const int iv = (int)(prog % tiles), hv = (int)(prog / tiles % HV), n = (int)(prog / tiles / HV);
+  const long long slot = SLOT[n];
+  if (slot < 0) return;  // a padded request
+  const int p = (int)HELD[n], place = p & (ROWS - 1);
+  if (p == CH - 1) return;  // the completing row: `_decode_kernel`
+  const long long start = START[n], read = READ[n], row = (long long)n * HV + hv;
+  const int v0 = iv * BV;
+  const bf16* x_own = V + start * stride_vt + (long long)hv * stride_vh + v0;
+  const bf16* cx = CX + slot * SX + (long long)hv * DV + v0;      // + j * HV * DV: row j
+  const bf16* cvn = CVN + slot * SVN + (long long)hv * DV + v0;
+  const float* s_rd = STATE + read * S_STATE + ((long long)hv * DV + v0) * DK;  // + v * DK + k (read >= 0)
+  bf16* vn_smem = s_vn[wid];
+  // chunk row j's x and V' at value column v of the tile: the slot's rows before p, the row's own at p, 0 past it
+  auto x_at = [&](int j, int v) -> bf16 { return j < p ? cx[(long long)j * HV * DV + v] : (j == p ? x_own[v] : 0); };
+  auto vn_at = [&](int j, int v) -> bf16 { return j < p ? cvn[(long long)j * HV * DV + v] : (j == p ? vn_smem[v] : 0); };
+  const bool lo = gq == place, hi = gq + 8 == place;  // lanes holding the row in A (rows gq, gq + 8)
+
+  // per 8 value columns: U, W dt(S)^T and dt(q exp(G)) dt(S)^T, the row's V' (to shared memory: the P V'
+  // product's B reads it), then o += P V' and the row to OUT. The row's A fragments sit in row `place` of a
+  // 16-row tile (lanes gq == place % 8), zeros elsewhere.
+  auto own = [&](bool mine, unsigned v) { return mine ? v : 0u; };
+  for (int nb = 0; nb < BV / 8; ++nb) {
+    const int v = nb * 8 + gq;  // B's column: value dim v0 + v
+    float u[4] = {0.f, 0.f, 0.f, 0.f}, ws[4] = {0.f, 0.f, 0.f, 0.f}, o[4] = {0.f, 0.f, 0.f, 0.f};
+    // U = dt(T_row) x over the chunk's rows (4 steps of 16)
+#pragma unroll
+    for (int k0 = 0; k0 < CH; k0 += 16) {
+      const int j0 = k0 + 2 * tq;
+      const float* tr = T_ROW + row * CH + j0;
+      const unsigned t0 = pack2(f2bf(tr[0]), f2bf(tr[1])), t2 = pack2(f2bf(tr[8]), f2bf(tr[9]));
+      const unsigned b0 = pack2(x_at(j0, v), x_at(j0 + 1, v)), b1 = pack2(x_at(j0 + 8, v), x_at(j0 + 9, v));
+      mma16816(u, own(lo, t0), own(hi, t0), own(lo, t2), own(hi, t2), b0, b1);
+    }
+    // W dt(S)^T and dt(q exp(G)) dt(S)^T over the key dim (8 steps of 16), one pass over the state's rows
+#pragma unroll
+    for (int k0 = 0; k0 < DK; k0 += 16) {
+      const int c0 = k0 + 2 * tq;
+      unsigned b0 = pack2(f2bf(0.f), f2bf(0.f)), b1 = b0;
+      if (read >= 0) {
+        const float2 s01 = *reinterpret_cast<const float2*>(s_rd + (long long)v * DK + c0);
+        const float2 s89 = *reinterpret_cast<const float2*>(s_rd + (long long)v * DK + c0 + 8);
+        b0 = pack2(f2bf(s01.x), f2bf(s01.y));
+        b1 = pack2(f2bf(s89.x), f2bf(s89.y));
+      }
+      const unsigned w0 = load2(W_ROW + row * DK + c0), w2 = load2(W_ROW + row * DK + c0 + 8);
+      const unsigned q0 = load2(QG_ROW + row * DK + c0), q2 = load2(QG_ROW + row * DK + c0 + 8);
+      mma16816(ws, own(lo, w0), own(hi, w0), own(lo, w2), own(hi, w2), b0, b1);
+      mma16816(o, own(lo, q0), own(hi, q0), own(lo, q2), own(hi, q2), b0, b1);
+    }
+    // V' = dt(U - W S) of the row (`delta_rows`: U rounded to dt first): c0, c1 (row gq) or c2, c3 (row gq + 8)
+    if (lo || hi) {
+      const int c = nb * 8 + 2 * tq;
+      vn_smem[c] = f2bf(__fsub_rn(bf2f(f2bf(hi ? u[2] : u[0])), hi ? ws[2] : ws[0]));
+      vn_smem[c + 1] = f2bf(__fsub_rn(bf2f(f2bf(hi ? u[3] : u[1])), hi ? ws[3] : ws[1]));
+    }
+    __syncwarp();
+    // o += P V' over the chunk's rows (the slot's V', the row's own at p, zeros past it)
+#pragma unroll
+    for (int k0 = 0; k0 < CH; k0 += 16) {
+      const int j0 = k0 + 2 * tq;
+      const unsigned p0 = load2(P_ROW + row * CH + j0), p2 = load2(P_ROW + row * CH + j0 + 8);
+      const unsigned b0 = pack2(vn_at(j0, v), vn_at(j0 + 1, v)), b1 = pack2(vn_at(j0 + 8, v), vn_at(j0 + 9, v));
+      mma16816(o, own(lo, p0), own(hi, p0), own(lo, p2), own(hi, p2), b0, b1);
+    }
+    if (lo || hi) {
+      bf16* out = OUT + start * stride_ot + (long long)hv * stride_oh + v0 + nb * 8 + 2 * tq;
+      out[0] = f2bf(hi ? o[2] : o[0]);
+      out[1] = f2bf(hi ? o[3] : o[1]);
+    }
+  }
+  // the row's x and V' to the slot; a sequence that starts here gets a zero boundary state
+  for (int v = lane; v < BV; v += 32) {
+    CX[slot * SX + ((long long)p * HV + hv) * DV + v0 + v] = x_own[v];
+    CVN[slot * SVN + ((long long)p * HV + hv) * DV + v0 + v] = vn_smem[v];
+  }
+  if (read < 0) {
+    float* st = STATE + slot * S_STATE + ((long long)hv * DV + v0) * DK;
+    #pragma unroll
+    for (int e = lane; e < BV * DK; e += 32) st[e] = 0.f;
+  }
+}

@@ -1,0 +1,79 @@
+"""Design C's decode step in CUDA (`incremental_decode.cu`): `decode_weights` writes what
+`_decode_weights_kernel` (incremental_decode_triton.py) writes and `decode_values` what `_decode_kernel`
+writes for a row that does not complete its chunk, bit for bit, each warp issuing the chunk kernels'
+instructions on the row alone (the .cu file says which). The completing row stays `_decode_kernel`'s.
+Compiled at first use by NVRTC through torch (`torch.cuda._compile_kernel`); bf16 inputs with d_k = 128 and
+d_v a multiple of 64, on CUDA devices with bf16 mma.sync (sm_80 on): `supported` tells, and the Triton
+kernels take the rest."""
+
+import functools
+from pathlib import Path
+
+import torch
+
+from . import incremental_cache as layout
+
+SOURCE = Path(__file__).with_name("incremental_decode.cu")
+WARPS = 4  # warps a block (the .cu file's WARPS)
+D_K = 128
+BV = 64  # value columns a decode_values warp (the .cu file's BV)
+_INT32 = 2**31 - 1
+
+
+def supported(q_hat: torch.Tensor, d_v: int) -> bool:
+    """Whether these kernels take a step whose prepared q_hat is [T, HK, DK] and value heads d_v wide."""
+    return (
+        q_hat.is_cuda
+        and q_hat.dtype == torch.bfloat16
+        and q_hat.shape[2] == D_K
+        and d_v % BV == 0
+        and layout.CHUNK == 64
+        and torch.cuda.get_device_capability(q_hat.device)[0] >= 8
+    )
+
+
+@functools.cache
+def _kernel(name: str, device_index: int):
+    with torch.cuda.device(device_index):
+        return torch.cuda._compile_kernel(SOURCE.read_text(), name)
+
+
+def _int32(what: str, values) -> list[int]:
+    values = list(values)
+    if max(values) > _INT32:
+        raise ValueError(f"{what}: {values} do not fit the kernel's int32 arguments")
+    return values
+
+
+def _int64_rows(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.dtype != torch.int64 or not t.is_contiguous():
+            raise ValueError(f"the per-sequence rows must be contiguous int64 tensors, got {t.dtype} {t.stride()}")
+
+
+def decode_weights(q_hat, k_hat, g, beta, cache, start, held, slots, rows) -> None:
+    """`_decode_weights_kernel`'s work: rows = (t_row, w_row, p_row, qg_row) scratch rows [N, HV, ...];
+    start, held, slots int64 [N] (slots -1: a padded request, skipped)."""
+    n_seqs, hk, hv = start.shape[0], q_hat.shape[1], g.shape[1]
+    _int64_rows(start, held, slots)
+    slot_strides = _int32("slot strides", (t.stride(0) for t in (cache.k, cache.g, cache.beta, cache.t)))
+    strides = _int32("strides", (q_hat.stride(0), q_hat.stride(1), k_hat.stride(0), k_hat.stride(1), g.stride(0),
+                                 beta.stride(0), n_seqs * hv))  # fmt: skip
+    args = [q_hat, k_hat, g, beta, cache.k, cache.g, cache.beta, cache.t, *slot_strides, start, held, slots, *rows,
+            n_seqs, *strides[:6], hk, hv, hv // hk]  # fmt: skip
+    grid = (-(-n_seqs * hv // WARPS), 1, 1)
+    _kernel("decode_weights", q_hat.device.index)(grid=grid, block=(32 * WARPS, 1, 1), args=args)
+
+
+def decode_values(x, out, cache, start, held, slots, read, rows) -> None:
+    """`_decode_kernel`'s work for the rows that do not complete their chunk (held < CHUNK - 1): U, V' and o
+    from `decode_weights`' rows, the row's x and V' to the slot (zeros to the state of a sequence that
+    starts here). x: prepared dt(beta v) [T, HV, DV]; out [T, HV, DV]."""
+    n_seqs, hv, d_v = start.shape[0], x.shape[1], x.shape[2]
+    _int64_rows(start, held, slots, read)
+    slot_strides = _int32("slot strides", (t.stride(0) for t in (cache.state, cache.x, cache.vnew)))
+    strides = _int32("strides", (x.stride(0), x.stride(1), out.stride(0), out.stride(1), n_seqs * hv * d_v // BV))
+    args = [x, out, cache.state, cache.x, cache.vnew, *slot_strides, start, held, slots, read, *rows, n_seqs,
+            *strides[:4], hv, d_v]  # fmt: skip
+    grid = (-(-strides[4] // WARPS), 1, 1)
+    _kernel("decode_values", x.device.index)(grid=grid, block=(32 * WARPS, 1, 1), args=args)
