@@ -1,7 +1,6 @@
 // Design C's decode step (incremental_decode_triton.py) written out for warps: `decode_weights` (its
-// `_decode_weights_kernel`, one warp a (sequence, v head)) and `decode_values` (its `_decode_kernel` for a
-// row that does not complete its chunk, one warp a (sequence, v head, v tile of 64)); bf16 inputs, d_k = 128,
-// chunks of 64, row tiles of 16.
+// `_decode_weights_kernel`, one warp a (sequence, v head)) and `decode_values` (its `_decode_kernel`, one warp
+// a (sequence, v head, v tile of 64)); bf16 inputs, d_k = 128, chunks of 64, row tiles of 16.
 // Every value is computed by the instructions the Triton chunk kernels use for it, so its bits are theirs:
 //  - a product of bf16 tiles (tl.dot): mma.sync m16n8k16 (bf16 in, fp32 accumulate), K in steps of 16 in
 //    order from a zero accumulator; an element depends only on its row of A and column of B, so the row
@@ -44,6 +43,18 @@ __device__ __forceinline__ void mma16816(float* c, unsigned a0, unsigned a1, uns
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// G [CH] = the chunk's gates summed in order, by `gate_cumsum`'s FMA dot (row i: fmaf(j <= i, g_j, acc) over
+// j = 0 .. CH - 1, zero terms kept); the warp's lanes each take two rows. Syncs the warp before and after.
+__device__ __forceinline__ void gate_cumsum(const float* g, float* G, int lane) {
+  __syncwarp();
+  for (int i = lane; i < CH; i += 32) {
+    float acc = 0.f;
+    for (int j = 0; j < CH; ++j) acc = __fmaf_rn(j <= i ? 1.f : 0.f, g[j], acc);
+    G[i] = acc;
+  }
+  __syncwarp();
+}
+
 // Program: warp (sequence n, v head hv). Q, K: prepared q_hat, k_hat [T, HK, DK]; A, B: prepared g, beta
 // [T, HV] fp32 (row start[n]); CK, CG, CB, CT: the cache's k, g, beta, t (slot strides SK, SG, SB, ST in
 // elements, int: the launcher checks they fit); T_ROW [N, HV, CH] fp32, W_ROW, QG_ROW [N, HV, DK] and P_ROW [N, HV, CH] in bf16: the scratch rows
@@ -80,13 +91,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) decode_weights(
     sg[j] = j < p ? cg[j * HV + hv] : (j == p ? g_p : 0.f);
     sbeta[j] = j < p ? cb[j * HV + hv] : (j == p ? beta_p : 0.f);
   }
-  __syncwarp();
-  for (int i = lane; i < CH; i += 32) {
-    float acc = 0.f;
-    for (int j = 0; j < CH; ++j) acc = __fmaf_rn(j <= i ? 1.f : 0.f, sg[j], acc);
-    sG[i] = acc;
-  }
-  __syncwarp();
+  gate_cumsum(sg, sG, lane);
 
   // a chunk row's key (the slot's rows before p, the row's own at p, zeros past it)
   auto key_row = [&](int j) -> const bf16* { return j < p ? ck + ((long long)j * HK + hk) * DK : k_own; };
@@ -214,17 +219,22 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) decode_weights(
 
 #define BV 64
 
-// Program: warp (sequence n, v head hv, v tile iv) of a row that does not complete its chunk (p < CH - 1; the
-// completing row is `_decode_kernel`'s). V: prepared x = dt(beta v) [T, HV, DV]; OUT [T, HV, DV]; STATE, CX,
-// CVN: the cache's state, x and vnew (slot strides in elements); READ [N]: the slot whose state the row
-// reads (-1: zeros, and the slot's state is zeroed: a sequence that starts here); the scratch rows of
-// `decode_weights`. U = dt(dt(T_row) x), V' = dt(U - W dt(S)), o = dt(q exp(G)) dt(S) + P V' (`_decode_kernel`).
+// Program: warp (sequence n, v head hv, v tile iv). V: prepared x = dt(beta v) [T, HV, DV]; K, A: prepared
+// k_hat [T, HK, DK] and g [T, HV] (the completing row's); OUT [T, HV, DV]; STATE, CX, CVN, CK, CG: the cache's
+// state, x, vnew, k and g (slot strides in elements); READ [N]: the slot whose state the row reads (-1: zeros,
+// and the slot's state is zeroed: a sequence that starts here); the scratch rows of `decode_weights`.
+// U = dt(dt(T_row) x), V' = dt(U - W dt(S)), o = dt(q exp(G)) dt(S) + P V' (`_decode_kernel`); a row that
+// completes its chunk then updates the state (`state_after`: exp(G_last) S + V'^T dt(exp(G_last - G_j) k_j),
+// a product the chunk kernels run as a 64-row wgmma, whose elements have mma.sync's bits on the H200), any
+// other row goes to the slot.
 extern "C" __global__ void __launch_bounds__(32 * WARPS) decode_values(
-    const bf16* V, bf16* OUT, float* STATE, bf16* CX, bf16* CVN, int S_STATE, int SX, int SVN,
-    const long long* START, const long long* HELD, const long long* SLOT, const long long* READ, const float* T_ROW,
-    const bf16* W_ROW, const bf16* P_ROW, const bf16* QG_ROW, int n_seqs, int stride_vt, int stride_vh,
-    int stride_ot, int stride_oh, int HV, int DV) {
+    const bf16* V, const bf16* K, const float* A, bf16* OUT, float* STATE, bf16* CX, bf16* CVN, const bf16* CK,
+    const float* CG, int S_STATE, int SX, int SVN, int SK, int SG, const long long* START, const long long* HELD,
+    const long long* SLOT, const long long* READ, const float* T_ROW, const bf16* W_ROW, const bf16* P_ROW,
+    const bf16* QG_ROW, int n_seqs, int stride_vt, int stride_vh, int stride_kt, int stride_kh, int stride_at,
+    int stride_ot, int stride_oh, int HK, int HV, int DV, int RATIO) {
   __shared__ bf16 s_vn[WARPS][BV];
+  __shared__ float s_g[WARPS][CH], s_G[WARPS][CH];
   const int wid = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
   const int tiles = DV / BV;
   const long long prog = (long long)blockIdx.x * WARPS + wid;
@@ -233,7 +243,6 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) decode_values(
   const long long slot = SLOT[n];
   if (slot < 0) return;  // a padded request
   const int p = (int)HELD[n], place = p & (ROWS - 1);
-  if (p == CH - 1) return;  // the completing row: `_decode_kernel`
   const long long start = START[n], read = READ[n], row = (long long)n * HV + hv;
   const int v0 = iv * BV;
   const bf16* x_own = V + start * stride_vt + (long long)hv * stride_vh + v0;
@@ -299,14 +308,52 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) decode_values(
       out[1] = f2bf(hi ? o[3] : o[1]);
     }
   }
-  // the row's x and V' to the slot; a sequence that starts here gets a zero boundary state
-  for (int v = lane; v < BV; v += 32) {
-    CX[slot * SX + ((long long)p * HV + hv) * DV + v0 + v] = x_own[v];
-    CVN[slot * SVN + ((long long)p * HV + hv) * DV + v0 + v] = vn_smem[v];
+  if (p < CH - 1) {  // the row's x and V' to the slot; a sequence that starts here gets a zero boundary state
+    for (int v = lane; v < BV; v += 32) {
+      CX[slot * SX + ((long long)p * HV + hv) * DV + v0 + v] = x_own[v];
+      CVN[slot * SVN + ((long long)p * HV + hv) * DV + v0 + v] = vn_smem[v];
+    }
+    if (read < 0) {
+      float* st = STATE + slot * S_STATE + ((long long)hv * DV + v0) * DK;
+      for (int e = lane; e < BV * DK; e += 32) st[e] = 0.f;
+    }
+    return;
   }
-  if (read < 0) {
-    float* st = STATE + slot * S_STATE + ((long long)hv * DV + v0) * DK;
-    #pragma unroll
-    for (int e = lane; e < BV * DK; e += 32) st[e] = 0.f;
+  // the chunk completes (p = CH - 1, the state read from `read` >= 0): S'^T = exp(G_last) S^T + V'^T y, y_j =
+  // dt(k_j exp(G_last - G_j)), by 16 x 8 output blocks over the tile's 64 value rows and 128 key columns
+  const int hk = hv / RATIO;
+  float *sg = s_g[wid], *sG = s_G[wid];
+  for (int j = lane; j < CH; j += 32) sg[j] = j < p ? CG[slot * SG + (long long)j * HV + hv] : A[start * stride_at + hv];
+  gate_cumsum(sg, sG, lane);
+  const float g_last = sG[CH - 1], e_last = texp(g_last);
+  for (int j = lane; j < CH; j += 32) sg[j] = texp(__fsub_rn(g_last, sG[j]));  // the rows' decay to the end
+  __syncwarp();
+  const bf16* k_own = K + start * stride_kt + (long long)hk * stride_kh;
+  auto y_at = [&](int j, int d) -> bf16 {
+    const bf16 k = j < p ? CK[slot * SK + ((long long)j * HK + hk) * DK + d] : k_own[d];
+    return f2bf(__fmul_rn(bf2f(k), sg[j]));
+  };
+  float* s_wr = STATE + slot * S_STATE + ((long long)hv * DV + v0) * DK;
+#pragma unroll 1
+  for (int mb = 0; mb < BV / 16; ++mb) {
+    const int r0 = mb * 16 + gq, r1 = r0 + 8;  // this lane's value rows (A's rows gq, gq + 8)
+#pragma unroll 1
+    for (int nb = 0; nb < DK / 8; ++nb) {
+      const int c = nb * 8 + 2 * tq, d = nb * 8 + gq;  // accumulator columns; B's column
+      float acc[4] = {__fmul_rn(s_rd[(long long)r0 * DK + c], e_last), __fmul_rn(s_rd[(long long)r0 * DK + c + 1], e_last),
+                      __fmul_rn(s_rd[(long long)r1 * DK + c], e_last), __fmul_rn(s_rd[(long long)r1 * DK + c + 1], e_last)};
+#pragma unroll
+      for (int k0 = 0; k0 < CH; k0 += 16) {
+        const int j0 = k0 + 2 * tq;
+        const unsigned a0 = pack2(vn_at(j0, r0), vn_at(j0 + 1, r0)), a1 = pack2(vn_at(j0, r1), vn_at(j0 + 1, r1));
+        const unsigned a2 = pack2(vn_at(j0 + 8, r0), vn_at(j0 + 9, r0)), a3 = pack2(vn_at(j0 + 8, r1), vn_at(j0 + 9, r1));
+        mma16816(acc, a0, a1, a2, a3, pack2(y_at(j0, d), y_at(j0 + 1, d)), pack2(y_at(j0 + 8, d), y_at(j0 + 9, d)));
+      }
+      __syncwarp();  // every lane has read its state cells (the update may be in place: read = slot)
+      s_wr[(long long)r0 * DK + c] = acc[0];
+      s_wr[(long long)r0 * DK + c + 1] = acc[1];
+      s_wr[(long long)r1 * DK + c] = acc[2];
+      s_wr[(long long)r1 * DK + c + 1] = acc[3];
+    }
   }
 }

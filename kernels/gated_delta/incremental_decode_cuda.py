@@ -1,7 +1,7 @@
 """Design C's decode step in CUDA (`incremental_decode.cu`): `decode_weights` writes what
 `_decode_weights_kernel` (incremental_decode_triton.py) writes and `decode_values` what `_decode_kernel`
-writes for a row that does not complete its chunk, bit for bit, each warp issuing the chunk kernels'
-instructions on the row alone (the .cu file says which). The completing row stays `_decode_kernel`'s.
+writes, bit for bit, each warp issuing the chunk kernels' instructions on the row alone (the .cu file
+says which).
 Compiled at first use by NVRTC through torch (`torch.cuda._compile_kernel`); bf16 inputs with d_k = 128 and
 d_v a multiple of 64, on CUDA devices with bf16 mma.sync (sm_80 on): `supported` tells, and the Triton
 kernels take the rest."""
@@ -65,15 +65,16 @@ def decode_weights(q_hat, k_hat, g, beta, cache, start, held, slots, rows) -> No
     _kernel("decode_weights", q_hat.device.index)(grid=grid, block=(32 * WARPS, 1, 1), args=args)
 
 
-def decode_values(x, out, cache, start, held, slots, read, rows) -> None:
-    """`_decode_kernel`'s work for the rows that do not complete their chunk (held < CHUNK - 1): U, V' and o
-    from `decode_weights`' rows, the row's x and V' to the slot (zeros to the state of a sequence that
-    starts here). x: prepared dt(beta v) [T, HV, DV]; out [T, HV, DV]."""
-    n_seqs, hv, d_v = start.shape[0], x.shape[1], x.shape[2]
+def decode_values(k_hat, g, x, out, cache, start, held, slots, read, rows) -> None:
+    """`_decode_kernel`'s work: U, V' and o from `decode_weights`' rows; the row's x and V' to the slot (zeros
+    to the state of a sequence that starts here), or the state update of a completed chunk. k_hat, g, x:
+    the prepared rows ([T, HK, DK], [T, HV] fp32, dt(beta v) [T, HV, DV]); out [T, HV, DV]."""
+    n_seqs, hk, hv, d_v = start.shape[0], k_hat.shape[1], x.shape[1], x.shape[2]
     _int64_rows(start, held, slots, read)
-    slot_strides = _int32("slot strides", (t.stride(0) for t in (cache.state, cache.x, cache.vnew)))
-    strides = _int32("strides", (x.stride(0), x.stride(1), out.stride(0), out.stride(1), n_seqs * hv * d_v // BV))
-    args = [x, out, cache.state, cache.x, cache.vnew, *slot_strides, start, held, slots, read, *rows, n_seqs,
-            *strides[:4], hv, d_v]  # fmt: skip
-    grid = (-(-strides[4] // WARPS), 1, 1)
+    slot_strides = _int32("slot strides", (t.stride(0) for t in (cache.state, cache.x, cache.vnew, cache.k, cache.g)))
+    strides = _int32("strides", (x.stride(0), x.stride(1), k_hat.stride(0), k_hat.stride(1), g.stride(0), out.stride(0),
+                                 out.stride(1), n_seqs * hv * d_v // BV))  # fmt: skip
+    args = [x, k_hat, g, out, cache.state, cache.x, cache.vnew, cache.k, cache.g, *slot_strides, start, held, slots,
+            read, *rows, n_seqs, *strides[:7], hk, hv, d_v, hv // hk]  # fmt: skip
+    grid = (-(-strides[7] // WARPS), 1, 1)
     _kernel("decode_values", x.device.index)(grid=grid, block=(32 * WARPS, 1, 1), args=args)

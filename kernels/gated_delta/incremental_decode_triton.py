@@ -234,12 +234,11 @@ def decode_forward(q, k, v, a, b, A_log, dt_bias, out, cache, start, held, slots
     _, _, block_v = tiles.block_sizes(d_k, d_v)
     shape = _shape(d_k, dt)
     rows = (t_row, w_row, p_row, qg_row)
-    if incremental_decode_cuda.supported(q_hat, d_v):  # the CUDA step, the completing rows left to _decode_kernel
+    if incremental_decode_cuda.supported(q_hat, d_v):  # the same step in CUDA (incremental_decode_cuda.py)
         incremental_decode_cuda.decode_weights(q_hat, k_hat, g, beta, cache, start, held, slots, rows)
-        incremental_decode_cuda.decode_values(x, out, cache, start, held, slots, read, rows)
-        slots = torch.where(held == chunk - 1, slots, -1)
-    else:
-        decode_weights_triton(q_hat, k_hat, g, beta, cache, start, held, slots, rows)
+        incremental_decode_cuda.decode_values(k_hat, g, x, out, cache, start, held, slots, read, rows)
+        return
+    decode_weights_triton(q_hat, k_hat, g, beta, cache, start, held, slots, rows)
     _decode_kernel[(triton.cdiv(d_v, block_v), n_seqs * hv)](
         k_hat, g, x, out, cache.state, cache.k, cache.x, cache.g, cache.vnew,
         *(t.stride(0) for t in (cache.state, cache.k, cache.x, cache.g, cache.vnew)), start, held, slots, read, *rows,

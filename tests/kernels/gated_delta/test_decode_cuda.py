@@ -90,9 +90,9 @@ def test_cuda_weights_kernel_matches_the_triton_kernel(hk, hv, n, seed):
 @requires_cuda
 @pytest.mark.parametrize("hk,hv,n,seed", [(16, 32, 45, 4), (16, 48, 29, 5), (2, 6, 70, 6)])
 def test_cuda_decode_step_matches_the_triton_step(hk, hv, n, seed, monkeypatch):
-    """decode_forward with the CUDA kernels (the completing rows on `_decode_kernel`) against the Triton
-    kernels alone: every output row and every cache tensor, random states and slot rows, sequences that
-    start at the step (no state read) among them."""
+    """decode_forward with the CUDA kernels against the Triton kernels: every output row and every cache
+    tensor, random states and slot rows, rows that complete their chunk (the state update) and sequences
+    that start at the step (no state read) among them."""
     gen = torch.Generator().manual_seed(seed)
     _, _, _, _, cache, start, held, slots = _random_case(hk, hv, n, seed)
     cache.state.copy_(torch.randn(cache.state.shape, generator=gen) * 0.3)
