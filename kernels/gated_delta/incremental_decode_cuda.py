@@ -29,6 +29,7 @@ def supported(q_hat: torch.Tensor, d_v: int) -> bool:
         and d_v % BV == 0
         and layout.CHUNK == 64
         and torch.cuda.get_device_capability(q_hat.device)[0] >= 8
+        and hasattr(torch.cuda, "_compile_kernel")  # torch's NVRTC loader (torch 2.8 on)
     )
 
 
