@@ -255,26 +255,40 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) decode_values(
   auto vn_at = [&](int j, int v) -> bf16 { return j < p ? cvn[(long long)j * HV * DV + v] : (j == p ? vn_smem[v] : 0); };
   const bool lo = gq == place, hi = gq + 8 == place;  // lanes holding the row in A (rows gq, gq + 8)
 
-  // per 8 value columns: U, W dt(S)^T and dt(q exp(G)) dt(S)^T, the row's V' (to shared memory: the P V'
-  // product's B reads it), then o += P V' and the row to OUT. The row's A fragments sit in row `place` of a
-  // 16-row tile (lanes gq == place % 8), zeros elsewhere.
-  auto own = [&](bool mine, unsigned v) { return mine ? v : 0u; };
+  // The row's A fragments (row `place` of a 16-row tile: lanes gq == place % 8; zeros elsewhere): its T row
+  // rounded to dt and P over the chunk's rows (4 steps of 16) once; W and dt(q exp(G)) over the key dim (8)
+  // are read at each use (L1 hits; held, they would crowd out the accumulators).
+  unsigned ta[CH / 16][2], pa[CH / 16][2];
+#pragma unroll
+  for (int ks = 0; ks < CH / 16; ++ks) {
+    const int j0 = ks * 16 + 2 * tq;
+    const float* tr = T_ROW + row * CH + j0;
+    const bool mine = lo || hi;
+    ta[ks][0] = mine ? pack2(f2bf(tr[0]), f2bf(tr[1])) : 0u;
+    ta[ks][1] = mine ? pack2(f2bf(tr[8]), f2bf(tr[9])) : 0u;
+    pa[ks][0] = mine ? load2(P_ROW + row * CH + j0) : 0u;
+    pa[ks][1] = mine ? load2(P_ROW + row * CH + j0 + 8) : 0u;
+  }
+  // the fragment (a0, a1, a2, a3) of a row-`place` A from its two registers (columns 2t.., 2t+8..)
+  auto mma_row = [&](float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    mma16816(c, lo ? a[0] : 0u, hi ? a[0] : 0u, lo ? a[1] : 0u, hi ? a[1] : 0u, b0, b1);
+  };
+  // 1. per 8 value columns: U = dt(T_row) x, W dt(S)^T and dt(q exp(G)) dt(S)^T (one pass over the state's
+  //    rows), the row's V' = dt(U - W S) (`delta_rows`: U rounded to dt first) to shared memory
+  float o[BV / 8][4];
+#pragma unroll
   for (int nb = 0; nb < BV / 8; ++nb) {
     const int v = nb * 8 + gq;  // B's column: value dim v0 + v
-    float u[4] = {0.f, 0.f, 0.f, 0.f}, ws[4] = {0.f, 0.f, 0.f, 0.f}, o[4] = {0.f, 0.f, 0.f, 0.f};
-    // U = dt(T_row) x over the chunk's rows (4 steps of 16)
+    float u[4] = {0.f, 0.f, 0.f, 0.f}, ws[4] = {0.f, 0.f, 0.f, 0.f};
+    o[nb][0] = o[nb][1] = o[nb][2] = o[nb][3] = 0.f;
 #pragma unroll
-    for (int k0 = 0; k0 < CH; k0 += 16) {
-      const int j0 = k0 + 2 * tq;
-      const float* tr = T_ROW + row * CH + j0;
-      const unsigned t0 = pack2(f2bf(tr[0]), f2bf(tr[1])), t2 = pack2(f2bf(tr[8]), f2bf(tr[9]));
-      const unsigned b0 = pack2(x_at(j0, v), x_at(j0 + 1, v)), b1 = pack2(x_at(j0 + 8, v), x_at(j0 + 9, v));
-      mma16816(u, own(lo, t0), own(hi, t0), own(lo, t2), own(hi, t2), b0, b1);
+    for (int ks = 0; ks < CH / 16; ++ks) {
+      const int j0 = ks * 16 + 2 * tq;
+      mma_row(u, ta[ks], pack2(x_at(j0, v), x_at(j0 + 1, v)), pack2(x_at(j0 + 8, v), x_at(j0 + 9, v)));
     }
-    // W dt(S)^T and dt(q exp(G)) dt(S)^T over the key dim (8 steps of 16), one pass over the state's rows
 #pragma unroll
-    for (int k0 = 0; k0 < DK; k0 += 16) {
-      const int c0 = k0 + 2 * tq;
+    for (int ks = 0; ks < DK / 16; ++ks) {
+      const int c0 = ks * 16 + 2 * tq;
       unsigned b0 = pack2(f2bf(0.f), f2bf(0.f)), b1 = b0;
       if (read >= 0) {
         const float2 s01 = *reinterpret_cast<const float2*>(s_rd + (long long)v * DK + c0);
@@ -282,30 +296,32 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) decode_values(
         b0 = pack2(f2bf(s01.x), f2bf(s01.y));
         b1 = pack2(f2bf(s89.x), f2bf(s89.y));
       }
-      const unsigned w0 = load2(W_ROW + row * DK + c0), w2 = load2(W_ROW + row * DK + c0 + 8);
-      const unsigned q0 = load2(QG_ROW + row * DK + c0), q2 = load2(QG_ROW + row * DK + c0 + 8);
-      mma16816(ws, own(lo, w0), own(hi, w0), own(lo, w2), own(hi, w2), b0, b1);
-      mma16816(o, own(lo, q0), own(hi, q0), own(lo, q2), own(hi, q2), b0, b1);
+      const bool mine = lo || hi;
+      const unsigned wa[2] = {mine ? load2(W_ROW + row * DK + c0) : 0u, mine ? load2(W_ROW + row * DK + c0 + 8) : 0u};
+      const unsigned qa[2] = {mine ? load2(QG_ROW + row * DK + c0) : 0u, mine ? load2(QG_ROW + row * DK + c0 + 8) : 0u};
+      mma_row(ws, wa, b0, b1);
+      mma_row(o[nb], qa, b0, b1);
     }
-    // V' = dt(U - W S) of the row (`delta_rows`: U rounded to dt first): c0, c1 (row gq) or c2, c3 (row gq + 8)
-    if (lo || hi) {
+    if (lo || hi) {  // the row's outputs: c0, c1 (row gq) or c2, c3 (row gq + 8)
       const int c = nb * 8 + 2 * tq;
       vn_smem[c] = f2bf(__fsub_rn(bf2f(f2bf(hi ? u[2] : u[0])), hi ? ws[2] : ws[0]));
       vn_smem[c + 1] = f2bf(__fsub_rn(bf2f(f2bf(hi ? u[3] : u[1])), hi ? ws[3] : ws[1]));
     }
-    __syncwarp();
-    // o += P V' over the chunk's rows (the slot's V', the row's own at p, zeros past it)
+  }
+  __syncwarp();
+  // 2. o += P V' over the chunk's rows (the slot's V', the row's own at p, zeros past it); the row to OUT
 #pragma unroll
-    for (int k0 = 0; k0 < CH; k0 += 16) {
-      const int j0 = k0 + 2 * tq;
-      const unsigned p0 = load2(P_ROW + row * CH + j0), p2 = load2(P_ROW + row * CH + j0 + 8);
-      const unsigned b0 = pack2(vn_at(j0, v), vn_at(j0 + 1, v)), b1 = pack2(vn_at(j0 + 8, v), vn_at(j0 + 9, v));
-      mma16816(o, own(lo, p0), own(hi, p0), own(lo, p2), own(hi, p2), b0, b1);
+  for (int nb = 0; nb < BV / 8; ++nb) {
+    const int v = nb * 8 + gq;
+#pragma unroll
+    for (int ks = 0; ks < CH / 16; ++ks) {
+      const int j0 = ks * 16 + 2 * tq;
+      mma_row(o[nb], pa[ks], pack2(vn_at(j0, v), vn_at(j0 + 1, v)), pack2(vn_at(j0 + 8, v), vn_at(j0 + 9, v)));
     }
     if (lo || hi) {
       bf16* out = OUT + start * stride_ot + (long long)hv * stride_oh + v0 + nb * 8 + 2 * tq;
-      out[0] = f2bf(hi ? o[2] : o[0]);
-      out[1] = f2bf(hi ? o[3] : o[1]);
+      out[0] = f2bf(hi ? o[nb][2] : o[nb][0]);
+      out[1] = f2bf(hi ? o[nb][3] : o[nb][1]);
     }
   }
   if (p < CH - 1) {  // the row's x and V' to the slot; a sequence that starts here gets a zero boundary state
