@@ -269,6 +269,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) decode_values(
     pa[ks][0] = mine ? load2(P_ROW + row * CH + j0) : 0u;
     pa[ks][1] = mine ? load2(P_ROW + row * CH + j0 + 8) : 0u;
   }
+  // V' = dt(dt(U) - W S) (`delta_rows`), then `pick`'s sum with the tile's zeros (exact, but -0 becomes +0)
+  auto delta = [](float u, float ws) { return f2bf(__fadd_rn(bf2f(f2bf(__fsub_rn(bf2f(f2bf(u)), ws))), 0.f)); };
   // the fragment (a0, a1, a2, a3) of a row-`place` A from its two registers (columns 2t.., 2t+8..)
   auto mma_row = [&](float* c, const unsigned* a, unsigned b0, unsigned b1) {
     mma16816(c, lo ? a[0] : 0u, hi ? a[0] : 0u, lo ? a[1] : 0u, hi ? a[1] : 0u, b0, b1);
@@ -304,8 +306,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) decode_values(
     }
     if (lo || hi) {  // the row's outputs: c0, c1 (row gq) or c2, c3 (row gq + 8)
       const int c = nb * 8 + 2 * tq;
-      vn_smem[c] = f2bf(__fsub_rn(bf2f(f2bf(hi ? u[2] : u[0])), hi ? ws[2] : ws[0]));
-      vn_smem[c + 1] = f2bf(__fsub_rn(bf2f(f2bf(hi ? u[3] : u[1])), hi ? ws[3] : ws[1]));
+      vn_smem[c] = delta(hi ? u[2] : u[0], hi ? ws[2] : ws[0]);
+      vn_smem[c + 1] = delta(hi ? u[3] : u[1], hi ? ws[3] : ws[1]);
     }
   }
   __syncwarp();
