@@ -169,7 +169,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) decode_weights(
     float acc = 0.f;
     for (int j = 0; j < CH; ++j)
       acc = __fmaf_rn(-sr[j], j < first ? ct[((long long)j * HV + hv) * CH + c] : 0.f, acc);
-    const float t = c < first ? acc : (c < first + ROWS ? sl[c - first] : 0.f);
+    // the row as `pick` takes it from the tile (a sum with zeros: exact, -0 becomes +0)
+    const float t = __fadd_rn(c < first ? acc : (c < first + ROWS ? sl[c - first] : 0.f), 0.f);
     st[c] = t;
     T_ROW[row * CH + c] = t;
   }
