@@ -49,6 +49,7 @@ __device__ __forceinline__ void gate_cumsum(const float* g, float* G, int lane) 
   __syncwarp();
   for (int i = lane; i < CH; i += 32) {
     float acc = 0.f;
+#pragma unroll 16
     for (int j = 0; j < CH; ++j) acc = __fmaf_rn(j <= i ? 1.f : 0.f, g[j], acc);
     G[i] = acc;
   }
@@ -151,8 +152,10 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) decode_weights(
   if (lane < ROWS) {
     const int i = lane;
     float acc = i == place ? 1.f : 0.f;
-    for (int j = 0; j < place; ++j)
-      acc = __fmaf_rn(-sa[place * (CH + 1) + first + j], ct[((long long)(first + j) * HV + hv) * CH + first + i], acc);
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j)  // static bound: the loads issue ahead of the chain
+      if (j < place)
+        acc = __fmaf_rn(-sa[place * (CH + 1) + first + j], ct[((long long)(first + j) * HV + hv) * CH + first + i], acc);
     sl[i] = i <= place ? acc : 0.f;
   }
   __syncwarp();
@@ -161,12 +164,14 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) decode_weights(
   //    -r T_before (FMA dot over the chunk's 64 rows, zeros from `first` on)
   for (int c = lane; c < CH; c += 32) {
     float acc = 0.f;
+#pragma unroll
     for (int i = 0; i < ROWS; ++i) acc = __fmaf_rn(sl[i], c < first ? sa[i * (CH + 1) + c] : 0.f, acc);
     sr[c] = acc;
   }
   __syncwarp();
   for (int c = lane; c < CH; c += 32) {
     float acc = 0.f;
+#pragma unroll 16  // the T rows' loads issue ahead of the chain
     for (int j = 0; j < CH; ++j)
       acc = __fmaf_rn(-sr[j], j < first ? ct[((long long)j * HV + hv) * CH + c] : 0.f, acc);
     // the row as `pick` takes it from the tile (a sum with zeros: exact, -0 becomes +0)
