@@ -343,7 +343,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) decode_values(
     }
     return;
   }
-  // the chunk completes (p = CH - 1, the state read from `read` >= 0): S'^T = exp(G_last) S^T + V'^T y, y_j =
+  // the chunk completes (p = CH - 1): S'^T = exp(G_last) S^T + V'^T y, y_j =
   // dt(k_j exp(G_last - G_j)), by 16 x 8 output blocks over the tile's 64 value rows and 128 key columns
   const int hk = hv / RATIO;
   float *sg = s_g[wid], *sG = s_G[wid];
@@ -364,8 +364,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) decode_values(
 #pragma unroll 1
     for (int nb = 0; nb < DK / 8; ++nb) {
       const int c = nb * 8 + 2 * tq, d = nb * 8 + gq;  // accumulator columns; B's column
-      float acc[4] = {__fmul_rn(s_rd[(long long)r0 * DK + c], e_last), __fmul_rn(s_rd[(long long)r0 * DK + c + 1], e_last),
-                      __fmul_rn(s_rd[(long long)r1 * DK + c], e_last), __fmul_rn(s_rd[(long long)r1 * DK + c + 1], e_last)};
+      auto s_at = [&](int r, int k) { return read >= 0 ? s_rd[(long long)r * DK + k] : 0.f; };  // `state_tile`
+      float acc[4] = {__fmul_rn(s_at(r0, c), e_last), __fmul_rn(s_at(r0, c + 1), e_last), __fmul_rn(s_at(r1, c), e_last),
+                      __fmul_rn(s_at(r1, c + 1), e_last)};
 #pragma unroll
       for (int k0 = 0; k0 < CH; k0 += 16) {
         const int j0 = k0 + 2 * tq;
