@@ -19,6 +19,9 @@ typedef unsigned short bf16;
 
 __device__ __forceinline__ float bf2f(bf16 x) { return __uint_as_float(((unsigned)x) << 16); }
 
+// The three instructions (GPU); tests/kernels/gated_delta/simt_host.h stands in for them where the file
+// is compiled for the CPU (an emulation that checks the indexing and the algorithm, not the bits).
+#ifdef __CUDA_ARCH__
 __device__ __forceinline__ bf16 f2bf(float x) {
   bf16 r;
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
@@ -31,10 +34,6 @@ __device__ __forceinline__ float texp(float x) {  // Triton's tl.exp
   return y;
 }
 
-__device__ __forceinline__ unsigned pack2(bf16 lo, bf16 hi) { return (unsigned)lo | ((unsigned)hi << 16); }
-
-__device__ __forceinline__ unsigned load2(const bf16* p) { return *reinterpret_cast<const unsigned*>(p); }
-
 __device__ __forceinline__ void mma16816(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
                                          unsigned b1) {
   asm volatile(
@@ -42,6 +41,12 @@ __device__ __forceinline__ void mma16816(float* c, unsigned a0, unsigned a1, uns
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+#endif
+
+__device__ __forceinline__ unsigned pack2(bf16 lo, bf16 hi) { return (unsigned)lo | ((unsigned)hi << 16); }
+
+__device__ __forceinline__ unsigned load2(const bf16* p) { return *reinterpret_cast<const unsigned*>(p); }
+
 
 // G [CH] = the chunk's gates summed in order, by `gate_cumsum`'s FMA dot (row i: fmaf(j <= i, g_j, acc) over
 // j = 0 .. CH - 1, zero terms kept); the warp's lanes each take two rows. Syncs the warp before and after.

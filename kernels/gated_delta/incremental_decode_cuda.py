@@ -52,8 +52,8 @@ def _int64_rows(*tensors: torch.Tensor) -> None:
             raise ValueError(f"the per-sequence rows must be contiguous int64 tensors, got {t.dtype} {t.stride()}")
 
 
-def decode_weights(q_hat, k_hat, g, beta, cache, start, held, slots, rows) -> None:
-    """`_decode_weights_kernel`'s work: rows = (t_row, w_row, p_row, qg_row) scratch rows [N, HV, ...];
+def weights_args(q_hat, k_hat, g, beta, cache, start, held, slots, rows) -> tuple[int, list]:
+    """(grid, arguments) of `decode_weights`: rows = (t_row, w_row, p_row, qg_row) scratch rows [N, HV, ...];
     start, held, slots int64 [N] (slots -1: a padded request, skipped)."""
     n_seqs, hk, hv = start.shape[0], q_hat.shape[1], g.shape[1]
     _int64_rows(start, held, slots)
@@ -62,14 +62,12 @@ def decode_weights(q_hat, k_hat, g, beta, cache, start, held, slots, rows) -> No
                                  beta.stride(0), n_seqs * hv))  # fmt: skip
     args = [q_hat, k_hat, g, beta, cache.k, cache.g, cache.beta, cache.t, *slot_strides, start, held, slots, *rows,
             n_seqs, *strides[:6], hk, hv, hv // hk]  # fmt: skip
-    grid = (-(-n_seqs * hv // WARPS), 1, 1)
-    _kernel("decode_weights", q_hat.device.index)(grid=grid, block=(32 * WARPS, 1, 1), args=args)
+    return -(-strides[6] // WARPS), args
 
 
-def decode_values(k_hat, g, x, out, cache, start, held, slots, read, rows) -> None:
-    """`_decode_kernel`'s work: U, V' and o from `decode_weights`' rows; the row's x and V' to the slot (zeros
-    to the state of a sequence that starts here), or the state update of a completed chunk. k_hat, g, x:
-    the prepared rows ([T, HK, DK], [T, HV] fp32, dt(beta v) [T, HV, DV]); out [T, HV, DV]."""
+def values_args(k_hat, g, x, out, cache, start, held, slots, read, rows) -> tuple[int, list]:
+    """(grid, arguments) of `decode_values`: k_hat, g, x the prepared rows ([T, HK, DK], [T, HV] fp32,
+    dt(beta v) [T, HV, DV]); out [T, HV, DV]; read int64 [N] (-1: a zero state)."""
     n_seqs, hk, hv, d_v = start.shape[0], k_hat.shape[1], x.shape[1], x.shape[2]
     _int64_rows(start, held, slots, read)
     slot_strides = _int32("slot strides", (t.stride(0) for t in (cache.state, cache.x, cache.vnew, cache.k, cache.g)))
@@ -77,5 +75,19 @@ def decode_values(k_hat, g, x, out, cache, start, held, slots, read, rows) -> No
                                  out.stride(1), n_seqs * hv * d_v // BV))  # fmt: skip
     args = [x, k_hat, g, out, cache.state, cache.x, cache.vnew, cache.k, cache.g, *slot_strides, start, held, slots,
             read, *rows, n_seqs, *strides[:7], hk, hv, d_v, hv // hk]  # fmt: skip
-    grid = (-(-strides[7] // WARPS), 1, 1)
-    _kernel("decode_values", x.device.index)(grid=grid, block=(32 * WARPS, 1, 1), args=args)
+    return -(-strides[7] // WARPS), args
+
+
+def _launch(name: str, grid: int, args: list, device: torch.device) -> None:
+    _kernel(name, device.index)(grid=(grid, 1, 1), block=(32 * WARPS, 1, 1), args=args)
+
+
+def decode_weights(q_hat, k_hat, g, beta, cache, start, held, slots, rows) -> None:
+    """`_decode_weights_kernel`'s work (`weights_args`)."""
+    _launch("decode_weights", *weights_args(q_hat, k_hat, g, beta, cache, start, held, slots, rows), q_hat.device)
+
+
+def decode_values(k_hat, g, x, out, cache, start, held, slots, read, rows) -> None:
+    """`_decode_kernel`'s work: U, V' and o from `decode_weights`' rows; the row's x and V' to the slot (zeros
+    to the state of a sequence that starts here), or the state update of a completed chunk (`values_args`)."""
+    _launch("decode_values", *values_args(k_hat, g, x, out, cache, start, held, slots, read, rows), x.device)

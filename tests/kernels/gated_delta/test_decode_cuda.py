@@ -1,9 +1,14 @@
 """The decode step's CUDA kernels (`incremental_decode_cuda.py`) against the Triton kernels they replace:
 `decode_weights` against `_decode_weights_kernel` (every scratch row and slot row it writes), then the whole
 step (`decode_forward` with and without them: every output row and cache tensor), bit for bit, at random
-chunk positions, head counts, states and slot contents, padded requests and fresh sequences included. Needs
-CUDA; the decode == prefill contract through them is `test_incremental_triton.py`'s CUDA tests."""
+chunk positions, head counts, states and slot contents, padded requests and fresh sequences included (CUDA;
+the decode == prefill contract through them is `test_incremental_triton.py`'s CUDA tests). On the CPU the
+same kernels run compiled by g++ with warps emulated (simt_host.h: close to the GPU's values, not its bits)
+against the interpreted Triton step: the indexing, the MMA fragments and the algorithm."""
 
+import ctypes
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -121,3 +126,81 @@ def test_cuda_decode_step_matches_the_triton_step(hk, hv, n, seed, monkeypatch):
         if not torch.equal(x, y):
             diffs.append(_first_difference(f"cache.{m}", x, y, held))
     assert not diffs, "; ".join(diffs)
+
+
+@pytest.fixture(scope="module")
+def host_kernels(tmp_path_factory):
+    """incremental_decode.cu compiled for the CPU (simt_harness.cpp, g++): its kernels as ctypes functions."""
+    gxx = shutil.which("g++")
+    assert gxx, "g++ compiles the CUDA kernels for their CPU emulation (Debian: apt install g++)"
+    here, lib = Path(__file__).parent, tmp_path_factory.mktemp("simt") / "decode.so"
+    cmd = [gxx, "-O1", "-std=c++20", "-pthread", "-ffp-contract=off", "-fPIC", "-shared", f"-I{here}",
+           f'-DKERNEL_SOURCE="{cuda_weights.SOURCE}"', "-o", str(lib), str(here / "simt_harness.cpp")]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return ctypes.CDLL(str(lib))
+
+
+def _assert_near(what, got, want, tol=1e-3):
+    """Every element within tol of the tensor's largest magnitude (the sums' orders apart; a wrong element,
+    fragment or row is off by the order of the values themselves)."""
+    got, want = got.float(), want.float()
+    scale = want.abs().max().item()
+    err = (got - want).abs().max().item()
+    assert err <= tol * scale, f"{what}: largest difference {err:.3g} against largest value {scale:.3g}"
+
+
+def _host_call(fn, grid, args):
+    c_args = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a) for a in args]
+    fn(ctypes.c_int(grid), *c_args)
+
+
+@pytest.mark.parametrize("hk,hv,seed", [(2, 2, 9), (2, 4, 10)])
+def test_host_emulation_of_the_cuda_step_is_close_to_the_interpreted_step(host_kernels, interpreted_modules, hk, hv,
+                                                                           seed):  # fmt: skip
+    """Both CUDA kernels (g++, warps emulated) against the interpreted Triton step on the CPU, at Qwen3.5's
+    head width (d_k = d_v = 128, chunks of 64): rows in the first and a later row tile, the completing row
+    (state update), a fresh sequence (zero state) and a padded request, then random positions with two
+    key heads (one and two v heads a key head); outputs and every cache tensor
+    within the sums' orders (both round to bf16 toward zero here; exp2f against NumPy's exp)."""
+    package = "vexact_vllm.kernels.gated_delta."
+    dec = interpreted_modules(tuple(package + m for m in ("incremental_decode_triton", "incremental_tiles_triton",
+                                                           "incremental_chunk_triton")))[0]  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    n_rows = 7
+    cache = layout.IncrementalCache.empty(6, hk, hv, D, D, torch.bfloat16, "cpu")
+    cache.k.copy_(F.normalize(torch.randn(cache.k.shape, generator=gen), dim=-1).bfloat16())
+    cache.g.copy_(-torch.rand(cache.g.shape, generator=gen) * 0.1)
+    cache.beta.copy_(torch.rand(cache.beta.shape, generator=gen).bfloat16().float())
+    cache.t.copy_(torch.randn(cache.t.shape, generator=gen) * 0.2)
+    cache.state.copy_(torch.randn(cache.state.shape, generator=gen) * 0.3)
+    cache.x.copy_((torch.randn(cache.x.shape, generator=gen) * 0.5).bfloat16())
+    cache.vnew.copy_((torch.randn(cache.vnew.shape, generator=gen) * 0.5).bfloat16())
+    q, k = (torch.randn(n_rows, hk, D, generator=gen).bfloat16() for _ in range(2))
+    v = torch.randn(n_rows, hv, D, generator=gen).bfloat16()
+    a, b = (torch.randn(n_rows, hv, generator=gen).bfloat16() for _ in range(2))
+    A_log = torch.log(torch.rand(hv, generator=gen) * 1.99 + 0.01)
+    dt_bias = torch.randn(hv, generator=gen) * 0.5
+    start = torch.tensor([4, 0, 6, 2, 1])
+    held = torch.tensor([5, 37, layout.CHUNK - 1, 0, 9]) if seed == 9 else torch.randint(1, layout.CHUNK, (5,), generator=gen)
+    held[2], held[3] = layout.CHUNK - 1, 0  # a completing row; a fresh sequence
+    slots = torch.tensor([3, 0, 5, 1, -1])
+    read = torch.tensor([3, 0, 5, -1, -1])
+    want_cache = layout.IncrementalCache(*(t.clone() for t in cache.tensors()))
+    want = torch.zeros(n_rows, hv, D, dtype=torch.bfloat16)
+    dec.decode_forward(q, k, v, a, b, A_log, dt_bias, want, want_cache, start, held, slots, read)
+
+    q_hat, k_hat, x, g, beta = dec.prepared_rows(q, k, v, a, b, A_log, dt_bias, start, slots)
+    got_cache = layout.IncrementalCache(*(t.clone() for t in cache.tensors()))
+    got = torch.zeros(n_rows, hv, D, dtype=torch.bfloat16)
+    n = start.shape[0]
+    rows = (torch.zeros(n, hv, layout.CHUNK), torch.zeros(n, hv, D, dtype=torch.bfloat16),
+            torch.zeros(n, hv, layout.CHUNK, dtype=torch.bfloat16), torch.zeros(n, hv, D, dtype=torch.bfloat16))  # fmt: skip
+    _host_call(host_kernels.run_decode_weights,
+               *cuda_weights.weights_args(q_hat, k_hat, g, beta, got_cache, start, held, slots, rows))  # fmt: skip
+    _host_call(host_kernels.run_decode_values,
+               *cuda_weights.values_args(k_hat, g, x, got, got_cache, start, held, slots, read, rows))  # fmt: skip
+    live = slots >= 0
+    _assert_near("out", got[start[live]], want[start[live]])
+    for m in ("state", "k", "x", "g", "beta", "t", "vnew"):
+        _assert_near(f"cache.{m}", getattr(got_cache, m), getattr(want_cache, m))
+    assert not torch.equal(got_cache.state, cache.state)  # the completing row updated its slot's state
