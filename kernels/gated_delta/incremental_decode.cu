@@ -186,6 +186,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) decode_weights(
   }
   __syncwarp();
 
+  for (int j = lane; j < CH; j += 32) sg[j] = __fmul_rn(sbeta[j], texp(sG[j]));  // y's row scales (the gates'
+  __syncwarp();                                                                  // slots are free now)
   // 6. W = dt(dt(T_row) y), y = dt(k_j beta_j exp(G_j)) (`solved_product` of `decayed_keys`); the row in
   //    row `place` of the A tile
   const bool w_lo = gq == place, w_hi = gq + 8 == place;
@@ -202,8 +204,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) decode_weights(
       #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int j = js[e];
-        const float scale = __fmul_rn(sbeta[j], texp(sG[j]));
-        y[e] = j <= p ? f2bf(__fmul_rn(bf2f(key_row(j)[d]), scale)) : f2bf(__fmul_rn(0.f, scale));
+        y[e] = j <= p ? f2bf(__fmul_rn(bf2f(key_row(j)[d]), sg[j])) : f2bf(__fmul_rn(0.f, sg[j]));
       }
       mma16816(w, w_lo ? t0 : 0u, w_hi ? t0 : 0u, w_lo ? t2 : 0u, w_hi ? t2 : 0u, pack2(y[0], y[1]), pack2(y[2], y[3]));
     }
