@@ -231,17 +231,16 @@ def decode_forward(q, k, v, a, b, A_log, dt_bias, out, cache, start, held, slots
     t_row = torch.empty(n_seqs, hv, chunk, dtype=torch.float32, device=device)
     p_row = torch.empty(n_seqs, hv, chunk, dtype=dt, device=device)
     w_row, qg_row = (torch.empty(n_seqs, hv, d_k, dtype=dt, device=device) for _ in range(2))
-    _, _, block_v = tiles.block_sizes(d_k, d_v)
-    shape = _shape(d_k, dt)
     rows = (t_row, w_row, p_row, qg_row)
     if incremental_decode_cuda.supported(q_hat, d_v):  # the same step in CUDA (incremental_decode_cuda.py)
         incremental_decode_cuda.decode_weights(q_hat, k_hat, g, beta, cache, start, held, slots, rows)
         incremental_decode_cuda.decode_values(k_hat, g, x, out, cache, start, held, slots, read, rows)
         return
     decode_weights_triton(q_hat, k_hat, g, beta, cache, start, held, slots, rows)
+    _, _, block_v = tiles.block_sizes(d_k, d_v)
     _decode_kernel[(triton.cdiv(d_v, block_v), n_seqs * hv)](
         k_hat, g, x, out, cache.state, cache.k, cache.x, cache.g, cache.vnew,
         *(t.stride(0) for t in (cache.state, cache.k, cache.x, cache.g, cache.vnew)), start, held, slots, read, *rows,
         n_seqs, k_hat.stride(0), k_hat.stride(1), g.stride(0), x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-        hk, hv, hv // hk, DV=d_v, BLOCK_V=block_v, **shape,
+        hk, hv, hv // hk, DV=d_v, BLOCK_V=block_v, **_shape(d_k, dt),
     )  # fmt: skip
