@@ -1,6 +1,7 @@
 // Design C's decode step (incremental_decode_triton.py) written out for warps: `decode_weights` (its
-// `_decode_weights_kernel`, one warp a (sequence, v head)) and `decode_values` (its `_decode_kernel`, one warp
-// a (sequence, v head, v tile of 64)); bf16 inputs, d_k = 128, chunks of 64, row tiles of 16.
+// `_decode_weights_kernel`, a block of one warp a (sequence, v head)) and `decode_values` (its
+// `_decode_kernel`, a block a (sequence, v head, v tile of 64), a warp 16 of its columns); bf16 inputs,
+// d_k = 128, chunks of 64, row tiles of 16.
 // Every value is computed by the instructions the Triton chunk kernels use for it, so its bits are theirs:
 //  - a product of bf16 tiles (tl.dot): mma.sync m16n8k16 (bf16 in, fp32 accumulate), K in steps of 16 in
 //    order from a zero accumulator; an element depends only on its row of A and column of B, so the row
@@ -47,6 +48,13 @@ __device__ __forceinline__ unsigned pack2(bf16 lo, bf16 hi) { return (unsigned)l
 
 __device__ __forceinline__ unsigned load2(const bf16* p) { return *reinterpret_cast<const unsigned*>(p); }
 
+// 8 consecutive bf16 (16 bytes) from p: one 16-byte load where VEC (the launcher checked the alignment), else
+// four 4-byte ones
+__device__ __forceinline__ uint4 load8(const bf16* p, int vec) {
+  if (vec) return *reinterpret_cast<const uint4*>(p);
+  return make_uint4(load2(p), load2(p + 2), load2(p + 4), load2(p + 6));
+}
+
 
 // G [CH] = the chunk's gates summed in order, by `gate_cumsum`'s FMA dot (row i: fmaf(j <= i, g_j, acc) over
 // j = 0 .. CH - 1, zero terms kept); the warp's lanes each take two rows. Syncs the warp before and after.
@@ -61,20 +69,24 @@ __device__ __forceinline__ void gate_cumsum(const float* g, float* G, int lane) 
   __syncwarp();
 }
 
-// Program: warp (sequence n, v head hv). Q, K: prepared q_hat, k_hat [T, HK, DK]; A, B: prepared g, beta
-// [T, HV] fp32 (row start[n]); CK, CG, CB, CT: the cache's k, g, beta, t (slot strides SK, SG, SB, ST in
-// elements, int: the launcher checks they fit); T_ROW [N, HV, CH] fp32, W_ROW, QG_ROW [N, HV, DK] and P_ROW [N, HV, CH] in bf16: the scratch rows
-// `_decode_kernel` reads. Strides in elements.
-extern "C" __global__ void __launch_bounds__(32 * WARPS) decode_weights(
+#define KP (DK + 8)  // a staged key row, padded: fragment reads free of bank conflicts
+
+// Program: block of one warp (sequence n, v head hv). Q, K: prepared q_hat, k_hat [T, HK, DK]; A, B: prepared
+// g, beta [T, HV] fp32 (row start[n]); CK, CG, CB, CT: the cache's k, g, beta, t (slot strides SK, SG, SB, ST
+// in elements, int: the launcher checks they fit); T_ROW [N, HV, CH] fp32, W_ROW, QG_ROW [N, HV, DK] and
+// P_ROW [N, HV, CH] in bf16: the scratch rows `_decode_kernel` reads. Strides in elements; VEC_K: CK's and
+// K's rows are 16-byte aligned.
+extern "C" __global__ void __launch_bounds__(32) decode_weights(
     const bf16* Q, const bf16* K, const float* A, const float* B, bf16* CK, float* CG, float* CB, float* CT,
     int SK, int SG, int SB, int ST, const long long* START, const long long* HELD,
     const long long* SLOT, float* T_ROW, bf16* W_ROW, bf16* P_ROW, bf16* QG_ROW, int n_seqs, int stride_qt,
-    int stride_qh, int stride_kt, int stride_kh, int stride_at, int stride_bt, int HK, int HV, int RATIO) {
-  __shared__ float s_a[WARPS][ROWS][CH + 1];  // the tile's rows of A against the chunk
-  __shared__ float s_g[WARPS][CH], s_G[WARPS][CH], s_beta[WARPS][CH], s_r[WARPS][CH], s_t[WARPS][CH];
-  __shared__ float s_l[WARPS][ROWS];
-  const int wid = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
-  const long long prog = (long long)blockIdx.x * WARPS + wid;
+    int stride_qh, int stride_kt, int stride_kh, int stride_at, int stride_bt, int HK, int HV, int RATIO,
+    int VEC_K) {
+  __shared__ __align__(16) bf16 s_k[CH][KP];  // the chunk's keys: the slot's rows, the row's own, zeros
+  __shared__ float s_a[ROWS][CH + 1];         // the tile's rows of A against the chunk
+  __shared__ float sg[CH], sG[CH], sbeta[CH], sr[CH], st[CH], sl[ROWS];
+  const int lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
+  const long long prog = blockIdx.x;
   if (prog >= (long long)n_seqs * HV) return;
   const int n = (int)(prog / HV), hv = (int)(prog % HV), hk = hv / RATIO;
   const long long slot = SLOT[n];
@@ -88,8 +100,17 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) decode_weights(
   const bf16* k_own = K + start * stride_kt + (long long)hk * stride_kh;
   const bf16* q_own = Q + start * stride_qt + (long long)hk * stride_qh;
   const float g_p = A[start * stride_at + hv], beta_p = B[start * stride_bt + hv];
-  float* sa = &s_a[wid][0][0];
-  float *sg = s_g[wid], *sG = s_G[wid], *sbeta = s_beta[wid], *sr = s_r[wid], *st = s_t[wid], *sl = s_l[wid];
+  float* sa = &s_a[0][0];
+
+  // 0. the chunk's keys to shared memory (the slot's rows before p, the row's own at p, zeros past it), every
+  //    load issued before the first use
+#pragma unroll
+  for (int e = lane; e < CH * DK / 8; e += 32) {
+    const int j = e / (DK / 8), c = e % (DK / 8) * 8;
+    const uint4 z = make_uint4(0u, 0u, 0u, 0u);
+    *reinterpret_cast<uint4*>(&s_k[j][c]) =
+        j < p ? load8(ck + ((long long)j * HK + hk) * DK + c, VEC_K) : (j == p ? load8(k_own + c, VEC_K) : z);
+  }
 
   // 1. the chunk's gates and betas (the slot's rows, the row's own at p, zeros past it); G by the FMA dot
   //    of `gate_cumsum` (row i: fmaf(j <= i, g_j, acc) over j = 0 .. CH - 1)
@@ -99,34 +120,26 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) decode_weights(
   }
   gate_cumsum(sg, sG, lane);
 
-  // a chunk row's key (the slot's rows before p, the row's own at p, zeros past it)
-  auto key_row = [&](int j) -> const bf16* { return j < p ? ck + ((long long)j * HK + hk) * DK : k_own; };
-
   // 2. kk = k_b k_c^T [16, CH] (the tile's keys against the chunk's) and qk = q k_c^T (the row's own, in
   //    row `place` of a 16-row tile), one pass over the chunk's keys as B fragments
   float kk[CH / 8][4], qk[CH / 8][4];
-  #pragma unroll
+#pragma unroll
   for (int nb = 0; nb < CH / 8; ++nb)
-    #pragma unroll
+#pragma unroll
     for (int e = 0; e < 4; ++e) kk[nb][e] = qk[nb][e] = 0.f;
   const int r_lo = first + gq, r_hi = first + gq + 8;  // this lane's A rows (tile rows gq and gq + 8)
-  const bool lo_live = r_lo <= p, hi_live = r_hi <= p;
   const bool q_lo = gq == place, q_hi = gq + 8 == place;
-  #pragma unroll
+#pragma unroll
   for (int k0 = 0; k0 < DK; k0 += 16) {
     const int c0 = k0 + 2 * tq;
-    unsigned a0 = lo_live ? load2(key_row(r_lo) + c0) : 0u, a2 = lo_live ? load2(key_row(r_lo) + c0 + 8) : 0u;
-    unsigned a1 = hi_live ? load2(key_row(r_hi) + c0) : 0u, a3 = hi_live ? load2(key_row(r_hi) + c0 + 8) : 0u;
-    unsigned q0 = q_lo ? load2(q_own + c0) : 0u, q2 = q_lo ? load2(q_own + c0 + 8) : 0u;
-    unsigned q1 = q_hi ? load2(q_own + c0) : 0u, q3 = q_hi ? load2(q_own + c0 + 8) : 0u;
-    #pragma unroll
+    const unsigned a0 = load2(&s_k[r_lo][c0]), a2 = load2(&s_k[r_lo][c0 + 8]);
+    const unsigned a1 = load2(&s_k[r_hi][c0]), a3 = load2(&s_k[r_hi][c0 + 8]);
+    const unsigned q0 = q_lo ? load2(q_own + c0) : 0u, q2 = q_lo ? load2(q_own + c0 + 8) : 0u;
+    const unsigned q1 = q_hi ? load2(q_own + c0) : 0u, q3 = q_hi ? load2(q_own + c0 + 8) : 0u;
+#pragma unroll
     for (int nb = 0; nb < CH / 8; ++nb) {
       const int j = nb * 8 + gq;  // B's column: chunk row j
-      unsigned b0 = 0u, b1 = 0u;
-      if (j <= p) {
-        b0 = load2(key_row(j) + c0);
-        b1 = load2(key_row(j) + c0 + 8);
-      }
+      const unsigned b0 = load2(&s_k[j][c0]), b1 = load2(&s_k[j][c0 + 8]);
       mma16816(kk[nb], a0, a1, a2, a3, b0, b1);
       mma16816(qk[nb], q0, q1, q2, q3, b0, b1);
     }
@@ -135,9 +148,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) decode_weights(
   // 3. A of the tile's rows (`a_rows`: beta_i (k_i . k_j) exp(G_i - G_j) for j < i, else 0) to shared memory;
   //    the row's P (`output_weights`: dt((q . k_j) exp(G_p - G_j)) for j <= p) straight to its scratch row
   const long long row = (long long)n * HV + hv;
-  #pragma unroll
+#pragma unroll
   for (int nb = 0; nb < CH / 8; ++nb)
-    #pragma unroll
+#pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int i = gq + (e >= 2 ? 8 : 0), c = nb * 8 + 2 * tq + (e & 1), pos = first + i;
       const bool before = c < pos;
@@ -166,7 +179,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) decode_weights(
   __syncwarp();
 
   // 5. the row's T before the tile (`tile_rows`): r = L a_off (FMA dot over the tile's 16 rows), then
-  //    -r T_before (FMA dot over the chunk's 64 rows, zeros from `first` on)
+  //    -r T_before (FMA dot over the chunk's 64 rows, zeros from `first` on; a lane's two columns together,
+  //    the T rows' loads issued ahead of the chains)
   for (int c = lane; c < CH; c += 32) {
     float acc = 0.f;
 #pragma unroll
@@ -174,15 +188,23 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) decode_weights(
     sr[c] = acc;
   }
   __syncwarp();
-  for (int c = lane; c < CH; c += 32) {
-    float acc = 0.f;
-#pragma unroll 16  // the T rows' loads issue ahead of the chain
-    for (int j = 0; j < CH; ++j)
-      acc = __fmaf_rn(-sr[j], j < first ? ct[((long long)j * HV + hv) * CH + c] : 0.f, acc);
-    // the row as `pick` takes it from the tile (a sum with zeros: exact, -0 becomes +0)
-    const float t = __fadd_rn(c < first ? acc : (c < first + ROWS ? sl[c - first] : 0.f), 0.f);
-    st[c] = t;
-    T_ROW[row * CH + c] = t;
+  {
+    float acc[2] = {0.f, 0.f};  // columns lane, lane + 32
+#pragma unroll
+    for (int j = 0; j < CH; ++j) {
+      const float* t_j = ct + ((long long)j * HV + hv) * CH + lane;
+      const float r = -sr[j];
+      acc[0] = __fmaf_rn(r, j < first ? t_j[0] : 0.f, acc[0]);
+      acc[1] = __fmaf_rn(r, j < first ? t_j[32] : 0.f, acc[1]);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int c = lane + 32 * h;
+      // the row as `pick` takes it from the tile (a sum with zeros: exact, -0 becomes +0)
+      const float t = __fadd_rn(c < first ? acc[h] : (c < first + ROWS ? sl[c - first] : 0.f), 0.f);
+      st[c] = t;
+      T_ROW[row * CH + c] = t;
+    }
   }
   __syncwarp();
 
@@ -191,21 +213,25 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) decode_weights(
   // 6. W = dt(dt(T_row) y), y = dt(k_j beta_j exp(G_j)) (`solved_product` of `decayed_keys`); the row in
   //    row `place` of the A tile
   const bool w_lo = gq == place, w_hi = gq + 8 == place;
-  #pragma unroll
+  unsigned ta[CH / 16][2];
+#pragma unroll
+  for (int ks = 0; ks < CH / 16; ++ks) {
+    const int j0 = ks * 16 + 2 * tq;
+    ta[ks][0] = pack2(f2bf(st[j0]), f2bf(st[j0 + 1]));
+    ta[ks][1] = pack2(f2bf(st[j0 + 8]), f2bf(st[j0 + 9]));
+  }
+#pragma unroll
   for (int nb = 0; nb < DK / 8; ++nb) {
     float w[4] = {0.f, 0.f, 0.f, 0.f};
     const int d = nb * 8 + gq;  // B's column: key dim d
-    #pragma unroll
-    for (int k0 = 0; k0 < CH; k0 += 16) {
-      const int j0 = k0 + 2 * tq;
-      unsigned t0 = pack2(f2bf(st[j0]), f2bf(st[j0 + 1])), t2 = pack2(f2bf(st[j0 + 8]), f2bf(st[j0 + 9]));
+#pragma unroll
+    for (int ks = 0; ks < CH / 16; ++ks) {
+      const int j0 = ks * 16 + 2 * tq;
       bf16 y[4];
       const int js[4] = {j0, j0 + 1, j0 + 8, j0 + 9};
-      #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int j = js[e];
-        y[e] = j <= p ? f2bf(__fmul_rn(bf2f(key_row(j)[d]), sg[j])) : f2bf(__fmul_rn(0.f, sg[j]));
-      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) y[e] = f2bf(__fmul_rn(bf2f(s_k[js[e]][d]), sg[js[e]]));  // zero keys past p
+      const unsigned t0 = ta[ks][0], t2 = ta[ks][1];
       mma16816(w, w_lo ? t0 : 0u, w_hi ? t0 : 0u, w_lo ? t2 : 0u, w_hi ? t2 : 0u, pack2(y[0], y[1]), pack2(y[2], y[3]));
     }
     if (w_lo || w_hi) {
@@ -229,53 +255,76 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) decode_weights(
   }
 }
 
-#define BV 64
+#define BV 64  // value columns a decode_values block
+#define WV 16  // value columns a warp of it
 
-// Program: warp (sequence n, v head hv, v tile iv). V: prepared x = dt(beta v) [T, HV, DV]; K, A: prepared
-// k_hat [T, HK, DK] and g [T, HV] (the completing row's); OUT [T, HV, DV]; STATE, CX, CVN, CK, CG: the cache's
-// state, x, vnew, k and g (slot strides in elements); READ [N]: the slot whose state the row reads (-1: zeros,
-// and the slot's state is zeroed: a sequence that starts here); the scratch rows of `decode_weights`.
+// Program: block (sequence n, v head hv, v tile iv of BV columns), each warp WV of them. V: prepared x =
+// dt(beta v) [T, HV, DV]; K, A: prepared k_hat [T, HK, DK] and g [T, HV] (the completing row's); OUT [T, HV,
+// DV]; STATE, CX, CVN, CK, CG: the cache's state, x, vnew, k and g (slot strides in elements); READ [N]: the
+// slot whose state the row reads (-1: zeros, and the slot's state is zeroed: a sequence that starts here);
+// the scratch rows of `decode_weights`.
 // U = dt(dt(T_row) x), V' = dt(U - W dt(S)), o = dt(q exp(G)) dt(S) + P V' (`_decode_kernel`); a row that
 // completes its chunk then updates the state (`state_after`: exp(G_last) S + V'^T dt(exp(G_last - G_j) k_j),
 // a product the chunk kernels run as a 64-row wgmma, whose elements have mma.sync's bits on the H200), any
-// other row goes to the slot.
+// other row goes to the slot. A warp issues every load of its state rows, x and V' rows before its first
+// product (the step is a read of the state: the loads in flight at once set its speed).
 extern "C" __global__ void __launch_bounds__(32 * WARPS) decode_values(
     const bf16* V, const bf16* K, const float* A, bf16* OUT, float* STATE, bf16* CX, bf16* CVN, const bf16* CK,
     const float* CG, int S_STATE, int SX, int SVN, int SK, int SG, const long long* START, const long long* HELD,
     const long long* SLOT, const long long* READ, const float* T_ROW, const bf16* W_ROW, const bf16* P_ROW,
     const bf16* QG_ROW, int n_seqs, int stride_vt, int stride_vh, int stride_kt, int stride_kh, int stride_at,
-    int stride_ot, int stride_oh, int HK, int HV, int DV, int RATIO) {
-  __shared__ bf16 s_vn[WARPS][BV];
-  __shared__ float s_g[WARPS][CH], s_G[WARPS][CH];
+    int stride_ot, int stride_oh, int HK, int HV, int DV, int RATIO, int VEC_K) {
+  __shared__ bf16 s_vn[WARPS][WV];
+  __shared__ float s_g[CH], s_G[CH];
+  __shared__ unsigned s_y[DK][CH / 2 + 4];  // y^T in bf16 pairs (rows j, j + 1), padded: no bank conflicts
   const int wid = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
   const int tiles = DV / BV;
-  const long long prog = (long long)blockIdx.x * WARPS + wid;
+  const long long prog = blockIdx.x;
   if (prog >= (long long)n_seqs * HV * tiles) return;
   const int iv = (int)(prog % tiles), hv = (int)(prog / tiles % HV), n = (int)(prog / tiles / HV);
   const long long slot = SLOT[n];
-  if (slot < 0) return;  // a padded request
+  if (slot < 0) return;  // a padded request (the whole block)
   const int p = (int)HELD[n], place = p & (ROWS - 1);
   const long long start = START[n], read = READ[n], row = (long long)n * HV + hv;
-  const int v0 = iv * BV;
+  const int v0 = iv * BV + wid * WV;
   const bf16* x_own = V + start * stride_vt + (long long)hv * stride_vh + v0;
-  const bf16* cx = CX + slot * SX + (long long)hv * DV + v0;      // + j * HV * DV: row j
+  const bf16* cx = CX + slot * SX + (long long)hv * DV + v0;  // + j * HV * DV: row j
   const bf16* cvn = CVN + slot * SVN + (long long)hv * DV + v0;
   const float* s_rd = STATE + read * S_STATE + ((long long)hv * DV + v0) * DK;  // + v * DK + k (read >= 0)
   bf16* vn_smem = s_vn[wid];
-  // chunk row j's x and V' at value column v of the tile: the slot's rows before p, the row's own at p, 0 past it
-  auto x_at = [&](int j, int v) -> bf16 { return j < p ? cx[(long long)j * HV * DV + v] : (j == p ? x_own[v] : 0); };
-  auto vn_at = [&](int j, int v) -> bf16 { return j < p ? cvn[(long long)j * HV * DV + v] : (j == p ? vn_smem[v] : 0); };
-  const bool lo = gq == place, hi = gq + 8 == place;  // lanes holding the row in A (rows gq, gq + 8)
+  const bool lo = gq == place, hi = gq + 8 == place, mine = lo || hi;  // lanes holding the row in A
 
-  // The row's A fragments (row `place` of a 16-row tile: lanes gq == place % 8; zeros elsewhere): its T row
-  // rounded to dt and P over the chunk's rows (4 steps of 16) once; W and dt(q exp(G)) over the key dim (8)
-  // are read at each use (L1 hits; held, they would crowd out the accumulators).
+  // 0. the loads. The state's rows v = nb * 8 + gq at columns ks * 16 + 2 tq (+ 1, + 8, + 9): B fragments
+  //    of dt(S)^T, and (rows gq, gq + 8 at columns nb' * 8 + 2 tq) the accumulator layout of the update.
+  float2 s[2][DK / 16][2];
+#pragma unroll
+  for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+    for (int ks = 0; ks < DK / 16; ++ks) {
+      const float* at = s_rd + (long long)(nb * 8 + gq) * DK + ks * 16 + 2 * tq;
+      s[nb][ks][0] = read >= 0 ? *reinterpret_cast<const float2*>(at) : make_float2(0.f, 0.f);
+      s[nb][ks][1] = read >= 0 ? *reinterpret_cast<const float2*>(at + 8) : make_float2(0.f, 0.f);
+    }
+  // chunk rows j0, j0 + 1, j0 + 8, j0 + 9 (j0 = ks * 16 + 2 tq) of x and V' at column v = nb * 8 + gq: the
+  // slot's rows before p, the row's own x at p (its V' comes in step 2), zeros past it
+  bf16 xr[2][CH / 16][4], vr[2][CH / 16][4];
+#pragma unroll
+  for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+    for (int ks = 0; ks < CH / 16; ++ks)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int j = ks * 16 + 2 * tq + (e & 1) + (e >= 2 ? 8 : 0), v = nb * 8 + gq;
+        xr[nb][ks][e] = j < p ? cx[(long long)j * HV * DV + v] : (j == p ? x_own[v] : (bf16)0);
+        vr[nb][ks][e] = j < p ? cvn[(long long)j * HV * DV + v] : (bf16)0;
+      }
+  // the row's A fragments (row `place` of a 16-row tile, lanes gq == place % 8; zeros elsewhere): its T row
+  // rounded to dt and P over the chunk's rows (4 steps of 16)
   unsigned ta[CH / 16][2], pa[CH / 16][2];
 #pragma unroll
   for (int ks = 0; ks < CH / 16; ++ks) {
     const int j0 = ks * 16 + 2 * tq;
     const float* tr = T_ROW + row * CH + j0;
-    const bool mine = lo || hi;
     ta[ks][0] = mine ? pack2(f2bf(tr[0]), f2bf(tr[1])) : 0u;
     ta[ks][1] = mine ? pack2(f2bf(tr[8]), f2bf(tr[9])) : 0u;
     pa[ks][0] = mine ? load2(P_ROW + row * CH + j0) : 0u;
@@ -287,104 +336,119 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) decode_values(
   auto mma_row = [&](float* c, const unsigned* a, unsigned b0, unsigned b1) {
     mma16816(c, lo ? a[0] : 0u, hi ? a[0] : 0u, lo ? a[1] : 0u, hi ? a[1] : 0u, b0, b1);
   };
-  // 1. per 8 value columns: U = dt(T_row) x, W dt(S)^T and dt(q exp(G)) dt(S)^T (one pass over the state's
-  //    rows), the row's V' = dt(U - W S) (`delta_rows`: U rounded to dt first) to shared memory
-  float o[BV / 8][4];
+
+  // 1. U = dt(T_row) x; W dt(S)^T and dt(q exp(G)) dt(S)^T over the key dim (W and q's A fragments read once a
+  //    step of 16); the row's V' = dt(U - W S) (`delta_rows`: U rounded to dt first) to shared memory
+  float u[2][4], ws[2][4], o[2][4];
 #pragma unroll
-  for (int nb = 0; nb < BV / 8; ++nb) {
-    const int v = nb * 8 + gq;  // B's column: value dim v0 + v
-    float u[4] = {0.f, 0.f, 0.f, 0.f}, ws[4] = {0.f, 0.f, 0.f, 0.f};
-    o[nb][0] = o[nb][1] = o[nb][2] = o[nb][3] = 0.f;
+  for (int nb = 0; nb < 2; ++nb)
 #pragma unroll
-    for (int ks = 0; ks < CH / 16; ++ks) {
-      const int j0 = ks * 16 + 2 * tq;
-      mma_row(u, ta[ks], pack2(x_at(j0, v), x_at(j0 + 1, v)), pack2(x_at(j0 + 8, v), x_at(j0 + 9, v)));
-    }
+    for (int e = 0; e < 4; ++e) u[nb][e] = ws[nb][e] = o[nb][e] = 0.f;
 #pragma unroll
-    for (int ks = 0; ks < DK / 16; ++ks) {
-      const int c0 = ks * 16 + 2 * tq;
-      unsigned b0 = pack2(f2bf(0.f), f2bf(0.f)), b1 = b0;
-      if (read >= 0) {
-        const float2 s01 = *reinterpret_cast<const float2*>(s_rd + (long long)v * DK + c0);
-        const float2 s89 = *reinterpret_cast<const float2*>(s_rd + (long long)v * DK + c0 + 8);
-        b0 = pack2(f2bf(s01.x), f2bf(s01.y));
-        b1 = pack2(f2bf(s89.x), f2bf(s89.y));
-      }
-      const bool mine = lo || hi;
-      const unsigned wa[2] = {mine ? load2(W_ROW + row * DK + c0) : 0u, mine ? load2(W_ROW + row * DK + c0 + 8) : 0u};
-      const unsigned qa[2] = {mine ? load2(QG_ROW + row * DK + c0) : 0u, mine ? load2(QG_ROW + row * DK + c0 + 8) : 0u};
-      mma_row(ws, wa, b0, b1);
+  for (int ks = 0; ks < CH / 16; ++ks)
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb)
+      mma_row(u[nb], ta[ks], pack2(xr[nb][ks][0], xr[nb][ks][1]), pack2(xr[nb][ks][2], xr[nb][ks][3]));
+#pragma unroll
+  for (int ks = 0; ks < DK / 16; ++ks) {
+    const int c0 = ks * 16 + 2 * tq;
+    const unsigned wa[2] = {mine ? load2(W_ROW + row * DK + c0) : 0u, mine ? load2(W_ROW + row * DK + c0 + 8) : 0u};
+    const unsigned qa[2] = {mine ? load2(QG_ROW + row * DK + c0) : 0u, mine ? load2(QG_ROW + row * DK + c0 + 8) : 0u};
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb) {
+      const unsigned b0 = pack2(f2bf(s[nb][ks][0].x), f2bf(s[nb][ks][0].y));
+      const unsigned b1 = pack2(f2bf(s[nb][ks][1].x), f2bf(s[nb][ks][1].y));
+      mma_row(ws[nb], wa, b0, b1);
       mma_row(o[nb], qa, b0, b1);
     }
-    if (lo || hi) {  // the row's outputs: c0, c1 (row gq) or c2, c3 (row gq + 8)
+  }
+  if (mine) {  // the row's outputs: c0, c1 (row gq) or c2, c3 (row gq + 8)
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb) {
       const int c = nb * 8 + 2 * tq;
-      vn_smem[c] = delta(hi ? u[2] : u[0], hi ? ws[2] : ws[0]);
-      vn_smem[c + 1] = delta(hi ? u[3] : u[1], hi ? ws[3] : ws[1]);
+      vn_smem[c] = delta(hi ? u[nb][2] : u[nb][0], hi ? ws[nb][2] : ws[nb][0]);
+      vn_smem[c + 1] = delta(hi ? u[nb][3] : u[nb][1], hi ? ws[nb][3] : ws[nb][1]);
     }
   }
   __syncwarp();
-  // 2. o += P V' over the chunk's rows (the slot's V', the row's own at p, zeros past it); the row to OUT
+  // 2. the row's own V' into its place among the chunk's rows; o += P V'; the row to OUT
 #pragma unroll
-  for (int nb = 0; nb < BV / 8; ++nb) {
-    const int v = nb * 8 + gq;
+  for (int nb = 0; nb < 2; ++nb)
 #pragma unroll
-    for (int ks = 0; ks < CH / 16; ++ks) {
-      const int j0 = ks * 16 + 2 * tq;
-      mma_row(o[nb], pa[ks], pack2(vn_at(j0, v), vn_at(j0 + 1, v)), pack2(vn_at(j0 + 8, v), vn_at(j0 + 9, v)));
-    }
-    if (lo || hi) {
+    for (int ks = 0; ks < CH / 16; ++ks)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (ks * 16 + 2 * tq + (e & 1) + (e >= 2 ? 8 : 0) == p) vr[nb][ks][e] = vn_smem[nb * 8 + gq];
+#pragma unroll
+  for (int nb = 0; nb < 2; ++nb) {
+#pragma unroll
+    for (int ks = 0; ks < CH / 16; ++ks)
+      mma_row(o[nb], pa[ks], pack2(vr[nb][ks][0], vr[nb][ks][1]), pack2(vr[nb][ks][2], vr[nb][ks][3]));
+    if (mine) {
       bf16* out = OUT + start * stride_ot + (long long)hv * stride_oh + v0 + nb * 8 + 2 * tq;
       out[0] = f2bf(hi ? o[nb][2] : o[nb][0]);
       out[1] = f2bf(hi ? o[nb][3] : o[nb][1]);
     }
   }
   if (p < CH - 1) {  // the row's x and V' to the slot; a sequence that starts here gets a zero boundary state
-    for (int v = lane; v < BV; v += 32) {
-      CX[slot * SX + ((long long)p * HV + hv) * DV + v0 + v] = x_own[v];
-      CVN[slot * SVN + ((long long)p * HV + hv) * DV + v0 + v] = vn_smem[v];
+    if (lane < WV) {
+      CX[slot * SX + ((long long)p * HV + hv) * DV + v0 + lane] = x_own[lane];
+      CVN[slot * SVN + ((long long)p * HV + hv) * DV + v0 + lane] = vn_smem[lane];
     }
     if (read < 0) {
       float* st = STATE + slot * S_STATE + ((long long)hv * DV + v0) * DK;
-      for (int e = lane; e < BV * DK; e += 32) st[e] = 0.f;
+      for (int e = lane; e < WV * DK / 4; e += 32) reinterpret_cast<float4*>(st)[e] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
     return;
   }
-  // the chunk completes (p = CH - 1): S'^T = exp(G_last) S^T + V'^T y, y_j =
-  // dt(k_j exp(G_last - G_j)), by 16 x 8 output blocks over the tile's 64 value rows and 128 key columns
+  // 3. the chunk completes (p = CH - 1, the whole block): S'^T = exp(G_last) S^T + V'^T y, y_j =
+  //    dt(k_j exp(G_last - G_j)) (the block's y^T in shared memory), by 16 x 8 output blocks over the warp's
+  //    16 value rows and the 128 key columns
   const int hk = hv / RATIO;
-  float *sg = s_g[wid], *sG = s_G[wid];
-  for (int j = lane; j < CH; j += 32) sg[j] = j < p ? CG[slot * SG + (long long)j * HV + hv] : A[start * stride_at + hv];
-  gate_cumsum(sg, sG, lane);
-  const float g_last = sG[CH - 1], e_last = texp(g_last);
-  for (int j = lane; j < CH; j += 32) sg[j] = texp(__fsub_rn(g_last, sG[j]));  // the rows' decay to the end
-  __syncwarp();
+  if (wid == 0) {
+    for (int j = lane; j < CH; j += 32) s_g[j] = j < p ? CG[slot * SG + (long long)j * HV + hv] : A[start * stride_at + hv];
+    gate_cumsum(s_g, s_G, lane);
+    for (int j = lane; j < CH; j += 32) s_g[j] = texp(__fsub_rn(s_G[CH - 1], s_G[j]));  // the rows' decay to the end
+  }
+  __syncthreads();
+  const float e_last = texp(s_G[CH - 1]);
   const bf16* k_own = K + start * stride_kt + (long long)hk * stride_kh;
-  auto y_at = [&](int j, int d) -> bf16 {
-    const bf16 k = j < p ? CK[slot * SK + ((long long)j * HK + hk) * DK + d] : k_own[d];
-    return f2bf(__fmul_rn(bf2f(k), sg[j]));
-  };
-  float* s_wr = STATE + slot * S_STATE + ((long long)hv * DV + v0) * DK;
-#pragma unroll 1
-  for (int mb = 0; mb < BV / 16; ++mb) {
-    const int r0 = mb * 16 + gq, r1 = r0 + 8;  // this lane's value rows (A's rows gq, gq + 8)
-#pragma unroll 1
-    for (int nb = 0; nb < DK / 8; ++nb) {
-      const int c = nb * 8 + 2 * tq, d = nb * 8 + gq;  // accumulator columns; B's column
-      auto s_at = [&](int r, int k) { return read >= 0 ? s_rd[(long long)r * DK + k] : 0.f; };  // `state_tile`
-      float acc[4] = {__fmul_rn(s_at(r0, c), e_last), __fmul_rn(s_at(r0, c + 1), e_last), __fmul_rn(s_at(r1, c), e_last),
-                      __fmul_rn(s_at(r1, c + 1), e_last)};
+  // y^T to shared memory: a thread's task rows j, j + 1 (j / 2 the fastest: stores free of bank conflicts)
+  // at 8 key columns, 16 bytes a row; rows j < p = CH - 1 the slot's, p the row's own
 #pragma unroll
-      for (int k0 = 0; k0 < CH; k0 += 16) {
-        const int j0 = k0 + 2 * tq;
-        const unsigned a0 = pack2(vn_at(j0, r0), vn_at(j0 + 1, r0)), a1 = pack2(vn_at(j0, r1), vn_at(j0 + 1, r1));
-        const unsigned a2 = pack2(vn_at(j0 + 8, r0), vn_at(j0 + 9, r0)), a3 = pack2(vn_at(j0 + 8, r1), vn_at(j0 + 9, r1));
-        mma16816(acc, a0, a1, a2, a3, pack2(y_at(j0, d), y_at(j0 + 1, d)), pack2(y_at(j0 + 8, d), y_at(j0 + 9, d)));
-      }
-      __syncwarp();  // every lane has read its state cells (the update may be in place: read = slot)
-      s_wr[(long long)r0 * DK + c] = acc[0];
-      s_wr[(long long)r0 * DK + c + 1] = acc[1];
-      s_wr[(long long)r1 * DK + c] = acc[2];
-      s_wr[(long long)r1 * DK + c + 1] = acc[3];
+  for (int e = threadIdx.x; e < CH / 2 * (DK / 8); e += 32 * WARPS) {
+    const int jp = e % (CH / 2), d0 = e / (CH / 2) * 8, j = 2 * jp;
+    const uint4 r0 = load8(CK + slot * SK + ((long long)j * HK + hk) * DK + d0, VEC_K);
+    const uint4 r1 = j + 1 < p ? load8(CK + slot * SK + ((long long)(j + 1) * HK + hk) * DK + d0, VEC_K)
+                               : load8(k_own + d0, VEC_K);
+    const unsigned w0[4] = {r0.x, r0.y, r0.z, r0.w}, w1[4] = {r1.x, r1.y, r1.z, r1.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const bf16 k0 = (bf16)(w0[i / 2] >> (16 * (i & 1))), k1 = (bf16)(w1[i / 2] >> (16 * (i & 1)));
+      s_y[d0 + i][jp] = pack2(f2bf(__fmul_rn(bf2f(k0), s_g[j])), f2bf(__fmul_rn(bf2f(k1), s_g[j + 1])));
     }
+  }
+  __syncthreads();
+  // A = V'^T (value rows gq, gq + 8; chunk rows j0.., j0 + 8..): step 2's V' fragments of both column blocks
+  unsigned va[CH / 16][4];
+#pragma unroll
+  for (int ks = 0; ks < CH / 16; ++ks) {
+    va[ks][0] = pack2(vr[0][ks][0], vr[0][ks][1]);
+    va[ks][1] = pack2(vr[1][ks][0], vr[1][ks][1]);
+    va[ks][2] = pack2(vr[0][ks][2], vr[0][ks][3]);
+    va[ks][3] = pack2(vr[1][ks][2], vr[1][ks][3]);
+  }
+  float* s_wr = STATE + slot * S_STATE + ((long long)hv * DV + v0) * DK;
+#pragma unroll
+  for (int nc = 0; nc < DK / 8; ++nc) {  // key columns nc * 8 + 2 tq (+ 1): step 0's s[.][nc / 2][nc % 2]
+    const int d = nc * 8 + gq;           // B's column
+    const float2 s0 = s[0][nc / 2][nc % 2], s1 = s[1][nc / 2][nc % 2];  // `state_tile`
+    float acc[4] = {__fmul_rn(s0.x, e_last), __fmul_rn(s0.y, e_last), __fmul_rn(s1.x, e_last), __fmul_rn(s1.y, e_last)};
+#pragma unroll
+    for (int ks = 0; ks < CH / 16; ++ks)
+      mma16816(acc, va[ks][0], va[ks][1], va[ks][2], va[ks][3], s_y[d][ks * 8 + tq], s_y[d][ks * 8 + 4 + tq]);
+    const int c = nc * 8 + 2 * tq;
+    *reinterpret_cast<float2*>(s_wr + (long long)gq * DK + c) = make_float2(acc[0], acc[1]);
+    *reinterpret_cast<float2*>(s_wr + (long long)(gq + 8) * DK + c) = make_float2(acc[2], acc[3]);
   }
 }

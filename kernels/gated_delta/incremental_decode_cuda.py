@@ -14,9 +14,9 @@ import torch
 from . import incremental_cache as layout
 
 SOURCE = Path(__file__).with_name("incremental_decode.cu")
-WARPS = 4  # warps a block (the .cu file's WARPS)
+WARPS = 4  # warps a decode_values block (the .cu file's WARPS; decode_weights: one)
 D_K = 128
-BV = 64  # value columns a decode_values warp (the .cu file's BV)
+BV = 64  # value columns a decode_values block (the .cu file's BV)
 _INT32 = 2**31 - 1
 
 
@@ -52,6 +52,14 @@ def _int64_rows(*tensors: torch.Tensor) -> None:
             raise ValueError(f"the per-sequence rows must be contiguous int64 tensors, got {t.dtype} {t.stride()}")
 
 
+def _rows_16_aligned(cache_k: torch.Tensor, k_hat: torch.Tensor) -> int:
+    """1 where every key row the kernels read (the cache's and the step's) starts on 16 bytes: they then
+    load 8 bf16 at once (the cache's slots sit at vLLM's page stride, not always a multiple of 16 bytes)."""
+    starts = (cache_k.data_ptr(), k_hat.data_ptr())
+    strides = (cache_k.stride(0), cache_k.stride(2), k_hat.stride(0), k_hat.stride(1))
+    return int(all(a % 16 == 0 for a in starts) and all(s % 8 == 0 for s in strides))
+
+
 def weights_args(q_hat, k_hat, g, beta, cache, start, held, slots, rows) -> tuple[int, list]:
     """(grid, arguments) of `decode_weights`: rows = (t_row, w_row, p_row, qg_row) scratch rows [N, HV, ...];
     start, held, slots int64 [N] (slots -1: a padded request, skipped)."""
@@ -61,8 +69,8 @@ def weights_args(q_hat, k_hat, g, beta, cache, start, held, slots, rows) -> tupl
     strides = _int32("strides", (q_hat.stride(0), q_hat.stride(1), k_hat.stride(0), k_hat.stride(1), g.stride(0),
                                  beta.stride(0), n_seqs * hv))  # fmt: skip
     args = [q_hat, k_hat, g, beta, cache.k, cache.g, cache.beta, cache.t, *slot_strides, start, held, slots, *rows,
-            n_seqs, *strides[:6], hk, hv, hv // hk]  # fmt: skip
-    return -(-strides[6] // WARPS), args
+            n_seqs, *strides[:6], hk, hv, hv // hk, _rows_16_aligned(cache.k, k_hat)]  # fmt: skip
+    return strides[6], args
 
 
 def values_args(k_hat, g, x, out, cache, start, held, slots, read, rows) -> tuple[int, list]:
@@ -74,20 +82,22 @@ def values_args(k_hat, g, x, out, cache, start, held, slots, read, rows) -> tupl
     strides = _int32("strides", (x.stride(0), x.stride(1), k_hat.stride(0), k_hat.stride(1), g.stride(0), out.stride(0),
                                  out.stride(1), n_seqs * hv * d_v // BV))  # fmt: skip
     args = [x, k_hat, g, out, cache.state, cache.x, cache.vnew, cache.k, cache.g, *slot_strides, start, held, slots,
-            read, *rows, n_seqs, *strides[:7], hk, hv, d_v, hv // hk]  # fmt: skip
-    return -(-strides[7] // WARPS), args
+            read, *rows, n_seqs, *strides[:7], hk, hv, d_v, hv // hk, _rows_16_aligned(cache.k, k_hat)]  # fmt: skip
+    return strides[7], args
 
 
-def _launch(name: str, grid: int, args: list, device: torch.device) -> None:
-    _kernel(name, device.index)(grid=(grid, 1, 1), block=(32 * WARPS, 1, 1), args=args)
+def _launch(name: str, grid: int, warps: int, args: list, device: torch.device) -> None:
+    _kernel(name, device.index)(grid=(grid, 1, 1), block=(32 * warps, 1, 1), args=args)
 
 
 def decode_weights(q_hat, k_hat, g, beta, cache, start, held, slots, rows) -> None:
     """`_decode_weights_kernel`'s work (`weights_args`)."""
-    _launch("decode_weights", *weights_args(q_hat, k_hat, g, beta, cache, start, held, slots, rows), q_hat.device)
+    grid, args = weights_args(q_hat, k_hat, g, beta, cache, start, held, slots, rows)
+    _launch("decode_weights", grid, 1, args, q_hat.device)
 
 
 def decode_values(k_hat, g, x, out, cache, start, held, slots, read, rows) -> None:
     """`_decode_kernel`'s work: U, V' and o from `decode_weights`' rows; the row's x and V' to the slot (zeros
     to the state of a sequence that starts here), or the state update of a completed chunk (`values_args`)."""
-    _launch("decode_values", *values_args(k_hat, g, x, out, cache, start, held, slots, read, rows), x.device)
+    grid, args = values_args(k_hat, g, x, out, cache, start, held, slots, read, rows)
+    _launch("decode_values", grid, WARPS, args, x.device)

@@ -4,7 +4,7 @@
 // stand-ins follow the PTX ISA's fragment layouts; they round to bf16 toward zero as the Triton interpreter
 // does (the reference the test compares with), the MMA sums in fp32 and exp2f is not ex2.approx: outputs
 // near the interpreter's, not the GPU's bits. What this checks is the indexing, the fragments and the
-// algorithm. One warp runs at a time (the kernels sync warps only).
+// algorithm. One block runs at a time, its warps' lanes as threads (a barrier a warp, one for the block).
 #pragma once
 #include <barrier>
 #include <cmath>
@@ -16,6 +16,7 @@
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
 
 struct HostDim3 {
   unsigned x = 0, y = 0, z = 0;
@@ -24,6 +25,15 @@ inline thread_local HostDim3 threadIdx, blockIdx;
 struct float2 {
   float x, y;
 };
+struct float4 {
+  float x, y, z, w;
+};
+struct uint4 {
+  unsigned x, y, z, w;
+};
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+inline float2 make_float2(float x, float y) { return {x, y}; }
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 
 inline float __uint_as_float(unsigned u) {
   float f;
@@ -41,8 +51,10 @@ inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 
-inline std::barrier<>* host_warp = nullptr;  // the running warp's 32 lanes
+inline thread_local std::barrier<>* host_warp = nullptr;  // the lane's warp (32 lanes)
+inline std::barrier<>* host_block = nullptr;                // the running block's threads
 inline void __syncwarp() { host_warp->arrive_and_wait(); }
+inline void __syncthreads() { host_block->arrive_and_wait(); }
 
 inline unsigned short f2bf(float x) {  // toward zero, as the Triton interpreter rounds (the GPU: to nearest even)
   return (unsigned short)(host_bits(x) >> 16);
@@ -52,18 +64,19 @@ inline float texp(float x) { return std::exp2(x * __int_as_float(0x3FB8AA3B)); }
 struct HostMmaLane {
   unsigned a[4], b[2];
 };
-inline HostMmaLane host_mma[32];
+inline HostMmaLane host_mma[32][32];  // [warp][lane]
 
 // D = A B + C for the warp's 16 x 8 x 16 bf16 tile, each lane holding its fragments as PTX lays them out:
 // a0..a3 rows (g, g + 8) x columns (2t.., 2t + 8..), b0, b1 rows 2t.., 2t + 8.. of column g, c0..c3 rows
 // (g, g, g + 8, g + 8) x columns (2t, 2t + 1); g = lane / 4, t = lane % 4.
 inline void mma16816(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  host_mma[lane] = {{a0, a1, a2, a3}, {b0, b1}};
+  HostMmaLane* warp = host_mma[threadIdx.x >> 5];
+  warp[lane] = {{a0, a1, a2, a3}, {b0, b1}};
   host_warp->arrive_and_wait();
   auto half = [](unsigned r, int k) { return __uint_as_float((k & 1 ? r >> 16 : r & 0xFFFFu) << 16); };
-  auto A = [&](int r, int k) { return half(host_mma[(r & 7) * 4 + ((k & 7) >> 1)].a[(r >= 8) + 2 * (k >= 8)], k); };
-  auto B = [&](int k, int n) { return half(host_mma[n * 4 + ((k & 7) >> 1)].b[k >= 8], k); };
+  auto A = [&](int r, int k) { return half(warp[(r & 7) * 4 + ((k & 7) >> 1)].a[(r >= 8) + 2 * (k >= 8)], k); };
+  auto B = [&](int k, int n) { return half(warp[n * 4 + ((k & 7) >> 1)].b[k >= 8], k); };
   float out[4];
   for (int e = 0; e < 4; ++e) {
     const int r = g + (e >= 2 ? 8 : 0), n = 2 * t + (e & 1);

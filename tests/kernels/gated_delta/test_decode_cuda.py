@@ -32,8 +32,8 @@ def test_the_cuda_source_ships_with_the_package():
     data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     assert "*.cu" in data["vexact_vllm.kernels.gated_delta"]
     source = cuda_weights.SOURCE.read_text()
-    for name in ("decode_weights", "decode_values"):
-        assert f"__global__ void __launch_bounds__(32 * WARPS) {name}(" in source
+    assert "__global__ void __launch_bounds__(32) decode_weights(" in source
+    assert "__global__ void __launch_bounds__(32 * WARPS) decode_values(" in source
     assert f"#define WARPS {cuda_weights.WARPS}" in source and f"#define BV {cuda_weights.BV}" in source
 
 
@@ -63,6 +63,13 @@ def _scratch(n, hv):
     bf = dict(dtype=torch.bfloat16, device="cuda")
     return (torch.full((n, hv, layout.CHUNK), 7.0, device="cuda"), torch.full((n, hv, D), 7.0, **bf),
             torch.full((n, hv, layout.CHUNK), 7.0, **bf), torch.full((n, hv, D), 7.0, **bf))  # fmt: skip
+
+
+def _keys_off_16_bytes(cache):
+    """The cache's keys moved 8 bytes off a 16-byte boundary (a page stride can put them there): the kernels
+    then load them 4 bytes at a time."""
+    moved = torch.zeros(cache.k.numel() + 4, dtype=cache.k.dtype, device=cache.k.device)[4:].view(cache.k.shape)
+    cache.k = moved.copy_(cache.k)
 
 
 def _first_difference(name, got, want, held):
@@ -97,7 +104,7 @@ def test_cuda_weights_kernel_matches_the_triton_kernel(hk, hv, n, seed):
 def test_cuda_decode_step_matches_the_triton_step(hk, hv, n, seed, monkeypatch):
     """decode_forward with the CUDA kernels against the Triton kernels: every output row and every cache
     tensor, random states and slot rows, rows that complete their chunk (the state update) and sequences
-    that start at the step (no state read) among them."""
+    that start at the step (no state read) among them; in one case the cache's keys off 16-byte alignment."""
     gen = torch.Generator().manual_seed(seed)
     _, _, _, _, cache, start, held, slots = _random_case(hk, hv, n, seed)
     cache.state.copy_(torch.randn(cache.state.shape, generator=gen) * 0.3)
@@ -116,6 +123,8 @@ def test_cuda_decode_step_matches_the_triton_step(hk, hv, n, seed, monkeypatch):
     for cuda in (False, True):
         monkeypatch.setattr(cuda_weights, "supported", lambda q_hat, d_v, cuda=cuda: cuda)
         ours = layout.IncrementalCache(*(t.clone() for t in cache.tensors()))
+        if seed == 6:
+            _keys_off_16_bytes(ours)
         out = torch.full((n_rows, hv, D), 7.0, dtype=torch.bfloat16, device="cuda")
         triton_decode.decode_forward(q, k, v, a, b, A_log, dt_bias, out, ours, start, held, slots, read)
         results.append((out, ours))
@@ -160,7 +169,8 @@ def test_host_emulation_of_the_cuda_step_is_close_to_the_interpreted_step(host_k
     """Both CUDA kernels (g++, warps emulated) against the interpreted Triton step on the CPU, at Qwen3.5's
     head width (d_k = d_v = 128, chunks of 64): rows in the first and a later row tile, the completing row
     (state update), a fresh sequence (zero state) and a padded request, then random positions with two
-    key heads (one and two v heads a key head); outputs and every cache tensor
+    key heads (one and two v heads a key head, the cache's keys then off 16-byte alignment: 4-byte loads);
+    outputs and every cache tensor
     within the sums' orders (both round to bf16 toward zero here; exp2f against NumPy's exp)."""
     package = "vexact_vllm.kernels.gated_delta."
     dec = interpreted_modules(tuple(package + m for m in ("incremental_decode_triton", "incremental_tiles_triton",
@@ -191,10 +201,13 @@ def test_host_emulation_of_the_cuda_step_is_close_to_the_interpreted_step(host_k
 
     q_hat, k_hat, x, g, beta = dec.prepared_rows(q, k, v, a, b, A_log, dt_bias, start, slots)
     got_cache = layout.IncrementalCache(*(t.clone() for t in cache.tensors()))
+    if seed == 10:
+        _keys_off_16_bytes(got_cache)
     got = torch.zeros(n_rows, hv, D, dtype=torch.bfloat16)
     n = start.shape[0]
     rows = (torch.zeros(n, hv, layout.CHUNK), torch.zeros(n, hv, D, dtype=torch.bfloat16),
             torch.zeros(n, hv, layout.CHUNK, dtype=torch.bfloat16), torch.zeros(n, hv, D, dtype=torch.bfloat16))  # fmt: skip
+    assert cuda_weights.weights_args(q_hat, k_hat, g, beta, got_cache, start, held, slots, rows)[1][-1] == (seed != 10)
     _host_call(host_kernels.run_decode_weights,
                *cuda_weights.weights_args(q_hat, k_hat, g, beta, got_cache, start, held, slots, rows))  # fmt: skip
     _host_call(host_kernels.run_decode_values,
