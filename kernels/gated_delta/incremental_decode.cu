@@ -55,6 +55,14 @@ __device__ __forceinline__ uint4 load8(const bf16* p, int vec) {
   return make_uint4(load2(p), load2(p + 2), load2(p + 4), load2(p + 6));
 }
 
+// Dims d .. d + 7 of chunk row j's key (VEC: `load8`): the slot's row before p (ck: the slot's keys, [CH - 1,
+// HK, DK]), the row's own (k_own) at p, zeros past it
+__device__ __forceinline__ uint4 chunk_key8(const bf16* ck, const bf16* k_own, int j, int p, int HK, int hk, int d,
+                                            int vec) {
+  if (j < p) return load8(ck + ((long long)j * HK + hk) * DK + d, vec);
+  return j == p ? load8(k_own + d, vec) : make_uint4(0u, 0u, 0u, 0u);
+}
+
 
 // G [CH] = the chunk's gates summed in order, by `gate_cumsum`'s FMA dot (row i: fmaf(j <= i, g_j, acc) over
 // j = 0 .. CH - 1, zero terms kept); the warp's lanes each take two rows. Syncs the warp before and after.
@@ -107,9 +115,7 @@ extern "C" __global__ void __launch_bounds__(32) decode_weights(
 #pragma unroll
   for (int e = lane; e < CH * DK / 8; e += 32) {
     const int j = e / (DK / 8), c = e % (DK / 8) * 8;
-    const uint4 z = make_uint4(0u, 0u, 0u, 0u);
-    *reinterpret_cast<uint4*>(&s_k[j][c]) =
-        j < p ? load8(ck + ((long long)j * HK + hk) * DK + c, VEC_K) : (j == p ? load8(k_own + c, VEC_K) : z);
+    *reinterpret_cast<uint4*>(&s_k[j][c]) = chunk_key8(ck, k_own, j, p, HK, hk, c, VEC_K);
   }
 
   // 1. the chunk's gates and betas (the slot's rows, the row's own at p, zeros past it); G by the FMA dot
@@ -414,13 +420,12 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) decode_values(
   const float e_last = texp(s_G[CH - 1]);
   const bf16* k_own = K + start * stride_kt + (long long)hk * stride_kh;
   // y^T to shared memory: a thread's task rows j, j + 1 (j / 2 the fastest: stores free of bank conflicts)
-  // at 8 key columns, 16 bytes a row; rows j < p = CH - 1 the slot's, p the row's own
+  // at 8 key columns, 16 bytes a row (p = CH - 1: every row held or the row's own)
 #pragma unroll
   for (int e = threadIdx.x; e < CH / 2 * (DK / 8); e += 32 * WARPS) {
     const int jp = e % (CH / 2), d0 = e / (CH / 2) * 8, j = 2 * jp;
-    const uint4 r0 = load8(CK + slot * SK + ((long long)j * HK + hk) * DK + d0, VEC_K);
-    const uint4 r1 = j + 1 < p ? load8(CK + slot * SK + ((long long)(j + 1) * HK + hk) * DK + d0, VEC_K)
-                               : load8(k_own + d0, VEC_K);
+    const uint4 r0 = chunk_key8(CK + slot * SK, k_own, j, p, HK, hk, d0, VEC_K);
+    const uint4 r1 = chunk_key8(CK + slot * SK, k_own, j + 1, p, HK, hk, d0, VEC_K);
     const unsigned w0[4] = {r0.x, r0.y, r0.z, r0.w}, w1[4] = {r1.x, r1.y, r1.z, r1.w};
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
