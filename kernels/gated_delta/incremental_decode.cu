@@ -1,13 +1,15 @@
 // Design C's decode step (incremental_decode_triton.py) written out for warps: `decode_weights` (its
-// `_decode_weights_kernel`, a block of one warp a (sequence, v head)) and `decode_values` (its
-// `_decode_kernel`, a block a (sequence, v head, v tile of 64), a warp 16 of its columns); bf16 inputs,
-// d_k = 128, chunks of 64, row tiles of 16.
+// `_decode_weights_kernel`, a block of one warp a (sequence, v head)), `decode_values` (its `_decode_kernel`
+// up to the row's output, a block a (sequence, v head, v tile of 32), a warp 16 of its columns) and
+// `decode_commit` (that kernel's state update where the row completes its chunk); bf16 inputs, d_k = 128,
+// chunks of 64, row tiles of 16.
 // Every value is computed by the instructions the Triton chunk kernels use for it, so its bits are theirs:
 //  - a product of bf16 tiles (tl.dot): mma.sync m16n8k16 (bf16 in, fp32 accumulate), K in steps of 16 in
 //    order from a zero accumulator; an element depends only on its row of A and column of B, so the row
 //    sits in a 16-row A whose other rows are whatever (here the tile's rows or zeros);
 //  - an FMA dot (fp32, tl.dot ieee): one fmaf chain per element over K in order from zero, zero terms kept;
-//  - tl.exp: ex2.approx.f32 of x * log2(e) rounded; rounding to bf16: cvt.rn.bf16.f32; no contraction
+//  - tl.exp: ex2.approx.f32 of x * log2(e) rounded; rounding to bf16: cvt.rn.bf16.f32 (cvt.rn.bf16x2.f32 for
+//    two at once: each rounded alike); no contraction
 //    (the Triton kernels compile with enable_fp_fusion=False): every product and sum is an _rn intrinsic.
 // No headers: NVRTC compiles it without a CUDA toolkit (bf16 as its 16 bits).
 
@@ -16,7 +18,6 @@ typedef unsigned short bf16;
 #define CH 64
 #define DK 128
 #define ROWS 16
-#define WARPS 4
 
 __device__ __forceinline__ float bf2f(bf16 x) { return __uint_as_float(((unsigned)x) << 16); }
 
@@ -261,28 +262,78 @@ extern "C" __global__ void __launch_bounds__(32) decode_weights(
   }
 }
 
-#define BV 64  // value columns a decode_values block
-#define WV 16  // value columns a warp of it
+// Shared-memory staging for decode_values / decode_commit: cp.async copies (16 bytes where the launcher
+// found every staged row 16-byte aligned, else 4), zero-filled where a row is not there, and ldmatrix.trans
+// fragments of bf16 tiles stored [chunk row][column]. Stand-ins in simt_host.h on the CPU.
+#ifdef __CUDA_ARCH__
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  unsigned r;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(valid ? 4 : 0));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// Four 8 x 8 bf16 matrices, lane 8m + r giving row r's address of matrix m; a lane gets, of each, rows 2t, 2t + 1
+// at column g (t = lane % 4, g = lane / 4): an mma B (or A) fragment of a tile stored row = K
+__device__ __forceinline__ void ldsm_x4_trans(unsigned* r, const void* row_addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(row_addr)));
+}
+
+// (dt(lo), dt(hi)) in one register: cvt.rn.bf16x2.f32 rounds each as cvt.rn.bf16.f32 does
+__device__ __forceinline__ unsigned f2bf2(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+#endif
+
+// 16 bytes from src to shared dst (zeros where !valid): one copy where ALIGN16, else four of 4 bytes
+__device__ __forceinline__ void stage16(void* dst, const void* src, bool valid, int align16) {
+  if (align16) {
+    cp_async16(dst, src, valid);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      cp_async4(static_cast<char*>(dst) + 4 * i, static_cast<const char*>(src) + 4 * i, valid);
+  }
+}
+
+#define BV 32                     // value columns a decode_values block
+#define WV 16                     // value columns a warp of it
+#define VWARPS (BV / WV)          // warps a decode_values block
+#define SP (DK + 8)               // a staged state row, fp32, padded: fragment reads free of bank conflicts
+#define XP (BV + 8)               // a staged x / V' row, bf16, padded likewise
 
 // Program: block (sequence n, v head hv, v tile iv of BV columns), each warp WV of them. V: prepared x =
-// dt(beta v) [T, HV, DV]; K, A: prepared k_hat [T, HK, DK] and g [T, HV] (the completing row's); OUT [T, HV,
-// DV]; STATE, CX, CVN, CK, CG: the cache's state, x, vnew, k and g (slot strides in elements); READ [N]: the
-// slot whose state the row reads (-1: zeros, and the slot's state is zeroed: a sequence that starts here);
-// the scratch rows of `decode_weights`.
-// U = dt(dt(T_row) x), V' = dt(U - W dt(S)), o = dt(q exp(G)) dt(S) + P V' (`_decode_kernel`); a row that
-// completes its chunk then updates the state (`state_after`: exp(G_last) S + V'^T dt(exp(G_last - G_j) k_j),
-// a product the chunk kernels run as a 64-row wgmma, whose elements have mma.sync's bits on the H200), any
-// other row goes to the slot. A warp issues every load of its state rows, x and V' rows before its first
-// product (the step is a read of the state: the loads in flight at once set its speed).
-extern "C" __global__ void __launch_bounds__(32 * WARPS) decode_values(
-    const bf16* V, const bf16* K, const float* A, bf16* OUT, float* STATE, bf16* CX, bf16* CVN, const bf16* CK,
-    const float* CG, int S_STATE, int SX, int SVN, int SK, int SG, const long long* START, const long long* HELD,
-    const long long* SLOT, const long long* READ, const float* T_ROW, const bf16* W_ROW, const bf16* P_ROW,
-    const bf16* QG_ROW, int n_seqs, int stride_vt, int stride_vh, int stride_kt, int stride_kh, int stride_at,
-    int stride_ot, int stride_oh, int HK, int HV, int DV, int RATIO, int VEC_K) {
-  __shared__ bf16 s_vn[WARPS][WV];
-  __shared__ float s_g[CH], s_G[CH];
-  __shared__ unsigned s_y[DK][CH / 2 + 4];  // y^T in bf16 pairs (rows j, j + 1), padded: no bank conflicts
+// dt(beta v) [T, HV, DV]; OUT [T, HV, DV]; STATE, CX, CVN: the cache's state, x and vnew (slot strides in
+// elements); READ [N]: the slot whose state the row reads (-1: zeros, and the slot's state is zeroed: a
+// sequence that starts here); the scratch rows of `decode_weights`; VN_ROW [N, HV, DV]: the row's V', which
+// `decode_commit` reads where the row completes its chunk.
+// U = dt(dt(T_row) x), V' = dt(U - W dt(S)), o = dt(q exp(G)) dt(S) + P V' (`_decode_kernel`); the row's x
+// and V' then go to the slot unless the row completes its chunk. The block first stages its state rows and
+// the chunk's x and V' rows (its columns) in shared memory, every copy in flight at once (the step is a read
+// of the state: the bytes in flight set its speed), then each warp multiplies from there.
+extern "C" __global__ void __launch_bounds__(32 * VWARPS) decode_values(
+    const bf16* V, bf16* OUT, float* STATE, bf16* CX, bf16* CVN, int S_STATE, int SX, int SVN,
+    const long long* START, const long long* HELD, const long long* SLOT, const long long* READ, const float* T_ROW,
+    const bf16* W_ROW, const bf16* P_ROW, const bf16* QG_ROW, bf16* VN_ROW, int n_seqs, int stride_vt, int stride_vh,
+    int stride_ot, int stride_oh, int HV, int DV, int ALIGN16) {
+  __shared__ __align__(16) float s_state[BV][SP];  // the block's state rows (v) over the key dim
+  __shared__ __align__(16) bf16 s_x[CH][XP];       // the chunk's x rows at the block's columns
+  __shared__ __align__(16) bf16 s_vn[CH][XP];      // and its V' rows (the row's own written in step 2)
   const int wid = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
   const int tiles = DV / BV;
   const long long prog = blockIdx.x;
@@ -292,125 +343,173 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) decode_values(
   if (slot < 0) return;  // a padded request (the whole block)
   const int p = (int)HELD[n], place = p & (ROWS - 1);
   const long long start = START[n], read = READ[n], row = (long long)n * HV + hv;
-  const int v0 = iv * BV + wid * WV;
+  const int v0 = iv * BV, c0 = wid * WV;  // the block's first column; the warp's first within the block
   const bf16* x_own = V + start * stride_vt + (long long)hv * stride_vh + v0;
-  const bf16* cx = CX + slot * SX + (long long)hv * DV + v0;  // + j * HV * DV: row j
-  const bf16* cvn = CVN + slot * SVN + (long long)hv * DV + v0;
-  const float* s_rd = STATE + read * S_STATE + ((long long)hv * DV + v0) * DK;  // + v * DK + k (read >= 0)
-  bf16* vn_smem = s_vn[wid];
-  const bool lo = gq == place, hi = gq + 8 == place, mine = lo || hi;  // lanes holding the row in A
 
-  // 0. the loads. The state's rows v = nb * 8 + gq at columns ks * 16 + 2 tq (+ 1, + 8, + 9): B fragments
-  //    of dt(S)^T, and (rows gq, gq + 8 at columns nb' * 8 + 2 tq) the accumulator layout of the update.
-  float2 s[2][DK / 16][2];
-#pragma unroll
-  for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-    for (int ks = 0; ks < DK / 16; ++ks) {
-      const float* at = s_rd + (long long)(nb * 8 + gq) * DK + ks * 16 + 2 * tq;
-      s[nb][ks][0] = read >= 0 ? *reinterpret_cast<const float2*>(at) : make_float2(0.f, 0.f);
-      s[nb][ks][1] = read >= 0 ? *reinterpret_cast<const float2*>(at + 8) : make_float2(0.f, 0.f);
-    }
-  // chunk rows j0, j0 + 1, j0 + 8, j0 + 9 (j0 = ks * 16 + 2 tq) of x and V' at column v = nb * 8 + gq: the
-  // slot's rows before p, the row's own x at p (its V' comes in step 2), zeros past it
-  bf16 xr[2][CH / 16][4], vr[2][CH / 16][4];
-#pragma unroll
-  for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-    for (int ks = 0; ks < CH / 16; ++ks)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int j = ks * 16 + 2 * tq + (e & 1) + (e >= 2 ? 8 : 0), v = nb * 8 + gq;
-        xr[nb][ks][e] = j < p ? cx[(long long)j * HV * DV + v] : (j == p ? x_own[v] : (bf16)0);
-        vr[nb][ks][e] = j < p ? cvn[(long long)j * HV * DV + v] : (bf16)0;
-      }
+  // 0. stage: the state rows v0 .. v0 + BV - 1 (zeros where read < 0), the chunk's x rows (the slot's before
+  //    p, the row's own at p, zeros past it) and V' rows (the slot's before p, zeros from p on)
+  const float* s_rd = STATE + (read < 0 ? 0 : read) * S_STATE + ((long long)hv * DV + v0) * DK;
+  for (int e = threadIdx.x; e < BV * DK / 4; e += 32 * VWARPS) {
+    const int v = e / (DK / 4), c = e % (DK / 4) * 4;
+    stage16(&s_state[v][c], s_rd + (long long)v * DK + c, read >= 0, ALIGN16);
+  }
+  for (int e = threadIdx.x; e < CH * BV / 8; e += 32 * VWARPS) {
+    const int j = e / (BV / 8), c = e % (BV / 8) * 8;
+    const long long off = ((long long)j * HV + hv) * DV + v0 + c;
+    stage16(&s_x[j][c], j < p ? CX + slot * SX + off : x_own + c, j <= p, ALIGN16);
+    stage16(&s_vn[j][c], CVN + slot * SVN + off, j < p, ALIGN16);
+  }
+  cp_async_commit();
   // the row's A fragments (row `place` of a 16-row tile, lanes gq == place % 8; zeros elsewhere): its T row
-  // rounded to dt and P over the chunk's rows (4 steps of 16)
-  unsigned ta[CH / 16][2], pa[CH / 16][2];
+  // rounded to dt and P over the chunk's rows (4 steps of 16); W's and q's over the key dim (8 steps)
+  const bool lo = gq == place, hi = gq + 8 == place, mine = lo || hi;  // lanes holding the row in A
+  unsigned ta[CH / 16][2], pa[CH / 16][2], wa[DK / 16][2], qa[DK / 16][2];
 #pragma unroll
   for (int ks = 0; ks < CH / 16; ++ks) {
     const int j0 = ks * 16 + 2 * tq;
     const float* tr = T_ROW + row * CH + j0;
-    ta[ks][0] = mine ? pack2(f2bf(tr[0]), f2bf(tr[1])) : 0u;
-    ta[ks][1] = mine ? pack2(f2bf(tr[8]), f2bf(tr[9])) : 0u;
+    ta[ks][0] = mine ? f2bf2(tr[0], tr[1]) : 0u;
+    ta[ks][1] = mine ? f2bf2(tr[8], tr[9]) : 0u;
     pa[ks][0] = mine ? load2(P_ROW + row * CH + j0) : 0u;
     pa[ks][1] = mine ? load2(P_ROW + row * CH + j0 + 8) : 0u;
   }
+#pragma unroll
+  for (int ks = 0; ks < DK / 16; ++ks) {
+    const int d0 = ks * 16 + 2 * tq;
+    wa[ks][0] = mine ? load2(W_ROW + row * DK + d0) : 0u;
+    wa[ks][1] = mine ? load2(W_ROW + row * DK + d0 + 8) : 0u;
+    qa[ks][0] = mine ? load2(QG_ROW + row * DK + d0) : 0u;
+    qa[ks][1] = mine ? load2(QG_ROW + row * DK + d0 + 8) : 0u;
+  }
+  cp_async_wait_all();
+  __syncthreads();
+
   // V' = dt(dt(U) - W S) (`delta_rows`), then `pick`'s sum with the tile's zeros (exact, but -0 becomes +0)
   auto delta = [](float u, float ws) { return f2bf(__fadd_rn(bf2f(f2bf(__fsub_rn(bf2f(f2bf(u)), ws))), 0.f)); };
   // the fragment (a0, a1, a2, a3) of a row-`place` A from its two registers (columns 2t.., 2t+8..)
   auto mma_row = [&](float* c, const unsigned* a, unsigned b0, unsigned b1) {
     mma16816(c, lo ? a[0] : 0u, hi ? a[0] : 0u, lo ? a[1] : 0u, hi ? a[1] : 0u, b0, b1);
   };
+  // B fragments of a staged bf16 tile's rows 16 ks .. 16 ks + 15 at the warp's columns: b[nb][0..1] for
+  // column blocks nb = 0, 1 (lane 8m + r: row 16 ks + 8 (m & 1) + r, columns c0 + 8 (m >> 1))
+  auto tile_b = [&](bf16 (*tile)[XP], int ks, unsigned (*b)[2]) {
+    unsigned r[4];
+    ldsm_x4_trans(r, &tile[ks * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)][c0 + (lane >> 4) * 8]);
+    b[0][0] = r[0], b[0][1] = r[1], b[1][0] = r[2], b[1][1] = r[3];
+  };
 
-  // 1. U = dt(T_row) x; W dt(S)^T and dt(q exp(G)) dt(S)^T over the key dim (W and q's A fragments read once a
-  //    step of 16); the row's V' = dt(U - W S) (`delta_rows`: U rounded to dt first) to shared memory
+  // 1. U = dt(T_row) x; W dt(S)^T and dt(q exp(G)) dt(S)^T over the key dim; the row's V' = dt(U - W S)
+  //    (`delta_rows`: U rounded to dt first) into its place among the staged V' rows
   float u[2][4], ws[2][4], o[2][4];
 #pragma unroll
   for (int nb = 0; nb < 2; ++nb)
 #pragma unroll
     for (int e = 0; e < 4; ++e) u[nb][e] = ws[nb][e] = o[nb][e] = 0.f;
 #pragma unroll
-  for (int ks = 0; ks < CH / 16; ++ks)
+  for (int ks = 0; ks < CH / 16; ++ks) {
+    unsigned b[2][2];
+    tile_b(s_x, ks, b);
 #pragma unroll
-    for (int nb = 0; nb < 2; ++nb)
-      mma_row(u[nb], ta[ks], pack2(xr[nb][ks][0], xr[nb][ks][1]), pack2(xr[nb][ks][2], xr[nb][ks][3]));
-#pragma unroll
-  for (int ks = 0; ks < DK / 16; ++ks) {
-    const int c0 = ks * 16 + 2 * tq;
-    const unsigned wa[2] = {mine ? load2(W_ROW + row * DK + c0) : 0u, mine ? load2(W_ROW + row * DK + c0 + 8) : 0u};
-    const unsigned qa[2] = {mine ? load2(QG_ROW + row * DK + c0) : 0u, mine ? load2(QG_ROW + row * DK + c0 + 8) : 0u};
-#pragma unroll
-    for (int nb = 0; nb < 2; ++nb) {
-      const unsigned b0 = pack2(f2bf(s[nb][ks][0].x), f2bf(s[nb][ks][0].y));
-      const unsigned b1 = pack2(f2bf(s[nb][ks][1].x), f2bf(s[nb][ks][1].y));
-      mma_row(ws[nb], wa, b0, b1);
-      mma_row(o[nb], qa, b0, b1);
-    }
+    for (int nb = 0; nb < 2; ++nb) mma_row(u[nb], ta[ks], b[nb][0], b[nb][1]);
   }
+#pragma unroll
+  for (int ks = 0; ks < DK / 16; ++ks)
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb) {  // dt(S)^T's column v = c0 + 8 nb + g at keys 16 ks + 2t (+1, +8, +9)
+      const float* sr = &s_state[c0 + nb * 8 + gq][ks * 16 + 2 * tq];
+      const float2 s0 = *reinterpret_cast<const float2*>(sr), s1 = *reinterpret_cast<const float2*>(sr + 8);
+      const unsigned b0 = f2bf2(s0.x, s0.y), b1 = f2bf2(s1.x, s1.y);
+      mma_row(ws[nb], wa[ks], b0, b1);
+      mma_row(o[nb], qa[ks], b0, b1);
+    }
   if (mine) {  // the row's outputs: c0, c1 (row gq) or c2, c3 (row gq + 8)
 #pragma unroll
     for (int nb = 0; nb < 2; ++nb) {
-      const int c = nb * 8 + 2 * tq;
-      vn_smem[c] = delta(hi ? u[nb][2] : u[nb][0], hi ? ws[nb][2] : ws[nb][0]);
-      vn_smem[c + 1] = delta(hi ? u[nb][3] : u[nb][1], hi ? ws[nb][3] : ws[nb][1]);
+      const int c = c0 + nb * 8 + 2 * tq;
+      s_vn[p][c] = delta(hi ? u[nb][2] : u[nb][0], hi ? ws[nb][2] : ws[nb][0]);
+      s_vn[p][c + 1] = delta(hi ? u[nb][3] : u[nb][1], hi ? ws[nb][3] : ws[nb][1]);
     }
   }
   __syncwarp();
-  // 2. the row's own V' into its place among the chunk's rows; o += P V'; the row to OUT
+  // 2. o += P V'; the row to OUT
 #pragma unroll
-  for (int nb = 0; nb < 2; ++nb)
+  for (int ks = 0; ks < CH / 16; ++ks) {
+    unsigned b[2][2];
+    tile_b(s_vn, ks, b);
 #pragma unroll
-    for (int ks = 0; ks < CH / 16; ++ks)
+    for (int nb = 0; nb < 2; ++nb) mma_row(o[nb], pa[ks], b[nb][0], b[nb][1]);
+  }
+  if (mine) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if (ks * 16 + 2 * tq + (e & 1) + (e >= 2 ? 8 : 0) == p) vr[nb][ks][e] = vn_smem[nb * 8 + gq];
-#pragma unroll
-  for (int nb = 0; nb < 2; ++nb) {
-#pragma unroll
-    for (int ks = 0; ks < CH / 16; ++ks)
-      mma_row(o[nb], pa[ks], pack2(vr[nb][ks][0], vr[nb][ks][1]), pack2(vr[nb][ks][2], vr[nb][ks][3]));
-    if (mine) {
-      bf16* out = OUT + start * stride_ot + (long long)hv * stride_oh + v0 + nb * 8 + 2 * tq;
+    for (int nb = 0; nb < 2; ++nb) {
+      bf16* out = OUT + start * stride_ot + (long long)hv * stride_oh + v0 + c0 + nb * 8 + 2 * tq;
       out[0] = f2bf(hi ? o[nb][2] : o[nb][0]);
       out[1] = f2bf(hi ? o[nb][3] : o[nb][1]);
     }
   }
-  if (p < CH - 1) {  // the row's x and V' to the slot; a sequence that starts here gets a zero boundary state
-    if (lane < WV) {
-      CX[slot * SX + ((long long)p * HV + hv) * DV + v0 + lane] = x_own[lane];
-      CVN[slot * SVN + ((long long)p * HV + hv) * DV + v0 + lane] = vn_smem[lane];
+  // 3. the row's x and V' to the slot (a sequence that starts here also gets a zero boundary state), or, where
+  //    the row completes its chunk, its V' to VN_ROW for `decode_commit`
+  if (lane < WV) {
+    const bf16 vn = s_vn[p][c0 + lane];
+    if (p < CH - 1) {
+      const long long off = ((long long)p * HV + hv) * DV + v0 + c0 + lane;
+      CX[slot * SX + off] = x_own[c0 + lane];
+      CVN[slot * SVN + off] = vn;
+    } else {
+      VN_ROW[row * DV + v0 + c0 + lane] = vn;
     }
-    if (read < 0) {
-      float* st = STATE + slot * S_STATE + ((long long)hv * DV + v0) * DK;
-      for (int e = lane; e < WV * DK / 4; e += 32) reinterpret_cast<float4*>(st)[e] = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    return;
   }
-  // 3. the chunk completes (p = CH - 1, the whole block): S'^T = exp(G_last) S^T + V'^T y, y_j =
-  //    dt(k_j exp(G_last - G_j)) (the block's y^T in shared memory), by 16 x 8 output blocks over the warp's
-  //    16 value rows and the 128 key columns
-  const int hk = hv / RATIO;
+  if (p < CH - 1 && read < 0) {
+    float* st = STATE + slot * S_STATE + ((long long)hv * DV + v0 + c0) * DK;
+    for (int e = lane; e < WV * DK / 4; e += 32) reinterpret_cast<float4*>(st)[e] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+}
+
+#define BC 64                // value columns a decode_commit block
+#define CWARPS (BC / WV)     // warps a decode_commit block, WV value rows each
+#define CP (BC + 8)          // a staged V' row, bf16, padded
+
+// Program: block (sequence n, v head hv, v tile iv of BC columns), each warp WV value rows; only where the
+// sequence's row completes its chunk (HELD[n] = CH - 1; every other block returns at once). K, A: prepared
+// k_hat [T, HK, DK] and g [T, HV]; STATE, CVN, CK, CG: the cache's state, vnew, k and g; VN_ROW: the row's V'
+// (`decode_values`). S'^T = exp(G_last) S^T + V'^T y, y_j = dt(k_j exp(G_last - G_j)) (`state_after`, a
+// product the chunk kernels run as a 64-row wgmma, whose elements have mma.sync's bits on the H200), by 16 x 8
+// output blocks over the warp's value rows and the 128 key columns; S from READ's slot (zeros where -1), S'
+// to the sequence's slot.
+extern "C" __global__ void __launch_bounds__(32 * CWARPS) decode_commit(
+    const bf16* K, const float* A, float* STATE, const bf16* CVN, const bf16* CK, const float* CG, int S_STATE,
+    int SVN, int SK, int SG, const long long* START, const long long* HELD, const long long* SLOT,
+    const long long* READ, const bf16* VN_ROW, int n_seqs, int stride_kt, int stride_kh, int stride_at, int HK,
+    int HV, int DV, int RATIO, int VEC_K, int ALIGN16) {
+  __shared__ float s_g[CH], s_G[CH];
+  __shared__ unsigned s_y[DK][CH / 2 + 4];      // y^T in bf16 pairs (rows j, j + 1), padded: no bank conflicts
+  __shared__ __align__(16) bf16 s_vn[CH][CP];  // the chunk's V' rows at the block's columns
+  const int wid = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
+  const int tiles = DV / BC;
+  const long long prog = blockIdx.x;
+  if (prog >= (long long)n_seqs * HV * tiles) return;
+  const int iv = (int)(prog % tiles), hv = (int)(prog / tiles % HV), n = (int)(prog / tiles / HV);
+  const long long slot = SLOT[n];
+  if (slot < 0 || HELD[n] != CH - 1) return;  // a padded request, or no chunk completes
+  const int p = CH - 1, hk = hv / RATIO, v0 = iv * BC, r0 = wid * WV;  // r0: the warp's first value row
+  const long long start = START[n], read = READ[n], row = (long long)n * HV + hv;
+
+  // the chunk's V' rows (the slot's, the row's own from VN_ROW) to shared memory
+  for (int e = threadIdx.x; e < CH * BC / 8; e += 32 * CWARPS) {
+    const int j = e / (BC / 8), c = e % (BC / 8) * 8;
+    const bf16* src = j < p ? CVN + slot * SVN + ((long long)j * HV + hv) * DV + v0 + c : VN_ROW + row * DV + v0 + c;
+    stage16(&s_vn[j][c], src, true, ALIGN16);
+  }
+  cp_async_commit();
+  // the state's rows r0 + g, r0 + g + 8 at key columns nc * 8 + 2t (+1): the accumulators' layout
+  const float* s_rd = STATE + read * S_STATE + ((long long)hv * DV + v0 + r0) * DK;
+  float2 s[2][DK / 8];
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int nc = 0; nc < DK / 8; ++nc)
+      s[h][nc] = read >= 0 ? *reinterpret_cast<const float2*>(s_rd + (long long)(gq + 8 * h) * DK + nc * 8 + 2 * tq)
+                           : make_float2(0.f, 0.f);
   if (wid == 0) {
     for (int j = lane; j < CH; j += 32) s_g[j] = j < p ? CG[slot * SG + (long long)j * HV + hv] : A[start * stride_at + hv];
     gate_cumsum(s_g, s_G, lane);
@@ -420,34 +519,32 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) decode_values(
   const float e_last = texp(s_G[CH - 1]);
   const bf16* k_own = K + start * stride_kt + (long long)hk * stride_kh;
   // y^T to shared memory: a thread's task rows j, j + 1 (j / 2 the fastest: stores free of bank conflicts)
-  // at 8 key columns, 16 bytes a row (p = CH - 1: every row held or the row's own)
+  // at 8 key columns, 16 bytes a row (every row held or the row's own)
 #pragma unroll
-  for (int e = threadIdx.x; e < CH / 2 * (DK / 8); e += 32 * WARPS) {
+  for (int e = threadIdx.x; e < CH / 2 * (DK / 8); e += 32 * CWARPS) {
     const int jp = e % (CH / 2), d0 = e / (CH / 2) * 8, j = 2 * jp;
-    const uint4 r0 = chunk_key8(CK + slot * SK, k_own, j, p, HK, hk, d0, VEC_K);
-    const uint4 r1 = chunk_key8(CK + slot * SK, k_own, j + 1, p, HK, hk, d0, VEC_K);
-    const unsigned w0[4] = {r0.x, r0.y, r0.z, r0.w}, w1[4] = {r1.x, r1.y, r1.z, r1.w};
+    const uint4 r0k = chunk_key8(CK + slot * SK, k_own, j, p, HK, hk, d0, VEC_K);
+    const uint4 r1k = chunk_key8(CK + slot * SK, k_own, j + 1, p, HK, hk, d0, VEC_K);
+    const unsigned w0[4] = {r0k.x, r0k.y, r0k.z, r0k.w}, w1[4] = {r1k.x, r1k.y, r1k.z, r1k.w};
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const bf16 k0 = (bf16)(w0[i / 2] >> (16 * (i & 1))), k1 = (bf16)(w1[i / 2] >> (16 * (i & 1)));
       s_y[d0 + i][jp] = pack2(f2bf(__fmul_rn(bf2f(k0), s_g[j])), f2bf(__fmul_rn(bf2f(k1), s_g[j + 1])));
     }
   }
+  cp_async_wait_all();
   __syncthreads();
-  // A = V'^T (value rows gq, gq + 8; chunk rows j0.., j0 + 8..): step 2's V' fragments of both column blocks
+  // A = V'^T (value rows g, g + 8; chunk rows 2t.., 2t + 8..) from the staged V' rows (lane 8m + r: chunk row
+  // 16 ks + 8 (m >> 1) + r, value columns r0 + 8 (m & 1))
   unsigned va[CH / 16][4];
 #pragma unroll
-  for (int ks = 0; ks < CH / 16; ++ks) {
-    va[ks][0] = pack2(vr[0][ks][0], vr[0][ks][1]);
-    va[ks][1] = pack2(vr[1][ks][0], vr[1][ks][1]);
-    va[ks][2] = pack2(vr[0][ks][2], vr[0][ks][3]);
-    va[ks][3] = pack2(vr[1][ks][2], vr[1][ks][3]);
-  }
-  float* s_wr = STATE + slot * S_STATE + ((long long)hv * DV + v0) * DK;
+  for (int ks = 0; ks < CH / 16; ++ks)
+    ldsm_x4_trans(va[ks], &s_vn[ks * 16 + (lane >> 4) * 8 + (lane & 7)][r0 + ((lane >> 3) & 1) * 8]);
+  float* s_wr = STATE + slot * S_STATE + ((long long)hv * DV + v0 + r0) * DK;
 #pragma unroll
-  for (int nc = 0; nc < DK / 8; ++nc) {  // key columns nc * 8 + 2 tq (+ 1): step 0's s[.][nc / 2][nc % 2]
+  for (int nc = 0; nc < DK / 8; ++nc) {  // key columns nc * 8 + 2 tq (+ 1)
     const int d = nc * 8 + gq;           // B's column
-    const float2 s0 = s[0][nc / 2][nc % 2], s1 = s[1][nc / 2][nc % 2];  // `state_tile`
+    const float2 s0 = s[0][nc], s1 = s[1][nc];  // `state_tile`
     float acc[4] = {__fmul_rn(s0.x, e_last), __fmul_rn(s0.y, e_last), __fmul_rn(s1.x, e_last), __fmul_rn(s1.y, e_last)};
 #pragma unroll
     for (int ks = 0; ks < CH / 16; ++ks)

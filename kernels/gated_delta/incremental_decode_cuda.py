@@ -1,7 +1,7 @@
 """Design C's decode step in CUDA (`incremental_decode.cu`): `decode_weights` writes what
-`_decode_weights_kernel` (incremental_decode_triton.py) writes and `decode_values` what `_decode_kernel`
-writes, bit for bit, each warp issuing the chunk kernels' instructions on the row alone (the .cu file
-says which).
+`_decode_weights_kernel` (incremental_decode_triton.py) writes, and `decode_values` then `decode_commit`
+what `_decode_kernel` writes, bit for bit, each warp issuing the chunk kernels' instructions on the row
+alone (the .cu file says which).
 Compiled at first use by NVRTC through torch (`torch.cuda._compile_kernel`); bf16 inputs with d_k = 128 and
 d_v a multiple of 64, on CUDA devices with bf16 mma.sync (sm_80 on): `supported` tells, and the Triton
 kernels take the rest."""
@@ -14,9 +14,10 @@ import torch
 from . import incremental_cache as layout
 
 SOURCE = Path(__file__).with_name("incremental_decode.cu")
-WARPS = 4  # warps a decode_values block (the .cu file's WARPS; decode_weights: one)
 D_K = 128
-BV = 64  # value columns a decode_values block (the .cu file's BV)
+WV = 16  # value columns a warp of decode_values and decode_commit (the .cu file's WV; decode_weights: one warp)
+BV = 32  # value columns a decode_values block (the .cu file's BV)
+BC = 64  # value columns a decode_commit block (the .cu file's BC)
 _INT32 = 2**31 - 1
 
 
@@ -26,7 +27,7 @@ def supported(q_hat: torch.Tensor, d_v: int) -> bool:
         q_hat.is_cuda
         and q_hat.dtype == torch.bfloat16
         and q_hat.shape[2] == D_K
-        and d_v % BV == 0
+        and d_v % BC == 0
         and layout.CHUNK == 64
         and torch.cuda.get_device_capability(q_hat.device)[0] >= 8
         and hasattr(torch.cuda, "_compile_kernel")  # torch's NVRTC loader (torch 2.8 on)
@@ -52,12 +53,16 @@ def _int64_rows(*tensors: torch.Tensor) -> None:
             raise ValueError(f"the per-sequence rows must be contiguous int64 tensors, got {t.dtype} {t.stride()}")
 
 
+def _rows_aligned(*tensors: torch.Tensor, to: int = 16) -> int:
+    """1 where every row the kernels read of these tensors (last dim contiguous) starts on `to` bytes: they
+    then move 16 bytes at once (the cache's slots sit at vLLM's page stride, not always a multiple of 16)."""
+    return int(all(t.data_ptr() % to == 0 and all(s * t.element_size() % to == 0 for s in t.stride()[:-1])
+                   for t in tensors))  # fmt: skip
+
+
 def _rows_16_aligned(cache_k: torch.Tensor, k_hat: torch.Tensor) -> int:
-    """1 where every key row the kernels read (the cache's and the step's) starts on 16 bytes: they then
-    load 8 bf16 at once (the cache's slots sit at vLLM's page stride, not always a multiple of 16 bytes)."""
-    starts = (cache_k.data_ptr(), k_hat.data_ptr())
-    strides = (cache_k.stride(0), cache_k.stride(2), k_hat.stride(0), k_hat.stride(1))
-    return int(all(a % 16 == 0 for a in starts) and all(s % 8 == 0 for s in strides))
+    """`_rows_aligned` for the key rows (the cache's and the step's)."""
+    return _rows_aligned(cache_k, k_hat)
 
 
 def weights_args(q_hat, k_hat, g, beta, cache, start, held, slots, rows) -> tuple[int, list]:
@@ -73,17 +78,38 @@ def weights_args(q_hat, k_hat, g, beta, cache, start, held, slots, rows) -> tupl
     return strides[6], args
 
 
-def values_args(k_hat, g, x, out, cache, start, held, slots, read, rows) -> tuple[int, list]:
-    """(grid, arguments) of `decode_values`: k_hat, g, x the prepared rows ([T, HK, DK], [T, HV] fp32,
-    dt(beta v) [T, HV, DV]); out [T, HV, DV]; read int64 [N] (-1: a zero state)."""
-    n_seqs, hk, hv, d_v = start.shape[0], k_hat.shape[1], x.shape[1], x.shape[2]
+def _staged_rows(x: torch.Tensor, cache) -> int:
+    """ALIGN16 of `decode_values` and `decode_commit`: 1 where the rows they stage (the cache's state, x and
+    vnew, the step's x) start on 16 bytes, else 0 (4-byte copies; ValueError where rows are not 4-byte
+    aligned, which no cache layout of ours produces)."""
+    staged = (cache.state, cache.x, cache.vnew, x)
+    if not _rows_aligned(*staged, to=4):
+        raise ValueError("the decode step's staged rows (cache.state, cache.x, cache.vnew, x) must start on "
+                         "4-byte boundaries; allocate the cache with IncrementalCache.empty or vLLM's hybrid cache")
+    return _rows_aligned(*staged)
+
+
+def values_args(x, out, cache, start, held, slots, read, rows, vn_row) -> tuple[int, list]:
+    """(grid, arguments) of `decode_values`: x the prepared dt(beta v) [T, HV, DV]; out [T, HV, DV]; read
+    int64 [N] (-1: a zero state); vn_row [N, HV, DV] the completing rows' V' (for `decode_commit`)."""
+    n_seqs, hv, d_v = start.shape[0], x.shape[1], x.shape[2]
     _int64_rows(start, held, slots, read)
-    slot_strides = _int32("slot strides", (t.stride(0) for t in (cache.state, cache.x, cache.vnew, cache.k, cache.g)))
-    strides = _int32("strides", (x.stride(0), x.stride(1), k_hat.stride(0), k_hat.stride(1), g.stride(0), out.stride(0),
-                                 out.stride(1), n_seqs * hv * d_v // BV))  # fmt: skip
-    args = [x, k_hat, g, out, cache.state, cache.x, cache.vnew, cache.k, cache.g, *slot_strides, start, held, slots,
-            read, *rows, n_seqs, *strides[:7], hk, hv, d_v, hv // hk, _rows_16_aligned(cache.k, k_hat)]  # fmt: skip
-    return strides[7], args
+    slot_strides = _int32("slot strides", (t.stride(0) for t in (cache.state, cache.x, cache.vnew)))
+    strides = _int32("strides", (x.stride(0), x.stride(1), out.stride(0), out.stride(1), n_seqs * hv * d_v // BV))
+    args = [x, out, cache.state, cache.x, cache.vnew, *slot_strides, start, held, slots, read, *rows, vn_row, n_seqs,
+            *strides[:4], hv, d_v, _staged_rows(x, cache)]  # fmt: skip
+    return strides[4], args
+
+
+def commit_args(k_hat, g, x, cache, start, held, slots, read, vn_row) -> tuple[int, list]:
+    """(grid, arguments) of `decode_commit`: k_hat, g the prepared rows ([T, HK, DK], [T, HV] fp32)."""
+    n_seqs, hk, hv, d_v = start.shape[0], k_hat.shape[1], g.shape[1], x.shape[2]
+    slot_strides = _int32("slot strides", (t.stride(0) for t in (cache.state, cache.vnew, cache.k, cache.g)))
+    strides = _int32("strides", (k_hat.stride(0), k_hat.stride(1), g.stride(0), n_seqs * hv * d_v // BC))
+    args = [k_hat, g, cache.state, cache.vnew, cache.k, cache.g, *slot_strides, start, held, slots, read, vn_row,
+            n_seqs, *strides[:3], hk, hv, d_v, hv // hk, _rows_16_aligned(cache.k, k_hat),
+            _staged_rows(x, cache)]  # fmt: skip
+    return strides[3], args
 
 
 def _launch(name: str, grid: int, warps: int, args: list, device: torch.device) -> None:
@@ -98,6 +124,10 @@ def decode_weights(q_hat, k_hat, g, beta, cache, start, held, slots, rows) -> No
 
 def decode_values(k_hat, g, x, out, cache, start, held, slots, read, rows) -> None:
     """`_decode_kernel`'s work: U, V' and o from `decode_weights`' rows; the row's x and V' to the slot (zeros
-    to the state of a sequence that starts here), or the state update of a completed chunk (`values_args`)."""
-    grid, args = values_args(k_hat, g, x, out, cache, start, held, slots, read, rows)
-    _launch("decode_values", grid, WARPS, args, x.device)
+    to the state of a sequence that starts here), or the state update of a completed chunk (`decode_commit`,
+    a second launch whose blocks return at once where no chunk completes)."""
+    vn_row = torch.empty(start.shape[0], x.shape[1], x.shape[2], dtype=x.dtype, device=x.device)
+    grid, args = values_args(x, out, cache, start, held, slots, read, rows, vn_row)
+    _launch("decode_values", grid, BV // WV, args, x.device)
+    grid, args = commit_args(k_hat, g, x, cache, start, held, slots, read, vn_row)
+    _launch("decode_commit", grid, BC // WV, args, x.device)

@@ -1,6 +1,7 @@
 // Compiles kernels/gated_delta/incremental_decode.cu for the CPU, to run its warps as 32 host threads each
-// (simt_harness.cpp): CUDA's qualifiers and built-ins, the warp barrier, and stand-ins for the three
-// instructions the .cu file issues in asm (cvt.rn.bf16.f32, ex2.approx.f32, mma.sync m16n8k16). The
+// (simt_harness.cpp): CUDA's qualifiers and built-ins, the warp barrier, and stand-ins for the instructions
+// the .cu file issues in asm (cvt.rn.bf16.f32 and .bf16x2, ex2.approx.f32, mma.sync m16n8k16, ldmatrix.trans,
+// cp.async: a copy at once, zeros where the source is not there). The
 // stand-ins follow the PTX ISA's fragment layouts; they round to bf16 toward zero as the Triton interpreter
 // does (the reference the test compares with), the MMA sums in fp32 and exp2f is not ex2.approx: outputs
 // near the interpreter's, not the GPU's bits. What this checks is the indexing, the fragments and the
@@ -59,6 +60,7 @@ inline void __syncthreads() { host_block->arrive_and_wait(); }
 inline unsigned short f2bf(float x) {  // toward zero, as the Triton interpreter rounds (the GPU: to nearest even)
   return (unsigned short)(host_bits(x) >> 16);
 }
+inline unsigned f2bf2(float lo, float hi) { return (unsigned)f2bf(lo) | ((unsigned)f2bf(hi) << 16); }
 inline float texp(float x) { return std::exp2(x * __int_as_float(0x3FB8AA3B)); }
 
 struct HostMmaLane {
@@ -86,4 +88,32 @@ inline void mma16816(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a
   }
   host_warp->arrive_and_wait();  // every lane has read the fragments before any lane's next MMA writes its own
   for (int e = 0; e < 4; ++e) c[e] = out[e];
+}
+
+inline void cp_async16(void* dst, const void* src, bool valid) {
+  if (valid) std::memcpy(dst, src, 16);
+  else std::memset(dst, 0, 16);
+}
+inline void cp_async4(void* dst, const void* src, bool valid) {
+  if (valid) std::memcpy(dst, src, 4);
+  else std::memset(dst, 0, 4);
+}
+inline void cp_async_commit() {}
+inline void cp_async_wait_all() {}  // the copies are done; the block's barrier that follows orders them
+
+inline const void* host_ldsm[32][32];  // [warp][lane]: the row addresses of ldmatrix
+
+// ldmatrix.x4.trans: lane 8m + r gives row r's address of 8 x 8 bf16 matrix m; lane (g = lane / 4, t = lane %
+// 4) gets, of each matrix, rows 2t (low half) and 2t + 1 (high half) at column g
+inline void ldsm_x4_trans(unsigned* r, const void* row_addr) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const void** warp = host_ldsm[threadIdx.x >> 5];
+  warp[lane] = row_addr;
+  host_warp->arrive_and_wait();
+  for (int m = 0; m < 4; ++m) {
+    const unsigned short* lo = static_cast<const unsigned short*>(warp[8 * m + 2 * t]);
+    const unsigned short* hi = static_cast<const unsigned short*>(warp[8 * m + 2 * t + 1]);
+    r[m] = (unsigned)lo[g] | ((unsigned)hi[g] << 16);
+  }
+  host_warp->arrive_and_wait();  // every lane has read before any lane's next ldmatrix posts its address
 }

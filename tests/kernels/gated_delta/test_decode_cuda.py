@@ -25,7 +25,7 @@ D = 128
 
 def test_the_cuda_source_ships_with_the_package():
     """The .cu file the launcher compiles sits beside it and is package data (a wheel carries it), with
-    both kernels the launcher names."""
+    the three kernels the launcher names, at the launcher's tile widths."""
     import tomllib
 
     root = Path(__file__).resolve().parents[3]
@@ -33,8 +33,10 @@ def test_the_cuda_source_ships_with_the_package():
     assert "*.cu" in data["vexact_vllm.kernels.gated_delta"]
     source = cuda_weights.SOURCE.read_text()
     assert "__global__ void __launch_bounds__(32) decode_weights(" in source
-    assert "__global__ void __launch_bounds__(32 * WARPS) decode_values(" in source
-    assert f"#define WARPS {cuda_weights.WARPS}" in source and f"#define BV {cuda_weights.BV}" in source
+    assert "__global__ void __launch_bounds__(32 * VWARPS) decode_values(" in source
+    assert "__global__ void __launch_bounds__(32 * CWARPS) decode_commit(" in source
+    for name in ("WV", "BV", "BC"):
+        assert f"#define {name} {getattr(cuda_weights, name)} " in source
 
 
 def _random_case(hk, hv, n, seed):
@@ -65,11 +67,14 @@ def _scratch(n, hv):
             torch.full((n, hv, layout.CHUNK), 7.0, **bf), torch.full((n, hv, D), 7.0, **bf))  # fmt: skip
 
 
-def _keys_off_16_bytes(cache):
-    """The cache's keys moved 8 bytes off a 16-byte boundary (a page stride can put them there): the kernels
-    then load them 4 bytes at a time."""
-    moved = torch.zeros(cache.k.numel() + 4, dtype=cache.k.dtype, device=cache.k.device)[4:].view(cache.k.shape)
-    cache.k = moved.copy_(cache.k)
+def _rows_off_16_bytes(cache, names):
+    """The cache's tensors `names` moved 8 bytes off a 16-byte boundary (a page stride can put them there):
+    the kernels then load those rows 4 bytes at a time."""
+    for name in names:
+        t = getattr(cache, name)
+        shift = 8 // t.element_size()
+        moved = torch.zeros(t.numel() + shift, dtype=t.dtype, device=t.device)[shift:].view(t.shape)
+        setattr(cache, name, moved.copy_(t))
 
 
 def _first_difference(name, got, want, held):
@@ -104,7 +109,8 @@ def test_cuda_weights_kernel_matches_the_triton_kernel(hk, hv, n, seed):
 def test_cuda_decode_step_matches_the_triton_step(hk, hv, n, seed, monkeypatch):
     """decode_forward with the CUDA kernels against the Triton kernels: every output row and every cache
     tensor, random states and slot rows, rows that complete their chunk (the state update) and sequences
-    that start at the step (no state read) among them; in one case the cache's keys off 16-byte alignment."""
+    that start at the step (no state read) among them; in one case the cache's keys, states, x and V' rows off
+    16-byte alignment."""
     gen = torch.Generator().manual_seed(seed)
     _, _, _, _, cache, start, held, slots = _random_case(hk, hv, n, seed)
     cache.state.copy_(torch.randn(cache.state.shape, generator=gen) * 0.3)
@@ -124,7 +130,7 @@ def test_cuda_decode_step_matches_the_triton_step(hk, hv, n, seed, monkeypatch):
         monkeypatch.setattr(cuda_weights, "supported", lambda q_hat, d_v, cuda=cuda: cuda)
         ours = layout.IncrementalCache(*(t.clone() for t in cache.tensors()))
         if seed == 6:
-            _keys_off_16_bytes(ours)
+            _rows_off_16_bytes(ours, ("k", "state", "x", "vnew"))
         out = torch.full((n_rows, hv, D), 7.0, dtype=torch.bfloat16, device="cuda")
         triton_decode.decode_forward(q, k, v, a, b, A_log, dt_bias, out, ours, start, held, slots, read)
         results.append((out, ours))
@@ -166,10 +172,11 @@ def _host_call(fn, grid, args):
 @pytest.mark.parametrize("hk,hv,seed", [(2, 2, 9), (2, 4, 10)])
 def test_host_emulation_of_the_cuda_step_is_close_to_the_interpreted_step(host_kernels, interpreted_modules, hk, hv,
                                                                            seed):  # fmt: skip
-    """Both CUDA kernels (g++, warps emulated) against the interpreted Triton step on the CPU, at Qwen3.5's
+    """The three CUDA kernels (g++, warps emulated) against the interpreted Triton step on the CPU, at Qwen3.5's
     head width (d_k = d_v = 128, chunks of 64): rows in the first and a later row tile, the completing row
     (state update), a fresh sequence (zero state) and a padded request, then random positions with two
-    key heads (one and two v heads a key head, the cache's keys then off 16-byte alignment: 4-byte loads);
+    key heads (one and two v heads a key head, the cache's keys, states, x and V' rows then off 16-byte
+    alignment: 4-byte loads);
     outputs and every cache tensor
     within the sums' orders (both round to bf16 toward zero here; exp2f against NumPy's exp)."""
     package = "vexact_vllm.kernels.gated_delta."
@@ -202,7 +209,7 @@ def test_host_emulation_of_the_cuda_step_is_close_to_the_interpreted_step(host_k
     q_hat, k_hat, x, g, beta = dec.prepared_rows(q, k, v, a, b, A_log, dt_bias, start, slots)
     got_cache = layout.IncrementalCache(*(t.clone() for t in cache.tensors()))
     if seed == 10:
-        _keys_off_16_bytes(got_cache)
+        _rows_off_16_bytes(got_cache, ("k", "state", "x", "vnew"))
     got = torch.zeros(n_rows, hv, D, dtype=torch.bfloat16)
     n = start.shape[0]
     rows = (torch.zeros(n, hv, layout.CHUNK), torch.zeros(n, hv, D, dtype=torch.bfloat16),
@@ -210,8 +217,12 @@ def test_host_emulation_of_the_cuda_step_is_close_to_the_interpreted_step(host_k
     assert cuda_weights.weights_args(q_hat, k_hat, g, beta, got_cache, start, held, slots, rows)[1][-1] == (seed != 10)
     _host_call(host_kernels.run_decode_weights,
                *cuda_weights.weights_args(q_hat, k_hat, g, beta, got_cache, start, held, slots, rows))  # fmt: skip
+    vn_row = torch.zeros(n, hv, D, dtype=torch.bfloat16)
+    assert cuda_weights.values_args(x, got, got_cache, start, held, slots, read, rows, vn_row)[1][-1] == (seed != 10)
     _host_call(host_kernels.run_decode_values,
-               *cuda_weights.values_args(k_hat, g, x, got, got_cache, start, held, slots, read, rows))  # fmt: skip
+               *cuda_weights.values_args(x, got, got_cache, start, held, slots, read, rows, vn_row))  # fmt: skip
+    _host_call(host_kernels.run_decode_commit,
+               *cuda_weights.commit_args(k_hat, g, x, got_cache, start, held, slots, read, vn_row))  # fmt: skip
     live = slots >= 0
     _assert_near("out", got[start[live]], want[start[live]])
     for m in ("state", "k", "x", "g", "beta", "t", "vnew"):
