@@ -300,6 +300,20 @@ __device__ __forceinline__ unsigned f2bf2(float lo, float hi) {
 }
 #endif
 
+// Two consecutive floats (8 bytes at once where ALIGN16: the rows start on 16 bytes; else one at a time)
+__device__ __forceinline__ float2 load_f2(const float* p, int align16) {
+  return align16 ? *reinterpret_cast<const float2*>(p) : make_float2(p[0], p[1]);
+}
+
+__device__ __forceinline__ void store_f2(float* p, float x, float y, int align16) {
+  if (align16) {
+    *reinterpret_cast<float2*>(p) = make_float2(x, y);
+  } else {
+    p[0] = x;
+    p[1] = y;
+  }
+}
+
 // 16 bytes from src to shared dst (zeros where !valid): one copy where ALIGN16, else four of 4 bytes
 __device__ __forceinline__ void stage16(void* dst, const void* src, bool valid, int align16) {
   if (align16) {
@@ -461,7 +475,10 @@ extern "C" __global__ void __launch_bounds__(32 * VWARPS) decode_values(
   }
   if (p < CH - 1 && read < 0) {
     float* st = STATE + slot * S_STATE + ((long long)hv * DV + v0 + c0) * DK;
-    for (int e = lane; e < WV * DK / 4; e += 32) reinterpret_cast<float4*>(st)[e] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (ALIGN16)
+      for (int e = lane; e < WV * DK / 4; e += 32) reinterpret_cast<float4*>(st)[e] = make_float4(0.f, 0.f, 0.f, 0.f);
+    else
+      for (int e = lane; e < WV * DK; e += 32) st[e] = 0.f;
   }
 }
 
@@ -508,7 +525,7 @@ extern "C" __global__ void __launch_bounds__(32 * CWARPS) decode_commit(
   for (int h = 0; h < 2; ++h)
 #pragma unroll
     for (int nc = 0; nc < DK / 8; ++nc)
-      s[h][nc] = read >= 0 ? *reinterpret_cast<const float2*>(s_rd + (long long)(gq + 8 * h) * DK + nc * 8 + 2 * tq)
+      s[h][nc] = read >= 0 ? load_f2(s_rd + (long long)(gq + 8 * h) * DK + nc * 8 + 2 * tq, ALIGN16)
                            : make_float2(0.f, 0.f);
   if (wid == 0) {
     for (int j = lane; j < CH; j += 32) s_g[j] = j < p ? CG[slot * SG + (long long)j * HV + hv] : A[start * stride_at + hv];
@@ -550,7 +567,7 @@ extern "C" __global__ void __launch_bounds__(32 * CWARPS) decode_commit(
     for (int ks = 0; ks < CH / 16; ++ks)
       mma16816(acc, va[ks][0], va[ks][1], va[ks][2], va[ks][3], s_y[d][ks * 8 + tq], s_y[d][ks * 8 + 4 + tq]);
     const int c = nc * 8 + 2 * tq;
-    *reinterpret_cast<float2*>(s_wr + (long long)gq * DK + c) = make_float2(acc[0], acc[1]);
-    *reinterpret_cast<float2*>(s_wr + (long long)(gq + 8) * DK + c) = make_float2(acc[2], acc[3]);
+    store_f2(s_wr + (long long)gq * DK + c, acc[0], acc[1], ALIGN16);
+    store_f2(s_wr + (long long)(gq + 8) * DK + c, acc[2], acc[3], ALIGN16);
   }
 }
