@@ -15,7 +15,8 @@ from . import incremental_cache as layout
 
 SOURCE = Path(__file__).with_name("incremental_decode.cu")
 D_K = 128
-WV = 16  # value columns a warp of decode_values and decode_commit (the .cu file's WV; decode_weights: one warp)
+WWARPS = 4  # warps a decode_weights block (the .cu file's WWARPS)
+WV = 16  # value columns a warp of decode_values and decode_commit (the .cu file's WV)
 BV = 32  # value columns a decode_values block (the .cu file's BV)
 BC = 64  # value columns a decode_commit block (the .cu file's BC)
 _INT32 = 2**31 - 1
@@ -60,11 +61,6 @@ def _rows_aligned(*tensors: torch.Tensor, to: int = 16) -> int:
                    for t in tensors))  # fmt: skip
 
 
-def _rows_16_aligned(cache_k: torch.Tensor, k_hat: torch.Tensor) -> int:
-    """`_rows_aligned` for the key rows (the cache's and the step's)."""
-    return _rows_aligned(cache_k, k_hat)
-
-
 def weights_args(q_hat, k_hat, g, beta, cache, start, held, slots, rows) -> tuple[int, list]:
     """(grid, arguments) of `decode_weights`: rows = (t_row, w_row, p_row, qg_row) scratch rows [N, HV, ...];
     start, held, slots int64 [N] (slots -1: a padded request, skipped)."""
@@ -74,7 +70,7 @@ def weights_args(q_hat, k_hat, g, beta, cache, start, held, slots, rows) -> tupl
     strides = _int32("strides", (q_hat.stride(0), q_hat.stride(1), k_hat.stride(0), k_hat.stride(1), g.stride(0),
                                  beta.stride(0), n_seqs * hv))  # fmt: skip
     args = [q_hat, k_hat, g, beta, cache.k, cache.g, cache.beta, cache.t, *slot_strides, start, held, slots, *rows,
-            n_seqs, *strides[:6], hk, hv, hv // hk, _rows_16_aligned(cache.k, k_hat)]  # fmt: skip
+            n_seqs, *strides[:6], hk, hv, hv // hk, _rows_aligned(cache.k, k_hat, cache.t)]  # fmt: skip
     return strides[6], args
 
 
@@ -107,7 +103,7 @@ def commit_args(k_hat, g, x, cache, start, held, slots, read, vn_row) -> tuple[i
     slot_strides = _int32("slot strides", (t.stride(0) for t in (cache.state, cache.vnew, cache.k, cache.g)))
     strides = _int32("strides", (k_hat.stride(0), k_hat.stride(1), g.stride(0), n_seqs * hv * d_v // BC))
     args = [k_hat, g, cache.state, cache.vnew, cache.k, cache.g, *slot_strides, start, held, slots, read, vn_row,
-            n_seqs, *strides[:3], hk, hv, d_v, hv // hk, _rows_16_aligned(cache.k, k_hat),
+            n_seqs, *strides[:3], hk, hv, d_v, hv // hk, _rows_aligned(cache.k, k_hat),
             _staged_rows(x, cache)]  # fmt: skip
     return strides[3], args
 
@@ -119,7 +115,7 @@ def _launch(name: str, grid: int, warps: int, args: list, device: torch.device) 
 def decode_weights(q_hat, k_hat, g, beta, cache, start, held, slots, rows) -> None:
     """`_decode_weights_kernel`'s work (`weights_args`)."""
     grid, args = weights_args(q_hat, k_hat, g, beta, cache, start, held, slots, rows)
-    _launch("decode_weights", grid, 1, args, q_hat.device)
+    _launch("decode_weights", grid, WWARPS, args, q_hat.device)
 
 
 def decode_values(k_hat, g, x, out, cache, start, held, slots, read, rows) -> None:

@@ -32,10 +32,10 @@ def test_the_cuda_source_ships_with_the_package():
     data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     assert "*.cu" in data["vexact_vllm.kernels.gated_delta"]
     source = cuda_weights.SOURCE.read_text()
-    assert "__global__ void __launch_bounds__(32) decode_weights(" in source
+    assert "__global__ void __launch_bounds__(32 * WWARPS) decode_weights(" in source
     assert "__global__ void __launch_bounds__(32 * VWARPS) decode_values(" in source
     assert "__global__ void __launch_bounds__(32 * CWARPS) decode_commit(" in source
-    for name in ("WV", "BV", "BC"):
+    for name in ("WWARPS", "WV", "BV", "BC"):
         assert f"#define {name} {getattr(cuda_weights, name)} " in source
 
 
