@@ -490,12 +490,12 @@ extern "C" __global__ void __launch_bounds__(32 * VWARPS) decode_values(
   }
 }
 
-#define BC 64                // value columns a decode_commit block
+#define BC 64                // value columns a decode_commit tile
 #define CWARPS (BC / WV)     // warps a decode_commit block, WV value rows each
 #define CP (BC + 8)          // a staged V' row, bf16, padded
 
-// Program: block (sequence n, v head hv, v tile iv of BC columns), each warp WV value rows; only where the
-// sequence's row completes its chunk (HELD[n] = CH - 1; every other block returns at once). K, A: prepared
+// Program: block (sequence n, v head hv), each warp WV value rows of a tile of BC, tile after tile; only where
+// the sequence's row completes its chunk (HELD[n] = CH - 1; every other block returns at once). K, A: prepared
 // k_hat [T, HK, DK] and g [T, HV]; STATE, CVN, CK, CG: the cache's state, vnew, k and g; VN_ROW: the row's V'
 // (`decode_values`). S'^T = exp(G_last) S^T + V'^T y, y_j = dt(k_j exp(G_last - G_j)) (`state_after`, a
 // product the chunk kernels run as a 64-row wgmma, whose elements have mma.sync's bits on the H200), by 16 x 8
@@ -508,33 +508,16 @@ extern "C" __global__ void __launch_bounds__(32 * CWARPS) decode_commit(
     int HV, int DV, int RATIO, int VEC_K, int ALIGN16) {
   __shared__ float s_g[CH], s_G[CH];
   __shared__ unsigned s_y[DK][CH / 2 + 4];      // y^T in bf16 pairs (rows j, j + 1), padded: no bank conflicts
-  __shared__ __align__(16) bf16 s_vn[CH][CP];  // the chunk's V' rows at the block's columns
+  __shared__ __align__(16) bf16 s_vn[CH][CP];  // the chunk's V' rows at the tile's columns
   const int wid = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
-  const int tiles = DV / BC;
   const long long prog = blockIdx.x;
-  if (prog >= (long long)n_seqs * HV * tiles) return;
-  const int iv = (int)(prog % tiles), hv = (int)(prog / tiles % HV), n = (int)(prog / tiles / HV);
+  if (prog >= (long long)n_seqs * HV) return;
+  const int hv = (int)(prog % HV), n = (int)(prog / HV);
   const long long slot = SLOT[n];
   if (slot < 0 || HELD[n] != CH - 1) return;  // a padded request, or no chunk completes
-  const int p = CH - 1, hk = hv / RATIO, v0 = iv * BC, r0 = wid * WV;  // r0: the warp's first value row
+  const int p = CH - 1, hk = hv / RATIO, r0 = wid * WV;  // r0: the warp's first value row of a tile
   const long long start = START[n], read = READ[n], row = (long long)n * HV + hv;
 
-  // the chunk's V' rows (the slot's, the row's own from VN_ROW) to shared memory
-  for (int e = threadIdx.x; e < CH * BC / 8; e += 32 * CWARPS) {
-    const int j = e / (BC / 8), c = e % (BC / 8) * 8;
-    const bf16* src = j < p ? CVN + slot * SVN + ((long long)j * HV + hv) * DV + v0 + c : VN_ROW + row * DV + v0 + c;
-    stage16(&s_vn[j][c], src, true, ALIGN16);
-  }
-  cp_async_commit();
-  // the state's rows r0 + g, r0 + g + 8 at key columns nc * 8 + 2t (+1): the accumulators' layout
-  const float* s_rd = STATE + read * S_STATE + ((long long)hv * DV + v0 + r0) * DK;
-  float2 s[2][DK / 8];
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
-#pragma unroll
-    for (int nc = 0; nc < DK / 8; ++nc)
-      s[h][nc] = read >= 0 ? load_f2(s_rd + (long long)(gq + 8 * h) * DK + nc * 8 + 2 * tq, ALIGN16)
-                           : make_float2(0.f, 0.f);
   if (wid == 0) {
     for (int j = lane; j < CH; j += 32) s_g[j] = j < p ? CG[slot * SG + (long long)j * HV + hv] : A[start * stride_at + hv];
     gate_cumsum(s_g, s_G, lane);
@@ -557,25 +540,45 @@ extern "C" __global__ void __launch_bounds__(32 * CWARPS) decode_commit(
       s_y[d0 + i][jp] = pack2(f2bf(__fmul_rn(bf2f(k0), s_g[j])), f2bf(__fmul_rn(bf2f(k1), s_g[j + 1])));
     }
   }
-  cp_async_wait_all();
-  __syncthreads();
-  // A = V'^T (value rows g, g + 8; chunk rows 2t.., 2t + 8..) from the staged V' rows (lane 8m + r: chunk row
-  // 16 ks + 8 (m >> 1) + r, value columns r0 + 8 (m & 1))
-  unsigned va[CH / 16][4];
+  for (int v0 = 0; v0 < DV; v0 += BC) {
+    // the chunk's V' rows at the tile's columns (the slot's, the row's own from VN_ROW) to shared memory
+    for (int e = threadIdx.x; e < CH * BC / 8; e += 32 * CWARPS) {
+      const int j = e / (BC / 8), c = e % (BC / 8) * 8;
+      const bf16* src = j < p ? CVN + slot * SVN + ((long long)j * HV + hv) * DV + v0 + c : VN_ROW + row * DV + v0 + c;
+      stage16(&s_vn[j][c], src, true, ALIGN16);
+    }
+    cp_async_commit();
+    // the state's rows r0 + g, r0 + g + 8 at key columns nc * 8 + 2t (+1): the accumulators' layout
+    const float* s_rd = STATE + read * S_STATE + ((long long)hv * DV + v0 + r0) * DK;
+    float2 s[2][DK / 8];
 #pragma unroll
-  for (int ks = 0; ks < CH / 16; ++ks)
-    ldsm_x4_trans(va[ks], &s_vn[ks * 16 + (lane >> 4) * 8 + (lane & 7)][r0 + ((lane >> 3) & 1) * 8]);
-  float* s_wr = STATE + slot * S_STATE + ((long long)hv * DV + v0 + r0) * DK;
+    for (int h = 0; h < 2; ++h)
 #pragma unroll
-  for (int nc = 0; nc < DK / 8; ++nc) {  // key columns nc * 8 + 2 tq (+ 1)
-    const int d = nc * 8 + gq;           // B's column
-    const float2 s0 = s[0][nc], s1 = s[1][nc];  // `state_tile`
-    float acc[4] = {__fmul_rn(s0.x, e_last), __fmul_rn(s0.y, e_last), __fmul_rn(s1.x, e_last), __fmul_rn(s1.y, e_last)};
+      for (int nc = 0; nc < DK / 8; ++nc)
+        s[h][nc] = read >= 0 ? load_f2(s_rd + (long long)(gq + 8 * h) * DK + nc * 8 + 2 * tq, ALIGN16)
+                             : make_float2(0.f, 0.f);
+    cp_async_wait_all();
+    __syncthreads();
+    // A = V'^T (value rows g, g + 8; chunk rows 2t.., 2t + 8..) from the staged V' rows (lane 8m + r: chunk
+    // row 16 ks + 8 (m >> 1) + r, value columns r0 + 8 (m & 1))
+    unsigned va[CH / 16][4];
 #pragma unroll
     for (int ks = 0; ks < CH / 16; ++ks)
-      mma16816(acc, va[ks][0], va[ks][1], va[ks][2], va[ks][3], s_y[d][ks * 8 + tq], s_y[d][ks * 8 + 4 + tq]);
-    const int c = nc * 8 + 2 * tq;
-    store_f2(s_wr + (long long)gq * DK + c, acc[0], acc[1], ALIGN16);
-    store_f2(s_wr + (long long)(gq + 8) * DK + c, acc[2], acc[3], ALIGN16);
+      ldsm_x4_trans(va[ks], &s_vn[ks * 16 + (lane >> 4) * 8 + (lane & 7)][r0 + ((lane >> 3) & 1) * 8]);
+    float* s_wr = STATE + slot * S_STATE + ((long long)hv * DV + v0 + r0) * DK;
+#pragma unroll
+    for (int nc = 0; nc < DK / 8; ++nc) {  // key columns nc * 8 + 2 tq (+ 1)
+      const int d = nc * 8 + gq;           // B's column
+      const float2 s0 = s[0][nc], s1 = s[1][nc];  // `state_tile`
+      float acc[4] = {__fmul_rn(s0.x, e_last), __fmul_rn(s0.y, e_last), __fmul_rn(s1.x, e_last),
+                      __fmul_rn(s1.y, e_last)};
+#pragma unroll
+      for (int ks = 0; ks < CH / 16; ++ks)
+        mma16816(acc, va[ks][0], va[ks][1], va[ks][2], va[ks][3], s_y[d][ks * 8 + tq], s_y[d][ks * 8 + 4 + tq]);
+      const int c = nc * 8 + 2 * tq;
+      store_f2(s_wr + (long long)gq * DK + c, acc[0], acc[1], ALIGN16);
+      store_f2(s_wr + (long long)(gq + 8) * DK + c, acc[2], acc[3], ALIGN16);
+    }
+    __syncthreads();  // every warp has read the tile's V' rows before the next tile's copies land
   }
 }

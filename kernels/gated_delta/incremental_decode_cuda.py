@@ -18,7 +18,7 @@ D_K = 128
 WWARPS = 4  # warps a decode_weights block (the .cu file's WWARPS)
 WV = 16  # value columns a warp of decode_values and decode_commit (the .cu file's WV)
 BV = 32  # value columns a decode_values block (the .cu file's BV)
-BC = 64  # value columns a decode_commit block (the .cu file's BC)
+BC = 64  # value columns a decode_commit block's tile (the .cu file's BC)
 _INT32 = 2**31 - 1
 
 
@@ -101,7 +101,7 @@ def commit_args(k_hat, g, x, cache, start, held, slots, read, vn_row) -> tuple[i
     """(grid, arguments) of `decode_commit`: k_hat, g the prepared rows ([T, HK, DK], [T, HV] fp32)."""
     n_seqs, hk, hv, d_v = start.shape[0], k_hat.shape[1], g.shape[1], x.shape[2]
     slot_strides = _int32("slot strides", (t.stride(0) for t in (cache.state, cache.vnew, cache.k, cache.g)))
-    strides = _int32("strides", (k_hat.stride(0), k_hat.stride(1), g.stride(0), n_seqs * hv * d_v // BC))
+    strides = _int32("strides", (k_hat.stride(0), k_hat.stride(1), g.stride(0), n_seqs * hv))
     args = [k_hat, g, cache.state, cache.vnew, cache.k, cache.g, *slot_strides, start, held, slots, read, vn_row,
             n_seqs, *strides[:3], hk, hv, d_v, hv // hk, _rows_aligned(cache.k, k_hat),
             _staged_rows(x, cache)]  # fmt: skip
@@ -121,7 +121,7 @@ def decode_weights(q_hat, k_hat, g, beta, cache, start, held, slots, rows) -> No
 def decode_values(k_hat, g, x, out, cache, start, held, slots, read, rows) -> None:
     """`_decode_kernel`'s work: U, V' and o from `decode_weights`' rows; the row's x and V' to the slot (zeros
     to the state of a sequence that starts here), or the state update of a completed chunk (`decode_commit`,
-    a second launch whose blocks return at once where no chunk completes)."""
+    a second launch, a block a (sequence, v head), whose blocks return at once where no chunk completes)."""
     vn_row = torch.empty(start.shape[0], x.shape[1], x.shape[2], dtype=x.dtype, device=x.device)
     grid, args = values_args(x, out, cache, start, held, slots, read, rows, vn_row)
     _launch("decode_values", grid, BV // WV, args, x.device)
