@@ -40,7 +40,7 @@ table prints last; --output gets every number, the device, the versions, the com
 schema) for the lead to paste.
 
 --ops N adds the N ops (on a GPU: kernels) with the most device time of each case's last timed call
-(train: its forward+backward), e.g. which of the decode step's three launches costs.
+(train: its forward+backward), e.g. which of the decode step's launches costs.
 
 On the CPU the full shapes are refused. With TRITON_INTERPRET=1 the smoke run takes C through its
 Triton kernels on the interpreter; without it, its torch path.
@@ -262,7 +262,7 @@ def _decode_start(x, device):
 
 
 def _c_decode(x, device, held_rows: int):
-    """C's decode step (three launches) for one row of each sequence, holding `held_rows` rows of a partial chunk
+    """C's decode step (its launches: Triton's three, or the CUDA step's four) for one row of each sequence, holding `held_rows` rows of a partial chunk
     (of 64; scaled to the chunk in the smoke run) in its slot. With no row held, the step starts from
     the baselines' states (`_decode_start`), so its output is returned for the comparison."""
     from vexact_vllm.kernels.gated_delta import incremental_cache as layout

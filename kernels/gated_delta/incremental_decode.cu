@@ -1,5 +1,5 @@
 // Design C's decode step (incremental_decode_triton.py) written out for warps: `decode_weights` (its
-// `_decode_weights_kernel`, a block of one warp a (sequence, v head)), `decode_values` (its `_decode_kernel`
+// `_decode_weights_kernel`, a block of four warps a (sequence, v head)), `decode_values` (its `_decode_kernel`
 // up to the row's output, a block a (sequence, v head, v tile of 32), a warp 16 of its columns) and
 // `decode_commit` (that kernel's state update where the row completes its chunk); bf16 inputs, d_k = 128,
 // chunks of 64, row tiles of 16.
