@@ -273,6 +273,7 @@ def _c_decode(x, device, held_rows: int):
     held = held_rows * layout.CHUNK // 64
     cache = IncrementalCache.empty(n, hk, hv, dk, dv, x["v"].dtype, device)
     cache.state.copy_(_decode_start(x, device))
+    cache.state_dt.copy_(cache.state)
     gen = torch.Generator().manual_seed(3)
     for t in (cache.k, cache.x, cache.vnew, cache.t):  # any finite rows: the kernel's work does not depend on them
         t.copy_((torch.randn(t.shape, generator=gen) * 0.1).to(t.dtype))

@@ -25,6 +25,7 @@ order (the fp32 tensors first, so every tensor of a page starts aligned to its d
     t      [R, HV, CHUNK]  fp32: the partial chunk's rows of T = (I + A)^-1
     g      [R, HV]         fp32: their gates
     beta   [R, HV]         fp32: their betas
+    state_dt [HV, DV, DK]  the model dtype: the boundary state rounded (what the decode step's products read)
     conv   [W - 1, C]      the model dtype: the raw conv inputs (kernels.causal_conv1d's layout)
     k      [R, HK, DK]     the model dtype: their normalised keys
     x      [R, HV, DV]     the model dtype: their beta v
@@ -68,14 +69,14 @@ def state_shapes(linear: LinearAttentionConfig) -> tuple[tuple[int, ...], ...]:
     hk, hv, dk, dv = linear.num_k_heads, linear.num_v_heads, linear.head_k_dim, linear.head_v_dim
     chunk = incremental_cache.CHUNK
     rows = chunk - 1
-    return ((hv, dv, dk), (rows, hv, chunk), (rows, hv), (rows, hv), (linear.conv_kernel - 1, linear.conv_dim),
-            (rows, hk, dk), (rows, hv, dv), (rows, hv, dv))  # fmt: skip
+    return ((hv, dv, dk), (rows, hv, chunk), (rows, hv), (rows, hv), (hv, dv, dk),
+            (linear.conv_kernel - 1, linear.conv_dim), (rows, hk, dk), (rows, hv, dv), (rows, hv, dv))  # fmt: skip
 
 
 def state_dtypes(model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-    """Their dtypes: the boundary state, T, the gates and betas fp32; the conv's raw inputs and the rows'
-    keys, beta v and delta values in the model dtype."""
-    return (torch.float32,) * 4 + (model_dtype,) * 4
+    """Their dtypes: the boundary state, T, the gates and betas fp32; the rounded state, the conv's raw
+    inputs and the rows' keys, beta v and delta values in the model dtype."""
+    return (torch.float32,) * 4 + (model_dtype,) * 5
 
 
 class CausalConv1d(nn.Module):
@@ -156,8 +157,8 @@ class GatedDeltaNet(nn.Module):
             q, k, v = self._heads(qkv)
             return incremental_gated_delta_rule(q, k, v, a, b, self.A_log, self.dt_bias, seqs.cu_seqlens)[0]
         # each slot contiguous, the slots at vLLM's page stride: the kernels take both
-        state, t, g, beta, conv, k_rows, x_rows, vnew = seqs.states
-        cache = IncrementalCache(state=state, k=k_rows, x=x_rows, g=g, beta=beta, t=t, vnew=vnew)
+        state, t, g, beta, state_dt, conv, k_rows, x_rows, vnew = seqs.states
+        cache = IncrementalCache(state=state, k=k_rows, x=x_rows, g=g, beta=beta, t=t, vnew=vnew, state_dt=state_dt)
         qkv = causal_conv1d(qkv, self.conv1d.taps(), None, seqs.cu_seqlens, conv, seqs.slots, seqs.has_state)
         q, k, v = self._heads(qkv)
         return incremental_gated_delta_rule_cached(

@@ -2,7 +2,9 @@
 running sequence, and how a step's rows split between the step kernel and the chunk kernels.
 
 A sequence's rows form chunks of CHUNK rows anchored at its position 0 (absolute positions that are
-multiples of CHUNK). Per slot the cache holds the fp32 state at the sequence's last chunk boundary and,
+multiples of CHUNK). Per slot the cache holds the fp32 state at the sequence's last chunk boundary (and
+that state rounded to the input dtype, the operand every row's products read: a decode step then reads
+half the bytes, `refresh_state_dt` and the kernels that write a state keep it) and,
 for the rows of the current partial chunk (at most CHUNK - 1), every per-row value a later row of that
 chunk reads (`incremental.py`, "Math"): the normalised key, beta * v rounded to the input dtype, the
 gate and beta, the row of the solved triangular system T = (I + A)^-1 and the chunk's delta values V'.
@@ -35,6 +37,7 @@ class IncrementalCache:
     beta: torch.Tensor  # [S, R, HV] fp32: beta (rounded to dt once, rules.py)
     t: torch.Tensor  # [S, R, HV, CHUNK] fp32: row i of T = (I + A)^-1 (zeros past column i)
     vnew: torch.Tensor  # [S, R, HV, DV] dt: the delta values V' = U - W S of the rows
+    state_dt: torch.Tensor  # [S, HV, DV, DK] dt: state rounded to dt (to nearest even)
 
     @classmethod
     def empty(cls, slots: int, hk: int, hv: int, d_k: int, d_v: int, dtype: torch.dtype, device) -> "IncrementalCache":
@@ -48,10 +51,11 @@ class IncrementalCache:
             beta=torch.zeros(slots, rows, hv, **f32),
             t=torch.zeros(slots, rows, hv, CHUNK, **f32),
             vnew=torch.zeros(slots, rows, hv, d_v, dtype=dtype, device=device),
+            state_dt=torch.zeros(slots, hv, d_v, d_k, dtype=dtype, device=device),
         )
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.state, self.k, self.x, self.g, self.beta, self.t, self.vnew)
+        return (self.state, self.k, self.x, self.g, self.beta, self.t, self.vnew, self.state_dt)
 
     def check(self, k: torch.Tensor, v: torch.Tensor) -> int:
         """ValueError unless every tensor has the layout above for k [T, HK, DK], v [T, HV, DV] (each slot
@@ -63,6 +67,7 @@ class IncrementalCache:
             "state": ((slots, hv, d_v, d_k), f32), "k": ((slots, rows, hk, d_k), dt),
             "x": ((slots, rows, hv, d_v), dt), "g": ((slots, rows, hv), f32), "beta": ((slots, rows, hv), f32),
             "t": ((slots, rows, hv, CHUNK), f32), "vnew": ((slots, rows, hv, d_v), dt),
+            "state_dt": ((slots, hv, d_v, d_k), dt),
         }  # fmt: skip
         for name, (shape, dtype) in want.items():
             t = getattr(self, name)
@@ -76,11 +81,18 @@ class IncrementalCache:
 
     @staticmethod
     def bytes_per_slot(hk: int, hv: int, d_k: int, d_v: int, dtype_bytes: int = 2) -> int:
-        """Bytes of one slot (one layer): 5,750,400 at Qwen3.5's 16 / 48 heads of 128 in bf16, of which
-        3,145,728 are the fp32 state vLLM keeps too."""
+        """Bytes of one slot (one layer): 7,323,264 at Qwen3.5's 16 / 48 heads of 128 in bf16, of which
+        3,145,728 are the fp32 state and 1,572,864 its bf16 copy (vLLM keeps the state in bf16)."""
         rows = CHUNK - 1
         per_row = hk * d_k * dtype_bytes + hv * (2 * d_v * dtype_bytes + 8 + 4 * CHUNK)
-        return hv * d_v * d_k * 4 + rows * per_row
+        return hv * d_v * d_k * (4 + dtype_bytes) + rows * per_row
+
+
+def refresh_state_dt(cache: IncrementalCache, slots: torch.Tensor) -> None:
+    """cache.state_dt of slots (int [N], -1: none) = their states rounded to its dtype, after kernels that
+    write states without it (the chunk kernels, the multi-row step kernel, the torch path)."""
+    live = slots[slots >= 0].long()
+    cache.state_dt[live] = cache.state[live].to(cache.state_dt.dtype)
 
 
 def chunk_map(starts: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

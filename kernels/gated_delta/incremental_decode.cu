@@ -108,6 +108,13 @@ __device__ __forceinline__ void ldsm_x4_trans(unsigned* r, const void* row_addr)
                : "r"(smem_addr(row_addr)));
 }
 
+// The same without .trans: of each matrix, row g at columns 2t, 2t + 1 (a B fragment of a tile stored row = N)
+__device__ __forceinline__ void ldsm_x4(unsigned* r, const void* row_addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(row_addr)));
+}
+
 // (dt(lo), dt(hi)) in one register: cvt.rn.bf16x2.f32 rounds each as cvt.rn.bf16.f32 does
 __device__ __forceinline__ unsigned f2bf2(float lo, float hi) {
   unsigned r;
@@ -127,6 +134,16 @@ __device__ __forceinline__ void store_f2(float* p, float x, float y, int align16
   } else {
     p[0] = x;
     p[1] = y;
+  }
+}
+
+// Two consecutive bf16 (4 bytes at once where ALIGN16, else one at a time)
+__device__ __forceinline__ void store_bf2(bf16* p, unsigned pair, int align16) {
+  if (align16) {
+    *reinterpret_cast<unsigned*>(p) = pair;
+  } else {
+    p[0] = (bf16)(pair & 0xFFFFu);
+    p[1] = (bf16)(pair >> 16);
   }
 }
 
@@ -336,24 +353,25 @@ extern "C" __global__ void __launch_bounds__(32 * WWARPS) decode_weights(
 #define BV 32                     // value columns a decode_values block
 #define WV 16                     // value columns a warp of it
 #define VWARPS (BV / WV)          // warps a decode_values block
-#define SP (DK + 8)               // a staged state row, fp32, padded: fragment reads free of bank conflicts
+#define SP (DK + 8)               // a staged state row, bf16, padded: fragment reads free of bank conflicts
 #define XP (BV + 8)               // a staged x / V' row, bf16, padded likewise
 
 // Program: block (sequence n, v head hv, v tile iv of BV columns), each warp WV of them. V: prepared x =
-// dt(beta v) [T, HV, DV]; OUT [T, HV, DV]; STATE, CX, CVN: the cache's state, x and vnew (slot strides in
-// elements); READ [N]: the slot whose state the row reads (-1: zeros, and the slot's state is zeroed: a
-// sequence that starts here); the scratch rows of `decode_weights`; VN_ROW [N, HV, DV]: the row's V', which
-// `decode_commit` reads where the row completes its chunk.
+// dt(beta v) [T, HV, DV]; OUT [T, HV, DV]; STATE, STATE_DT, CX, CVN: the cache's state, state_dt (dt(S), what
+// the products read), x and vnew (slot strides in elements); READ [N]: the slot whose state the row reads (-1:
+// zeros, and the slot's state and state_dt are zeroed: a sequence that starts here); the scratch rows of
+// `decode_weights`; VN_ROW [N, HV, DV]: the row's V', which `decode_commit` reads where the row completes
+// its chunk.
 // U = dt(dt(T_row) x), V' = dt(U - W dt(S)), o = dt(q exp(G)) dt(S) + P V' (`_decode_kernel`); the row's x
 // and V' then go to the slot unless the row completes its chunk. The block first stages its state rows and
 // the chunk's x and V' rows (its columns) in shared memory, every copy in flight at once (the step is a read
 // of the state: the bytes in flight set its speed), then each warp multiplies from there.
 extern "C" __global__ void __launch_bounds__(32 * VWARPS) decode_values(
-    const bf16* V, bf16* OUT, float* STATE, bf16* CX, bf16* CVN, int S_STATE, int SX, int SVN,
-    const long long* START, const long long* HELD, const long long* SLOT, const long long* READ, const float* T_ROW,
+    const bf16* V, bf16* OUT, float* STATE, bf16* STATE_DT, bf16* CX, bf16* CVN, int S_STATE, int S_STATE_DT, int SX,
+    int SVN, const long long* START, const long long* HELD, const long long* SLOT, const long long* READ, const float* T_ROW,
     const bf16* W_ROW, const bf16* P_ROW, const bf16* QG_ROW, bf16* VN_ROW, int n_seqs, int stride_vt, int stride_vh,
     int stride_ot, int stride_oh, int HV, int DV, int ALIGN16) {
-  __shared__ __align__(16) float s_state[BV][SP];  // the block's state rows (v) over the key dim
+  __shared__ __align__(16) bf16 s_state[BV][SP];   // the block's rows (v) of dt(S) over the key dim
   __shared__ __align__(16) bf16 s_x[CH][XP];       // the chunk's x rows at the block's columns
   __shared__ __align__(16) bf16 s_vn[CH][XP];      // and its V' rows (the row's own written in step 2)
   const int wid = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
@@ -368,11 +386,11 @@ extern "C" __global__ void __launch_bounds__(32 * VWARPS) decode_values(
   const int v0 = iv * BV, c0 = wid * WV;  // the block's first column; the warp's first within the block
   const bf16* x_own = V + start * stride_vt + (long long)hv * stride_vh + v0;
 
-  // 0. stage: the state rows v0 .. v0 + BV - 1 (zeros where read < 0), the chunk's x rows (the slot's before
+  // 0. stage: the rows v0 .. v0 + BV - 1 of dt(S) (zeros where read < 0), the chunk's x rows (the slot's before
   //    p, the row's own at p, zeros past it) and V' rows (the slot's before p, zeros from p on)
-  const float* s_rd = STATE + (read < 0 ? 0 : read) * S_STATE + ((long long)hv * DV + v0) * DK;
-  for (int e = threadIdx.x; e < BV * DK / 4; e += 32 * VWARPS) {
-    const int v = e / (DK / 4), c = e % (DK / 4) * 4;
+  const bf16* s_rd = STATE_DT + (read < 0 ? 0 : read) * S_STATE_DT + ((long long)hv * DV + v0) * DK;
+  for (int e = threadIdx.x; e < BV * DK / 8; e += 32 * VWARPS) {
+    const int v = e / (DK / 8), c = e % (DK / 8) * 8;
     stage16(&s_state[v][c], s_rd + (long long)v * DK + c, read >= 0, ALIGN16);
   }
   for (int e = threadIdx.x; e < CH * BV / 8; e += 32 * VWARPS) {
@@ -435,15 +453,15 @@ extern "C" __global__ void __launch_bounds__(32 * VWARPS) decode_values(
     for (int nb = 0; nb < 2; ++nb) mma_row(u[nb], ta[ks], b[nb][0], b[nb][1]);
   }
 #pragma unroll
-  for (int ks = 0; ks < DK / 16; ++ks)
+  for (int ks = 0; ks < DK / 16; ++ks) {  // dt(S)^T's columns v = c0 + 8 nb + g at keys 16 ks + 2t (+1, +8, +9)
+    unsigned b[4];                         // (lane 8m + r: row c0 + 8 (m >> 1) + r, keys 16 ks + 8 (m & 1))
+    ldsm_x4(b, &s_state[c0 + (lane >> 4) * 8 + (lane & 7)][ks * 16 + ((lane >> 3) & 1) * 8]);
 #pragma unroll
-    for (int nb = 0; nb < 2; ++nb) {  // dt(S)^T's column v = c0 + 8 nb + g at keys 16 ks + 2t (+1, +8, +9)
-      const float* sr = &s_state[c0 + nb * 8 + gq][ks * 16 + 2 * tq];
-      const float2 s0 = *reinterpret_cast<const float2*>(sr), s1 = *reinterpret_cast<const float2*>(sr + 8);
-      const unsigned b0 = f2bf2(s0.x, s0.y), b1 = f2bf2(s1.x, s1.y);
-      mma_row(ws[nb], wa[ks], b0, b1);
-      mma_row(o[nb], qa[ks], b0, b1);
+    for (int nb = 0; nb < 2; ++nb) {
+      mma_row(ws[nb], wa[ks], b[2 * nb], b[2 * nb + 1]);
+      mma_row(o[nb], qa[ks], b[2 * nb], b[2 * nb + 1]);
     }
+  }
   if (mine) {  // the row's outputs: c0, c1 (row gq) or c2, c3 (row gq + 8)
 #pragma unroll
     for (int nb = 0; nb < 2; ++nb) {
@@ -483,10 +501,13 @@ extern "C" __global__ void __launch_bounds__(32 * VWARPS) decode_values(
   }
   if (p < CH - 1 && read < 0) {
     float* st = STATE + slot * S_STATE + ((long long)hv * DV + v0 + c0) * DK;
-    if (ALIGN16)
+    bf16* sd = STATE_DT + slot * S_STATE_DT + ((long long)hv * DV + v0 + c0) * DK;
+    if (ALIGN16) {
       for (int e = lane; e < WV * DK / 4; e += 32) reinterpret_cast<float4*>(st)[e] = make_float4(0.f, 0.f, 0.f, 0.f);
-    else
-      for (int e = lane; e < WV * DK; e += 32) st[e] = 0.f;
+      for (int e = lane; e < WV * DK / 8; e += 32) reinterpret_cast<uint4*>(sd)[e] = make_uint4(0u, 0u, 0u, 0u);
+    } else {
+      for (int e = lane; e < WV * DK; e += 32) st[e] = 0.f, sd[e] = (bf16)0;
+    }
   }
 }
 
@@ -500,10 +521,10 @@ extern "C" __global__ void __launch_bounds__(32 * VWARPS) decode_values(
 // (`decode_values`). S'^T = exp(G_last) S^T + V'^T y, y_j = dt(k_j exp(G_last - G_j)) (`state_after`, a
 // product the chunk kernels run as a 64-row wgmma, whose elements have mma.sync's bits on the H200), by 16 x 8
 // output blocks over the warp's value rows and the 128 key columns; S from READ's slot (zeros where -1), S'
-// to the sequence's slot.
+// and dt(S') (STATE_DT) to the sequence's slot.
 extern "C" __global__ void __launch_bounds__(32 * CWARPS) decode_commit(
-    const bf16* K, const float* A, float* STATE, const bf16* CVN, const bf16* CK, const float* CG, int S_STATE,
-    int SVN, int SK, int SG, const long long* START, const long long* HELD, const long long* SLOT,
+    const bf16* K, const float* A, float* STATE, bf16* STATE_DT, const bf16* CVN, const bf16* CK, const float* CG,
+    int S_STATE, int S_STATE_DT, int SVN, int SK, int SG, const long long* START, const long long* HELD, const long long* SLOT,
     const long long* READ, const bf16* VN_ROW, int n_seqs, int stride_kt, int stride_kh, int stride_at, int HK,
     int HV, int DV, int RATIO, int VEC_K, int ALIGN16) {
   __shared__ float s_g[CH], s_G[CH];
@@ -566,6 +587,7 @@ extern "C" __global__ void __launch_bounds__(32 * CWARPS) decode_commit(
     for (int ks = 0; ks < CH / 16; ++ks)
       ldsm_x4_trans(va[ks], &s_vn[ks * 16 + (lane >> 4) * 8 + (lane & 7)][r0 + ((lane >> 3) & 1) * 8]);
     float* s_wr = STATE + slot * S_STATE + ((long long)hv * DV + v0 + r0) * DK;
+    bf16* d_wr = STATE_DT + slot * S_STATE_DT + ((long long)hv * DV + v0 + r0) * DK;
 #pragma unroll
     for (int nc = 0; nc < DK / 8; ++nc) {  // key columns nc * 8 + 2 tq (+ 1)
       const int d = nc * 8 + gq;           // B's column
@@ -578,6 +600,8 @@ extern "C" __global__ void __launch_bounds__(32 * CWARPS) decode_commit(
       const int c = nc * 8 + 2 * tq;
       store_f2(s_wr + (long long)gq * DK + c, acc[0], acc[1], ALIGN16);
       store_f2(s_wr + (long long)(gq + 8) * DK + c, acc[2], acc[3], ALIGN16);
+      store_bf2(d_wr + (long long)gq * DK + c, f2bf2(acc[0], acc[1]), ALIGN16);
+      store_bf2(d_wr + (long long)(gq + 8) * DK + c, f2bf2(acc[2], acc[3]), ALIGN16);
     }
     __syncthreads();  // every warp has read the tile's V' rows before the next tile's copies land
   }

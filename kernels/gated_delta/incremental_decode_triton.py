@@ -128,14 +128,15 @@ def _decode_weights_kernel(
 
 @triton.jit(do_not_specialize=["n_seqs"])
 def _decode_kernel(
-    K, A, V, OUT, STATE, CK, CX, CG, CVN, S_STATE, SK, SX, SG, SVN, START, HELD, SLOT, READ, T_ROW, W_ROW, P_ROW,
-    QG_ROW, n_seqs, stride_kt, stride_kh, stride_at, stride_vt, stride_vh, stride_ot, stride_oh, HK, HV, RATIO,
+    K, A, V, OUT, STATE, CK, CX, CG, CVN, STATE_DT, S_STATE, SK, SX, SG, SVN, S_STATE_DT, START, HELD, SLOT, READ,
+    T_ROW, W_ROW, P_ROW, QG_ROW, n_seqs, stride_kt, stride_kh, stride_at, stride_vt, stride_vh, stride_ot, stride_oh, HK, HV, RATIO,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, ROWS: tl.constexpr,
     CHUNK: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
     """Program (v tile, sequence, v head): the row's U, V' and o from `_decode_weights_kernel`'s rows; the
-    state update of a completed chunk, or the row's x and V' to the slot. K, A, V: the prepared k_hat, g
-    and x = dt(beta v) (the completing row's k and g: the slot holds the chunk's other rows)."""
+    state update of a completed chunk (the state and, rounded, STATE_DT), or the row's x and V' to the slot.
+    K, A, V: the prepared k_hat, g and x = dt(beta v) (the completing row's k and g: the slot holds the
+    chunk's other rows)."""
     iv = tl.program_id(0)
     n = tl.program_id(1) // HV
     hv = tl.program_id(1) % HV
@@ -173,9 +174,11 @@ def _decode_kernel(
                               PRECISION, DOT_FP32)  # fmt: skip
             tl.debug_barrier()  # every thread has read the state before any writes to it
             tl.store(STATE + slot * S_STATE + tile, s32, mask=live)
+            tl.store(STATE_DT + hv * DV * DK + slot * S_STATE_DT + tile, s32.to(dt), mask=live)
         else:
             if read < 0:  # a sequence that starts here: its boundary state is zeros
                 tl.store(STATE + slot * S_STATE + tile, tl.where(live, 0.0, 0.0), mask=live)
+                tl.store(STATE_DT + hv * DV * DK + slot * S_STATE_DT + tile, tl.where(live, 0.0, 0.0).to(dt), mask=live)
             tl.store(cx + (p * HV + hv) * DV + ov, x_p, mask=mv)
             tl.store(cvn + (p * HV + hv) * DV + ov, vn_p, mask=mv)
 
@@ -239,8 +242,9 @@ def decode_forward(q, k, v, a, b, A_log, dt_bias, out, cache, start, held, slots
     decode_weights_triton(q_hat, k_hat, g, beta, cache, start, held, slots, rows)
     _, _, block_v = tiles.block_sizes(d_k, d_v)
     _decode_kernel[(triton.cdiv(d_v, block_v), n_seqs * hv)](
-        k_hat, g, x, out, cache.state, cache.k, cache.x, cache.g, cache.vnew,
-        *(t.stride(0) for t in (cache.state, cache.k, cache.x, cache.g, cache.vnew)), start, held, slots, read, *rows,
+        k_hat, g, x, out, cache.state, cache.k, cache.x, cache.g, cache.vnew, cache.state_dt,
+        *(t.stride(0) for t in (cache.state, cache.k, cache.x, cache.g, cache.vnew, cache.state_dt)), start, held,
+        slots, read, *rows,
         n_seqs, k_hat.stride(0), k_hat.stride(1), g.stride(0), x.stride(0), x.stride(1), out.stride(0), out.stride(1),
         hk, hv, hv // hk, DV=d_v, BLOCK_V=block_v, **_shape(d_k, dt),
     )  # fmt: skip

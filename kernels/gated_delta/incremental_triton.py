@@ -158,4 +158,6 @@ def incremental_gated_delta_rule_cached_triton(
         read = torch.where(has_state | (head > 0), idx, -1)
         chunk_forward(q, k, v, a, b, A_log, dt_bias, cu[:-1] + head, cu[1:], cache.state, read, cache.state, idx, o,
                       cache=cache, cache_slot=idx)  # fmt: skip
+    if not decode_only:  # the step and chunk kernels write fp32 states only (the decode step writes both)
+        layout.refresh_state_dt(cache, idx)
     return o

@@ -159,12 +159,12 @@ def test_vision_language_checkpoint_serves_its_language_model(tmp_path):
 
 
 def test_state_layout():
-    """The per-sequence states of a Gated DeltaNet layer: design C's boundary state and partial-chunk rows
-    (63 of them), the conv's raw inputs; fp32 first."""
+    """The per-sequence states of a Gated DeltaNet layer: design C's boundary state, partial-chunk rows
+    (63 of them) and rounded boundary state, the conv's raw inputs; fp32 first."""
     linear = DecoderConfig.from_hf(_config("qwen3_5_text")).linear
-    assert state_shapes(linear) == ((4, 32, 32), (63, 4, 64), (63, 4), (63, 4), (3, 2 * 2 * 32 + 4 * 32),
-                                    (63, 2, 32), (63, 4, 32), (63, 4, 32))  # fmt: skip
-    assert state_dtypes(torch.bfloat16) == (torch.float32,) * 4 + (torch.bfloat16,) * 4
+    assert state_shapes(linear) == ((4, 32, 32), (63, 4, 64), (63, 4), (63, 4), (4, 32, 32),
+                                    (3, 2 * 2 * 32 + 4 * 32), (63, 2, 32), (63, 4, 32), (63, 4, 32))  # fmt: skip
+    assert state_dtypes(torch.bfloat16) == (torch.float32,) * 4 + (torch.bfloat16,) * 5
 
 
 def test_unknown_layer_types_ungated_attention_and_head_splits_are_refused():
@@ -174,7 +174,7 @@ def test_unknown_layer_types_ungated_attention_and_head_splits_are_refused():
         DecoderConfig.from_hf(config)
     whole = DecoderConfig.from_hf(_config("qwen3_5_text"))
     rank = state_shapes(whole.linear.shard(2))  # a rank's states: its key heads and their value heads
-    assert rank[0] == (2, 32, 32) and rank[4] == (3, 2 * 1 * 32 + 2 * 32) and rank[5] == (63, 1, 32)
+    assert rank[0] == rank[4] == (2, 32, 32) and rank[5] == (3, 2 * 1 * 32 + 2 * 32) and rank[6] == (63, 1, 32)
     tp = TensorParallel(0, 4, lambda x: x)
     with pytest.raises(UnsupportedModelError, match="does not divide the 2 linear-attention key heads"):
         build_decoder(whole, tp)

@@ -64,7 +64,8 @@ def run_steps(
 ) -> torch.Tensor:
     """Run `cached` over the steps [(seq, rows), ...] (rows of a sequence in order); a sequence continues
     from its slot from its first step if started[seq], else it starts there. decode_only: a step of one
-    row a sequence runs as vLLM's decode CUDA graphs run it (`decode_only=True`). Returns o in packed order."""
+    row a sequence runs as vLLM's decode CUDA graphs run it (`decode_only=True`). Checks after each step that
+    the slots' rounded states equal their states rounded. Returns o in packed order."""
     cu = inputs["cu_seqlens"].tolist()
     device = inputs["v"].device
     done = [0] * (len(cu) - 1)
@@ -79,6 +80,8 @@ def run_steps(
         single = {"decode_only": True} if decode_only and all(n == 1 for _, n in step) else {}
         out[rows] = cached(**rest, A_log=inputs["A_log"], dt_bias=inputs["dt_bias"], cu_seqlens=step_cu, cache=cache,
                            slots=step_slots, has_state=has_state, context_lens=context, **single)  # fmt: skip
+        rounded = cache.state[step_slots].to(cache.state_dt.dtype)  # the rounded copy follows every state written
+        assert torch.equal(cache.state_dt[step_slots], rounded), f"cache.state_dt behind cache.state after {step}"
         for i, n in step:
             done[i] += n
     return out

@@ -1,6 +1,6 @@
 // Compiles kernels/gated_delta/incremental_decode.cu for the CPU, to run its warps as 32 host threads each
 // (simt_harness.cpp): CUDA's qualifiers and built-ins, the warp barrier, and stand-ins for the instructions
-// the .cu file issues in asm (cvt.rn.bf16.f32 and .bf16x2, ex2.approx.f32, mma.sync m16n8k16, ldmatrix.trans,
+// the .cu file issues in asm (cvt.rn.bf16.f32 and .bf16x2, ex2.approx.f32, mma.sync m16n8k16, ldmatrix with and without .trans,
 // cp.async: a copy at once, zeros where the source is not there). The
 // stand-ins follow the PTX ISA's fragment layouts; they round to bf16 toward zero as the Triton interpreter
 // does (the reference the test compares with), the MMA sums in fp32 and exp2f is not ex2.approx: outputs
@@ -116,4 +116,17 @@ inline void ldsm_x4_trans(unsigned* r, const void* row_addr) {
     r[m] = (unsigned)lo[g] | ((unsigned)hi[g] << 16);
   }
   host_warp->arrive_and_wait();  // every lane has read before any lane's next ldmatrix posts its address
+}
+
+// ldmatrix.x4 (no .trans): lane (g, t) gets, of each matrix, row g at columns 2t (low half), 2t + 1 (high half)
+inline void ldsm_x4(unsigned* r, const void* row_addr) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const void** warp = host_ldsm[threadIdx.x >> 5];
+  warp[lane] = row_addr;
+  host_warp->arrive_and_wait();
+  for (int m = 0; m < 4; ++m) {
+    const unsigned short* row = static_cast<const unsigned short*>(warp[8 * m + g]);
+    r[m] = (unsigned)row[2 * t] | ((unsigned)row[2 * t + 1] << 16);
+  }
+  host_warp->arrive_and_wait();
 }

@@ -114,6 +114,7 @@ def test_cuda_decode_step_matches_the_triton_step(hk, hv, n, seed, monkeypatch):
     gen = torch.Generator().manual_seed(seed)
     _, _, _, _, cache, start, held, slots = _random_case(hk, hv, n, seed)
     cache.state.copy_(torch.randn(cache.state.shape, generator=gen) * 0.3)
+    cache.state_dt.copy_(cache.state)  # the layout's invariant: the state rounded to bf16
     cache.x.copy_((torch.randn(cache.x.shape, generator=gen) * 0.5).bfloat16())
     cache.vnew.copy_((torch.randn(cache.vnew.shape, generator=gen) * 0.5).bfloat16())
     n_rows = start.max().item() + 1
@@ -130,13 +131,13 @@ def test_cuda_decode_step_matches_the_triton_step(hk, hv, n, seed, monkeypatch):
         monkeypatch.setattr(cuda_weights, "supported", lambda q_hat, d_v, cuda=cuda: cuda)
         ours = layout.IncrementalCache(*(t.clone() for t in cache.tensors()))
         if seed == 6:
-            _rows_off_16_bytes(ours, ("k", "state", "x", "vnew"))
+            _rows_off_16_bytes(ours, ("k", "state", "state_dt", "x", "vnew"))
         out = torch.full((n_rows, hv, D), 7.0, dtype=torch.bfloat16, device="cuda")
         triton_decode.decode_forward(q, k, v, a, b, A_log, dt_bias, out, ours, start, held, slots, read)
         results.append((out, ours))
     (want, want_cache), (got, got_cache) = results
     diffs = [] if torch.equal(got, want) else [_first_difference("out", got, want, held)]
-    for m in ("state", "k", "x", "g", "beta", "t", "vnew"):
+    for m in ("state", "k", "x", "g", "beta", "t", "vnew", "state_dt"):
         x, y = getattr(got_cache, m), getattr(want_cache, m)
         if not torch.equal(x, y):
             diffs.append(_first_difference(f"cache.{m}", x, y, held))
@@ -190,6 +191,8 @@ def test_host_emulation_of_the_cuda_step_is_close_to_the_interpreted_step(host_k
     cache.beta.copy_(torch.rand(cache.beta.shape, generator=gen).bfloat16().float())
     cache.t.copy_(torch.randn(cache.t.shape, generator=gen) * 0.2)
     cache.state.copy_(torch.randn(cache.state.shape, generator=gen) * 0.3)
+    # the layout's invariant, the state rounded to bf16, as the interpreter rounds (toward zero)
+    cache.state_dt.copy_((cache.state.view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16))
     cache.x.copy_((torch.randn(cache.x.shape, generator=gen) * 0.5).bfloat16())
     cache.vnew.copy_((torch.randn(cache.vnew.shape, generator=gen) * 0.5).bfloat16())
     q, k = (torch.randn(n_rows, hk, D, generator=gen).bfloat16() for _ in range(2))
@@ -209,7 +212,7 @@ def test_host_emulation_of_the_cuda_step_is_close_to_the_interpreted_step(host_k
     q_hat, k_hat, x, g, beta = dec.prepared_rows(q, k, v, a, b, A_log, dt_bias, start, slots)
     got_cache = layout.IncrementalCache(*(t.clone() for t in cache.tensors()))
     if seed == 10:
-        _rows_off_16_bytes(got_cache, ("k", "state", "x", "vnew"))
+        _rows_off_16_bytes(got_cache, ("k", "state", "state_dt", "x", "vnew"))
     got = torch.zeros(n_rows, hv, D, dtype=torch.bfloat16)
     n = start.shape[0]
     rows = (torch.zeros(n, hv, layout.CHUNK), torch.zeros(n, hv, D, dtype=torch.bfloat16),
@@ -225,6 +228,6 @@ def test_host_emulation_of_the_cuda_step_is_close_to_the_interpreted_step(host_k
                *cuda_weights.commit_args(k_hat, g, x, got_cache, start, held, slots, read, vn_row))  # fmt: skip
     live = slots >= 0
     _assert_near("out", got[start[live]], want[start[live]])
-    for m in ("state", "k", "x", "g", "beta", "t", "vnew"):
+    for m in ("state", "k", "x", "g", "beta", "t", "vnew", "state_dt"):
         _assert_near(f"cache.{m}", getattr(got_cache, m), getattr(want_cache, m))
     assert not torch.equal(got_cache.state, cache.state)  # the completing row updated its slot's state
