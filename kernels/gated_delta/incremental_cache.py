@@ -82,7 +82,7 @@ class IncrementalCache:
     @staticmethod
     def bytes_per_slot(hk: int, hv: int, d_k: int, d_v: int, dtype_bytes: int = 2) -> int:
         """Bytes of one slot (one layer): 7,323,264 at Qwen3.5's 16 / 48 heads of 128 in bf16, of which
-        3,145,728 are the fp32 state and 1,572,864 its bf16 copy (vLLM keeps the state in bf16)."""
+        3,145,728 are the fp32 state vLLM keeps too and 1,572,864 its bf16 copy."""
         rows = CHUNK - 1
         per_row = hk * d_k * dtype_bytes + hv * (2 * d_v * dtype_bytes + 8 + 4 * CHUNK)
         return hv * d_v * d_k * (4 + dtype_bytes) + rows * per_row

@@ -190,9 +190,10 @@ def step_forward(q, k, v, a, b, A_log, dt_bias, out, cache, start, count, held, 
     if n_seqs == 0:
         return
     block_k, _, block_v = tiles.block_sizes(d_k, d_v)
+    rows = (cache.state, cache.k, cache.x, cache.g, cache.beta, cache.t, cache.vnew)  # state_dt: the caller's refresh
     _step_kernel[(triton.cdiv(d_v, block_v), n_seqs * hv)](
-        q, k, v, a, b, A_log.contiguous(), dt_bias.contiguous(), out, *cache.tensors(),
-        *(t.stride(0) for t in cache.tensors()), start, count, held, slots, read, n_seqs,
+        q, k, v, a, b, A_log.contiguous(), dt_bias.contiguous(), out, *rows, *(t.stride(0) for t in rows), start, count,
+        held, slots, read, n_seqs,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         out.stride(0), out.stride(1), hk, hv, hv // hk, qk_scale(d_k), L2NORM_EPS,
         DK=d_k, DV=d_v, BLOCK_K=block_k, BLOCK_V=block_v, ROWS=tiles.ROWS, CHUNK=layout.CHUNK,

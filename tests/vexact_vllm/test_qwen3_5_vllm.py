@@ -34,7 +34,7 @@ def test_hybrid_class_declares_the_layers_state_layout():
     assert cls.get_mamba_state_shape_from_config(vllm_config) == state_shapes(linear.shard(2))
     assert state_shapes(linear.shard(2))[0][0] * 2 == state_shapes(linear)[0][0]
     assert cls.get_mamba_state_dtype_from_config(vllm_config) == state_dtypes(torch.bfloat16) == (
-        (torch.float32,) * 4 + (torch.bfloat16,) * 4)  # fmt: skip
+        (torch.float32,) * 4 + (torch.bfloat16,) * 5)  # fmt: skip
     with pytest.raises(UnsupportedModelError, match="--no-enable-prefix-caching"):
         cls.get_mamba_state_copy_func()
 

@@ -11,6 +11,7 @@ vLLM's hybrid cache binds them (`paged_cache`: one page per slot, each tensor at
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import torch
@@ -81,7 +82,8 @@ def run_steps(
         out[rows] = cached(**rest, A_log=inputs["A_log"], dt_bias=inputs["dt_bias"], cu_seqlens=step_cu, cache=cache,
                            slots=step_slots, has_state=has_state, context_lens=context, **single)  # fmt: skip
         rounded = cache.state[step_slots].to(cache.state_dt.dtype)  # the rounded copy follows every state written
-        assert torch.equal(cache.state_dt[step_slots], rounded), f"cache.state_dt behind cache.state after {step}"
+        got = cache.state_dt[step_slots]
+        assert torch.equal(got, rounded), f"cache.state_dt after {step}: {first_difference(got, rounded)}"
         for i, n in step:
             done[i] += n
     return out
@@ -102,7 +104,8 @@ def paged_cache(n_slots: int, hk: int, hv: int, d_k: int, d_v: int, dtype, devic
 
 def fresh_cache(inputs: dict, slots: list[int], h0: torch.Tensor | None, spare: int):
     """A paged IncrementalCache holding NaN everywhere (a slot's stale contents must never be read),
-    except the boundary states h0 of the sequences that continue: returns (cache, started)."""
+    except the boundary states h0 of the sequences that continue (and their rounded copies, the layout's
+    invariant): returns (cache, started)."""
     q, v = inputs["q"], inputs["v"]
     cache = paged_cache(len(slots) + spare, q.shape[1], v.shape[1], q.shape[2], v.shape[2], v.dtype, v.device)
     for t in cache.tensors():
@@ -111,6 +114,7 @@ def fresh_cache(inputs: dict, slots: list[int], h0: torch.Tensor | None, spare: 
     for n, slot in enumerate(slots):
         if started[n]:
             cache.state[slot] = h0[n]
+            cache.state_dt[slot] = h0[n].to(cache.state_dt.dtype)
     return cache, started
 
 
@@ -246,5 +250,6 @@ def check_padded_requests(cached, device="cpu") -> None:
     o0, cache0 = bits[0]
     for (o1, cache1), what in zip(bits[1:], ("padded requests", "a replayed graph's padding rows")):
         assert torch.equal(o0, o1), f"outputs with {what}: {first_difference(o1, o0)}"
-        for name, a, b in zip(("state", "k", "x", "g", "beta", "t", "vnew"), cache0, cache1, strict=True):
+        names = [f.name for f in dataclasses.fields(layout.IncrementalCache)]  # tensors()' order
+        for name, a, b in zip(names, cache0, cache1, strict=True):
             assert torch.equal(a, b), f"cache.{name} differs with {what}"

@@ -72,9 +72,9 @@ def test_full_chunks_of_64_match_training():
 
 def test_cache_bytes_at_qwen35_shape():
     layout.CHUNK = 64
-    assert layout.IncrementalCache.bytes_per_slot(16, 48, 128, 128) == 5_750_400
+    assert layout.IncrementalCache.bytes_per_slot(16, 48, 128, 128) == 7_323_264
     cache = layout.IncrementalCache.empty(1, 16, 48, 128, 128, BF16, "cpu")
-    assert sum(t.numel() * t.element_size() for t in cache.tensors()) == 5_750_400
+    assert sum(t.numel() * t.element_size() for t in cache.tensors()) == 7_323_264
 
 
 def test_refusals():
