@@ -103,30 +103,19 @@ inline void cp_async_wait_all() {}  // the copies are done; the block's barrier 
 
 inline const void* host_ldsm[32][32];  // [warp][lane]: the row addresses of ldmatrix
 
-// ldmatrix.x4.trans: lane 8m + r gives row r's address of 8 x 8 bf16 matrix m; lane (g = lane / 4, t = lane %
-// 4) gets, of each matrix, rows 2t (low half) and 2t + 1 (high half) at column g
-inline void ldsm_x4_trans(unsigned* r, const void* row_addr) {
+// ldmatrix.x4: lane 8m + r gives row r's address of 8 x 8 bf16 matrix m; lane (g = lane / 4, t = lane % 4) gets,
+// of each matrix, with .trans rows 2t (low half) and 2t + 1 (high half) at column g, without it row g at columns
+// 2t, 2t + 1
+inline void host_ldsm_x4(unsigned* r, const void* row_addr, bool trans) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const void** warp = host_ldsm[threadIdx.x >> 5];
   warp[lane] = row_addr;
   host_warp->arrive_and_wait();
   for (int m = 0; m < 4; ++m) {
-    const unsigned short* lo = static_cast<const unsigned short*>(warp[8 * m + 2 * t]);
-    const unsigned short* hi = static_cast<const unsigned short*>(warp[8 * m + 2 * t + 1]);
-    r[m] = (unsigned)lo[g] | ((unsigned)hi[g] << 16);
+    auto at = [&](int row, int col) { return (unsigned)static_cast<const unsigned short*>(warp[8 * m + row])[col]; };
+    r[m] = trans ? at(2 * t, g) | (at(2 * t + 1, g) << 16) : at(g, 2 * t) | (at(g, 2 * t + 1) << 16);
   }
   host_warp->arrive_and_wait();  // every lane has read before any lane's next ldmatrix posts its address
 }
-
-// ldmatrix.x4 (no .trans): lane (g, t) gets, of each matrix, row g at columns 2t (low half), 2t + 1 (high half)
-inline void ldsm_x4(unsigned* r, const void* row_addr) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const void** warp = host_ldsm[threadIdx.x >> 5];
-  warp[lane] = row_addr;
-  host_warp->arrive_and_wait();
-  for (int m = 0; m < 4; ++m) {
-    const unsigned short* row = static_cast<const unsigned short*>(warp[8 * m + g]);
-    r[m] = (unsigned)row[2 * t] | ((unsigned)row[2 * t + 1] << 16);
-  }
-  host_warp->arrive_and_wait();
-}
+inline void ldsm_x4_trans(unsigned* r, const void* row_addr) { host_ldsm_x4(r, row_addr, true); }
+inline void ldsm_x4(unsigned* r, const void* row_addr) { host_ldsm_x4(r, row_addr, false); }
