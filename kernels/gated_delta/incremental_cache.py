@@ -88,11 +88,15 @@ class IncrementalCache:
         return hv * d_v * d_k * (4 + dtype_bytes) + rows * per_row
 
 
-def refresh_state_dt(cache: IncrementalCache, slots: torch.Tensor) -> None:
-    """cache.state_dt of slots (int [N], -1: none) = their states rounded to its dtype, after kernels that
-    write states without it (the chunk kernels, the multi-row step kernel, the torch path)."""
-    live = slots[slots >= 0].long()
-    cache.state_dt[live] = cache.state[live].to(cache.state_dt.dtype)
+def refresh_state_dt(cache: IncrementalCache, slots: torch.Tensor, has_state: torch.Tensor, held: torch.Tensor,
+                     cu_seqlens: torch.Tensor) -> None:
+    """cache.state_dt = the state rounded to its dtype, for the slots (int [N], -1: none) whose state a step
+    wrote: a sequence that started there, or whose rows reached a chunk boundary (held [N] rows held before
+    it). After kernels that write states without it (the chunk kernels, the multi-row step kernel, the torch
+    path); a host read."""
+    lengths = cu_seqlens[1:].long() - cu_seqlens[:-1].long()
+    written = slots[(slots >= 0) & (~has_state | (held.long() + lengths >= CHUNK))].long()
+    cache.state_dt[written] = cache.state[written].to(cache.state_dt.dtype)
 
 
 def chunk_map(starts: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

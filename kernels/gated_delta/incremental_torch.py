@@ -204,7 +204,7 @@ def write_tails(cache, slots, tails, tail, ratio):
 def cached_torch(q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_state, context_lens):
     """`incremental.incremental_gated_delta_rule_cached` on the torch path: the rows that complete a
     partial chunk (or a decode at a boundary) one at a time (`step_row`), the rest by `chunk_forward`
-    from the slot's boundary state; then every slot's rounded state (`refresh_state_dt`)."""
+    from the slot's boundary state; then the rounded states it wrote (`refresh_state_dt`)."""
     idx = slots.long()
     cu = cu_seqlens.long()
     held = layout.held_rows(has_state, context_lens)
@@ -225,5 +225,5 @@ def cached_torch(q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_st
         o[rows] = out[rows]
         cache.state[idx[rest]] = state
         write_tails(cache, idx[rest], tails, tail, v.shape[1] // q.shape[1])
-    layout.refresh_state_dt(cache, idx)
+    layout.refresh_state_dt(cache, idx, has_state, held, cu)
     return o

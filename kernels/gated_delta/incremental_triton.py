@@ -159,5 +159,5 @@ def incremental_gated_delta_rule_cached_triton(
         chunk_forward(q, k, v, a, b, A_log, dt_bias, cu[:-1] + head, cu[1:], cache.state, read, cache.state, idx, o,
                       cache=cache, cache_slot=idx)  # fmt: skip
     if not decode_only:  # the step and chunk kernels write fp32 states only (the decode step writes both)
-        layout.refresh_state_dt(cache, idx)
+        layout.refresh_state_dt(cache, idx, has_state, held, cu)
     return o
