@@ -262,9 +262,10 @@ def _decode_start(x, device):
 
 
 def _c_decode(x, device, held_rows: int):
-    """C's decode step (its launches: Triton's three, or the CUDA step's four) for one row of each sequence, holding `held_rows` rows of a partial chunk
-    (of 64; scaled to the chunk in the smoke run) in its slot. With no row held, the step starts from
-    the baselines' states (`_decode_start`), so its output is returned for the comparison."""
+    """C's decode step (its launches: Triton's three, or the CUDA step's four) for one row of each sequence,
+    holding `held_rows` rows of a partial chunk (of 64; scaled to the chunk in the smoke run) in its slot.
+    With no row held, the step starts from the baselines' states (`_decode_start`), so its output is
+    returned for the comparison."""
     from vexact_vllm.kernels.gated_delta import incremental_cache as layout
     from vexact_vllm.kernels.gated_delta.incremental_cache import IncrementalCache
 

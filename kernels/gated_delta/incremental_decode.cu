@@ -368,8 +368,8 @@ extern "C" __global__ void __launch_bounds__(32 * WWARPS) decode_weights(
 // of the state: the bytes in flight set its speed), then each warp multiplies from there.
 extern "C" __global__ void __launch_bounds__(32 * VWARPS) decode_values(
     const bf16* V, bf16* OUT, float* STATE, bf16* STATE_DT, bf16* CX, bf16* CVN, int S_STATE, int S_STATE_DT, int SX,
-    int SVN, const long long* START, const long long* HELD, const long long* SLOT, const long long* READ, const float* T_ROW,
-    const bf16* W_ROW, const bf16* P_ROW, const bf16* QG_ROW, bf16* VN_ROW, int n_seqs, int stride_vt, int stride_vh,
+    int SVN, const long long* START, const long long* HELD, const long long* SLOT, const long long* READ,
+    const float* T_ROW, const bf16* W_ROW, const bf16* P_ROW, const bf16* QG_ROW, bf16* VN_ROW, int n_seqs, int stride_vt, int stride_vh,
     int stride_ot, int stride_oh, int HV, int DV, int ALIGN16) {
   __shared__ __align__(16) bf16 s_state[BV][SP];   // the block's rows (v) of dt(S) over the key dim
   __shared__ __align__(16) bf16 s_x[CH][XP];       // the chunk's x rows at the block's columns
@@ -524,8 +524,8 @@ extern "C" __global__ void __launch_bounds__(32 * VWARPS) decode_values(
 // and dt(S') (STATE_DT) to the sequence's slot.
 extern "C" __global__ void __launch_bounds__(32 * CWARPS) decode_commit(
     const bf16* K, const float* A, float* STATE, bf16* STATE_DT, const bf16* CVN, const bf16* CK, const float* CG,
-    int S_STATE, int S_STATE_DT, int SVN, int SK, int SG, const long long* START, const long long* HELD, const long long* SLOT,
-    const long long* READ, const bf16* VN_ROW, int n_seqs, int stride_kt, int stride_kh, int stride_at, int HK,
+    int S_STATE, int S_STATE_DT, int SVN, int SK, int SG, const long long* START, const long long* HELD,
+    const long long* SLOT, const long long* READ, const bf16* VN_ROW, int n_seqs, int stride_kt, int stride_kh, int stride_at, int HK,
     int HV, int DV, int RATIO, int VEC_K, int ALIGN16) {
   __shared__ float s_g[CH], s_G[CH];
   __shared__ unsigned s_y[DK][CH / 2 + 4];      // y^T in bf16 pairs (rows j, j + 1), padded: no bank conflicts

@@ -75,13 +75,14 @@ def weights_args(q_hat, k_hat, g, beta, cache, start, held, slots, rows) -> tupl
 
 
 def _staged_rows(x: torch.Tensor, cache) -> int:
-    """ALIGN16 of `decode_values` and `decode_commit`: 1 where the rows they stage or store (the cache's state,
-    state_dt, x and vnew, the step's x) start on 16 bytes, else 0 (4-byte copies; ValueError where rows are not 4-byte
-    aligned, which no cache layout of ours produces)."""
+    """ALIGN16 of `decode_values` and `decode_commit`: 1 where the rows they stage or store (the cache's
+    state, state_dt, x and vnew, the step's x) start on 16 bytes, else 0 (4-byte copies; ValueError where
+    rows are not 4-byte aligned, which no cache layout of ours produces)."""
     staged = (cache.state, cache.state_dt, cache.x, cache.vnew, x)
     if not _rows_aligned(*staged, to=4):
-        raise ValueError("the decode step's staged rows (cache.state, cache.state_dt, cache.x, cache.vnew, x) must start on "
-                         "4-byte boundaries; allocate the cache with IncrementalCache.empty or vLLM's hybrid cache")
+        raise ValueError("the decode step's staged rows (cache.state, cache.state_dt, cache.x, cache.vnew, x) must "
+                         "start on 4-byte boundaries; allocate the cache with IncrementalCache.empty or vLLM's "
+                         "hybrid cache")
     return _rows_aligned(*staged)
 
 
@@ -92,8 +93,8 @@ def values_args(x, out, cache, start, held, slots, read, rows, vn_row) -> tuple[
     _int64_rows(start, held, slots, read)
     slot_strides = _int32("slot strides", (t.stride(0) for t in (cache.state, cache.state_dt, cache.x, cache.vnew)))
     strides = _int32("strides", (x.stride(0), x.stride(1), out.stride(0), out.stride(1), n_seqs * hv * d_v // BV))
-    args = [x, out, cache.state, cache.state_dt, cache.x, cache.vnew, *slot_strides, start, held, slots, read, *rows, vn_row, n_seqs,
-            *strides[:4], hv, d_v, _staged_rows(x, cache)]  # fmt: skip
+    args = [x, out, cache.state, cache.state_dt, cache.x, cache.vnew, *slot_strides, start, held, slots, read, *rows,
+            vn_row, n_seqs, *strides[:4], hv, d_v, _staged_rows(x, cache)]  # fmt: skip
     return strides[4], args
 
 
@@ -103,8 +104,8 @@ def commit_args(k_hat, g, x, cache, start, held, slots, read, vn_row) -> tuple[i
     slot_strides = _int32("slot strides", (t.stride(0) for t in (cache.state, cache.state_dt, cache.vnew, cache.k,
                                                                  cache.g)))  # fmt: skip
     strides = _int32("strides", (k_hat.stride(0), k_hat.stride(1), g.stride(0), n_seqs * hv))
-    args = [k_hat, g, cache.state, cache.state_dt, cache.vnew, cache.k, cache.g, *slot_strides, start, held, slots, read, vn_row,
-            n_seqs, *strides[:3], hk, hv, d_v, hv // hk, _rows_aligned(cache.k, k_hat),
+    args = [k_hat, g, cache.state, cache.state_dt, cache.vnew, cache.k, cache.g, *slot_strides, start, held, slots,
+            read, vn_row, n_seqs, *strides[:3], hk, hv, d_v, hv // hk, _rows_aligned(cache.k, k_hat),
             _staged_rows(x, cache)]  # fmt: skip
     return strides[3], args
 
@@ -121,8 +122,9 @@ def decode_weights(q_hat, k_hat, g, beta, cache, start, held, slots, rows) -> No
 
 def decode_values(k_hat, g, x, out, cache, start, held, slots, read, rows) -> None:
     """`_decode_kernel`'s work: U, V' and o from `decode_weights`' rows (the products read cache.state_dt,
-    half the state's bytes); the row's x and V' to the slot (zeros to the state of a sequence that starts here), or the state update of a completed chunk (`decode_commit`,
-    a second launch, a block a (sequence, v head), whose blocks return at once where no chunk completes)."""
+    half the state's bytes); the row's x and V' to the slot (zeros to the state of a sequence that starts
+    here), or the state update of a completed chunk (`decode_commit`, a second launch, a block a (sequence,
+    v head), whose blocks return at once where no chunk completes)."""
     vn_row = torch.empty(start.shape[0], x.shape[1], x.shape[2], dtype=x.dtype, device=x.device)
     grid, args = values_args(x, out, cache, start, held, slots, read, rows, vn_row)
     _launch("decode_values", grid, BV // WV, args, x.device)

@@ -139,7 +139,8 @@ def _rounded(x, dt: tl.constexpr):
 @triton.jit(do_not_specialize=["n_seqs"])
 def _decode_kernel(
     K, A, V, OUT, STATE, CK, CX, CG, CVN, STATE_DT, S_STATE, SK, SX, SG, SVN, S_STATE_DT, START, HELD, SLOT, READ,
-    T_ROW, W_ROW, P_ROW, QG_ROW, n_seqs, stride_kt, stride_kh, stride_at, stride_vt, stride_vh, stride_ot, stride_oh, HK, HV, RATIO,
+    T_ROW, W_ROW, P_ROW, QG_ROW, n_seqs, stride_kt, stride_kh, stride_at, stride_vt, stride_vh, stride_ot, stride_oh,
+    HK, HV, RATIO,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, ROWS: tl.constexpr,
     CHUNK: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip

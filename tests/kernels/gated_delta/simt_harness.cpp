@@ -40,13 +40,13 @@ extern "C" void run_decode_weights(int grid, const bf16* Q, const bf16* K, const
 }
 
 extern "C" void run_decode_values(int grid, const bf16* V, bf16* OUT, float* STATE, bf16* STATE_DT, bf16* CX,
-                                  bf16* CVN, int S_STATE, int S_STATE_DT, int SX, int SVN, const long long* START, const long long* HELD,
-                                  const long long* SLOT, const long long* READ, const float* T_ROW, const bf16* W_ROW,
+                                  bf16* CVN, int S_STATE, int S_STATE_DT, int SX, int SVN, const long long* START,
+                                  const long long* HELD, const long long* SLOT, const long long* READ, const float* T_ROW, const bf16* W_ROW,
                                   const bf16* P_ROW, const bf16* QG_ROW, bf16* VN_ROW, int n_seqs, int stride_vt,
                                   int stride_vh, int stride_ot, int stride_oh, int HV, int DV, int ALIGN16) {
   run_blocks(grid, VWARPS, [&] {
-    decode_values(V, OUT, STATE, STATE_DT, CX, CVN, S_STATE, S_STATE_DT, SX, SVN, START, HELD, SLOT, READ, T_ROW, W_ROW, P_ROW, QG_ROW,
-                  VN_ROW, n_seqs, stride_vt, stride_vh, stride_ot, stride_oh, HV, DV, ALIGN16);
+    decode_values(V, OUT, STATE, STATE_DT, CX, CVN, S_STATE, S_STATE_DT, SX, SVN, START, HELD, SLOT, READ, T_ROW,
+                  W_ROW, P_ROW, QG_ROW, VN_ROW, n_seqs, stride_vt, stride_vh, stride_ot, stride_oh, HV, DV, ALIGN16);
   });
 }
 
@@ -57,7 +57,7 @@ extern "C" void run_decode_commit(int grid, const bf16* K, const float* A, float
                                   const long long* READ, const bf16* VN_ROW, int n_seqs, int stride_kt, int stride_kh,
                                   int stride_at, int HK, int HV, int DV, int RATIO, int VEC_K, int ALIGN16) {
   run_blocks(grid, CWARPS, [&] {
-    decode_commit(K, A, STATE, STATE_DT, CVN, CK, CG, S_STATE, S_STATE_DT, SVN, SK, SG, START, HELD, SLOT, READ, VN_ROW, n_seqs, stride_kt,
-                  stride_kh, stride_at, HK, HV, DV, RATIO, VEC_K, ALIGN16);
+    decode_commit(K, A, STATE, STATE_DT, CVN, CK, CG, S_STATE, S_STATE_DT, SVN, SK, SG, START, HELD, SLOT, READ,
+                  VN_ROW, n_seqs, stride_kt, stride_kh, stride_at, HK, HV, DV, RATIO, VEC_K, ALIGN16);
   });
 }

@@ -1,7 +1,7 @@
 // Compiles kernels/gated_delta/incremental_decode.cu for the CPU, to run its warps as 32 host threads each
 // (simt_harness.cpp): CUDA's qualifiers and built-ins, the warp barrier, and stand-ins for the instructions
-// the .cu file issues in asm (cvt.rn.bf16.f32 and .bf16x2, ex2.approx.f32, mma.sync m16n8k16, ldmatrix with and without .trans,
-// cp.async: a copy at once, zeros where the source is not there). The
+// the .cu file issues in asm (cvt.rn.bf16.f32 and .bf16x2, ex2.approx.f32, mma.sync m16n8k16, ldmatrix with
+// and without .trans, cp.async: a copy at once, zeros where the source is not there). The
 // stand-ins follow the PTX ISA's fragment layouts; they round to bf16 toward zero as the Triton interpreter
 // does (the reference the test compares with), the MMA sums in fp32 and exp2f is not ex2.approx: outputs
 // near the interpreter's, not the GPU's bits. What this checks is the indexing, the fragments and the
