@@ -272,12 +272,13 @@ def warm_up_linear(
     config_n: int | None = None,
 ) -> None:
     """Compile every kernel variant `linear(x, weight, bias, out_dtype, config_n=config_n)` can launch,
-    whatever M (one call per tile bucket: `linear_triton.warmup_sizes`). Nothing to do off CUDA."""
+    whatever M (one call per tile bucket or CuTe-DSL configuration: `linear_triton.warmup_sizes`).
+    Nothing to do off CUDA."""
     if backend_for(weight) != "triton":
         return
-    from .linear_triton import warmup_sizes
+    from .linear_triton import num_sms, warmup_sizes
 
     n, k = weight.shape
-    for m in warmup_sizes(n, k, weight.dtype, config_n):
+    for m in warmup_sizes(n, k, weight.dtype, config_n, num_sms(weight.device)):
         x = torch.zeros(m, k, dtype=weight.dtype, device=weight.device)
         linear(x, weight, bias, out_dtype, config_n=config_n)

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from ..checks import SUPPORTED_DTYPES, check_dim, check_dtype, check_last_dim_contiguous, check_same_device
+from . import linear_cute
 from .split_triton import linear_split_programs
 from .tiles_triton import dot_k_range, dot_k_range_tma, tile_coords
 
@@ -418,17 +419,21 @@ def tile_rows(m: int, n: int, config_n: int | None) -> int:
     return max(1, -(-m * n // config_n))
 
 
-def warmup_sizes(n: int, k: int, dtype: torch.dtype, config_n: int | None = None) -> list[int]:
-    """One M per tile bucket of the weight shape (config_n or N, K) for a launch over n columns:
-    running `linear` once at each compiles every kernel variant a batch can reach, so none compiles
-    while serving (vLLM's warm-up and CUDA-graph capture reach only some sizes, and none with
-    --enforce-eager)."""
+def warmup_sizes(n: int, k: int, dtype: torch.dtype, config_n: int | None = None, sms: int = 0) -> list[int]:
+    """One M per tile bucket of the weight shape (config_n or N, K) for a launch over n columns, and
+    one per CuTe-DSL configuration where an untuned shape may take that path on `sms` multiprocessors
+    (linear_cute.py): running `linear` once at each compiles every kernel variant a batch can reach,
+    so none compiles while serving (vLLM's warm-up and CUDA-graph capture reach only some sizes, and
+    none with --enforce-eager)."""
     whole = n if config_n is None else config_n
     buckets = _TUNED.get((dtype, whole, k))
-    if buckets is None:
-        return [1]
-    bounds = [bound for bound, _ in buckets[:-1]]
-    return [rows * whole // n for rows in bounds + [bounds[-1] + 1]]  # tile_rows of each is the bound
+    rows = [1]
+    if buckets is not None:
+        bounds = [bound for bound, _ in buckets[:-1]]
+        rows = [r * whole // n for r in bounds + [bounds[-1] + 1]]  # tile_rows of each is the bound
+    if sms and (dtype, n, k) not in _TUNED and (buckets is None or buckets[0][1].k_split == 1):
+        rows = sorted({*rows, *linear_cute.warmup_rows(n, sms)})
+    return rows
 
 
 _SMEM = 232448  # shared memory per block on an H100 (227 KB); Triton asks exactly the estimate below
@@ -441,7 +446,7 @@ def _smem_bytes(cfg: GemmConfig, in_size: int, out_size: int) -> int:
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter runs programs one after another; a few exercise the tile loop
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -506,10 +511,14 @@ def launch_linear(x2, weight, bias, out_dtype, config_n=None, out=None) -> torch
         cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)  # room for the fp32 tile (speed only)
     if k % cfg.k_split:
         raise ValueError(f"K = {k} does not split into {cfg.k_split} equal parts ({cfg})")
+    untuned = cfg.k_split == 1 and (x2.dtype, n, k) not in _TUNED
+    if untuned and linear_cute.takes(x2, weight, bias, y):  # the same bits (linear_cute.py)
+        linear_cute.launch(x2, weight, bias, y, num_sms(x2.device))
+        return y
     if cfg.split_programs:
         linear_split_programs(x2, weight, bias, y, cfg, _interpreted())
         return y
-    num_programs = _num_sms(x2.device) * cfg.programs_per_sm
+    num_programs = num_sms(x2.device) * cfg.programs_per_sm
     num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     if cfg.tma and all(_tma_ok(t) for t in (x2, weight, y)):
         _launch_tma(x2, weight, bias, y, cfg, min(num_tiles, num_programs), num_programs)

@@ -23,6 +23,15 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 
 
+@pytest.fixture(autouse=True)
+def _triton_kernel_only(monkeypatch):
+    """These tests are the Triton kernel's: no launch takes the CuTe-DSL path (tests in
+    test_linear_cute.py hold that path to this kernel's bits)."""
+    from vexact_vllm.kernels.gemm import linear_cute
+
+    monkeypatch.setattr(linear_cute, "takes", lambda *args: False)
+
+
 def _reference(x, w, b):
     y = x.double() @ w.double().t()
     return y if b is None else y + b.double()
@@ -96,7 +105,7 @@ def test_rows_invariant_interpreted(small_tiles, monkeypatch, n, k, dtype):
             part = small_tiles.linear_triton(x[start : start + size], w, b, torch.bfloat16)
             assert torch.equal(part, full[start : start + size]), (size, start)
     for sms in (1, 3, 7):  # fewer or more persistent programs than tiles
-        monkeypatch.setattr(small_tiles, "_num_sms", lambda device, sms=sms: sms)
+        monkeypatch.setattr(small_tiles, "num_sms", lambda device, sms=sms: sms)
         assert torch.equal(small_tiles.linear_triton(x, w, b, torch.bfloat16), full), sms
 
 
@@ -473,7 +482,7 @@ def test_sm_count_does_not_change_bits_cuda(monkeypatch):
     x, w, b = _inputs(257, 2048, 2048, torch.bfloat16, device="cuda")
     full = gt.linear_triton(x, w, b, torch.bfloat16)
     for sms in (1, 7):
-        monkeypatch.setattr(gt, "_num_sms", lambda device, sms=sms: sms)
+        monkeypatch.setattr(gt, "num_sms", lambda device, sms=sms: sms)
         assert torch.equal(gt.linear_triton(x, w, b, torch.bfloat16), full), sms
 
 
