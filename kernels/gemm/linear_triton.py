@@ -495,7 +495,8 @@ def linear_triton(
 
 def launch_linear(x2, weight, bias, out_dtype, config_n=None, out=None) -> torch.Tensor:
     """`linear_triton` without its checks, for callers that made them (`linear.linear`): the decode
-    step's lm_head launches from Python every step, so its host time counts. `out`: a contiguous
+    step's lm_head launches from Python every step, so its host time counts. On Hopper a shape with
+    no tuned tiles runs quack's GEMM instead, with the same bits (linear_cute.py). `out`: a contiguous
     [M, N] `out_dtype` tensor to write into (checked by the caller)."""
     if x2.device.type != "cuda" and not _interpreted():
         raise ValueError(f"linear_triton needs CUDA tensors, got {x2.device} (set TRITON_INTERPRET=1 on CPU)")
@@ -520,7 +521,7 @@ def launch_linear(x2, weight, bias, out_dtype, config_n=None, out=None) -> torch
         return y
     num_programs = num_sms(x2.device) * cfg.programs_per_sm
     num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    if cfg.tma and all(_tma_ok(t) for t in (x2, weight, y)):
+    if cfg.tma and all(linear_cute.aligned(t) for t in (x2, weight, y)):  # what TMA addresses
         _launch_tma(x2, weight, bias, y, cfg, min(num_tiles, num_programs), num_programs)
         return y
     _linear_kernel[(min(num_tiles, num_programs),)](
@@ -547,12 +548,6 @@ def launch_linear(x2, weight, bias, out_dtype, config_n=None, out=None) -> torch
         num_stages=cfg.num_stages,
     )
     return y
-
-
-def _tma_ok(t: torch.Tensor) -> bool:
-    """A 2-D tensor a TMA descriptor can address: unit last stride, 16-byte aligned base and rows."""
-    size = t.element_size()
-    return t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * size) % 16 == 0
 
 
 def _launch_tma(x2, weight, bias, y, cfg: GemmConfig, grid: int, num_programs: int) -> None:
