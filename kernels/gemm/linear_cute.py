@@ -17,7 +17,7 @@ three tiles that still gives the SMs enough tiles for larger M.
 
 Where it runs (`takes`): an SM90 device (Hopper: what the tests cover), bf16 operands (fp32 operands
 would run TF32 MMAs), a bf16 or fp32 output, operands and output whose base and rows are 16-byte
-aligned (TMA), no K split in the shape's Triton reduction (`k_split == 1`), and a weight shape with
+aligned (TMA), compact operand rows (the output may be a column block of a wider tensor), no K split in the shape's Triton reduction (`k_split == 1`), and a weight shape with
 no tuned Triton tiles (`linear_triton._TUNED`: there the Triton tiles are as fast). quack is part of
 the `gpu` extra; without it every call takes the Triton kernel, with the same bits.
 """
@@ -85,8 +85,8 @@ def _quack():
 
 
 @functools.cache
-def _hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
+def _hopper(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) == (9, 0)
 
 
 def takes(x2: torch.Tensor, weight: torch.Tensor, bias, y: torch.Tensor) -> bool:
@@ -95,8 +95,9 @@ def takes(x2: torch.Tensor, weight: torch.Tensor, bias, y: torch.Tensor) -> bool
     return (
         x2.is_cuda
         and x2.dtype == torch.bfloat16
-        and _hopper(x2.device.index if x2.device.index is not None else torch.cuda.current_device())
+        and _hopper(x2.device)
         and all(aligned(t) for t in (x2, weight, y))
+        and x2.stride(0) == x2.shape[1] and weight.stride(0) == weight.shape[1]  # compact operands (tested)
         and (bias is None or (bias.dtype == x2.dtype and bias.data_ptr() % 16 == 0))
         and _quack() is not None
     )

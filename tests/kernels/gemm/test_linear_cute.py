@@ -72,6 +72,19 @@ def test_alignment_rule():
     assert not lc.aligned(x.t())
 
 
+def test_strided_operands_keep_the_triton_kernel(monkeypatch):
+    monkeypatch.setattr(lc, "_hopper", lambda device: True)  # as if on an SM90 device, quack installed
+    monkeypatch.setattr(lc, "_quack", lambda: object())
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    wide, w = torch.zeros(4, 128, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16)
+    y = torch.zeros(4, 32, dtype=torch.bfloat16)
+    assert lc.takes(wide[:, :64].contiguous(), w, None, y)
+    assert not lc.takes(wide[:, :64], w, None, y)  # rows 256 bytes apart for 128-byte rows
+    assert not lc.takes(wide[:, :64].contiguous(), torch.zeros(32, 128, dtype=torch.bfloat16)[:, 64:], None, y)
+    assert not lc.takes(wide[:, :64].contiguous().float(), w.float(), None, y.float())  # fp32 operands: TF32
+    assert not lc.takes(wide[:, :64].contiguous(), w, torch.zeros(32), y)  # an fp32 bias with bf16 operands
+
+
 def test_cpu_tensors_never_take_the_path():
     x, w = torch.zeros(4, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16)
     assert not lc.takes(x, w, None, torch.zeros(4, 32, dtype=torch.bfloat16))
