@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# vexact-vllm on an NVIDIA GPU, from a clone installed with `pip install -e ".[gpu,dev]"`:
+# vexact-vllm on an NVIDIA GPU, from a clone installed with `pip install -e ".[gpu,dev]"` (on a host without
+# network, the gpu extra's CuTe-DSL GEMM wheels come in two parts: scripts/gpu-quack.sh):
 #
 #   bash scripts/gpu.sh tests [PYTEST ARGS]   the CUDA tests (pytest -m cuda: kernels, sampler graphs, TP rules)
 #   bash scripts/gpu.sh check [MODEL ...]     vexact-vllm check --against-stock on each built-in model (default:
@@ -157,7 +158,7 @@ gdn() {
 case "${1:-}" in
   tests|check|bench|verl|mla|gdn) step=$1; shift; "$step" "$@" ;;
   all) tests; check; bench; verl; mla; gdn ;;
-  *) sed -n '2,29p' "$0" | cut -c3-; exit 2 ;;
+  *) sed -n '2,30p' "$0" | cut -c3-; exit 2 ;;
 esac
 printf '%s\n' "${results[@]}"
 [ ${#failed[@]} = 0 ]
