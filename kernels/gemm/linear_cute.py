@@ -17,9 +17,11 @@ three tiles that still gives the SMs enough tiles for larger M.
 
 Where it runs (`takes`): an SM90 device (Hopper: what the tests cover), bf16 operands (fp32 operands
 would run TF32 MMAs), a bf16 or fp32 output, operands and output whose base and rows are 16-byte
-aligned (TMA), compact operand rows (the output may be a column block of a wider tensor), no K split in the shape's Triton reduction (`k_split == 1`), and a weight shape with
-no tuned Triton tiles (`linear_triton._TUNED`: there the Triton tiles are as fast). quack is part of
-the `gpu` extra; without it every call takes the Triton kernel, with the same bits.
+aligned (TMA), compact operand rows (the output may be a column block of a wider tensor), no K split
+in the shape's Triton reduction (`k_split == 1`), and a weight shape with no tuned Triton tiles
+(`linear_triton._TUNED`: there the Triton tiles are as fast). quack is part of the `gpu` extra
+(`scripts/gpu-quack.sh` brings it to a host without network); without it every call takes the
+Triton kernel, with the same bits.
 """
 
 from __future__ import annotations
