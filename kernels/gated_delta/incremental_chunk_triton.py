@@ -43,14 +43,20 @@ def normalize_kernel(
     Q, K, V, A, B, A_LOG, DT_BIAS, QH, KH, X, GR, BETA, EOS, CHUNK_SEQ, CHUNK_ROW, n_chunks,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt, HK, HV, RATIO, scale, eps,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, ROWS: tl.constexpr,
-    CHUNK: tl.constexpr, SOFTPLUS_MAX: tl.constexpr,
+    CHUNK: tl.constexpr, SOFTPLUS_MAX: tl.constexpr, PACKED: tl.constexpr = False,
 ):  # fmt: skip
-    """Program (row tile of a chunk, k head): the row tile's inputs, each row at place (chunk row % ROWS)."""
+    """Program (row tile of a chunk, k head): the row tile's inputs, each row at place (chunk row % ROWS).
+    PACKED: a decode step's rows instead, each a sequence's (its values do not depend on its place): rows
+    ROWS * program .. of 0 .. n_chunks - 1 (EOS, CHUNK_SEQ, CHUNK_ROW unread)."""
     hk = tl.program_id(1)
-    c = tl.program_id(0) // (CHUNK // ROWS)
-    n = tl.load(CHUNK_SEQ + c)
-    rows = tl.load(CHUNK_ROW + c) + (tl.program_id(0) % (CHUNK // ROWS)) * ROWS + tl.arange(0, ROWS)
-    valid = rows < tl.load(EOS + n)
+    if PACKED:
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        valid = rows < n_chunks
+    else:
+        c = tl.program_id(0) // (CHUNK // ROWS)
+        n = tl.load(CHUNK_SEQ + c)
+        rows = tl.load(CHUNK_ROW + c) + (tl.program_id(0) % (CHUNK // ROWS)) * ROWS + tl.arange(0, ROWS)
+        valid = rows < tl.load(EOS + n)
     ok = tl.arange(0, BLOCK_K)
     mk = valid[:, None] & (ok < DK)[None, :]
     dt = QH.dtype.element_ty

@@ -19,6 +19,7 @@ WWARPS = 4  # warps a decode_weights block (the .cu file's WWARPS)
 WV = 16  # value columns a warp of decode_values and decode_commit (the .cu file's WV)
 BV = 32  # value columns a decode_values block (the .cu file's BV)
 BC = 64  # value columns a decode_commit block's tile (the .cu file's BC)
+CSEQ = 8  # sequences a decode_commit block looks at (the .cu file's CSEQ)
 _INT32 = 2**31 - 1
 
 
@@ -103,7 +104,7 @@ def commit_args(k_hat, g, x, cache, start, held, slots, read, vn_row) -> tuple[i
     n_seqs, hk, hv, d_v = start.shape[0], k_hat.shape[1], g.shape[1], x.shape[2]
     slot_strides = _int32("slot strides", (t.stride(0) for t in (cache.state, cache.state_dt, cache.vnew, cache.k,
                                                                  cache.g)))  # fmt: skip
-    strides = _int32("strides", (k_hat.stride(0), k_hat.stride(1), g.stride(0), n_seqs * hv))
+    strides = _int32("strides", (k_hat.stride(0), k_hat.stride(1), g.stride(0), -(-n_seqs // CSEQ) * hv))
     args = [k_hat, g, cache.state, cache.state_dt, cache.vnew, cache.k, cache.g, *slot_strides, start, held, slots,
             read, vn_row, n_seqs, *strides[:3], hk, hv, d_v, hv // hk, _rows_aligned(cache.k, k_hat),
             _staged_rows(x, cache)]  # fmt: skip
@@ -123,8 +124,8 @@ def decode_weights(q_hat, k_hat, g, beta, cache, start, held, slots, rows) -> No
 def decode_values(k_hat, g, x, out, cache, start, held, slots, read, rows) -> None:
     """`_decode_kernel`'s work: U, V' and o from `decode_weights`' rows (the products read cache.state_dt,
     half the state's bytes); the row's x and V' to the slot (zeros to the state of a sequence that starts
-    here), or the state update of a completed chunk (`decode_commit`, a second launch, a block a (sequence,
-    v head), whose blocks return at once where no chunk completes)."""
+    here), or the state update of a completed chunk (`decode_commit`, a second launch, a block a v head and
+    CSEQ sequences, which does the work of those that complete a chunk)."""
     vn_row = torch.empty(start.shape[0], x.shape[1], x.shape[2], dtype=x.dtype, device=x.device)
     grid, args = values_args(x, out, cache, start, held, slots, read, rows, vn_row)
     _launch("decode_values", grid, BV // WV, args, x.device)

@@ -1,9 +1,10 @@
 """Design C's decode step on Triton: one row a sequence, in three launches (math in `incremental.py`; the
 shared row-tile routines and their invariant in `incremental_tiles_triton.py`).
 
-1. `prepared_rows`: the chunk kernels' `normalize_kernel` on the step's rows (one program a row): the
-   row's normalised q and k, g, beta and x = dt(beta v). A row's values do not depend on its place in
-   the row tile (its norm is an FMA dot in K order, the rest elementwise).
+1. `prepared_rows`: the chunk kernels' `normalize_kernel` on the step's rows (the step's rows packed in
+   row tiles): the row's normalised q and k, g, beta and x = dt(beta v). A row's values do not depend on
+   its place in the row tile nor on the rows beside it (its norm is an FMA dot in K order, the rest
+   elementwise).
 2. `_decode_weights_kernel`, program (sequence, v head): what the row needs that no v column changes,
    through the chunk kernels' routines in a row tile of their shape with the row at its place (chunk
    position % ROWS): G, the row of A, its step of the forward substitution (the row of T), W, and the
@@ -194,24 +195,23 @@ def _decode_kernel(
             tl.store(cvn + (p * HV + hv) * DV + ov, vn_p, mask=mv)
 
 
-def prepared_rows(q, k, v, a, b, A_log, dt_bias, start, slots):
-    """(q_hat, k_hat, x, g, beta) of each sequence's row start[n] (none where slots[n] < 0), by the chunk
-    kernels' `normalize_kernel` in programs of one row: q_hat, k_hat [T, HK, DK] and x = dt(beta v)
-    [T, HV, DV] in q's dtype, g and beta [T, HV] fp32; other rows unwritten."""
-    n_seqs, (n_tokens, hk, d_k), (_, hv, d_v) = start.shape[0], q.shape, v.shape
+def prepared_rows(q, k, v, a, b, A_log, dt_bias):
+    """(q_hat, k_hat, x, g, beta) of the step's rows by the chunk kernels' `normalize_kernel` over every row
+    of q in tiles of ROWS (PACKED: a row's values do not depend on the rows beside it): q_hat, k_hat
+    [T, HK, DK] and x = dt(beta v) [T, HV, DV] in q's dtype, g and beta [T, HV] fp32. Rows that are no
+    sequence's (a CUDA graph's padded requests) are computed too, and read by no one."""
+    (n_tokens, hk, d_k), (_, hv, d_v) = q.shape, v.shape
     device, dt = q.device, q.dtype
     q_hat, k_hat = (torch.empty(n_tokens, hk, d_k, dtype=dt, device=device) for _ in range(2))
     x = torch.empty(n_tokens, hv, d_v, dtype=dt, device=device)
     g, beta = (torch.empty(n_tokens, hv, dtype=torch.float32, device=device) for _ in range(2))
     block_k, block_dv, _ = tiles.block_sizes(d_k, d_v)
-    start = start.long()
-    eos = torch.where(slots >= 0, start + 1, start)  # a padded request's row (slot -1) is not read
-    normalize_kernel[(n_seqs, hk)](
-        q, k, v, a, b, A_log.contiguous(), dt_bias.contiguous(), q_hat, k_hat, x, g, beta, eos,
-        torch.arange(n_seqs, device=device), start, n_seqs, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1), a.stride(0), b.stride(0), hk, hv, hv // hk, qk_scale(d_k), L2NORM_EPS,
-        DK=d_k, DV=d_v, BLOCK_K=block_k, BLOCK_DV=block_dv, ROWS=tiles.ROWS, CHUNK=tiles.ROWS,
-        SOFTPLUS_MAX=SOFTPLUS_THRESHOLD, **tiles.launch_options(),
+    normalize_kernel[(triton.cdiv(n_tokens, tiles.ROWS), hk)](
+        q, k, v, a, b, A_log.contiguous(), dt_bias.contiguous(), q_hat, k_hat, x, g, beta, None, None, None,
+        n_tokens, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0),
+        b.stride(0), hk, hv, hv // hk, qk_scale(d_k), L2NORM_EPS, DK=d_k, DV=d_v, BLOCK_K=block_k,
+        BLOCK_DV=block_dv, ROWS=tiles.ROWS, CHUNK=tiles.ROWS, SOFTPLUS_MAX=SOFTPLUS_THRESHOLD, PACKED=True,
+        **tiles.launch_options(),
     )  # fmt: skip
     return q_hat, k_hat, x, g, beta
 
@@ -240,7 +240,7 @@ def decode_forward(q, k, v, a, b, A_log, dt_bias, out, cache, start, held, slots
     n_seqs, (_, hk, d_k), (_, hv, d_v) = start.shape[0], q.shape, v.shape
     if n_seqs == 0:
         return
-    q_hat, k_hat, x, g, beta = prepared_rows(q, k, v, a, b, A_log, dt_bias, start, slots)
+    q_hat, k_hat, x, g, beta = prepared_rows(q, k, v, a, b, A_log, dt_bias)
     chunk, dt, device = layout.CHUNK, q.dtype, q.device
     t_row = torch.empty(n_seqs, hv, chunk, dtype=torch.float32, device=device)
     p_row = torch.empty(n_seqs, hv, chunk, dtype=dt, device=device)

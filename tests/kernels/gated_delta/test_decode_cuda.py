@@ -35,7 +35,7 @@ def test_the_cuda_source_ships_with_the_package():
     assert "__global__ void __launch_bounds__(32 * WWARPS) decode_weights(" in source
     assert "__global__ void __launch_bounds__(32 * VWARPS) decode_values(" in source
     assert "__global__ void __launch_bounds__(32 * CWARPS) decode_commit(" in source
-    for name in ("WWARPS", "WV", "BV", "BC"):
+    for name in ("WWARPS", "WV", "BV", "BC", "CSEQ"):
         assert f"#define {name} {getattr(cuda_weights, name)} " in source
 
 
@@ -213,7 +213,7 @@ def test_host_emulation_of_the_cuda_step_is_close_to_the_interpreted_step(host_k
     want = torch.zeros(n_rows, hv, D, dtype=torch.bfloat16)
     dec.decode_forward(q, k, v, a, b, A_log, dt_bias, want, want_cache, start, held, slots, read)
 
-    q_hat, k_hat, x, g, beta = dec.prepared_rows(q, k, v, a, b, A_log, dt_bias, start, slots)
+    q_hat, k_hat, x, g, beta = dec.prepared_rows(q, k, v, a, b, A_log, dt_bias)
     got_cache = layout.IncrementalCache(*(t.clone() for t in cache.tensors()))
     if seed == 10:
         _rows_off_16_bytes(got_cache, ("k", "state", "state_dt", "x", "vnew"))
