@@ -514,7 +514,7 @@ extern "C" __global__ void __launch_bounds__(32 * VWARPS) decode_values(
 #define BC 64                // value columns a decode_commit tile
 #define CWARPS (BC / WV)     // warps a decode_commit block, WV value rows each
 #define CP (BC + 8)          // a staged V' row, bf16, padded
-#define CSEQ 8               // sequences a decode_commit block looks at
+#define CSEQ 32              // sequences a decode_commit block looks at, at most (its argument cseq)
 
 // decode_commit's work for sequence n, v head hv (the block's shared buffers passed in); the block's threads
 // all call it, and it ends on a barrier, so the next call may refill the buffers.
@@ -596,31 +596,31 @@ __device__ __forceinline__ void commit_one(
   }
 }
 
-// Program: block (sequences CSEQ g .. CSEQ g + CSEQ - 1, v head hv), for each of those sequences whose row
-// completes its chunk (HELD[n] = CH - 1; the others, padded requests and sequences past n_seqs are skipped,
-// so a step where no chunk completes costs a few blocks that read HELD and SLOT) each warp WV value rows of a
-// tile of BC, tile after tile. K, A: prepared k_hat [T, HK, DK] and g [T, HV]; STATE, CVN, CK, CG: the
-// cache's state, vnew, k and g; VN_ROW: the row's V' (`decode_values`). S'^T = exp(G_last) S^T + V'^T y,
-// y_j = dt(k_j exp(G_last - G_j)) (`state_after`, a product the chunk kernels run as a 64-row wgmma, whose
-// elements have mma.sync's bits on the H200), by 16 x 8 output blocks over the warp's value rows and the 128
-// key columns; S from READ's slot (zeros where -1), S' and dt(S') (STATE_DT) to the sequence's slot.
+// Program: block (sequences cseq g .. cseq g + cseq - 1, v head hv; cseq <= CSEQ, the launcher's choice), for
+// each of those sequences whose row completes its chunk (HELD[n] = CH - 1; the others, padded requests and
+// sequences past n_seqs are skipped, so a step where no chunk completes costs a few blocks that read HELD and
+// SLOT) each warp WV value rows of a tile of BC, tile after tile. K, A: prepared k_hat [T, HK, DK] and g
+// [T, HV]; STATE, CVN, CK, CG: the cache's state, vnew, k and g; VN_ROW: the row's V' (`decode_values`).
+// S'^T = exp(G_last) S^T + V'^T y, y_j = dt(k_j exp(G_last - G_j)) (`state_after`, a product the chunk
+// kernels run as a 64-row wgmma, whose elements have mma.sync's bits on the H200), by 16 x 8 output blocks
+// over the warp's value rows and the 128 key columns; S from READ's slot (zeros where -1), S' and dt(S')
+// (STATE_DT) to the sequence's slot.
 extern "C" __global__ void __launch_bounds__(32 * CWARPS) decode_commit(
     const bf16* K, const float* A, float* STATE, bf16* STATE_DT, const bf16* CVN, const bf16* CK, const float* CG,
     int S_STATE, int S_STATE_DT, int SVN, int SK, int SG, const long long* START, const long long* HELD,
     const long long* SLOT, const long long* READ, const bf16* VN_ROW, int n_seqs, int stride_kt, int stride_kh, int stride_at, int HK,
-    int HV, int DV, int RATIO, int VEC_K, int ALIGN16) {
+    int HV, int DV, int RATIO, int VEC_K, int ALIGN16, int cseq) {
   __shared__ float s_g[CH], s_G[CH];
   __shared__ unsigned s_y[DK][CH / 2 + 4];      // y^T in bf16 pairs (rows j, j + 1), padded: no bank conflicts
   __shared__ __align__(16) bf16 s_vn[CH][CP];  // the chunk's V' rows at the tile's columns
-  const int hv = (int)(blockIdx.x % HV), n0 = (int)(blockIdx.x / HV) * CSEQ;
-  unsigned todo = 0;  // bit i: sequence n0 + i completes its chunk (the loads issued together)
-#pragma unroll
-  for (int i = 0; i < CSEQ; ++i) {
+  const int hv = (int)(blockIdx.x % HV), n0 = (int)(blockIdx.x / HV) * cseq;
+  unsigned todo = 0;  // bit i: sequence n0 + i completes its chunk
+  for (int i = 0; i < cseq; ++i) {
     const bool in = n0 + i < n_seqs;
     const long long slot = in ? SLOT[n0 + i] : -1, held = in ? HELD[n0 + i] : 0;
     todo |= (slot >= 0 && held == CH - 1 ? 1u : 0u) << i;
   }
-  for (int i = 0; i < CSEQ; ++i)
+  for (int i = 0; i < cseq; ++i)
     if (todo >> i & 1) commit_one(K, A, STATE, STATE_DT, CVN, CK, CG, S_STATE, S_STATE_DT, SVN, SK, SG, START, SLOT,
                                   READ, VN_ROW, n0 + i, hv, stride_kt, stride_kh, stride_at, HK, HV, DV, RATIO, VEC_K,
                                   ALIGN16, s_g, s_G, s_y, s_vn);

@@ -19,7 +19,8 @@ WWARPS = 4  # warps a decode_weights block (the .cu file's WWARPS)
 WV = 16  # value columns a warp of decode_values and decode_commit (the .cu file's WV)
 BV = 32  # value columns a decode_values block (the .cu file's BV)
 BC = 64  # value columns a decode_commit block's tile (the .cu file's BC)
-CSEQ = 8  # sequences a decode_commit block looks at (the .cu file's CSEQ)
+CSEQ = 32  # sequences a decode_commit block looks at, at most (the .cu file's CSEQ)
+COMMIT_BLOCKS = 8  # decode_commit's blocks an SM, about (28 KB of shared memory each)
 _INT32 = 2**31 - 1
 
 
@@ -99,16 +100,34 @@ def values_args(x, out, cache, start, held, slots, read, rows, vn_row) -> tuple[
     return strides[4], args
 
 
-def commit_args(k_hat, g, x, cache, start, held, slots, read, vn_row) -> tuple[int, list]:
-    """(grid, arguments) of `decode_commit`: k_hat, g the prepared rows ([T, HK, DK], [T, HV] fp32)."""
+def commit_sequences(n_seqs: int, hv: int, sms: int) -> int:
+    """Sequences a decode_commit block looks at: the fewest (a power of two, at most CSEQ) that keep its grid
+    within one wave of COMMIT_BLOCKS blocks an SM. A block does the work of its sequences that complete a chunk
+    one after another, and the others cost it a read: a wave of small groups where every sequence completes at
+    once (GRPO's samples of one prompt), no wave of empty blocks where none does."""
+    cseq = 1
+    while cseq < CSEQ and -(-n_seqs // cseq) * hv > COMMIT_BLOCKS * sms:
+        cseq *= 2
+    return cseq
+
+
+def commit_args(k_hat, g, x, cache, start, held, slots, read, vn_row, sms: int) -> tuple[int, list]:
+    """(grid, arguments) of `decode_commit`: k_hat, g the prepared rows ([T, HK, DK], [T, HV] fp32); sms: the
+    device's SMs."""
     n_seqs, hk, hv, d_v = start.shape[0], k_hat.shape[1], g.shape[1], x.shape[2]
+    cseq = commit_sequences(n_seqs, hv, sms)
     slot_strides = _int32("slot strides", (t.stride(0) for t in (cache.state, cache.state_dt, cache.vnew, cache.k,
                                                                  cache.g)))  # fmt: skip
-    strides = _int32("strides", (k_hat.stride(0), k_hat.stride(1), g.stride(0), -(-n_seqs // CSEQ) * hv))
+    strides = _int32("strides", (k_hat.stride(0), k_hat.stride(1), g.stride(0), -(-n_seqs // cseq) * hv))
     args = [k_hat, g, cache.state, cache.state_dt, cache.vnew, cache.k, cache.g, *slot_strides, start, held, slots,
             read, vn_row, n_seqs, *strides[:3], hk, hv, d_v, hv // hk, _rows_aligned(cache.k, k_hat),
-            _staged_rows(x, cache)]  # fmt: skip
+            _staged_rows(x, cache), cseq]  # fmt: skip
     return strides[3], args
+
+
+@functools.cache
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _launch(name: str, grid: int, warps: int, args: list, device: torch.device) -> None:
@@ -125,9 +144,9 @@ def decode_values(k_hat, g, x, out, cache, start, held, slots, read, rows) -> No
     """`_decode_kernel`'s work: U, V' and o from `decode_weights`' rows (the products read cache.state_dt,
     half the state's bytes); the row's x and V' to the slot (zeros to the state of a sequence that starts
     here), or the state update of a completed chunk (`decode_commit`, a second launch, a block a v head and
-    CSEQ sequences, which does the work of those that complete a chunk)."""
+    a few sequences, `commit_sequences`, which does the work of those that complete a chunk)."""
     vn_row = torch.empty(start.shape[0], x.shape[1], x.shape[2], dtype=x.dtype, device=x.device)
     grid, args = values_args(x, out, cache, start, held, slots, read, rows, vn_row)
     _launch("decode_values", grid, BV // WV, args, x.device)
-    grid, args = commit_args(k_hat, g, x, cache, start, held, slots, read, vn_row)
+    grid, args = commit_args(k_hat, g, x, cache, start, held, slots, read, vn_row, _sms(x.device))
     _launch("decode_commit", grid, BC // WV, args, x.device)

@@ -55,9 +55,10 @@ extern "C" void run_decode_commit(int grid, const bf16* K, const float* A, float
                                   int SVN, int SK, int SG,
                                   const long long* START, const long long* HELD, const long long* SLOT,
                                   const long long* READ, const bf16* VN_ROW, int n_seqs, int stride_kt, int stride_kh,
-                                  int stride_at, int HK, int HV, int DV, int RATIO, int VEC_K, int ALIGN16) {
+                                  int stride_at, int HK, int HV, int DV, int RATIO, int VEC_K, int ALIGN16,
+                                  int cseq) {
   run_blocks(grid, CWARPS, [&] {
     decode_commit(K, A, STATE, STATE_DT, CVN, CK, CG, S_STATE, S_STATE_DT, SVN, SK, SG, START, HELD, SLOT, READ,
-                  VN_ROW, n_seqs, stride_kt, stride_kh, stride_at, HK, HV, DV, RATIO, VEC_K, ALIGN16);
+                  VN_ROW, n_seqs, stride_kt, stride_kh, stride_at, HK, HV, DV, RATIO, VEC_K, ALIGN16, cseq);
   });
 }

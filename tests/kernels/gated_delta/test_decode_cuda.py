@@ -39,6 +39,20 @@ def test_the_cuda_source_ships_with_the_package():
         assert f"#define {name} {getattr(cuda_weights, name)} " in source
 
 
+def test_commit_blocks_look_at_few_sequences_unless_the_grid_would_pass_a_wave():
+    """decode_commit's sequences a block: one while the grid fits a wave (every completing sequence's work in
+    a block of its own), doubling up to CSEQ past it; the grid covers every sequence."""
+    for sms in (1, 7, 132):
+        for hv in (1, 4, 32, 48):
+            for n in (1, 3, 16, 64, 255, 256, 1024, 8192):
+                cseq = cuda_weights.commit_sequences(n, hv, sms)
+                blocks = -(-n // cseq) * hv
+                assert cseq & (cseq - 1) == 0 and 1 <= cseq <= cuda_weights.CSEQ
+                assert cseq == cuda_weights.CSEQ or blocks <= cuda_weights.COMMIT_BLOCKS * sms
+                assert cseq == 1 or -(-n // (cseq // 2)) * hv > cuda_weights.COMMIT_BLOCKS * sms
+    assert cuda_weights.commit_sequences(256, 32, 132) == 8 and cuda_weights.commit_sequences(16, 32, 132) == 1
+
+
 def _random_case(hk, hv, n, seed):
     """(prepared q_hat, k_hat, g, beta, a cache with random rows, start, held, slots) on the GPU."""
     gen = torch.Generator().manual_seed(seed)
@@ -229,7 +243,7 @@ def test_host_emulation_of_the_cuda_step_is_close_to_the_interpreted_step(host_k
     _host_call(host_kernels.run_decode_values,
                *cuda_weights.values_args(x, got, got_cache, start, held, slots, read, rows, vn_row))  # fmt: skip
     _host_call(host_kernels.run_decode_commit,
-               *cuda_weights.commit_args(k_hat, g, x, got_cache, start, held, slots, read, vn_row))  # fmt: skip
+               *cuda_weights.commit_args(k_hat, g, x, got_cache, start, held, slots, read, vn_row, sms=1))  # fmt: skip
     live = slots >= 0
     _assert_near("out", got[start[live]], want[start[live]])
     for m in ("state", "k", "x", "g", "beta", "t", "vnew"):
