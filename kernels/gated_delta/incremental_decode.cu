@@ -161,28 +161,41 @@ __device__ __forceinline__ void stage16(void* dst, const void* src, bool valid, 
 #define KP (DK + 8)  // a staged key row, padded: fragment reads free of bank conflicts
 #define WWARPS 4     // warps a decode_weights block
 
-// Program: block of four warps (sequence n, v head hv). Q, K: prepared q_hat, k_hat [T, HK, DK]; A, B: prepared
-// g, beta [T, HV] fp32 (row start[n]); CK, CG, CB, CT: the cache's k, g, beta, t (slot strides SK, SG, SB, ST
-// in elements, int: the launcher checks they fit); T_ROW [N, HV, CH] fp32, W_ROW, QG_ROW [N, HV, DK] and
-// P_ROW [N, HV, CH] in bf16: the scratch rows `decode_values` reads. Strides in elements; ALIGN16: the key
-// rows (the cache's and K's) and the slot's T rows start on 16 bytes.
-// The block stages the chunk's keys and the slot's T rows in shared memory; the products split over the
-// warps by output columns (each element computed as one warp would), the row's chains of FMA dots (its L
-// and T rows) run on warp 0.
+// The slot's T rows of v head hv before chunk row p (zeros from p on) to s_t [CH][CH] (cp.async; the caller
+// commits the group)
+__device__ __forceinline__ void stage_t_rows(float* s_t, const float* ct, int hv, int HV, int p, int align16) {
+  for (int e = threadIdx.x; e < CH * CH / 4; e += 32 * WWARPS) {
+    const int j = e / (CH / 4), c = e % (CH / 4) * 4;
+    stage16(&s_t[j * CH + c], ct + ((long long)j * HV + hv) * CH + c, j < p, align16);
+  }
+}
+
+// Program: block of four warps (sequence n, v heads hv0 .. hv0 + VG - 1 of one key head; VG divides RATIO, the
+// launcher's choice), the heads one after another. Q, K: prepared q_hat, k_hat [T, HK, DK]; A, B: prepared g,
+// beta [T, HV] fp32 (row start[n]); CK, CG, CB, CT: the cache's k, g, beta, t (slot strides SK, SG, SB, ST in
+// elements, int: the launcher checks they fit); T_ROW [N, HV, CH] fp32, W_ROW, QG_ROW [N, HV, DK] and P_ROW
+// [N, HV, CH] in bf16: the scratch rows `decode_values` reads. Strides in elements; ALIGN16: the key rows (the
+// cache's and K's) and the slot's T rows start on 16 bytes.
+// The block stages the chunk's keys once and takes the products of keys (k_b k_c^T, q k_c^T) once for its
+// heads; a head's T rows are staged while the head before it finishes. The products split over the warps by
+// output columns (each element computed as one warp would), the row's chains of FMA dots (its L and T rows)
+// run on warp 0.
 extern "C" __global__ void __launch_bounds__(32 * WWARPS) decode_weights(
     const bf16* Q, const bf16* K, const float* A, const float* B, bf16* CK, float* CG, float* CB, float* CT,
     int SK, int SG, int SB, int ST, const long long* START, const long long* HELD,
     const long long* SLOT, float* T_ROW, bf16* W_ROW, bf16* P_ROW, bf16* QG_ROW, int n_seqs, int stride_qt,
     int stride_qh, int stride_kt, int stride_kh, int stride_at, int stride_bt, int HK, int HV, int RATIO,
-    int ALIGN16) {
+    int ALIGN16, int VG) {
   __shared__ __align__(16) bf16 s_k[CH][KP];   // the chunk's keys: the slot's rows, the row's own, zeros
-  __shared__ __align__(16) float s_t[CH][CH];  // the slot's T rows before p, zeros from p on
+  __shared__ __align__(16) float s_t[CH][CH];  // the head's slot T rows before p, zeros from p on
   __shared__ float s_a[ROWS][CH + 1];          // the tile's rows of A against the chunk
   __shared__ float sg[CH], sG[CH], sbeta[CH], sr[CH], st[CH], sl[ROWS];
   const int wid = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
+  const int groups = RATIO / VG;
   const long long prog = blockIdx.x;
-  if (prog >= (long long)n_seqs * HV) return;
-  const int n = (int)(prog / HV), hv = (int)(prog % HV), hk = hv / RATIO;
+  if (prog >= (long long)n_seqs * HK * groups) return;
+  const int n = (int)(prog / ((long long)HK * groups)), hk = (int)(prog / groups % HK);
+  const int hv0 = hk * RATIO + (int)(prog % groups) * VG;
   const long long slot = SLOT[n];
   if (slot < 0) return;  // a padded request
   const int p = (int)HELD[n], first = p & ~(ROWS - 1), place = p & (ROWS - 1);
@@ -193,30 +206,16 @@ extern "C" __global__ void __launch_bounds__(32 * WWARPS) decode_weights(
   float* ct = CT + slot * ST;
   const bf16* k_own = K + start * stride_kt + (long long)hk * stride_kh;
   const bf16* q_own = Q + start * stride_qt + (long long)hk * stride_qh;
-  const float g_p = A[start * stride_at + hv], beta_p = B[start * stride_bt + hv];
   float* sa = &s_a[0][0];
 
-  // 0. stage the chunk's keys (the slot's rows before p, the row's own at p, zeros past it) and the slot's T
-  //    rows; meanwhile warp 0 takes the chunk's gates and betas (the slot's rows, the row's own at p, zeros
-  //    past it) and G by the FMA dot of `gate_cumsum` (row i: fmaf(j <= i, g_j, acc) over j = 0 .. CH - 1)
+  // 0. stage the chunk's keys (the slot's rows before p, the row's own at p, zeros past it) and the first
+  //    head's T rows
   for (int e = threadIdx.x; e < CH * DK / 8; e += 32 * WWARPS) {
     const int j = e / (DK / 8), c = e % (DK / 8) * 8;
     stage16(&s_k[j][c], j < p ? ck + ((long long)j * HK + hk) * DK + c : k_own + c, j <= p, ALIGN16);
   }
-  for (int e = threadIdx.x; e < CH * CH / 4; e += 32 * WWARPS) {
-    const int j = e / (CH / 4), c = e % (CH / 4) * 4;
-    stage16(&s_t[j][c], ct + ((long long)j * HV + hv) * CH + c, j < p, ALIGN16);
-  }
+  stage_t_rows(&s_t[0][0], ct, hv0, HV, p, ALIGN16);
   cp_async_commit();
-  if (wid == 0) {
-    for (int j = lane; j < CH; j += 32) {
-      sg[j] = j < p ? cg[j * HV + hv] : (j == p ? g_p : 0.f);
-      sbeta[j] = j < p ? cb[j * HV + hv] : (j == p ? beta_p : 0.f);
-    }
-    gate_cumsum(sg, sG, lane);
-  }
-  cp_async_wait_all();
-  __syncthreads();
 
   // 2. kk = k_b k_c^T [16, CH] (the tile's keys against the chunk's) and qk = q k_c^T (the row's own, in
   //    row `place` of a 16-row tile), the warp's two column blocks (chunk rows 16 w .. 16 w + 15)
@@ -227,6 +226,8 @@ extern "C" __global__ void __launch_bounds__(32 * WWARPS) decode_weights(
     for (int e = 0; e < 4; ++e) kk[i][e] = qk[i][e] = 0.f;
   const int r_lo = first + gq, r_hi = first + gq + 8;  // this lane's A rows (tile rows gq and gq + 8)
   const bool q_lo = gq == place, q_hi = gq + 8 == place;
+  cp_async_wait_all();
+  __syncthreads();
 #pragma unroll
   for (int k0 = 0; k0 < DK; k0 += 16) {
     const int c0 = k0 + 2 * tq;
@@ -243,110 +244,135 @@ extern "C" __global__ void __launch_bounds__(32 * WWARPS) decode_weights(
     }
   }
 
-  // 3. A of the tile's rows (`a_rows`: beta_i (k_i . k_j) exp(G_i - G_j) for j < i, else 0) to shared memory;
-  //    the row's P (`output_weights`: dt((q . k_j) exp(G_p - G_j)) for j <= p) straight to its scratch row
-  const long long row = (long long)n * HV + hv;
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int r = gq + (e >= 2 ? 8 : 0), c = (2 * wid + i) * 8 + 2 * tq + (e & 1), pos = first + r;
-      const bool before = c < pos;
-      const float gi = sG[pos];  // pos < CH: first <= CH - ROWS
-      const float x = __fmul_rn(__fmul_rn(sbeta[pos], kk[i][e]), texp(before ? __fsub_rn(gi, sG[c]) : 0.f));
-      sa[r * (CH + 1) + c] = before ? x : 0.f;
-      if (r == place) {
-        const bool causal = c <= p;
-        const float w = __fmul_rn(qk[i][e], texp(causal ? __fsub_rn(sG[p], sG[c]) : 0.f));
-        P_ROW[row * CH + c] = f2bf(causal ? w : 0.f);
+  for (int h = 0; h < VG; ++h) {
+    const int hv = hv0 + h;
+    const long long row = (long long)n * HV + hv;
+    const float g_p = A[start * stride_at + hv], beta_p = B[start * stride_bt + hv];
+    // 1. the head's gates and betas (the slot's rows, the row's own at p, zeros past it) and G by the FMA dot
+    //    of `gate_cumsum` (row i: fmaf(j <= i, g_j, acc) over j = 0 .. CH - 1); its T rows have landed
+    if (wid == 0) {
+      for (int j = lane; j < CH; j += 32) {
+        sg[j] = j < p ? cg[j * HV + hv] : (j == p ? g_p : 0.f);
+        sbeta[j] = j < p ? cb[j * HV + hv] : (j == p ? beta_p : 0.f);
       }
+      gate_cumsum(sg, sG, lane);
     }
-  __syncthreads();
+    cp_async_wait_all();
+    __syncthreads();
 
-  if (wid == 0) {
-    // 4. the row's L within the tile (`solve_block_row_at`): acc = e_place, then fmaf(-a_j, L_j, acc) for j < place
-    if (lane < ROWS) {
-      const int i = lane;
-      float acc = i == place ? 1.f : 0.f;
+    // 3. A of the tile's rows (`a_rows`: beta_i (k_i . k_j) exp(G_i - G_j) for j < i, else 0) to shared
+    //    memory; the row's P (`output_weights`: dt((q . k_j) exp(G_p - G_j)) for j <= p) straight to its
+    //    scratch row
 #pragma unroll
-      for (int j = 0; j < ROWS; ++j)  // static bound: the loads issue ahead of the chain
-        if (j < place) acc = __fmaf_rn(-sa[place * (CH + 1) + first + j], s_t[first + j][first + i], acc);
-      sl[i] = i <= place ? acc : 0.f;
-    }
-    __syncwarp();
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = gq + (e >= 2 ? 8 : 0), c = (2 * wid + i) * 8 + 2 * tq + (e & 1), pos = first + r;
+        const bool before = c < pos;
+        const float gi = sG[pos];  // pos < CH: first <= CH - ROWS
+        const float x = __fmul_rn(__fmul_rn(sbeta[pos], kk[i][e]), texp(before ? __fsub_rn(gi, sG[c]) : 0.f));
+        sa[r * (CH + 1) + c] = before ? x : 0.f;
+        if (r == place) {
+          const bool causal = c <= p;
+          const float w = __fmul_rn(qk[i][e], texp(causal ? __fsub_rn(sG[p], sG[c]) : 0.f));
+          P_ROW[row * CH + c] = f2bf(causal ? w : 0.f);
+        }
+      }
+    __syncthreads();
 
-    // 5. the row's T before the tile (`tile_rows`): r = L a_off (FMA dot over the tile's 16 rows), then
-    //    -r T_before (FMA dot over the chunk's 64 rows, zeros from `first` on; a lane's two columns together)
-    for (int c = lane; c < CH; c += 32) {
-      float acc = 0.f;
+    if (wid == 0) {
+      // 4. the row's L within the tile (`solve_block_row_at`): acc = e_place, then fmaf(-a_j, L_j, acc) for
+      //    j < place
+      if (lane < ROWS) {
+        const int i = lane;
+        float acc = i == place ? 1.f : 0.f;
 #pragma unroll
-      for (int i = 0; i < ROWS; ++i) acc = __fmaf_rn(sl[i], c < first ? sa[i * (CH + 1) + c] : 0.f, acc);
-      sr[c] = acc;
-    }
-    __syncwarp();
-    float acc[2] = {0.f, 0.f};  // columns lane, lane + 32
-#pragma unroll
-    for (int j = 0; j < CH; ++j) {
-      const float r = -sr[j];
-      acc[0] = __fmaf_rn(r, j < first ? s_t[j][lane] : 0.f, acc[0]);
-      acc[1] = __fmaf_rn(r, j < first ? s_t[j][lane + 32] : 0.f, acc[1]);
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int c = lane + 32 * h;
-      // the row as `pick` takes it from the tile (a sum with zeros: exact, -0 becomes +0)
-      const float t = __fadd_rn(c < first ? acc[h] : (c < first + ROWS ? sl[c - first] : 0.f), 0.f);
-      st[c] = t;
-      T_ROW[row * CH + c] = t;
-    }
-  } else if (wid == 1) {  // y's row scales (the gates' slots are free now)
-    for (int j = lane; j < CH; j += 32) sg[j] = __fmul_rn(sbeta[j], texp(sG[j]));
-  }
-  __syncthreads();
+        for (int j = 0; j < ROWS; ++j)  // static bound: the loads issue ahead of the chain
+          if (j < place) acc = __fmaf_rn(-sa[place * (CH + 1) + first + j], s_t[first + j][first + i], acc);
+        sl[i] = i <= place ? acc : 0.f;
+      }
+      __syncwarp();
 
-  // 6. W = dt(dt(T_row) y), y = dt(k_j beta_j exp(G_j)) (`solved_product` of `decayed_keys`); the row in
-  //    row `place` of the A tile; the warp's four blocks of 8 key dims
-  const bool w_lo = gq == place, w_hi = gq + 8 == place;
-  unsigned ta[CH / 16][2];
+      // 5. the row's T before the tile (`tile_rows`): r = L a_off (FMA dot over the tile's 16 rows), then
+      //    -r T_before (FMA dot over the chunk's 64 rows, zeros from `first` on; a lane's two columns together)
+      for (int c = lane; c < CH; c += 32) {
+        float acc = 0.f;
 #pragma unroll
-  for (int ks = 0; ks < CH / 16; ++ks) {
-    const int j0 = ks * 16 + 2 * tq;
-    ta[ks][0] = pack2(f2bf(st[j0]), f2bf(st[j0 + 1]));
-    ta[ks][1] = pack2(f2bf(st[j0 + 8]), f2bf(st[j0 + 9]));
-  }
+        for (int i = 0; i < ROWS; ++i) acc = __fmaf_rn(sl[i], c < first ? sa[i * (CH + 1) + c] : 0.f, acc);
+        sr[c] = acc;
+      }
+      __syncwarp();
+      float acc[2] = {0.f, 0.f};  // columns lane, lane + 32
 #pragma unroll
-  for (int i = 0; i < DK / 8 / WWARPS; ++i) {
-    const int nb = wid * (DK / 8 / WWARPS) + i;
-    float w[4] = {0.f, 0.f, 0.f, 0.f};
-    const int d = nb * 8 + gq;  // B's column: key dim d
+      for (int j = 0; j < CH; ++j) {
+        const float r = -sr[j];
+        acc[0] = __fmaf_rn(r, j < first ? s_t[j][lane] : 0.f, acc[0]);
+        acc[1] = __fmaf_rn(r, j < first ? s_t[j][lane + 32] : 0.f, acc[1]);
+      }
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int c = lane + 32 * hh;
+        // the row as `pick` takes it from the tile (a sum with zeros: exact, -0 becomes +0)
+        const float t = __fadd_rn(c < first ? acc[hh] : (c < first + ROWS ? sl[c - first] : 0.f), 0.f);
+        st[c] = t;
+        T_ROW[row * CH + c] = t;
+      }
+    } else if (wid == 1) {  // y's row scales (the gates' slots are free now)
+      for (int j = lane; j < CH; j += 32) sg[j] = __fmul_rn(sbeta[j], texp(sG[j]));
+    }
+    __syncthreads();
+    if (h + 1 < VG) {  // the next head's T rows, while this one finishes (no one reads s_t until then)
+      stage_t_rows(&s_t[0][0], ct, hv + 1, HV, p, ALIGN16);
+      cp_async_commit();
+    }
+
+    // 6. W = dt(dt(T_row) y), y = dt(k_j beta_j exp(G_j)) (`solved_product` of `decayed_keys`); the row in
+    //    row `place` of the A tile; the warp's four blocks of 8 key dims
+    const bool w_lo = gq == place, w_hi = gq + 8 == place;
+    unsigned ta[CH / 16][2];
 #pragma unroll
     for (int ks = 0; ks < CH / 16; ++ks) {
       const int j0 = ks * 16 + 2 * tq;
-      bf16 y[4];
-      const int js[4] = {j0, j0 + 1, j0 + 8, j0 + 9};
+      ta[ks][0] = pack2(f2bf(st[j0]), f2bf(st[j0 + 1]));
+      ta[ks][1] = pack2(f2bf(st[j0 + 8]), f2bf(st[j0 + 9]));
+    }
 #pragma unroll
-      for (int e = 0; e < 4; ++e) y[e] = f2bf(__fmul_rn(bf2f(s_k[js[e]][d]), sg[js[e]]));  // zero keys past p
-      const unsigned t0 = ta[ks][0], t2 = ta[ks][1];
-      mma16816(w, w_lo ? t0 : 0u, w_hi ? t0 : 0u, w_lo ? t2 : 0u, w_hi ? t2 : 0u, pack2(y[0], y[1]), pack2(y[2], y[3]));
+    for (int i = 0; i < DK / 8 / WWARPS; ++i) {
+      const int nb = wid * (DK / 8 / WWARPS) + i;
+      float w[4] = {0.f, 0.f, 0.f, 0.f};
+      const int d = nb * 8 + gq;  // B's column: key dim d
+#pragma unroll
+      for (int ks = 0; ks < CH / 16; ++ks) {
+        const int j0 = ks * 16 + 2 * tq;
+        bf16 y[4];
+        const int js[4] = {j0, j0 + 1, j0 + 8, j0 + 9};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) y[e] = f2bf(__fmul_rn(bf2f(s_k[js[e]][d]), sg[js[e]]));  // zero keys past p
+        const unsigned t0 = ta[ks][0], t2 = ta[ks][1];
+        mma16816(w, w_lo ? t0 : 0u, w_hi ? t0 : 0u, w_lo ? t2 : 0u, w_hi ? t2 : 0u, pack2(y[0], y[1]),
+                 pack2(y[2], y[3]));
+      }
+      if (w_lo || w_hi) {
+        const int col = nb * 8 + 2 * tq;
+        W_ROW[row * DK + col] = f2bf(w_lo ? w[0] : w[2]);
+        W_ROW[row * DK + col + 1] = f2bf(w_lo ? w[1] : w[3]);
+      }
     }
-    if (w_lo || w_hi) {
-      const int col = nb * 8 + 2 * tq;
-      W_ROW[row * DK + col] = f2bf(w_lo ? w[0] : w[2]);
-      W_ROW[row * DK + col + 1] = f2bf(w_lo ? w[1] : w[3]);
-    }
-  }
 
-  // 7. dt(q exp(G_p)) (`output_weights`), and the row to the slot unless it completes the chunk
-  const float eg = texp(sG[p]);
-  for (int d = threadIdx.x; d < DK; d += 32 * WWARPS) QG_ROW[row * DK + d] = f2bf(__fmul_rn(bf2f(q_own[d]), eg));
-  if (p < CH - 1) {
-    if (threadIdx.x == 0) {
-      cg[p * HV + hv] = g_p;
-      cb[p * HV + hv] = beta_p;
+    // 7. dt(q exp(G_p)) (`output_weights`), and the row to the slot unless it completes the chunk
+    const float eg = texp(sG[p]);
+    for (int d = threadIdx.x; d < DK; d += 32 * WWARPS) QG_ROW[row * DK + d] = f2bf(__fmul_rn(bf2f(q_own[d]), eg));
+    if (p < CH - 1) {
+      if (threadIdx.x == 0) {
+        cg[p * HV + hv] = g_p;
+        cb[p * HV + hv] = beta_p;
+      }
+      for (int c = threadIdx.x; c < CH; c += 32 * WWARPS) ct[((long long)p * HV + hv) * CH + c] = st[c];
+      if (hv % RATIO == 0)
+        for (int d = threadIdx.x; d < DK; d += 32 * WWARPS)
+          CK[slot * SK + ((long long)p * HK + hk) * DK + d] = k_own[d];
     }
-    for (int c = threadIdx.x; c < CH; c += 32 * WWARPS) ct[((long long)p * HV + hv) * CH + c] = st[c];
-    if (hv % RATIO == 0)
-      for (int d = threadIdx.x; d < DK; d += 32 * WWARPS) CK[slot * SK + ((long long)p * HK + hk) * DK + d] = k_own[d];
+    __syncthreads();  // every warp is done with the head's gates, A rows and T row before the next head's
   }
 }
 

@@ -20,6 +20,8 @@ WV = 16  # value columns a warp of decode_values and decode_commit (the .cu file
 BV = 32  # value columns a decode_values block (the .cu file's BV)
 BC = 64  # value columns a decode_commit block's tile (the .cu file's BC)
 CSEQ = 32  # sequences a decode_commit block looks at, at most (the .cu file's CSEQ)
+WEIGHTS_BLOCKS = 5  # decode_weights' blocks an SM, about (39 KB of shared memory each)
+WEIGHTS_WAVES = 2  # waves of them past which a block takes all the v heads of its key head
 COMMIT_BLOCKS = 8  # decode_commit's blocks an SM, about (28 KB of shared memory each)
 _INT32 = 2**31 - 1
 
@@ -63,16 +65,24 @@ def _rows_aligned(*tensors: torch.Tensor, to: int = 16) -> int:
                    for t in tensors))  # fmt: skip
 
 
-def weights_args(q_hat, k_hat, g, beta, cache, start, held, slots, rows) -> tuple[int, list]:
+def weights_heads(n_seqs: int, hv: int, ratio: int, sms: int) -> int:
+    """The v heads a decode_weights block takes (of one key head, one after another, the keys staged and
+    multiplied once): all `ratio` of them where a block a head would make more than WEIGHTS_WAVES waves of
+    WEIGHTS_BLOCKS blocks an SM, else one (a small batch: the heads' chains side by side on more SMs)."""
+    return ratio if n_seqs * hv > WEIGHTS_WAVES * WEIGHTS_BLOCKS * sms else 1
+
+
+def weights_args(q_hat, k_hat, g, beta, cache, start, held, slots, rows, sms: int) -> tuple[int, list]:
     """(grid, arguments) of `decode_weights`: rows = (t_row, w_row, p_row, qg_row) scratch rows [N, HV, ...];
-    start, held, slots int64 [N] (slots -1: a padded request, skipped)."""
+    start, held, slots int64 [N] (slots -1: a padded request, skipped); sms: the device's SMs."""
     n_seqs, hk, hv = start.shape[0], q_hat.shape[1], g.shape[1]
+    heads = weights_heads(n_seqs, hv, hv // hk, sms)
     _int64_rows(start, held, slots)
     slot_strides = _int32("slot strides", (t.stride(0) for t in (cache.k, cache.g, cache.beta, cache.t)))
     strides = _int32("strides", (q_hat.stride(0), q_hat.stride(1), k_hat.stride(0), k_hat.stride(1), g.stride(0),
-                                 beta.stride(0), n_seqs * hv))  # fmt: skip
+                                 beta.stride(0), n_seqs * hv // heads))  # fmt: skip
     args = [q_hat, k_hat, g, beta, cache.k, cache.g, cache.beta, cache.t, *slot_strides, start, held, slots, *rows,
-            n_seqs, *strides[:6], hk, hv, hv // hk, _rows_aligned(cache.k, k_hat, cache.t)]  # fmt: skip
+            n_seqs, *strides[:6], hk, hv, hv // hk, _rows_aligned(cache.k, k_hat, cache.t), heads]  # fmt: skip
     return strides[6], args
 
 
@@ -136,7 +146,7 @@ def _launch(name: str, grid: int, warps: int, args: list, device: torch.device) 
 
 def decode_weights(q_hat, k_hat, g, beta, cache, start, held, slots, rows) -> None:
     """`_decode_weights_kernel`'s work (`weights_args`)."""
-    grid, args = weights_args(q_hat, k_hat, g, beta, cache, start, held, slots, rows)
+    grid, args = weights_args(q_hat, k_hat, g, beta, cache, start, held, slots, rows, _sms(q_hat.device))
     _launch("decode_weights", grid, WWARPS, args, q_hat.device)
 
 

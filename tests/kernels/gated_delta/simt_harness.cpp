@@ -32,10 +32,10 @@ extern "C" void run_decode_weights(int grid, const bf16* Q, const bf16* K, const
                                    const long long* START, const long long* HELD, const long long* SLOT, float* T_ROW,
                                    bf16* W_ROW, bf16* P_ROW, bf16* QG_ROW, int n_seqs, int stride_qt, int stride_qh,
                                    int stride_kt, int stride_kh, int stride_at, int stride_bt, int HK, int HV,
-                                   int RATIO, int ALIGN16) {
+                                   int RATIO, int ALIGN16, int VG) {
   run_blocks(grid, WWARPS, [&] {
     decode_weights(Q, K, A, B, CK, CG, CB, CT, SK, SG, SB, ST, START, HELD, SLOT, T_ROW, W_ROW, P_ROW, QG_ROW, n_seqs,
-                   stride_qt, stride_qh, stride_kt, stride_kh, stride_at, stride_bt, HK, HV, RATIO, ALIGN16);
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_at, stride_bt, HK, HV, RATIO, ALIGN16, VG);
   });
 }
 

@@ -53,6 +53,16 @@ def test_commit_blocks_look_at_few_sequences_unless_the_grid_would_pass_a_wave()
     assert cuda_weights.commit_sequences(256, 32, 132) == 8 and cuda_weights.commit_sequences(16, 32, 132) == 1
 
 
+def test_weights_blocks_take_every_head_of_a_key_head_past_two_waves():
+    for sms in (1, 7, 132):
+        for hv, ratio in ((4, 1), (32, 2), (48, 3), (64, 4)):
+            for n in (1, 16, 64, 256, 1024):
+                heads = cuda_weights.weights_heads(n, hv, ratio, sms)
+                blocks = cuda_weights.WEIGHTS_WAVES * cuda_weights.WEIGHTS_BLOCKS * sms
+                assert heads == (ratio if n * hv > blocks else 1)
+    assert cuda_weights.weights_heads(256, 32, 2, 132) == 2 and cuda_weights.weights_heads(16, 32, 2, 132) == 1
+
+
 def _random_case(hk, hv, n, seed):
     """(prepared q_hat, k_hat, g, beta, a cache with random rows, start, held, slots) on the GPU."""
     gen = torch.Generator().manual_seed(seed)
@@ -101,7 +111,10 @@ def _first_difference(name, got, want, held):
 @pytest.mark.cuda
 @requires_cuda
 @pytest.mark.parametrize("hk,hv,n,seed", [(16, 32, 45, 0), (16, 48, 29, 1), (2, 6, 70, 2), (4, 4, 64, 3)])
-def test_cuda_weights_kernel_matches_the_triton_kernel(hk, hv, n, seed):
+@pytest.mark.parametrize("heads", ["one", "all"])
+def test_cuda_weights_kernel_matches_the_triton_kernel(hk, hv, n, seed, heads, monkeypatch):
+    """decode_weights with a block a v head and with a block all the v heads of its key head."""
+    monkeypatch.setattr(cuda_weights, "weights_heads", lambda n_seqs, hv, ratio, sms: 1 if heads == "one" else ratio)
     q_hat, k_hat, g, beta, cache, start, held, slots = _random_case(hk, hv, n, seed)
     assert cuda_weights.supported(q_hat, D)
     ours = layout.IncrementalCache(*(t.clone() for t in cache.tensors()))
@@ -235,9 +248,9 @@ def test_host_emulation_of_the_cuda_step_is_close_to_the_interpreted_step(host_k
     n = start.shape[0]
     rows = (torch.zeros(n, hv, layout.CHUNK), torch.zeros(n, hv, D, dtype=torch.bfloat16),
             torch.zeros(n, hv, layout.CHUNK, dtype=torch.bfloat16), torch.zeros(n, hv, D, dtype=torch.bfloat16))  # fmt: skip
-    assert cuda_weights.weights_args(q_hat, k_hat, g, beta, got_cache, start, held, slots, rows)[1][-1] == (seed != 10)
-    _host_call(host_kernels.run_decode_weights,
-               *cuda_weights.weights_args(q_hat, k_hat, g, beta, got_cache, start, held, slots, rows))  # fmt: skip
+    grid, args = cuda_weights.weights_args(q_hat, k_hat, g, beta, got_cache, start, held, slots, rows, sms=1)
+    assert args[-2] == (seed != 10) and args[-1] == hv // hk  # ALIGN16; a block all the v heads of its key head
+    _host_call(host_kernels.run_decode_weights, grid, args)
     vn_row = torch.zeros(n, hv, D, dtype=torch.bfloat16)
     assert cuda_weights.values_args(x, got, got_cache, start, held, slots, read, rows, vn_row)[1][-1] == (seed != 10)
     _host_call(host_kernels.run_decode_values,
