@@ -53,14 +53,17 @@ def test_commit_blocks_look_at_few_sequences_unless_the_grid_would_pass_a_wave()
     assert cuda_weights.commit_sequences(256, 32, 132) == 8 and cuda_weights.commit_sequences(16, 32, 132) == 1
 
 
-def test_weights_blocks_take_every_head_of_a_key_head_past_two_waves():
+def test_weights_blocks_take_a_key_heads_v_heads_together_only_for_large_batches():
+    """decode_weights: a block a v head while its grid is small (the heads' chains side by side on more SMs),
+    a block all the v heads of a key head from some batch size on (the keys staged and multiplied once), and
+    never back; on an H200 (132 SMs) at 32 v heads: one sequence and 16 a head a block, 64 on together."""
     for sms in (1, 7, 132):
         for hv, ratio in ((4, 1), (32, 2), (48, 3), (64, 4)):
-            for n in (1, 16, 64, 256, 1024):
-                heads = cuda_weights.weights_heads(n, hv, ratio, sms)
-                blocks = cuda_weights.WEIGHTS_WAVES * cuda_weights.WEIGHTS_BLOCKS * sms
-                assert heads == (ratio if n * hv > blocks else 1)
-    assert cuda_weights.weights_heads(256, 32, 2, 132) == 2 and cuda_weights.weights_heads(16, 32, 2, 132) == 1
+            picks = [cuda_weights.weights_heads(n, hv, ratio, sms) for n in range(1, 1025)]
+            assert set(picks) <= {1, ratio} and picks[-1] == ratio
+            first = picks.index(ratio)
+            assert all(h == ratio for h in picks[first:])
+    assert [cuda_weights.weights_heads(n, 32, 2, 132) for n in (1, 16, 64, 256)] == [1, 1, 2, 2]
 
 
 def _random_case(hk, hv, n, seed):
