@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ..gemm.linear_triton import num_sms
 from . import incremental_cache as layout
 
 SOURCE = Path(__file__).with_name("incremental_decode.cu")
@@ -135,18 +136,13 @@ def commit_args(k_hat, g, x, cache, start, held, slots, read, vn_row, sms: int) 
     return strides[3], args
 
 
-@functools.cache
-def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _launch(name: str, grid: int, warps: int, args: list, device: torch.device) -> None:
     _kernel(name, device.index)(grid=(grid, 1, 1), block=(32 * warps, 1, 1), args=args)
 
 
 def decode_weights(q_hat, k_hat, g, beta, cache, start, held, slots, rows) -> None:
     """`_decode_weights_kernel`'s work (`weights_args`)."""
-    grid, args = weights_args(q_hat, k_hat, g, beta, cache, start, held, slots, rows, _sms(q_hat.device))
+    grid, args = weights_args(q_hat, k_hat, g, beta, cache, start, held, slots, rows, num_sms(q_hat.device))
     _launch("decode_weights", grid, WWARPS, args, q_hat.device)
 
 
@@ -158,5 +154,5 @@ def decode_values(k_hat, g, x, out, cache, start, held, slots, read, rows) -> No
     vn_row = torch.empty(start.shape[0], x.shape[1], x.shape[2], dtype=x.dtype, device=x.device)
     grid, args = values_args(x, out, cache, start, held, slots, read, rows, vn_row)
     _launch("decode_values", grid, BV // WV, args, x.device)
-    grid, args = commit_args(k_hat, g, x, cache, start, held, slots, read, vn_row, _sms(x.device))
+    grid, args = commit_args(k_hat, g, x, cache, start, held, slots, read, vn_row, num_sms(x.device))
     _launch("decode_commit", grid, BC // WV, args, x.device)
