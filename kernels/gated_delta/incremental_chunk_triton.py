@@ -4,12 +4,14 @@
 Four launches over the chunks of rows [BOS[n], EOS[n]) (anchored at BOS[n], a chunk boundary; launcher:
 `incremental_triton.chunk_forward`):
 1. normalise (chunk row tile, k head): q_hat, k_hat (dt), g, beta, x = dt(beta v) to scratch;
-2. prepare (chunk, v head): G; A within every row tile and its inverse L at once; per row tile in
-   order, its rows of T from L, A and the rows before it, then U, W;
-   every chunk at once (no state);
-3. state (v tile, sequence x v head): the chunks in order: h = dt(S) kept for 4, V' per row tile, the
+2. prepare (chunk, v head): G; A over the chunk, the inverse L of its blocks within the row tiles at
+   once; per row tile in order, its rows of T from L, A and the rows before it; then W and U of the
+   chunk; every chunk at once (no state);
+3. state (v tile, sequence x v head): the chunks in order: h = dt(S) kept for 4, the chunk's V', the
    state after a full chunk; the state after the last full chunk to HT[WRITE[n]];
-4. output (chunk, v head, v tile): o per row tile from h, q, k, G, V'.
+4. output (chunk, v head, v tile): the chunk's o from h, q, k, G, V'.
+Every product but T's chains takes the whole chunk's rows at once (a 64-row MMA: its elements are those
+of the step kernels' 16-row products, `incremental_tiles_triton.py`).
 A sequence's last, partial chunk leaves its rows (k, x, g, beta, T, V') in cache slot CACHE_SLOT[n]
 (-1: none), for the step kernel to continue from.
 """
@@ -19,16 +21,17 @@ import triton.language as tl
 
 from .incremental_tiles_triton import (
     a_rows,
+    block_rows,
     computed,
     decayed_keys,
     delta_rows,
+    diagonal_blocks,
     gate_cumsum,
     gate_rows,
     normalized_rows,
     output_product,
     output_weights,
     pick_along,
-    pick_entries,
     solve_blocks,
     solved_product,
     state_after,
@@ -77,18 +80,6 @@ def normalize_kernel(
         tl.store(X + (rows[:, None] * HV + hv) * DV + ov[None, :], (v.to(tl.float32) * beta[:, None]).to(dt), mask=mv)
 
 
-@triton.jit
-def _tile_rows_in(KH, BETA, G_c, first, tile, eos, hk, hv, HK, HV, ok, mk, rc, rr, DK: tl.constexpr,
-                  ROWS: tl.constexpr):  # fmt: skip
-    """Row tile `tile` of the chunk at packed row first: (pos, rows_r, valid_r, k_r, beta_r, G_r)."""
-    pos = tile * ROWS + rr
-    rows_r = first + pos
-    valid_r = rows_r < eos
-    k_r = tl.load(KH + (rows_r[:, None] * HK + hk) * DK + ok[None, :], mask=valid_r[:, None] & mk[None, :], other=0.0)
-    beta_r = tl.load(BETA + rows_r * HV + hv, mask=valid_r, other=0.0)
-    return pos, rows_r, valid_r, computed(k_r, valid_r), beta_r, pick_entries(G_c, rc[None, :] == pos[:, None])
-
-
 @triton.jit(do_not_specialize=["n_chunks"])
 def prepare_kernel(
     KH, X, GR, BETA, GC, W, U, TS, EOS, CHUNK_SEQ, CHUNK_ROW, CACHE_SLOT, CK, CX, CG, CB, CT, SK, SX, SG, SB, ST,
@@ -96,7 +87,8 @@ def prepare_kernel(
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, ROWS: tl.constexpr,
     CHUNK: tl.constexpr, STORE_T: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
-    """Program (chunk, v head): 1. G, every row tile's L; 2. per row tile: T rows, W, U; 3. a tail's rows to the cache."""
+    """Program (chunk, v head): 1. G, A over the chunk, every row tile's L; 2. per row tile in order, its T rows;
+    3. W, U of the chunk; 4. a tail's rows to the cache."""
     c = tl.program_id(0)
     hv = tl.program_id(1)
     hk = hv // RATIO
@@ -115,32 +107,25 @@ def prepare_kernel(
     G_c = gate_cumsum(g_c, rc)
     tl.store(GC + rows_c * HV + hv, G_c, mask=valid_c)
     y_c = decayed_keys(k_c, beta_c, G_c, KH.dtype.element_ty)
+    a_c = a_rows(computed(k_c, valid_c), k_c, beta_c, G_c, G_c, rc, rc, PRECISION, DOT_FP32)  # A, [CHUNK, CHUNK]
+    l3 = solve_blocks(diagonal_blocks(a_c, ROWS), rr)  # every tile's L at once
     nb = tl.arange(0, CHUNK // ROWS)
-    a3 = tl.full([CHUNK // ROWS, ROWS, ROWS], 0.0, tl.float32)
-    for tile in range(CHUNK // ROWS):  # A within each row tile
-        pos, rows_r, valid_r, k_r, beta_r, G_r = _tile_rows_in(KH, BETA, G_c, first, tile, eos, hk, hv, HK, HV, ok, mk,
-                                                               rc, rr, DK, ROWS)  # fmt: skip
-        a_in = a_rows(k_r, k_r, beta_r, G_r, G_r, pos, pos, PRECISION, DOT_FP32)
-        a3 = tl.where((nb == tile)[:, None, None], a_in[None, :, :], a3)
-    l3 = solve_blocks(a3, rr)  # every tile's L at once
     t_c = tl.full([CHUNK, CHUNK], 0.0, tl.float32)
     for tile in range(CHUNK // ROWS):  # the tiles' rows of T in order, each from the rows before it
-        pos, rows_r, valid_r, k_r, beta_r, G_r = _tile_rows_in(KH, BETA, G_c, first, tile, eos, hk, hv, HK, HV, ok, mk,
-                                                               rc, rr, DK, ROWS)  # fmt: skip
-        a_t = a_rows(k_r, k_c, beta_r, G_r, G_c, pos, rc, PRECISION, DOT_FP32)
+        a_t = block_rows(a_c, tile, ROWS)
         l_t = pick_along(l3, (nb == tile)[:, None, None], 0)
         t_r = tile_rows(l_t, tl.where(rc[None, :] < tile * ROWS, a_t, 0.0), t_c, tile * ROWS, rc, ROWS)
         t_c = with_tile_rows(t_c, t_r, tile, rc, ROWS)
-        w = solved_product(t_r, y_c, PRECISION, DOT_FP32)
-        tl.store(W + (rows_r[:, None] * HV + hv) * DK + ok[None, :], w, mask=valid_r[:, None] & mk[None, :])
-        for iv in range((DV + BLOCK_V - 1) // BLOCK_V):
-            ov = iv * BLOCK_V + tl.arange(0, BLOCK_V)
-            mv = (ov < DV)[None, :]
-            x_c = tl.load(X + (rows_c[:, None] * HV + hv) * DV + ov[None, :], mask=valid_c[:, None] & mv, other=0.0)
-            u = solved_product(t_r, x_c, PRECISION, DOT_FP32)
-            tl.store(U + (rows_r[:, None] * HV + hv) * DV + ov[None, :], u, mask=valid_r[:, None] & mv)
-        if STORE_T:
-            tl.store(TS + (rows_r[:, None] * HV + hv) * CHUNK + rc[None, :], t_r, mask=valid_r[:, None])
+    w = solved_product(t_c, y_c, PRECISION, DOT_FP32)
+    tl.store(W + (rows_c[:, None] * HV + hv) * DK + ok[None, :], w, mask=valid_c[:, None] & mk[None, :])
+    for iv in range((DV + BLOCK_V - 1) // BLOCK_V):
+        ov = iv * BLOCK_V + tl.arange(0, BLOCK_V)
+        mv = valid_c[:, None] & (ov < DV)[None, :]
+        x_c = tl.load(X + (rows_c[:, None] * HV + hv) * DV + ov[None, :], mask=mv, other=0.0)
+        u = solved_product(t_c, x_c, PRECISION, DOT_FP32)
+        tl.store(U + (rows_c[:, None] * HV + hv) * DV + ov[None, :], u, mask=mv)
+    if STORE_T:
+        tl.store(TS + (rows_c[:, None] * HV + hv) * CHUNK + rc[None, :], t_c, mask=valid_c[:, None])
     slot = tl.load(CACHE_SLOT + n).to(tl.int64)
     length = eos - first
     if (slot >= 0) & (length < CHUNK):  # the sequence's partial last chunk: its rows to the cache
@@ -184,27 +169,18 @@ def state_kernel(
     first_chunk = tl.load(CHUNK_START + n).to(tl.int64)
     slot = tl.load(CACHE_SLOT + n).to(tl.int64)
     rc = tl.arange(0, CHUNK)
-    rr = tl.arange(0, ROWS)
     for c in range((eos - bos + CHUNK - 1) // CHUNK):
-        start = bos + c * CHUNK
+        rows_c = bos + c * CHUNK + rc
+        valid_c = rows_c < eos
         tl.store(H + (first_chunk + c) * HV * DV * DK + tile, s.to(H.dtype.element_ty), mask=live)
-        vn_c = tl.full([CHUNK, BLOCK_V], 0.0, W.dtype.element_ty)  # the chunk's V' rows, kept for its state update
-        for t in range(CHUNK // ROWS):
-            rows_r = start + t * ROWS + rr
-            valid_r = rows_r < eos
-            w = tl.load(W + (rows_r[:, None] * HV + hv) * DK + ok[None, :], mask=valid_r[:, None] & mk[None, :],
-                        other=0.0)  # fmt: skip
-            w = computed(w, valid_r)
-            mvr = valid_r[:, None] & mv[None, :]
-            u = tl.load(U + (rows_r[:, None] * HV + hv) * DV + ov[None, :], mask=mvr, other=0.0)
-            vn = delta_rows(u, w, s, PRECISION, DOT_FP32)
-            tl.store(VN + (rows_r[:, None] * HV + hv) * DV + ov[None, :], vn, mask=mvr)
-            vn_c = with_tile_rows(vn_c, vn, t, rc, ROWS)
-            if (slot >= 0) & (c == full):  # the partial last chunk: its V' rows to the cache
-                cached = t * ROWS + rr  # the rows' cache rows
-                tl.store(CVN + slot * SVN + (cached[:, None] * HV + hv) * DV + ov[None, :], vn, mask=mvr)
+        w = tl.load(W + (rows_c[:, None] * HV + hv) * DK + ok[None, :], mask=valid_c[:, None] & mk[None, :], other=0.0)
+        mvc = valid_c[:, None] & mv[None, :]
+        u = tl.load(U + (rows_c[:, None] * HV + hv) * DV + ov[None, :], mask=mvc, other=0.0)
+        vn_c = delta_rows(u, computed(w, valid_c), s, PRECISION, DOT_FP32)  # the chunk's V' rows
+        tl.store(VN + (rows_c[:, None] * HV + hv) * DV + ov[None, :], vn_c, mask=mvc)
+        if (slot >= 0) & (c == full):  # the partial last chunk: its V' rows to the cache (row i to cache row i)
+            tl.store(CVN + slot * SVN + (rc[:, None] * HV + hv) * DV + ov[None, :], vn_c, mask=mvc)
         if c < full:
-            rows_c = start + rc
             k_c = tl.load(KH + (rows_c[:, None] * HK + hk) * DK + ok[None, :], mask=mk[None, :], other=0.0)
             G_c = tl.load(GC + rows_c * HV + hv)
             s = state_after(s, k_c, G_c, vn_c, rc, CHUNK, PRECISION, DOT_FP32)
@@ -228,7 +204,6 @@ def output_kernel(
     eos = tl.load(EOS + n)
     first = tl.load(CHUNK_ROW + c)
     rc = tl.arange(0, CHUNK)
-    rr = tl.arange(0, ROWS)
     rows_c = first + rc
     valid_c = rows_c < eos
     ok = tl.arange(0, BLOCK_K)
@@ -239,16 +214,8 @@ def output_kernel(
     k_c = tl.load(KH + (rows_c[:, None] * HK + hk) * DK + ok[None, :], mask=valid_c[:, None] & mk[None, :], other=0.0)
     G_c = tl.load(GC + rows_c * HV + hv, mask=valid_c, other=0.0)
     vn_c = tl.load(VN + (rows_c[:, None] * HV + hv) * DV + ov[None, :], mask=valid_c[:, None] & mv[None, :], other=0.0)
-    for t in range(CHUNK // ROWS):
-        pos = t * ROWS + rr
-        rows_r = first + pos
-        valid_r = rows_r < eos
-        q_r = tl.load(QH + (rows_r[:, None] * HK + hk) * DK + ok[None, :], mask=valid_r[:, None] & mk[None, :],
-                      other=0.0)  # fmt: skip
-        q_r = computed(q_r, valid_r)
-        G_r = pick_entries(G_c, rc[None, :] == pos[:, None])
-        p, qg = output_weights(q_r, G_r, pos, k_c, G_c, rc, PRECISION, DOT_FP32)
-        o = output_product(p, qg, vn_c, tl.trans(h), PRECISION, DOT_FP32)
-        tl.store(OUT + rows_r[:, None] * stride_ot + hv * stride_oh + ov[None, :], o.to(OUT.dtype.element_ty),
-                 mask=valid_r[:, None] & mv[None, :])  # fmt: skip
-
+    q_c = tl.load(QH + (rows_c[:, None] * HK + hk) * DK + ok[None, :], mask=valid_c[:, None] & mk[None, :], other=0.0)
+    p, qg = output_weights(computed(q_c, valid_c), G_c, rc, k_c, G_c, rc, PRECISION, DOT_FP32)
+    o = output_product(p, qg, vn_c, tl.trans(h), PRECISION, DOT_FP32)
+    tl.store(OUT + rows_c[:, None] * stride_ot + hv * stride_oh + ov[None, :], o.to(OUT.dtype.element_ty),
+             mask=valid_c[:, None] & mv[None, :])  # fmt: skip

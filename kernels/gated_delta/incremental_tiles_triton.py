@@ -203,6 +203,24 @@ def block_columns(tile, first, ROWS: tl.constexpr):
 
 
 @triton.jit
+def block_rows(tile, index, ROWS: tl.constexpr):
+    """Rows index * ROWS .. index * ROWS + ROWS - 1 of tile [C, N] (fp32), [ROWS, N] (exact, as `pick`)."""
+    c: tl.constexpr = tile.shape[0]
+    n: tl.constexpr = tile.shape[1]
+    cut = tl.reshape(tile, [c // ROWS, ROWS, n])
+    return pick_along(cut, (tl.arange(0, c // ROWS) == index)[:, None, None], 0)
+
+
+@triton.jit
+def diagonal_blocks(tile, ROWS: tl.constexpr):
+    """The ROWS x ROWS blocks on the diagonal of tile [C, C] (fp32), [C // ROWS, ROWS, ROWS] (exact)."""
+    nb: tl.constexpr = tile.shape[0] // ROWS
+    cut = tl.reshape(tile, [nb, ROWS, nb, ROWS])
+    ib = tl.arange(0, nb)
+    return pick_along(cut, (ib[:, None, None, None] == ib[None, None, :, None]), 2)
+
+
+@triton.jit
 def with_tile_rows(full, rows, tile, rc, ROWS: tl.constexpr):
     """full [C, N] with row tile `tile` (chunk rows tile * ROWS ..) replaced by rows [ROWS, N] (exact:
     a select, no arithmetic); rc = arange(C)."""
