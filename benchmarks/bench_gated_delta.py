@@ -223,7 +223,7 @@ def _vllm_train(x, device):
 
 
 def _c_prefill(x, device):
-    from vexact_vllm.kernels.gated_delta.incremental_cache import IncrementalCache
+    from vexact_vllm.kernels.gated_delta.incremental_cache import IncrementalCache, split_step
 
     _, cached = _c_ops(device)
     n = x["cu_seqlens"].shape[0] - 1
@@ -232,6 +232,8 @@ def _c_prefill(x, device):
     slots = torch.arange(n, device=device)
     fresh = torch.zeros(n, dtype=torch.bool, device=device)
     step = dict(cache=cache, slots=slots, has_state=fresh, context_lens=torch.zeros_like(slots))
+    if torch.device(device).type == "cuda":  # the split vLLM's metadata builder makes once a step, from its host lengths
+        step["split"] = split_step(x["cu_seqlens"].cpu(), torch.zeros(n, dtype=torch.long), fresh.cpu(), device)
     with torch.no_grad():
         out = cached(**_rows(x), **step)
         return {"fwd_ms": _time_ms(lambda: cached(**_rows(x), **step), device), "out": out}

@@ -51,6 +51,7 @@ class Sequences:
     has_state: torch.Tensor | None = None  # bool [N]: the slot holds the sequence's earlier tokens
     context_lens: torch.Tensor | None = None  # int32 [N]: tokens of the sequence before this call
     decode_only: bool = False  # every sequence has one row (the kernels then read nothing on the host)
+    split: object | None = None  # else the step's StepSplit (kernels/gated_delta/incremental_cache.py), or None
 
 
 class PackedAttention:

@@ -163,7 +163,7 @@ class GatedDeltaNet(nn.Module):
         q, k, v = self._heads(qkv)
         return incremental_gated_delta_rule_cached(
             q, k, v, a, b, self.A_log, self.dt_bias, seqs.cu_seqlens, cache, seqs.slots, seqs.has_state,
-            seqs.context_lens, decode_only=seqs.decode_only,
+            seqs.context_lens, decode_only=seqs.decode_only, split=seqs.split,
         )  # fmt: skip
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -17,6 +17,9 @@ per step from vLLM's common metadata, on the device and with no host sync, into 
     has_state     [N]      context_lens > 0: False where a request starts in this step, from a zero
                            state, including a request preempted and recomputed from its prompt
     decode_only            every request has one row (the kernels then read nothing on the host)
+    split                  otherwise, how the step's rows go to the kernels (`StepSplit`), worked out
+                           once a step from vLLM's host copies of the lengths, so that no layer reads
+                           the host
 and the model's context hands it to the layer as `attention_context.Sequences`. CUDA graphs: decode
 steps only (the builder declares UNIFORM_SINGLE_TOKEN_DECODE and the model asks for FULL_DECODE_ONLY,
 vllm_wrapper.py): a step with prefill rows reads how its rows split between the kernels on the host.
@@ -45,6 +48,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from vexact_vllm.attention import padded_request_capacity
+from vexact_vllm.kernels.gated_delta.incremental_cache import StepSplit, split_step
 from vexact_vllm.model_patches.attention_context import Sequences
 from vexact_vllm.model_patches.config import LinearAttentionConfig
 from vexact_vllm.model_patches.gated_delta import state_dtypes, state_shapes
@@ -60,6 +64,7 @@ class VexactStateMetadata:
     context_lens: torch.Tensor  # int32 [N]
     has_state: torch.Tensor  # bool [N]
     decode_only: bool  # one row a request (max_query_len 1): the kernels read nothing on the host
+    split: StepSplit | None  # the rows' kernels of a step that is not decode_only (host lengths, one copy)
 
 
 class VexactStateMetadataBuilder(AttentionMetadataBuilder[VexactStateMetadata]):
@@ -89,13 +94,22 @@ class VexactStateMetadataBuilder(AttentionMetadataBuilder[VexactStateMetadata]):
         slots.copy_(m.block_table_tensor[:n, 0]).masked_fill_(query_lens == 0, -1)
         torch.sub(m.seq_lens[:n], query_lens, out=context)
         torch.gt(context, 0, out=has_state)
+        decode_only = m.max_query_len == 1
+        split = None
+        if not decode_only:  # from the host lengths vLLM keeps (exact outside speculative decoding)
+            cu_cpu = m.query_start_loc_cpu[: n + 1].long()
+            seq_lens_cpu = m.seq_lens_cpu_upper_bound
+            seq_lens_cpu = m.seq_lens[:n].cpu() if seq_lens_cpu is None else seq_lens_cpu[:n]
+            context_cpu = seq_lens_cpu.long() - (cu_cpu[1:] - cu_cpu[:-1])
+            split = split_step(cu_cpu, context_cpu, context_cpu > 0, self.device)
         return VexactStateMetadata(
             num_actual_tokens=m.num_actual_tokens,
             cu_seqlens=cu,
             slots=slots,
             context_lens=context,
             has_state=has_state,
-            decode_only=m.max_query_len == 1,
+            decode_only=decode_only,
+            split=split,
         )
 
 
@@ -167,4 +181,4 @@ class GatedDeltaStateLayer(nn.Module, MambaBase):
         if m is None:
             return Sequences(torch.tensor([0, num_rows], dtype=torch.int32, device=device))
         return Sequences(m.cu_seqlens, m.num_actual_tokens, self.states(), m.slots, m.has_state, m.context_lens,
-                         m.decode_only)  # fmt: skip
+                         m.decode_only, m.split)  # fmt: skip

@@ -41,7 +41,7 @@ import torch
 
 from ..dispatch import backend_for
 from .checks import check_gated_delta_inputs, check_slots, check_state
-from .incremental_cache import IncrementalCache, check_context_lens, check_decode_only
+from .incremental_cache import IncrementalCache, StepSplit, check_context_lens, check_decode_only
 from .incremental_torch import cached_torch, chunk_forward
 
 
@@ -60,15 +60,17 @@ def _training_triton(q, k, v, a, b, A_log, dt_bias, cu_seqlens, initial_state=No
     return incremental_gated_delta_rule_triton(q, k, v, a, b, A_log, dt_bias, cu_seqlens, initial_state)
 
 
-def _cached_triton(q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_state, context_lens, decode_only=False):
+def _cached_triton(q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_state, context_lens, decode_only=False,
+                   split=None):  # fmt: skip
     from .incremental_triton import incremental_gated_delta_rule_cached_triton
 
     return incremental_gated_delta_rule_cached_triton(
-        q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_state, context_lens, decode_only
+        q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_state, context_lens, decode_only, split
     )
 
 
-def _cached_torch(q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_state, context_lens, decode_only=False):
+def _cached_torch(q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_state, context_lens, decode_only=False,
+                  split=None):  # fmt: skip
     return cached_torch(q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_state, context_lens)
 
 
@@ -114,6 +116,7 @@ def incremental_gated_delta_rule_cached(
     has_state: torch.Tensor,
     context_lens: torch.Tensor,
     decode_only: bool = False,
+    split: StepSplit | None = None,
 ) -> torch.Tensor:
     """o [T, HV, DV] of a prefill, chunked-prefill or decode step; the cache slots are updated in place.
 
@@ -121,7 +124,9 @@ def incremental_gated_delta_rule_cached(
     has_state: bool [N] (False: the sequence starts here, from a zero state; True: it continues from
     its slot: the boundary state and the last context_lens % CHUNK rows of a partial chunk);
     context_lens: int [N], the sequence's tokens before this call; decode_only: every sequence has one
-    row (CUDA: one launch, no host read, as CUDA graphs need). Inference only."""
+    row (CUDA: no host read, as CUDA graphs need); split: the step's `StepSplit` (`split_step`, made once a
+    step from host copies of cu_seqlens, context_lens and has_state: then no layer reads the host; None:
+    each call reads them once). Inference only."""
     n_seqs = check_gated_delta_inputs(q, k, v, a, b, A_log, dt_bias, cu_seqlens, padding_rows=True)
     check_slots(slots, has_state, n_seqs, cache.check(k, v), padded=True)
     check_context_lens(context_lens, n_seqs)
@@ -130,5 +135,5 @@ def incremental_gated_delta_rule_cached(
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         raise ValueError("incremental_gated_delta_rule_cached is inference only: no input may need a gradient")
     return _CACHED_IMPLS[backend_for(v)](
-        q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_state, context_lens, decode_only
+        q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_state, context_lens, decode_only, split
     )

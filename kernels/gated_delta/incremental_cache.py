@@ -92,11 +92,37 @@ def refresh_state_dt(cache: IncrementalCache, slots: torch.Tensor, has_state: to
                      cu_seqlens: torch.Tensor) -> None:
     """cache.state_dt = the state rounded to its dtype, for the slots (int [N], -1: none) whose state a step
     wrote: a sequence that started there, or whose rows reached a chunk boundary (held [N] rows held before
-    it). After kernels that write states without it (the chunk kernels, the multi-row step kernel, the torch
-    path); a host read."""
+    it). The torch path's (the Triton kernels write both); a host read."""
     lengths = cu_seqlens[1:].long() - cu_seqlens[:-1].long()
     written = slots[(slots >= 0) & (~has_state | (held.long() + lengths >= CHUNK))].long()
     cache.state_dt[written] = cache.state[written].to(cache.state_dt.dtype)
+
+
+@dataclass
+class StepSplit:
+    """How a cached step's rows go to the kernels (`split_step`), worked out on the host once a step, so
+    that a layer's kernels read nothing on the host. Device tensors of N sequences:"""
+
+    head: torch.Tensor  # int64 [N]: the rows the step or decode kernel takes (`step_split`)
+    held: torch.Tensor  # int64 [N]: the rows of a partial chunk each slot holds (`held_rows`)
+    single: torch.Tensor  # bool [N]: head == 1, a row the decode step takes (the multi-row kernel the rest)
+    n_single: int  # sequences with single True
+    n_multi: int  # sequences with head > 1
+    chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # `chunk_map` of rows [start + head, end)
+
+
+def split_step(cu_seqlens: torch.Tensor, context_lens: torch.Tensor, has_state: torch.Tensor,
+               device: torch.device) -> StepSplit:  # fmt: skip
+    """The `StepSplit` of a step from its cu_seqlens [N + 1], context_lens [N] and has_state [N] (host
+    tensors: no sync; device tensors are read once) onto `device` in one copy."""
+    cu, held = cu_seqlens.long().cpu(), held_rows(has_state.cpu(), context_lens.cpu())
+    head = step_split(cu, held)
+    single = head == 1
+    seq, first, chunk_start = chunk_map(cu[:-1] + head, cu[1:])
+    parts = (head, held, single.long(), seq, first, chunk_start)
+    packed = torch.cat(parts).to(device, non_blocking=True).split([t.shape[0] for t in parts])
+    return StepSplit(head=packed[0], held=packed[1], single=packed[2].bool(), n_single=int(single.sum()),
+                     n_multi=int((head > 1).sum()), chunks=packed[3:])  # fmt: skip
 
 
 def chunk_map(starts: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

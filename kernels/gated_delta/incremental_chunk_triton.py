@@ -32,6 +32,7 @@ from .incremental_tiles_triton import (
     output_product,
     output_weights,
     pick_along,
+    rounded,
     solve_blocks,
     solved_product,
     state_after,
@@ -144,14 +145,14 @@ def prepare_kernel(
 
 @triton.jit(do_not_specialize=["n_seqs"])
 def state_kernel(
-    W, U, KH, GC, VN, H, H0, HT, BOS, EOS, CHUNK_START, READ, WRITE, CACHE_SLOT, CVN, S_H0, S_HT, SVN, n_seqs, HK, HV,
-    RATIO,
+    W, U, KH, GC, VN, H, H0, HT, HT_DT, BOS, EOS, CHUNK_START, READ, WRITE, CACHE_SLOT, CVN, S_H0, S_HT, S_HT_DT, SVN,
+    n_seqs, HK, HV, RATIO,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, ROWS: tl.constexpr,
-    CHUNK: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    CHUNK: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, WRITE_DT: tl.constexpr,
 ):  # fmt: skip
-    """Program (v tile, sequence x v head): the chunks in order: h = dt(S) to H, V' per row tile, the
-    state after a full chunk; a partial chunk's V' rows to the cache; the state after the last full chunk
-    (or the zero state of a sequence that starts here) to HT[WRITE[n]]."""
+    """Program (v tile, sequence x v head): the chunks in order: h = dt(S) to H, the chunk's V', the state
+    after a full chunk; a partial chunk's V' rows to the cache; the state after the last full chunk (or the
+    zero state of a sequence that starts here) to HT[WRITE[n]] and, WRITE_DT, rounded to HT_DT[WRITE[n]]."""
     iv = tl.program_id(0)
     n = tl.program_id(1) // HV
     hv = tl.program_id(1) % HV
@@ -188,6 +189,8 @@ def state_kernel(
     if (write >= 0) & ((full > 0) | (read < 0)):
         tl.debug_barrier()  # every thread has read its tile of the slot before any writes it
         tl.store(HT + write * S_HT + tile, s, mask=live)
+        if WRITE_DT:
+            tl.store(HT_DT + write * S_HT_DT + tile, rounded(s, HT_DT.dtype.element_ty), mask=live)
 
 
 @triton.jit(do_not_specialize=["n_chunks"])

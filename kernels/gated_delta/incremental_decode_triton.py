@@ -127,16 +127,6 @@ def _decode_weights_kernel(
                 tl.store(ck + (p * HK + hk) * DK + ok, k_p, mask=mk)
 
 
-@triton.jit
-def _rounded(x, dt: tl.constexpr):
-    """fp32 x rounded to dt to nearest even, as `refresh_state_dt` (torch) rounds: in integer steps for bf16
-    (the GPU's cvt.rn bits for every finite value and infinity; the interpreter would truncate a cast)."""
-    if dt == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return x.to(dt)
-
-
 @triton.jit(do_not_specialize=["n_seqs"])
 def _decode_kernel(
     K, A, V, OUT, STATE, CK, CX, CG, CVN, STATE_DT, S_STATE, SK, SX, SG, SVN, S_STATE_DT, START, HELD, SLOT, READ,
@@ -186,7 +176,7 @@ def _decode_kernel(
                               PRECISION, DOT_FP32)  # fmt: skip
             tl.debug_barrier()  # every thread has read the state before any writes to it
             tl.store(STATE + slot * S_STATE + tile, s32, mask=live)
-            tl.store(STATE_DT + hv * DV * DK + slot * S_STATE_DT + tile, _rounded(s32, dt), mask=live)
+            tl.store(STATE_DT + hv * DV * DK + slot * S_STATE_DT + tile, tiles.rounded(s32, dt), mask=live)
         else:
             if read < 0:  # a sequence that starts here: its boundary state is zeros
                 tl.store(STATE + slot * S_STATE + tile, tl.where(live, 0.0, 0.0), mask=live)

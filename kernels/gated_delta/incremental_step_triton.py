@@ -9,7 +9,8 @@ routines the chunk kernels use, in a row tile of their shape with the row at its
 % ROWS) and zeros elsewhere: normalise, G, the row of A, one step of the forward substitution (T's rows
 before the row tile in one dot, the tile's earlier rows in another, as the chunk kernels solve a tile),
 its U, W, V' and o. A row at chunk position CHUNK - 1 completes the chunk: the state update of the full tiles,
-the product the chunk kernels compute. Then the rows go to the slot (or, after a full chunk, the state).
+the product the chunk kernels compute. Then the rows go to the slot (or, after a full chunk, the state and
+its rounded copy).
 
 Per step the program reads the state tile and the held rows once (a row at position p reads p rows)
 and writes one row; the state is written only when a chunk completes (or zeros, when a sequence starts
@@ -35,6 +36,7 @@ from .incremental_tiles_triton import (
     pick,
     pick_entries,
     pick_one,
+    rounded,
     row_place,
     solve_block_row,
     solved_product,
@@ -98,7 +100,8 @@ def _step_row(
 
 @triton.jit
 def _step_rows(
-    held, count, start, read, slot, Q, K, V, A, B, OUT, STATE, S_STATE, ck, cx, cvn, cg, cb, ct, tile, live,
+    held, count, start, read, slot, Q, K, V, A, B, OUT, STATE, S_STATE, STATE_DT, S_STATE_DT, ck, cx, cvn, cg, cb, ct,
+    tile, live,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt, stride_ot, stride_oh, HK,
     HV, RATIO, iv, hk, hv, ok, ov, mk, mv, rc, rr, decay, dt_bias, scale, eps, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_K: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, SOFTPLUS_MAX: tl.constexpr,
@@ -131,6 +134,7 @@ def _step_rows(
     tl.debug_barrier()  # every thread has read the slot before any writes to it
     if done | (read < 0):
         tl.store(STATE + slot * S_STATE + tile, s, mask=live)
+        tl.store(STATE_DT + slot * S_STATE_DT + tile, rounded(s, STATE_DT.dtype.element_ty), mask=live)
     if held + count < CHUNK:
         new = (rc >= held) & (rc < held + count)
         tl.store(cx + (rc[:, None] * HV + hv) * DV + ov[None, :], x_c, mask=new[:, None] & mv[None, :])
@@ -145,8 +149,8 @@ def _step_rows(
 
 @triton.jit(do_not_specialize=["n_seqs"])
 def _step_kernel(
-    Q, K, V, A, B, A_LOG, DT_BIAS, OUT, STATE, CK, CX, CG, CB, CT, CVN, S_STATE, SK, SX, SG, SB, ST, SVN, START, COUNT,
-    HELD, SLOT, READ, n_seqs,
+    Q, K, V, A, B, A_LOG, DT_BIAS, OUT, STATE, CK, CX, CG, CB, CT, CVN, STATE_DT, S_STATE, SK, SX, SG, SB, ST, SVN,
+    S_STATE_DT, START, COUNT, HELD, SLOT, READ, n_seqs,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt, stride_ot, stride_oh,
     HK, HV, RATIO, scale, eps,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, ROWS: tl.constexpr,
@@ -163,6 +167,7 @@ def _step_kernel(
         start = tl.load(START + n).to(tl.int64)
         read = tl.load(READ + n).to(tl.int64)
         STATE, tile, live, ok, ov, mk, mv = state_cells(STATE, hv, iv, DK, DV, BLOCK_K, BLOCK_V)
+        STATE_DT += hv * DV * DK
         rc = tl.arange(0, CHUNK)
         rr = tl.arange(0, ROWS)
         # the slot's cache rows: row i of the chunk at cache row i (each tensor at its slot stride S*)
@@ -171,8 +176,8 @@ def _step_kernel(
         decay = tl.exp(tl.load(A_LOG + hv).to(tl.float32))
         dt_bias = tl.load(DT_BIAS + hv).to(tl.float32)
         _step_rows(
-            held, count, start, read, slot, Q, K, V, A, B, OUT, STATE, S_STATE, ck, cx, cvn, cg, cb, ct, tile,
-            live, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
+            held, count, start, read, slot, Q, K, V, A, B, OUT, STATE, S_STATE, STATE_DT, S_STATE_DT, ck, cx, cvn, cg,
+            cb, ct, tile, live, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
             stride_ot, stride_oh, HK, HV, RATIO, iv, hk, hv, ok, ov, mk, mv, rc, rr, decay, dt_bias, scale, eps,
             DK, DV, BLOCK_K, ROWS, CHUNK, SOFTPLUS_MAX, PRECISION, DOT_FP32,
         )  # fmt: skip
@@ -190,7 +195,7 @@ def step_forward(q, k, v, a, b, A_log, dt_bias, out, cache, start, count, held, 
     if n_seqs == 0:
         return
     block_k, _, block_v = tiles.block_sizes(d_k, d_v)
-    rows = (cache.state, cache.k, cache.x, cache.g, cache.beta, cache.t, cache.vnew)  # state_dt: the caller's refresh
+    rows = (cache.state, cache.k, cache.x, cache.g, cache.beta, cache.t, cache.vnew, cache.state_dt)
     _step_kernel[(triton.cdiv(d_v, block_v), n_seqs * hv)](
         q, k, v, a, b, A_log.contiguous(), dt_bias.contiguous(), out, *rows, *(t.stride(0) for t in rows), start, count,
         held, slots, read, n_seqs,

@@ -305,6 +305,16 @@ def state_cells(STATE, hv, iv, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.c
 
 
 @triton.jit
+def rounded(x, dt: tl.constexpr):
+    """fp32 x rounded to dt to nearest even, as `refresh_state_dt` (torch) rounds: in integer steps for bf16
+    (the GPU's cvt.rn bits for every finite value and infinity; the interpreter would truncate a cast)."""
+    if dt == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(dt)
+
+
+@triton.jit
 def state_tile(STATE, read, S_STATE, tile, live, ok):
     """The fp32 state tile of slot `read` (zeros where read < 0: a sequence that starts here)."""
     return tl.load(STATE + read * S_STATE + tile, mask=live & ((ok * 0 + read)[None, :] >= 0), other=0.0)

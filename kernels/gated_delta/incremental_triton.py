@@ -17,6 +17,7 @@ from . import incremental_tiles_triton as tiles
 from .checks import check_gated_delta_inputs, check_slots, check_state
 from .incremental_cache import check_decode_only
 from .incremental_chunk_triton import normalize_kernel, output_kernel, prepare_kernel, state_kernel
+from .incremental_decode_triton import decode_forward
 from .incremental_step_triton import step_forward
 from .incremental_triton_bwd import chunk_backward
 from .rules import L2NORM_EPS, SOFTPLUS_THRESHOLD, gates, normalized_qk, qk_scale
@@ -29,17 +30,18 @@ def _check_gate_strides(a, b):
 
 
 def chunk_forward(q, k, v, a, b, A_log, dt_bias, bos, eos, h0, read, ht, write, out, cache=None, cache_slot=None,
-                  store_t=False) -> dict:  # fmt: skip
+                  store_t=False, chunks=None) -> dict:  # fmt: skip
     """The chunk kernels over rows [bos[n], eos[n]) of each sequence (bos[n] on a chunk boundary), from the
     state h0[read[n]] (0 where read[n] < 0). o goes to out's rows [bos[n], eos[n]); the state after the last
-    full chunk (or 0 for read[n] < 0) to ht[write[n]] (write[n] >= 0); a partial last chunk's rows to
-    cache slot cache_slot[n] (an IncrementalCache; -1 or no cache: none). Returns the scratch (q_hat,
-    k_hat, x, g, beta, G, W, U, V', the chunk start states h, T if store_t) and the chunk map."""
+    full chunk (or 0 for read[n] < 0) to ht[write[n]] (write[n] >= 0), with a cache also rounded to its
+    state_dt; a partial last chunk's rows to cache slot cache_slot[n] (an IncrementalCache; -1 or no cache:
+    none). chunks: their `layout.chunk_map` on the device (None: made here, a host read). Returns the
+    scratch (q_hat, k_hat, x, g, beta, G, W, U, V', the chunk start states h, T if store_t) and the chunk map."""
     n_tokens, hk, d_k = q.shape
     hv, d_v = v.shape[1], v.shape[2]
     n_seqs, device, dt = bos.shape[0], v.device, q.dtype
     chunk, rows = layout.CHUNK, tiles.ROWS
-    seq, first, chunk_start = (t.to(device) for t in layout.chunk_map(bos, eos))
+    seq, first, chunk_start = (t.to(device) for t in (chunks or layout.chunk_map(bos, eos)))
     n_chunks = seq.shape[0]
     f32 = dict(dtype=torch.float32, device=device)
     s = {name: torch.empty(n_tokens, h, d, dtype=dt, device=device)
@@ -51,8 +53,10 @@ def chunk_forward(q, k, v, a, b, A_log, dt_bias, bos, eos, h0, read, ht, write, 
         cache_slot = torch.full((n_seqs,), -1, dtype=torch.int64, device=device)
         ck = cx = cvn = s["q"]
         cg = cb = ct = s["g"]
+        ht_dt = ht
     else:
         ck, cx, cg, cb, ct, cvn = cache.k, cache.x, cache.g, cache.beta, cache.t, cache.vnew
+        ht_dt = cache.state_dt
     sk, sx, sg, sb, st, svn = (t.stride(0) for t in (ck, cx, cg, cb, ct, cvn))  # slot strides (vLLM: the page)
     block_k, block_dv, block_v = tiles.block_sizes(d_k, d_v)
     const = dict(DK=d_k, DV=d_v, BLOCK_K=block_k, ROWS=rows, CHUNK=chunk, **tiles.launch_options())
@@ -73,8 +77,9 @@ def chunk_forward(q, k, v, a, b, A_log, dt_bias, bos, eos, h0, read, ht, write, 
         )  # fmt: skip
     if n_seqs:
         state_kernel[(triton.cdiv(d_v, block_v), n_seqs * hv)](
-            s["w"], s["u"], s["k"], s["G"], s["vnew"], s["h"], h0, ht, bos, eos, chunk_start, read, write,
-            cache_slot, cvn, h0.stride(0), ht.stride(0), svn, n_seqs, hk, hv, ratio, BLOCK_V=block_v, **dots, **const,
+            s["w"], s["u"], s["k"], s["G"], s["vnew"], s["h"], h0, ht, ht_dt, bos, eos, chunk_start, read, write,
+            cache_slot, cvn, h0.stride(0), ht.stride(0), ht_dt.stride(0), svn, n_seqs, hk, hv, ratio, BLOCK_V=block_v,
+            WRITE_DT=ht_dt is not ht, **dots, **const,
         )  # fmt: skip
     if n_chunks:
         output_kernel[(n_chunks, hv, triton.cdiv(d_v, block_v))](
@@ -138,10 +143,13 @@ def incremental_gated_delta_rule_triton(q, k, v, a, b, A_log, dt_bias, cu_seqlen
 
 
 def incremental_gated_delta_rule_cached_triton(
-    q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_state, context_lens, decode_only=False
+    q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_state, context_lens, decode_only=False, split=None
 ):
     """`incremental.incremental_gated_delta_rule_cached` on the Triton kernels. decode_only (one row a
-    sequence): the step kernel alone, no host read (CUDA graphs); otherwise one host read for the split."""
+    sequence): the decode step alone, no host read (CUDA graphs). Otherwise the step's `layout.StepSplit`
+    (split; None: made here, one host read): a sequence's single row to the decode step, the rows that
+    complete its partial chunk to the step kernel, the rest, from a chunk boundary on, to the chunk kernels.
+    Every kernel that writes a state writes its rounded copy too."""
     n_seqs = check_gated_delta_inputs(q, k, v, a, b, A_log, dt_bias, cu_seqlens, padding_rows=True)
     _check_gate_strides(a, b)
     check_slots(slots, has_state, n_seqs, cache.check(k, v), padded=True)
@@ -149,15 +157,23 @@ def incremental_gated_delta_rule_cached_triton(
     check_decode_only(decode_only, q, cu_seqlens)
     cu = cu_seqlens.long()
     idx = slots.long()
-    held = layout.held_rows(has_state, context_lens)
-    head = torch.ones_like(idx) if decode_only else layout.step_split(cu, held)
     read = torch.where(has_state, idx, -1)
     o = torch.empty(q.shape[0], v.shape[1], v.shape[2], dtype=v.dtype, device=v.device)
-    step_forward(q, k, v, a, b, A_log, dt_bias, o, cache, cu[:-1], head, held, idx, read, single=decode_only)
-    if not decode_only and bool((head < cu[1:] - cu[:-1]).any()):  # rows left for the chunk kernels
-        read = torch.where(has_state | (head > 0), idx, -1)
-        chunk_forward(q, k, v, a, b, A_log, dt_bias, cu[:-1] + head, cu[1:], cache.state, read, cache.state, idx, o,
-                      cache=cache, cache_slot=idx)  # fmt: skip
-    if not decode_only:  # the step and chunk kernels write fp32 states only (the decode step writes both)
-        layout.refresh_state_dt(cache, idx, has_state, held, cu)
+    if decode_only:
+        decode_forward(q, k, v, a, b, A_log, dt_bias, o, cache, cu[:-1], layout.held_rows(has_state, context_lens),
+                       idx, read)  # fmt: skip
+        return o
+    if split is None:
+        split = layout.split_step(cu_seqlens, context_lens, has_state, v.device)
+    none = torch.full_like(idx, -1)
+    if split.n_single:
+        decode_forward(q, k, v, a, b, A_log, dt_bias, o, cache, cu[:-1], split.held, torch.where(split.single, idx, none),
+                       read)  # fmt: skip
+    if split.n_multi:
+        step_forward(q, k, v, a, b, A_log, dt_bias, o, cache, cu[:-1], split.head, split.held,
+                     torch.where(split.single, none, idx), read)  # fmt: skip
+    if split.chunks[0].shape[0]:  # rows left for the chunk kernels
+        read = torch.where(has_state | (split.head > 0), idx, -1)
+        chunk_forward(q, k, v, a, b, A_log, dt_bias, cu[:-1] + split.head, cu[1:], cache.state, read, cache.state, idx,
+                      o, cache=cache, cache_slot=idx, chunks=split.chunks)  # fmt: skip
     return o

@@ -99,17 +99,30 @@ def test_hybrids_capture_decode_steps_only():
 def test_state_metadata_lives_in_persistent_buffers_and_pads_with_no_slot():
     """What the builder computes goes to the same addresses at every step (a CUDA graph replays the ones
     it captured); a request with no rows (a graph's padding) gets slot -1 and no state."""
+    from vexact_vllm.kernels.gated_delta.incremental_cache import split_step
     from vexact_vllm.state_cache import VexactStateMetadataBuilder
 
     scheduler = SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=16)
     builder = VexactStateMetadataBuilder(None, ["l"], SimpleNamespace(scheduler_config=scheduler), "cpu")
     table = torch.tensor([[5, 0], [2, 0], [7, 0], [9, 9]], dtype=torch.int32)
     pointers = None
-    for query, seq, decode in [([0, 3, 4, 5, 5], [3, 9, 1, 0], False), ([0, 1, 2, 2, 2], [4, 10, 0, 0], True)]:
+    steps = [([0, 3, 4, 5, 5], [3, 9, 1, 0], False, True), ([0, 1, 2, 2, 2], [4, 10, 0, 0], True, True),
+             ([0, 70, 71, 71, 71], [135, 64, 0, 0], False, False)]  # fmt: skip
+    for query, seq, decode, host_lens in steps:
         m = SimpleNamespace(num_reqs=4, num_actual_tokens=query[-1], query_start_loc=torch.tensor(query, dtype=torch.int32),
+                            query_start_loc_cpu=torch.tensor(query, dtype=torch.int32),
                             seq_lens=torch.tensor(seq, dtype=torch.int32), block_table_tensor=table,
+                            seq_lens_cpu_upper_bound=torch.tensor(seq, dtype=torch.int32) if host_lens else None,
                             max_query_len=max(b - a for a, b in zip(query, query[1:])))  # fmt: skip
         meta = builder.build(0, m)
+        if decode:
+            assert meta.split is None
+        else:  # the kernels' split from the host lengths (vLLM's seq_lens on the device where it has none)
+            want = split_step(m.query_start_loc, meta.context_lens, meta.has_state, torch.device("cpu"))
+            for name in ("head", "held", "single"):
+                assert torch.equal(getattr(meta.split, name), getattr(want, name)), name
+            assert all(torch.equal(a, b) for a, b in zip(meta.split.chunks, want.chunks))
+            assert (meta.split.n_single, meta.split.n_multi) == (want.n_single, want.n_multi)
         lengths = torch.tensor(query[1:]) - torch.tensor(query[:-1])
         want_slots = torch.where(lengths > 0, table[:, 0], -1)
         assert torch.equal(meta.slots, want_slots.to(torch.int32))
