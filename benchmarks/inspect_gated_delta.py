@@ -8,8 +8,10 @@ The step and decode kernels reproduce a chunk kernel's row only if every shared 
 (`incremental_tiles_triton.py`) compiles to the same arithmetic in both. Triton picks each tensor's layout
 per kernel, from the code around it, so the check is on the compiled TTGIR:
 1. every dot of a shared routine in the step and decode kernels has a twin in a chunk kernel: the same routine and
-   call chain, operand shapes and types, precision, and MMA instruction (version, instrShape; FMA dots
-   add in K order, whatever their blocked layout);
+   call chain, K, operand and result types, precision, and kind: both tensor-core products (an element of
+   a bf16 MMA depends only on its row, column and accumulator, so the chunk kernels' 64-row wgmma and the step
+   kernels' 16-row mma.sync agree: tests/kernels/gated_delta/test_dot_rows_cuda.py) or both FMA dots (which
+   add in K order, whatever their blocked layout and shape): M and N may differ;
 2. every tt.reduce of the forward kernels is an exact pick (`pick`, `pick_along`, `pick_one`, `pick_entries`,
    `first_column`: one nonzero term), never a sum that rounds (its tree would follow the layout);
 3. each kernel's shared memory fits an H100/H200 SM (227 KiB), with its registers and spills where the
@@ -41,7 +43,8 @@ from vexact_vllm.kernels.gated_delta import incremental_tiles_triton as tiles
 from vexact_vllm.kernels.gated_delta import incremental_triton_bwd as bwd
 
 SHARED_LIMIT = 227 * 1024
-INTS = {"HK", "HV", "RATIO", "S_STATE", "S_H0", "S_HT", "SK", "SX", "SG", "SB", "ST", "SVN"}  # the slot strides: ints
+INTS = {"HK", "HV", "RATIO", "S_STATE", "S_H0", "S_HT", "S_HT_DT", "S_STATE_DT", "SK", "SX", "SG", "SB", "ST",
+        "SVN"}  # the slot strides: ints  # fmt: skip
 # Ints the launcher's specialisation finds divisible by 16 at the published shapes (16 k heads, 32 or 48
 # v heads, the slots' strides): all but RATIO (2 or 3).
 DIVISIBLE_INTS = INTS - {"RATIO"}
@@ -84,7 +87,8 @@ def specs(dtype: str, rows: int, block_v: int) -> dict:
     base = dict(DK=128, DV=128, BLOCK_K=128, ROWS=rows, CHUNK=64)
     back = dict(DK=128, DV=128, BLOCK_K=128, BLOCK_V=block_v, CHUNK=64, PRECISION="ieee" if dtype == "fp32" else "bf16")
     return {
-        "normalize": (chunk.normalize_kernel, dict(base, BLOCK_DV=128, SOFTPLUS_MAX=20.0), tiles.launch_options()),
+        "normalize": (chunk.normalize_kernel, dict(base, BLOCK_DV=128, SOFTPLUS_MAX=20.0, PACKED=False),
+                      tiles.launch_options()),
         "prepare": (chunk.prepare_kernel, dict(base, BLOCK_V=block_v, STORE_T=False, **dots), tiles.launch_options()),
         "state": (chunk.state_kernel, dict(base, BLOCK_V=block_v, **dots), tiles.launch_options()),
         "output": (chunk.output_kernel, dict(base, BLOCK_V=block_v, **dots), tiles.launch_options()),
@@ -158,6 +162,14 @@ class Ttgir:
         return out
 
 
+def dot_key(sig: str) -> tuple:
+    """What a dot's twin shares (module docstring, 1.): of 'MxKxT x KxNxT -> MxNxT layout precision', all
+    but M, N and, for a tensor-core product, its instruction."""
+    m = re.match(r"\d+x(\d+)x(\w+)(?: \(smem\))? x (\d+)x(\d+)x(\w+)(?: \(smem\))? -> \d+x(\d+)x(\w+) (.+) (\w+)$", sig)
+    k, a_type, _, _, b_type, _, out_type, layout, precision = m.groups()
+    return k, a_type, b_type, out_type, "fma" if layout == "fma" else "mma", precision
+
+
 def compile_kernel(name, kernel, constexprs, options, dtype, out_dir) -> tuple[Ttgir, dict]:
     types, attrs = signature(kernel, constexprs, dtype, F32_INPUTS.get(name, set()))
     compiled = triton.compile(ASTSource(fn=kernel, signature=types, constexprs=constexprs, attrs=attrs),
@@ -218,10 +230,11 @@ def main(argv=None) -> int:
         return functions.get(int(frame.split(":")[1]), "?")
 
     chunk_dots = {d for n in CHUNK_KERNELS if n in compiled for d in compiled[n].dots()}
+    chunk_keys = {(f, dot_key(s)) for f, s in chunk_dots}
     for name in [n for n in ("step", "decode_weights", "decode") if n in compiled]:  # 1. every shared dot: a twin
         for frames, sig in sorted(set(compiled[name].dots())):
             where = " <- ".join(routine(f) for f in frames if routine(f) != "_step_row")
-            twin = (frames, sig) in chunk_dots
+            twin = (frames, dot_key(sig)) in chunk_keys
             same_routine = [s for f, s in chunk_dots if f == frames]
             print(f"  {name} dot {where:40} {sig}  {'== chunk' if twin else 'NO TWIN'}")
             if frames and not twin and same_routine:

@@ -1,8 +1,9 @@
 """The premise of design C's products on the GPU: an element of a bf16 tl.dot (fp32 accumulate) depends only
-on its row of A, its column of B and its accumulator, not on how many rows the dot takes. The chunk kernels
-multiply a whole chunk's 64 rows at once (a wgmma on Hopper), the step kernels a 16-row tile holding their
-row (mma.sync), the hand-written decode step mma.sync m16n8k16: their elements must be equal bit for bit.
-Random operands over a wide exponent range, with cancelling terms, at the products' K and N."""
+on its row of A, its column of B and its accumulator, not on how many rows or columns the dot takes. The
+chunk kernels multiply a whole chunk's 64 rows at once (a wgmma on Hopper), the step kernels a 16-row tile
+holding their row, at times against 16 columns (mma.sync), the hand-written decode step mma.sync m16n8k16:
+their elements must be equal bit for bit. Random operands over a wide exponent range, with cancelling
+terms, at the products' K and N."""
 
 import pytest
 import torch
@@ -14,10 +15,10 @@ pytestmark = pytest.mark.cuda
 
 
 @triton.jit
-def _rows_product(A, B, ACC, C, K: tl.constexpr, N: tl.constexpr, SUB: tl.constexpr):
-    """C[rows] = ACC[rows] + A[rows] @ B for the program's SUB rows."""
+def _rows_product(A, B, ACC, C, K: tl.constexpr, N: tl.constexpr, SUB: tl.constexpr, NSUB: tl.constexpr):
+    """C[rows, cols] = ACC[rows, cols] + A[rows] @ B[:, cols] for the program's SUB rows and NSUB columns."""
     rm = tl.program_id(0) * SUB + tl.arange(0, SUB)
-    ok, on = tl.arange(0, K), tl.arange(0, N)
+    ok, on = tl.arange(0, K), tl.program_id(1) * NSUB + tl.arange(0, NSUB)
     a = tl.load(A + rm[:, None] * K + ok[None, :])
     b = tl.load(B + ok[:, None] * N + on[None, :])
     acc = tl.load(ACC + rm[:, None] * N + on[None, :])
@@ -47,17 +48,19 @@ def test_64_row_products_equal_16_row_products(k, n, warps):
     outs, kinds = {}, {}
     for trial in range(4):
         a, b, acc = _operands(m, k, n, gen)
-        for sub in (16, 64):
+        for sub, nsub in ((16, n), (64, n), (16, 16)):
             c = torch.empty(m, n, device="cuda")
-            compiled = _rows_product[(m // sub,)](a, b, acc, c, K=k, N=n, SUB=sub, num_warps=warps)
+            compiled = _rows_product[(m // sub, n // nsub)](a, b, acc, c, K=k, N=n, SUB=sub, NSUB=nsub, num_warps=warps)
             ptx = compiled.asm["ptx"]
-            kinds[sub] = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "other"
-            outs[sub] = c
-        differ = (outs[16].view(torch.int32) != outs[64].view(torch.int32)).nonzero()
-        assert differ.numel() == 0, (
-            f"trial {trial}: {differ.shape[0]} of {m * n} elements differ between 16-row ({kinds[16]}) and 64-row "
-            f"({kinds[64]}) products (K {k}, N {n}, {warps} warps), first at {tuple(differ[0].tolist())}"
-        )
-    assert kinds[16] == "mma.sync", kinds  # the step kernels' instruction
+            kinds[sub, nsub] = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "other"
+            outs[sub, nsub] = c
+        for other in ((64, n), (16, 16)):
+            differ = (outs[16, n].view(torch.int32) != outs[other].view(torch.int32)).nonzero()
+            assert differ.numel() == 0, (
+                f"trial {trial}: {differ.shape[0]} of {m * n} elements differ between 16 x {n} ({kinds[16, n]}) and "
+                f"{other[0]} x {other[1]} ({kinds[other]}) blocks (K {k}, N {n}, {warps} warps), first at "
+                f"{tuple(differ[0].tolist())}"
+            )
+    assert kinds[16, n] == "mma.sync", kinds  # the step kernels' instruction
     if torch.cuda.get_device_capability()[0] == 9:
         print(f"K {k} N {n} warps {warps}: {kinds}")
