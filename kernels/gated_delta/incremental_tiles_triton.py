@@ -2,25 +2,29 @@
 operation, called by the chunk kernels (`incremental_triton.py`: training, prefill) and by the step kernel
 (`incremental_step_triton.py`: the rows that complete a partial chunk; `incremental_decode_triton.py`: decode).
 
-Invariant: every operation on a row runs in a tile of a fixed shape, with the row at its chunk position:
-rows of a chunk are processed ROWS at a time (a row tile), row i of the chunk at place i % ROWS, and
-the step kernel places its single row the same way, with zeros in the tile's other places. Every sum
-that rounds is a tl.dot, whose order does not depend on the tile's layout (which the compiler picks per
-kernel, from the code around it): the products, on tensor cores or as fp32 FMAs in K order (`fdot`), of
-fixed shapes in every kernel: [ROWS, DK] x [DK, CHUNK] (k.k, q.k), [ROWS, DK] x [DK, ROWS] (k.k within
-the tile), [ROWS, CHUNK] x [CHUNK, DK or BLOCK_V] (W, U, the causal product), [ROWS, DK] x [DK, BLOCK_V]
-(W S, q S), [BLOCK_V, CHUNK] x [CHUNK, DK] (the state update); and fp32 FMA dots for the l2 norms, the gate
-sums and T's rows before their tile (`tile_rows`: [ROWS, ROWS] x [ROWS, CHUNK], then [ROWS, CHUNK] x
-[CHUNK, CHUNK]; as tf32 tensor-core dots such sums differ between the chunk and the step kernel on the
-H200, as FMA dots they agree). T within a tile, L = (I + A_bb)^-1, is the one chain that is no dot: row
-by row, fp32 FMAs in row order, every tile of a chunk at once in the chunk kernel (`solve_blocks`), the
-step's one row by the same FMAs on the same values (`solve_block_row`; the decode step's
-`solve_block_row_at` reads them from memory). Rows of a dot are independent,
-and the rows past a row enter it only as exact zeros (masked A and P, L's and T's zero columns past the
-row), so the step gets the chunk kernels' bits. The only other sums pick one value out of a tile (a
-masked sum with one nonzero term: exact in any order). The kernels launch with the same num_warps (WARPS) and without FP contraction (no
-compiler choice may fuse a multiply-add in one kernel and not in the other); every dot names its
-accumulator, so no pass may fold an addition into a dot in one kernel and not in the other.
+Invariant: a row's value depends only on the row's operands, never on the rows beside it in a launch.
+Rows of a chunk sit at their chunk positions (row i of the chunk at place i % ROWS of its row tile), and
+the step kernels place their row the same way, with zeros in the tile's other places. Every sum that
+rounds is a tl.dot, whose order depends neither on the tile's layout (which the compiler picks per kernel)
+nor on its rows and columns: a bf16 product on tensor cores is a chain of k16 MMAs in K order on the fp32
+accumulator, each element from its row, column and accumulator alone, so the chunk kernels take a whole
+chunk's rows at once ([CHUNK, DK] x [DK, CHUNK] k.k and q.k, [CHUNK, CHUNK] x [CHUNK, DK or BLOCK_V] W, U
+and the causal product, [CHUNK, DK] x [DK, BLOCK_V] W S, q S: a 64-row wgmma on the H200) where the step
+kernels take a 16-row tile (mma.sync), with the same elements
+(tests/kernels/gated_delta/test_dot_rows_cuda.py); the state update is [BLOCK_V, CHUNK] x [CHUNK, DK]
+in both. fp32 products are FMA dots, one fmaf chain per element in K order (`fdot`, and every dot of
+fp32 inputs): the l2 norms, the gate sums and T's rows before their tile (`tile_rows`: [ROWS, ROWS] x
+[ROWS, CHUNK], then [ROWS, CHUNK] x [CHUNK, CHUNK]; as tf32 tensor-core dots such sums differ between the
+chunk and the step kernel on the H200, as FMA dots they agree). T within a tile, L = (I + A_bb)^-1, is
+the one chain that is no dot: row by row, fp32 FMAs in row order, every tile of a chunk at once in the
+chunk kernel (`solve_blocks`), the step's one row by the same FMAs on the same values
+(`solve_block_row`; the decode step's `solve_block_row_at` reads them from memory), so T's rows are
+solved a row tile after another. The rows past a row enter it only as exact zeros (masked A and P, L's
+and T's zero columns past the row), so the step gets the chunk kernels' bits. The only other sums pick
+one value out of a tile (a masked sum with one nonzero term: exact in any order). The kernels launch
+without FP contraction (no compiler choice may fuse a multiply-add in one kernel and not in the other);
+every dot names its accumulator, so no pass may fold an addition into a dot in one kernel and not in
+the other.
 `benchmarks/inspect_gated_delta.py` compiles the kernels for sm_90a and checks that each shared dot
 gets the same shape and MMA instruction in every kernel.
 """
@@ -29,9 +33,11 @@ import triton
 import triton.language as tl
 from triton.language.standard import _sum_combine
 
-# Rows of a chunk per row tile (the M of every row product; tl.dot needs >= 16 on the GPU). Training
-# runs CHUNK / ROWS tiles a chunk, a decode step one; 64 gives the chunk kernels one dot a product (the
-# H200 benchmark decides, `benchmarks/bench_gated_delta.py --rows`).
+# Rows of a chunk per row tile: T's rows are solved a tile after another (L within a tile by substitution,
+# `solve_blocks`), and a step kernel's products take its row in a tile of ROWS (tl.dot needs >= 16 on the
+# GPU); the chunk kernels' other products take the whole chunk. ROWS = CHUNK would solve T as one 64-row
+# substitution (the H200 benchmark decides, `benchmarks/bench_gated_delta.py --rows`; the CUDA decode step
+# is written for 16).
 ROWS = 16
 # v columns per program (the N of the state products): one value for every kernel, so every dot over
 # the state has one shape.
