@@ -10,7 +10,9 @@ Shapes: 16 k heads, 32 (Qwen3-Next-80B-A3B) or 48 v heads, d_k = d_v = 128, bf16
 fp32), fp32 state.
 Cases:
   train    a packed training batch, TOKENSxSEQLEN (--train): forward and forward+backward
-  prefill  BATCHxPROMPT (--prefill) from empty states: forward (tokens/s)
+  prefill  BATCHxPROMPT (--prefill) from empty states: forward (tokens/s); BATCHxPROMPT+HELD: C continues
+           from slots holding HELD rows of a partial chunk (a chunked prefill's next step: the rows up to
+           the chunk boundary through the step kernel first); the baselines' cost does not depend on it
   decode   one token for each of BATCH sequences from the state cache (--decode): step latency
 Systems:
   C              chunk-anchored and incremental (kernels/gated_delta/incremental*.py): train forward and
@@ -230,13 +232,19 @@ def _c_prefill(x, device):
     cache = IncrementalCache.empty(n, x["q"].shape[1], x["v"].shape[1], x["q"].shape[2], x["v"].shape[2],
                                    x["v"].dtype, device)  # fmt: skip
     slots = torch.arange(n, device=device)
-    fresh = torch.zeros(n, dtype=torch.bool, device=device)
-    step = dict(cache=cache, slots=slots, has_state=fresh, context_lens=torch.zeros_like(slots))
+    held = x.get("held", 0)
+    has_state = torch.full((n,), held > 0, dtype=torch.bool, device=device)
+    step = dict(cache=cache, slots=slots, has_state=has_state, context_lens=torch.full_like(slots, held))
     if torch.device(device).type == "cuda":  # the split vLLM's metadata builder makes once a step, from its host lengths
-        step["split"] = split_step(x["cu_seqlens"].cpu(), torch.zeros(n, dtype=torch.long), fresh.cpu(), device)
+        step["split"] = split_step(x["cu_seqlens"].cpu(), torch.full((n,), held), has_state.cpu(), device)
     with torch.no_grad():
+        if held:  # the slots' first HELD rows, untimed (each timed call then continues from rows held)
+            first = _inputs([held] * n, {"hk": x["q"].shape[1], "dk": x["q"].shape[2], "dv": x["v"].shape[2]},
+                            x["v"].shape[1], device, seed=1)  # fmt: skip
+            fresh = torch.zeros(n, dtype=torch.bool, device=device)
+            cached(**_rows(first), cache=cache, slots=slots, has_state=fresh, context_lens=torch.zeros_like(slots))
         out = cached(**_rows(x), **step)
-        return {"fwd_ms": _time_ms(lambda: cached(**_rows(x), **step), device), "out": out}
+        return {"fwd_ms": _time_ms(lambda: cached(**_rows(x), **step), device), "out": None if held else out}
 
 
 def _fla_prefill(x, device):
@@ -420,7 +428,7 @@ def _cases(args) -> list[tuple[str, str, list[int]]]:
         tokens, seqlen = (int(v) for v in spec.split("x"))
         cases.append(("train", spec, [seqlen] * (tokens // seqlen)))
     for spec in filter(None, args.prefill.split(",")):
-        batch, prompt = (int(v) for v in spec.split("x"))
+        batch, prompt = (int(v) for v in spec.partition("+")[0].split("x"))
         cases.append(("prefill", spec, [prompt] * batch))
     for spec in filter(None, args.decode.split(",")):
         cases.append(("decode", spec, [1] * int(spec)))
@@ -433,6 +441,8 @@ def _run_case(
     """Every system of one case: a row each (timings, or why it was skipped or failed), compared by
     `_compare`."""
     x = _inputs(lengths, shape, hv, device)
+    if case == "prefill":  # BATCHxPROMPT+HELD (module docstring)
+        x["held"] = int(size.partition("+")[2] or 0)
     rows, results = [], {}
     for name, fn in SYSTEMS[case].items():
         if wanted is not None and name.split("@")[0] not in wanted and name not in wanted:
@@ -514,7 +524,8 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--train", default=None, help="TOKENSxSEQLEN,... (default 8192x2048,8192x8192,32768x2048,32768x32768)"
     )
-    parser.add_argument("--prefill", default=None, help="BATCHxPROMPT,... (default 1x8192,16x1024,64x256)")
+    parser.add_argument("--prefill", default=None,
+                        help="BATCHxPROMPT[+HELD],... (default 1x8192,16x1024,64x256)")
     parser.add_argument("--decode", default=None, help="batch sizes (default 1,16,64,256)")
     parser.add_argument("--systems", default=None, help="comma-separated subset (default: all)")
     parser.add_argument("--no-check", action="store_true", help="skip the decode == training check")
