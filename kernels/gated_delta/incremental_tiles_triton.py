@@ -80,9 +80,9 @@ def first_column(tile):
 
 @triton.jit
 def computed(rows, valid):
-    """rows [M, N] as a value computed in registers (rows not valid 0): a chunk kernel passes its loaded
-    row tiles through it, so that a wgmma (ROWS = 64) reads its first operand from registers in the chunk
-    kernels as in the step kernel, where the row is computed (one instruction variant in both)."""
+    """rows [M, N] as a value computed in registers (rows not valid 0): the chunk kernels pass the loaded
+    first operands of their products through it, so that a product reads it from registers as the step
+    kernels' products read their computed rows (an operand's source changes no element: the invariant)."""
     return tl.where(valid[:, None], rows, 0.0).to(rows.dtype)
 
 
