@@ -35,6 +35,12 @@ import pytest
 if not (os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi")):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+# Nothing a test reads comes from the Hugging Face hub (the tiny checkpoints are built locally), and a hub
+# id looked up without a network waits for five retries (about 23 s) before it fails (the verl recipe's
+# dry runs read Qwen/Qwen3-1.7B's config). Offline, the lookup fails at once, with the same result;
+# subprocesses inherit it.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 ATTENTION_TRITON_MODULES = (
     "vexact_vllm.kernels.attention.varlen_triton",
     "vexact_vllm.kernels.attention.paged_triton",
