@@ -30,15 +30,13 @@ def _check(tmp_path, model: str, *args: str) -> dict:
 
 # One composition per family keeps it short; the tiny Qwen3 runs every composition at PP=2 in `vexact-vllm
 # check --pipeline-parallel-size 2` (scripts/gpu.sh on two GPUs, by hand on CPU).
-@pytest.mark.parametrize(
-    ("arch", "compositions", "partition"),
-    [("llama", "chunked-prefill", None), ("qwen3_moe", "preemption", "3,1"), ("qwen2", "prefix-cache", "1,3")],
-)
-def test_check_passes_at_pipeline_parallel_size_2(tiny_model, arch, compositions, partition, tmp_path, monkeypatch):
-    """Untied (Llama, MoE) and tied (Qwen2: the last stage holds the embedding as its lm_head)."""
+@pytest.mark.parametrize(("arch", "compositions", "partition"), [("llama", "chunked-prefill", None),
+                                                                 ("qwen3_moe", "preemption", "3,1")])  # fmt: skip
+def test_check_passes_at_pipeline_parallel_size_2(tiny_model, arch, compositions, partition, tmp_path, monkeypatch):  # fmt: skip
+    """Untied (Llama, MoE); tied: test_check_passes_and_every_worker_builds_its_stage."""
     if partition is not None:
         monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", partition)
-    report = _check(tmp_path, tiny_model(arch), "--pipeline-parallel-size", "2", "--compositions", compositions)
+    report = _check(tmp_path, tiny_model(arch), "--pipeline-parallel-size", "2", "--compositions", compositions)  # fmt: skip
     assert report["pipeline_parallel_size"] == 2 and report["tensor_parallel_size"] == 1
     assert [r["composition"].split(" ")[0] for r in report["rows"]] == compositions.split(",")
 
@@ -65,33 +63,21 @@ def _stage(worker) -> dict:
             "vexact_sampler": isinstance(runner.sampler, VexactSampler)}  # fmt: skip
 
 
-def test_every_worker_builds_its_stage(tiny_model, monkeypatch):
-    """The tiny Qwen3 (4 layers, tied lm_head) split 1,3: stage 0 embeds and runs layer 0, stage 1 runs
-    layers 1-3, normalises and reads the embedding as its lm_head; only stage 1 samples (vexact)."""
-    import sys
-
-    import cloudpickle
-
-    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of a function
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+def test_check_passes_and_every_worker_builds_its_stage(tiny_model, tmp_path, monkeypatch, workers_before_shutdown):  # fmt: skip
+    """The tiny Qwen2 (4 layers, tied lm_head) split 1,3, prefix-cache: stage 0 embeds and runs layer 0,
+    stage 1 runs layers 1-3, normalises and reads the embedding as its lm_head; only stage 1 samples
+    (vexact). The stages are read from the check's own engine's workers."""
     monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "1,3")
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import tests/
-    from vexact_vllm.cli.rollout import RolloutSettings, generate, shutdown_engine, start_engine
-
-    settings = RolloutSettings(model=tiny_model("qwen3"), max_model_len=256, max_tokens=4,
-                               extra={"pipeline_parallel_size": 2})  # fmt: skip
-    llm = start_engine(settings)
-    try:
-        assert len(generate(llm, [([1, 2, 3], 0)], settings)[0].output_ids) == 4
-        stages = llm.collective_rpc(_stage)
-    finally:
-        shutdown_engine(llm)
-    assert stages == [
+    stages = workers_before_shutdown(_stage)
+    report = _check(tmp_path, tiny_model("qwen2"), "--pipeline-parallel-size", "2", "--compositions", "prefix-cache")  # fmt: skip
+    assert report["pipeline_parallel_size"] == 2 and report["tensor_parallel_size"] == 1
+    assert [r["composition"].split(" ")[0] for r in report["rows"]] == ["prefix-cache"]
+    assert stages == [[
         {"rank": 0, "span": [0, 1], "layers": [0], "embed": True, "norm": False,
          "attn": [True, False, False, False], "vexact_sampler": False},
         {"rank": 1, "span": [1, 4], "layers": [1, 2, 3], "embed": True, "norm": True,
          "attn": [False, True, True, True], "vexact_sampler": True},
-    ]  # fmt: skip
+    ]]  # fmt: skip
 
 
 def test_a_stage_without_layers_is_refused(tiny_model):

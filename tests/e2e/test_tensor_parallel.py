@@ -14,20 +14,23 @@ from vexact_vllm.cli import main
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-# The tiny Qwen3 runs every composition in CI's main job (.ci/run: check --tensor-parallel-size 2).
-@pytest.mark.parametrize(("arch", "compositions"), [("llama", "chunked-prefill"), ("qwen3_moe", "preemption")])
-def test_check_passes_at_tensor_parallel_size_2(tiny_model, arch, compositions, tmp_path):
+def _check(tmp_path, model: str, compositions: str) -> dict:
     out = tmp_path / "report.json"
     rc = main([
-        "check", "--model", tiny_model(arch), "--tensor-parallel-size", "2", "--num-prompts", "5",
-        "--max-tokens", "10", "--compositions", compositions, "--micro-batches", "1,0", "--json",
-        "--temperature", "0.9", "--output", str(out), "--quiet",
+        "check", "--model", model, "--tensor-parallel-size", "2", "--num-prompts", "5", "--max-tokens", "10",
+        "--compositions", compositions, "--micro-batches", "1,0", "--json", "--temperature", "0.9",
+        "--output", str(out), "--quiet",
     ])  # fmt: skip
     report = json.loads(out.read_text())
     assert rc == 0, report
     assert report["passed"] is True and report["tensor_parallel_size"] == 2
     assert [r["composition"].split(" ")[0] for r in report["rows"]] == compositions.split(",")
     assert all(r["tokens"] > 0 and r["mismatches"] == 0 for r in report["rows"])
+    return report
+
+
+def test_check_passes_on_the_moe_at_tensor_parallel_size_2(tiny_model, tmp_path):
+    _check(tmp_path, tiny_model("qwen3_moe"), "preemption")
 
 
 def _shards(worker) -> dict:
@@ -38,25 +41,16 @@ def _shards(worker) -> dict:
             "lm_head_rows": model.lm_head_weight.shape[0]}  # fmt: skip
 
 
-def test_every_worker_holds_its_shard(tiny_model, monkeypatch):
-    """The tiny Qwen3 (4 heads, 2 kv heads, hidden 128, vocabulary 448, tied lm_head) on 2 workers."""
-    import sys
-
-    import cloudpickle
-
-    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of a function
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import tests/
-    from vexact_vllm.cli.rollout import RolloutSettings, shutdown_engine, start_engine
-
-    llm = start_engine(RolloutSettings(model=tiny_model("qwen3"), max_model_len=256, extra={"tensor_parallel_size": 2}))
-    try:
-        shards = llm.collective_rpc(_shards)
-    finally:
-        shutdown_engine(llm)
-    assert [s["rank"] for s in shards] == [0, 1] and {s["size"] for s in shards} == {2}
-    for s in shards:
-        assert (s["heads"], s["kv_heads"], s["q_rows"], s["down_rows"], s["lm_head_rows"]) == (2, 1, 64, 64, 224), s
+def test_check_passes_and_every_worker_holds_its_shard(tiny_model, tmp_path, workers_before_shutdown):
+    """The tiny Llama (4 heads, 2 kv heads, hidden 128, vocabulary 448, its own lm_head), chunked prefill: the
+    shards are read from the check's own engine's workers."""
+    shards = workers_before_shutdown(_shards)
+    _check(tmp_path, tiny_model("llama"), "chunked-prefill")
+    (engine,) = shards
+    assert [s["rank"] for s in engine] == [0, 1] and {s["size"] for s in engine} == {2}
+    for s in engine:
+        shard = (s["heads"], s["kv_heads"], s["q_rows"], s["down_rows"], s["lm_head_rows"])
+        assert shard == (2, 1, 64, 64, 224), s
 
 
 def test_a_split_the_heads_cannot_take_is_refused(tiny_model):
