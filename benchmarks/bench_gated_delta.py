@@ -11,8 +11,8 @@ fp32), fp32 state.
 Cases:
   train    a packed training batch, TOKENSxSEQLEN (--train): forward and forward+backward
   prefill  BATCHxPROMPT (--prefill) from empty states: forward (tokens/s); BATCHxPROMPT+HELD: C continues
-           from slots holding HELD rows of a partial chunk (a chunked prefill's next step: the rows up to
-           the chunk boundary through the step kernel first); the baselines' cost does not depend on it
+           from slots holding HELD rows of a partial chunk (a chunked prefill's next step: the chunk kernels
+           start with the slots' rows); the baselines' cost does not depend on it
   decode   one token for each of BATCH sequences from the state cache (--decode): step latency
 Systems:
   C              chunk-anchored and incremental (kernels/gated_delta/incremental*.py): train forward and
@@ -20,7 +20,7 @@ Systems:
                  Decode "C@p" = the decode step for sequences holding p rows of a partial chunk (p = 0,
                  31, 63; p = 63 commits a state): kernel time, its per-sequence indices precomputed as
                  vLLM's metadata builder would. --rows sets its row tile (ROWS: 16 or 64), --block-v its
-                 v tile (BLOCK_V) and --warps its num_warps (WARPS), for every C kernel alike;
+                 v tile (BLOCK_V) and --warps its num_warps (WARPS, KERNEL_WARPS), for every C kernel alike;
                  --step-warps and --step-maxnreg the decode kernels' alone (how many decode programs
                  share an SM). The check section says whether the bits still agree
   fla-chunk      flash-linear-attention's chunk_gated_delta_rule (pip fla-core; skipped if absent)
@@ -292,16 +292,16 @@ def _c_decode(x, device, held_rows: int):
     cache.beta.fill_(0.5)
     idx = torch.arange(n, device=device)
     held_t = torch.full((n,), held, dtype=torch.int64, device=device)
-    ones = torch.ones(n, dtype=torch.int64, device=device)
     out = torch.empty_like(x["v"])
     if device == "cpu" and not _interpreted():  # the torch path: the op (it moves the slots' rows on)
         _, cached = _c_ops(device)
-        call = lambda: cached(**_rows(x), cache=cache, slots=idx, has_state=ones.bool(), context_lens=held_t)  # noqa: E731
+        has_state = torch.ones(n, dtype=torch.bool, device=device)
+        call = lambda: cached(**_rows(x), cache=cache, slots=idx, has_state=has_state, context_lens=held_t)  # noqa: E731
     else:
-        from vexact_vllm.kernels.gated_delta.incremental_step_triton import step_forward
+        from vexact_vllm.kernels.gated_delta.incremental_decode_triton import decode_forward
 
-        call = lambda: step_forward(x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"], out, cache,  # noqa: E731
-                                    idx, ones, held_t, idx, idx, single=True)  # fmt: skip
+        call = lambda: decode_forward(x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"], out, cache,  # noqa: E731
+                                      idx, held_t, idx, idx)  # fmt: skip
     with torch.no_grad():
         first = call()  # the output from the starting cache (a committing step moves the slots' states on)
         result = {"fwd_ms": _time_ms(call, device, graph=True)}
@@ -493,8 +493,8 @@ def _compare(case: str, rows: list[dict], results: dict) -> None:
 
 def _set_tiles(block_v: int | None, warps: int | None, step_warps: int | None = None,
                step_maxnreg: int | None = None) -> dict:  # fmt: skip
-    """C's ROWS, BLOCK_V, WARPS and the decode kernels' warps and register cap after applying the overrides
-    given (every C kernel reads them at launch)."""
+    """C's ROWS, BLOCK_V, WARPS, KERNEL_WARPS and the decode kernels' warps and register cap after applying
+    the overrides given (every C kernel reads them at launch; --warps: every kernel's)."""
     from vexact_vllm.kernels.gated_delta import incremental_tiles_triton as tiles
 
     if block_v is not None:
@@ -504,7 +504,7 @@ def _set_tiles(block_v: int | None, warps: int | None, step_warps: int | None = 
     if warps is not None:
         if warps not in (1, 2, 4, 8, 16):
             raise SystemExit(f"--warps must be 1, 2, 4, 8 or 16, got {warps}")
-        tiles.WARPS = warps
+        tiles.WARPS, tiles.KERNEL_WARPS = warps, {}
     if step_warps is not None:
         if step_warps not in (1, 2, 4, 8, 16):
             raise SystemExit(f"--step-warps must be 1, 2, 4, 8 or 16, got {step_warps}")
@@ -514,8 +514,8 @@ def _set_tiles(block_v: int | None, warps: int | None, step_warps: int | None = 
             raise SystemExit(f"--step-maxnreg must be 24-255 registers, got {step_maxnreg}")
         tiles.STEP_MAXNREG = step_maxnreg
     step = tiles.launch_options(step=True)
-    return {"rows": tiles.ROWS, "block_v": tiles.BLOCK_V, "warps": tiles.WARPS, "step_warps": step["num_warps"],
-            "step_maxnreg": step.get("maxnreg")}  # fmt: skip
+    return {"rows": tiles.ROWS, "block_v": tiles.BLOCK_V, "warps": tiles.WARPS, "kernel_warps": dict(tiles.KERNEL_WARPS),
+            "step_warps": step["num_warps"], "step_maxnreg": step.get("maxnreg")}  # fmt: skip
 
 
 def main(argv=None) -> int:

@@ -4,13 +4,13 @@
     python benchmarks/inspect_gated_delta.py [--dtype bf16|fp32] [--rows 16] [--block-v 64] [--warps 4] [--out DIR]
         [--step-warps 4] [--step-maxnreg 128] [--lines 20]
 
-The step and decode kernels reproduce a chunk kernel's row only if every shared routine
+The decode kernels reproduce a chunk kernel's row only if every shared routine
 (`incremental_tiles_triton.py`) compiles to the same arithmetic in both. Triton picks each tensor's layout
 per kernel, from the code around it, so the check is on the compiled TTGIR:
-1. every dot of a shared routine in the step and decode kernels has a twin in a chunk kernel: the same routine and
+1. every dot of a shared routine in the decode kernels has a twin in a chunk kernel: the same routine and
    call chain, K, operand and result types, precision, and kind: both tensor-core products (an element of
-   a bf16 MMA depends only on its row, column and accumulator, so the chunk kernels' 64-row wgmma and the step
-   kernels' 16-row mma.sync agree: tests/kernels/gated_delta/test_dot_rows_cuda.py) or both FMA dots (which
+   a bf16 MMA depends only on its row, column and accumulator, so the chunk kernels' 64-row wgmma and the
+   decode kernels' 16-row mma.sync agree: tests/kernels/gated_delta/test_dot_rows_cuda.py) or both FMA dots (which
    add in K order, whatever their blocked layout and shape): M and N may differ;
 2. every tt.reduce of the forward kernels is an exact pick (`pick`, `pick_along`, `pick_one`, `pick_entries`,
    `first_column`: one nonzero term), never a sum that rounds (its tree would follow the layout);
@@ -38,7 +38,6 @@ from triton.compiler import ASTSource
 
 from vexact_vllm.kernels.gated_delta import incremental_chunk_triton as chunk
 from vexact_vllm.kernels.gated_delta import incremental_decode_triton as decode
-from vexact_vllm.kernels.gated_delta import incremental_step_triton as step
 from vexact_vllm.kernels.gated_delta import incremental_tiles_triton as tiles
 from vexact_vllm.kernels.gated_delta import incremental_triton_bwd as bwd
 
@@ -51,7 +50,7 @@ DIVISIBLE_INTS = INTS - {"RATIO"}
 FLOATS = {"scale", "eps"}
 F32_POINTERS = {"A_LOG", "DT_BIAS", "GR", "BETA", "GC", "TS", "CG", "CB", "CT", "H0", "HT", "STATE", "DHT", "DH", "DVN", "T_ROW",
                 "DH0", "DQ", "DK_", "DV_", "DG", "DBETA"}  # fmt: skip
-I64_POINTERS = {"EOS", "BOS", "CHUNK_SEQ", "CHUNK_ROW", "CACHE_SLOT", "CHUNK_START", "READ", "WRITE", "START", "COUNT",
+I64_POINTERS = {"EOS", "BOS", "CHUNK_SEQ", "CHUNK_ROW", "CHUNK_SRC", "CACHE_SLOT", "CHUNK_START", "READ", "WRITE", "START", "COUNT",
                 "HELD", "SLOT"}  # fmt: skip
 EXACT_PICKS = {"pick", "pick_along", "pick_one", "pick_entries", "first_column"}
 CHUNK_KERNELS = ("normalize", "prepare", "state", "output")
@@ -89,10 +88,9 @@ def specs(dtype: str, rows: int, block_v: int) -> dict:
     return {
         "normalize": (chunk.normalize_kernel, dict(base, BLOCK_DV=128, SOFTPLUS_MAX=20.0, PACKED=False),
                       tiles.launch_options()),
-        "prepare": (chunk.prepare_kernel, dict(base, BLOCK_V=block_v, STORE_T=False, **dots), tiles.launch_options()),
-        "state": (chunk.state_kernel, dict(base, BLOCK_V=block_v, **dots), tiles.launch_options()),
-        "output": (chunk.output_kernel, dict(base, BLOCK_V=block_v, **dots), tiles.launch_options()),
-        "step": (step._step_kernel, dict(base, BLOCK_V=block_v, SOFTPLUS_MAX=20.0, **dots), tiles.launch_options()),
+        "prepare": (chunk.prepare_kernel, dict(base, BLOCK_V=block_v, **dots), tiles.launch_options("prepare")),
+        "state": (chunk.state_kernel, dict(base, BLOCK_V=block_v, **dots), tiles.launch_options("state")),
+        "output": (chunk.output_kernel, dict(base, BLOCK_V=block_v, **dots), tiles.launch_options("output")),
         "decode_weights": (decode._decode_weights_kernel, dict(DK=128, BLOCK_K=128, ROWS=rows, CHUNK=64, **dots),
                            tiles.launch_options(step=True)),
         "decode": (decode._decode_kernel, dict(base, BLOCK_V=block_v, **dots), tiles.launch_options(step=True)),
@@ -194,7 +192,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     parser.add_argument("--rows", type=int, default=tiles.ROWS, help="row tile (incremental_tiles_triton.ROWS)")
     parser.add_argument("--block-v", type=int, default=tiles.BLOCK_V, help="v tile (incremental_tiles_triton.BLOCK_V)")
-    parser.add_argument("--warps", type=int, default=tiles.WARPS, help="forward warps (incremental_tiles_triton.WARPS)")
+    parser.add_argument("--warps", type=int, default=None,
+                        help="every forward kernel's warps (default: incremental_tiles_triton.WARPS, KERNEL_WARPS)")
     parser.add_argument("--step-warps", type=int, default=tiles.STEP_WARPS,
                         help="the decode kernels' warps (incremental_tiles_triton.STEP_WARPS; None: WARPS)")
     parser.add_argument("--step-maxnreg", type=int, default=tiles.STEP_MAXNREG,
@@ -205,12 +204,15 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     out_dir = args.out or tempfile.mkdtemp(prefix="vexact-gdn-")
     os.makedirs(out_dir, exist_ok=True)
-    tiles.WARPS, tiles.STEP_WARPS, tiles.STEP_MAXNREG = args.warps, args.step_warps, args.step_maxnreg
+    if args.warps is not None:
+        tiles.WARPS, tiles.KERNEL_WARPS = args.warps, {}
+    tiles.STEP_WARPS, tiles.STEP_MAXNREG = args.step_warps, args.step_maxnreg
     table = specs(args.dtype, args.rows, args.block_v)
     names = args.kernels.split(",") if args.kernels else list(table)
     functions = _functions(tiles.__file__)
     print(f"Triton {triton.__version__}, sm_90a, {args.dtype}, ROWS {args.rows}, BLOCK_V {args.block_v}, "
-          f"{args.warps} warps (decode kernels {args.step_warps or args.warps}, register cap {args.step_maxnreg}); "
+          f"{tiles.WARPS} warps, {tiles.KERNEL_WARPS or 'no kernel its own'} (decode kernels "
+          f"{args.step_warps or tiles.WARPS}, register cap {args.step_maxnreg}); "
           f"files in {out_dir}")  # fmt: skip
     compiled, failures = {}, []
     for name in names:
@@ -231,9 +233,9 @@ def main(argv=None) -> int:
 
     chunk_dots = {d for n in CHUNK_KERNELS if n in compiled for d in compiled[n].dots()}
     chunk_keys = {(f, dot_key(s)) for f, s in chunk_dots}
-    for name in [n for n in ("step", "decode_weights", "decode") if n in compiled]:  # 1. every shared dot: a twin
+    for name in [n for n in ("decode_weights", "decode") if n in compiled]:  # 1. every shared dot: a twin
         for frames, sig in sorted(set(compiled[name].dots())):
-            where = " <- ".join(routine(f) for f in frames if routine(f) != "_step_row")
+            where = " <- ".join(routine(f) for f in frames)
             twin = (frames, dot_key(sig)) in chunk_keys
             same_routine = [s for f, s in chunk_dots if f == frames]
             print(f"  {name} dot {where:40} {sig}  {'== chunk' if twin else 'NO TWIN'}")

@@ -27,8 +27,8 @@ same bits as row p of any prefill or training chunk. A step costs one row of eac
 chunk. The state after a chunk is the same product of the same full
 tiles whether one prefill or 64 decode steps filled it. The torch path (`incremental_torch.py`: every
 product a fixed-order row sum) and the Triton kernels (`incremental_chunk_triton.py`,
-`incremental_step_triton.py`, `incremental_decode_triton.py`, launched by `incremental_triton.py`:
-fixed-shape tiles, the step padding its row into the chunk kernels' row tile) agree only to rounding.
+`incremental_decode_triton.py`, launched by `incremental_triton.py`: fixed-shape tiles, the decode step
+padding its row into the chunk kernels' row tile) agree only to rounding.
 
 Entry points (T packed tokens, N sequences, cu_seqlens [N + 1]):
 - `incremental_gated_delta_rule`: training: from zero or given boundary states [N, HV, DV, DK] at each

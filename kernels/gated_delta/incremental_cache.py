@@ -1,5 +1,6 @@
 """The state layout of design C of the gated delta rule (chunk-anchored, incremental): one cache slot per
-running sequence, and how a step's rows split between the step kernel and the chunk kernels.
+running sequence, the chunks of a launch of the chunk kernels, and how a step's rows split between the
+decode step and the chunk kernels.
 
 A sequence's rows form chunks of CHUNK rows anchored at its position 0 (absolute positions that are
 multiples of CHUNK). Per slot the cache holds the fp32 state at the sequence's last chunk boundary (and
@@ -99,16 +100,55 @@ def refresh_state_dt(cache: IncrementalCache, slots: torch.Tensor, has_state: to
 
 
 @dataclass
+class ChunkMap:
+    """The chunks of one launch of the chunk kernels (`chunk_map`): chunk c holds CHUNK rows of sequence
+    seq[c], anchored at an absolute position that is a multiple of CHUNK; its row i is packed row
+    src[c] + i, in the kernels' scratch at row first[c] + i. A sequence that continues a slot's partial
+    chunk (held rows) starts with that chunk: its first rows are the slot's (src before the sequence's
+    first row), and its scratch rows lie past the packed rows, so that a chunk's rows are always
+    consecutive scratch rows. Every other chunk has first == src."""
+
+    seq: torch.Tensor  # int64 [NC]
+    first: torch.Tensor  # int64 [NC]: the scratch row of the chunk's row 0
+    src: torch.Tensor  # int64 [NC]: the packed row of the chunk's row 0 (rows before the sequence's: held)
+    chunk_start: torch.Tensor  # int64 [N]: each sequence's first chunk
+    rows: int  # scratch rows the chunks need (at least the packed rows)
+
+    def to(self, device) -> "ChunkMap":
+        seq, first, src, chunk_start = (t.to(device) for t in (self.seq, self.first, self.src, self.chunk_start))
+        return ChunkMap(seq=seq, first=first, src=src, chunk_start=chunk_start, rows=self.rows)
+
+
+def chunk_map(starts: torch.Tensor, ends: torch.Tensor, held: torch.Tensor | None = None) -> ChunkMap:
+    """The `ChunkMap` (on the host; device inputs are read once) of rows [starts[n], ends[n]) of each
+    sequence, whose slot holds held[n] rows of a partial chunk before starts[n] (None: none); a sequence
+    with no rows has no chunk."""
+    starts, ends = starts.long().cpu(), ends.long().cpu()
+    held = torch.zeros_like(starts) if held is None else held.long().cpu()
+    held = torch.where(ends > starts, held, 0)
+    anchor = starts - held  # the packed row of the sequence's first chunk's row 0
+    counts = torch.where(ends > starts, (ends - anchor + CHUNK - 1) // CHUNK, 0)
+    chunk_start = torch.cumsum(counts, 0) - counts
+    seq = torch.repeat_interleave(torch.arange(counts.shape[0]), counts)
+    index = torch.arange(seq.shape[0]) - chunk_start[seq]  # the chunk's place in its sequence
+    src = anchor[seq] + index * CHUNK
+    packed_rows = int(ends.max()) if ends.numel() else 0
+    continues = (index == 0) & (held[seq] > 0)  # starts with held rows: its scratch rows past the packed rows
+    first = torch.where(continues, packed_rows + (torch.cumsum(continues.long(), 0) - 1) * CHUNK, src)
+    return ChunkMap(seq=seq, first=first, src=src, chunk_start=chunk_start,
+                    rows=packed_rows + int(continues.sum()) * CHUNK)  # fmt: skip
+
+
+@dataclass
 class StepSplit:
     """How a cached step's rows go to the kernels (`split_step`), worked out on the host once a step, so
-    that a layer's kernels read nothing on the host. Device tensors of N sequences:"""
+    that a layer's kernels read nothing on the host: a sequence's one row to the decode step, a sequence
+    of more rows to the chunk kernels (from its slot's held rows on). Device tensors of N sequences:"""
 
-    head: torch.Tensor  # int64 [N]: the rows the step or decode kernel takes (`step_split`)
     held: torch.Tensor  # int64 [N]: the rows of a partial chunk each slot holds (`held_rows`)
-    single: torch.Tensor  # bool [N]: head == 1, a row the decode step takes (the multi-row kernel the rest)
+    single: torch.Tensor  # bool [N]: one row, the decode step's
     n_single: int  # sequences with single True
-    n_multi: int  # sequences with head > 1
-    chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # `chunk_map` of rows [start + head, end)
+    chunks: ChunkMap  # the chunk kernels' chunks (the other sequences')
 
 
 def split_step(cu_seqlens: torch.Tensor, context_lens: torch.Tensor, has_state: torch.Tensor,
@@ -116,38 +156,15 @@ def split_step(cu_seqlens: torch.Tensor, context_lens: torch.Tensor, has_state: 
     """The `StepSplit` of a step from its cu_seqlens [N + 1], context_lens [N] and has_state [N] (host
     tensors: no sync; device tensors are read once) onto `device` in one copy."""
     cu, held = cu_seqlens.long().cpu(), held_rows(has_state.cpu(), context_lens.cpu())
-    head = step_split(cu, held)
-    single = head == 1
-    seq, first, chunk_start = chunk_map(cu[:-1] + head, cu[1:])
-    parts = (head, held, single.long(), seq, first, chunk_start)
+    single = cu[1:] - cu[:-1] == 1
+    chunks = chunk_map(cu[:-1] + single.long(), cu[1:], held)
+    parts = (held, single.long(), chunks.seq, chunks.first, chunks.src, chunks.chunk_start)
     packed = torch.cat(parts)
     if torch.device(device).type == "cuda":  # pinned: the copy neither waits for the stream nor blocks the host
         packed = packed.pin_memory()
     packed = packed.to(device, non_blocking=True).split([t.shape[0] for t in parts])
-    return StepSplit(head=packed[0], held=packed[1], single=packed[2].bool(), n_single=int(single.sum()),
-                     n_multi=int((head > 1).sum()), chunks=packed[3:])  # fmt: skip
-
-
-def chunk_map(starts: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sequence [NC], first row [NC], each sequence's first chunk [N]) of the chunks of rows
-    [starts[n], ends[n]), anchored at starts[n] (a host sync: grids are sized by the chunk count)."""
-    starts, ends = starts.long().cpu(), ends.long().cpu()
-    counts = (ends - starts + CHUNK - 1) // CHUNK
-    first = torch.cumsum(counts, 0) - counts
-    seq = torch.repeat_interleave(torch.arange(counts.shape[0]), counts)
-    rows = starts[seq] + (torch.arange(seq.shape[0]) - first[seq]) * CHUNK
-    return seq, rows, first
-
-
-def step_split(cu_seqlens: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
-    """Rows of each sequence's step that the step kernel computes (int64 [N], on the device): the rows
-    that complete its partial chunk (held > 0), or its single row (a decode at a chunk boundary). The
-    rest start on a chunk boundary and go to the chunk kernels. Either path gives a row the same bits;
-    the split is only the faster one."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    to_boundary = torch.clamp(CHUNK - held.long(), max=CHUNK) % CHUNK  # 0 at a boundary
-    head = torch.minimum(lengths, to_boundary)
-    return torch.where((held == 0) & (lengths == 1), lengths, head)
+    chunks = ChunkMap(seq=packed[2], first=packed[3], src=packed[4], chunk_start=packed[5], rows=chunks.rows)
+    return StepSplit(held=packed[0], single=packed[1].bool(), n_single=int(single.sum()), chunks=chunks)
 
 
 def check_decode_only(decode_only: bool, q: torch.Tensor, cu_seqlens: torch.Tensor) -> None:

@@ -17,8 +17,8 @@ shared row-tile routines and their invariant in `incremental_tiles_triton.py`).
    with the full tiles (the slot's CHUNK - 1 rows and the row's own); any other row goes to the slot.
 
 The v-independent work runs once a v head instead of once a v tile, and each program holds fewer tiles
-than one program doing all of it would. The multi-row step (rows completing a partial chunk in a
-prefill) is `incremental_step_triton.py`.
+than one program doing all of it would. A step of more rows a sequence goes to the chunk kernels
+(`incremental_chunk_triton.py`), which start from the rows a slot holds.
 """
 
 import torch
@@ -197,8 +197,8 @@ def prepared_rows(q, k, v, a, b, A_log, dt_bias):
     g, beta = (torch.empty(n_tokens, hv, dtype=torch.float32, device=device) for _ in range(2))
     block_k, block_dv, _ = tiles.block_sizes(d_k, d_v)
     normalize_kernel[(triton.cdiv(n_tokens, tiles.ROWS), hk)](
-        q, k, v, a, b, A_log.contiguous(), dt_bias.contiguous(), q_hat, k_hat, x, g, beta, None, None, None,
-        n_tokens, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0),
+        q, k, v, a, b, A_log.contiguous(), dt_bias.contiguous(), q_hat, k_hat, x, g, beta, None, None, None, None,
+        None, None, None, None, None, None, 0, 0, 0, 0, n_tokens, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0),
         b.stride(0), hk, hv, hv // hk, qk_scale(d_k), L2NORM_EPS, DK=d_k, DV=d_v, BLOCK_K=block_k,
         BLOCK_DV=block_dv, ROWS=tiles.ROWS, CHUNK=tiles.ROWS, SOFTPLUS_MAX=SOFTPLUS_THRESHOLD, PACKED=True,
         **tiles.launch_options(),

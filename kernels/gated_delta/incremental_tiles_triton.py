@@ -1,26 +1,27 @@
 """The row-tile arithmetic of design C's Triton kernels (math: `incremental.py`), one @triton.jit routine per
-operation, called by the chunk kernels (`incremental_triton.py`: training, prefill) and by the step kernel
-(`incremental_step_triton.py`: the rows that complete a partial chunk; `incremental_decode_triton.py`: decode).
+operation, called by the chunk kernels (`incremental_chunk_triton.py`: training, prefill, chunked prefill)
+and by the decode step (`incremental_decode_triton.py`).
 
 Invariant: a row's value depends only on the row's operands, never on the rows beside it in a launch.
 Rows of a chunk sit at their chunk positions (row i of the chunk at place i % ROWS of its row tile), and
-the step kernels place their row the same way, with zeros in the tile's other places. Every sum that
+the decode step places its row the same way, with zeros in the tile's other places. Every sum that
 rounds is a tl.dot, whose order depends neither on the tile's layout (which the compiler picks per kernel)
 nor on its rows and columns: a bf16 product on tensor cores is a chain of k16 MMAs in K order on the fp32
 accumulator, each element from its row, column and accumulator alone, so the chunk kernels take a whole
 chunk's rows at once ([CHUNK, DK] x [DK, CHUNK] k.k and q.k, [CHUNK, CHUNK] x [CHUNK, DK or BLOCK_V] W, U
-and the causal product, [CHUNK, DK] x [DK, BLOCK_V] W S, q S: a 64-row wgmma on the H200) where the step
-kernels take a 16-row tile (mma.sync), with the same elements
+and the causal product, [CHUNK, DK] x [DK, BLOCK_V] W S, q S: a 64-row wgmma on the H200) where the decode
+step takes a 16-row tile (mma.sync), with the same elements
 (tests/kernels/gated_delta/test_dot_rows_cuda.py); the state update is [BLOCK_V, CHUNK] x [CHUNK, DK]
 in both. fp32 products are FMA dots, one fmaf chain per element in K order (`fdot`, and every dot of
 fp32 inputs): the l2 norms, the gate sums and T's rows before their tile (`tile_rows`: [ROWS, ROWS] x
 [ROWS, CHUNK], then [ROWS, CHUNK] x [CHUNK, CHUNK]; as tf32 tensor-core dots such sums differ between the
-chunk and the step kernel on the H200, as FMA dots they agree). T within a tile, L = (I + A_bb)^-1, is
-the one chain that is no dot: row by row, fp32 FMAs in row order, every tile of a chunk at once in the
-chunk kernel (`solve_blocks`), the step's one row by the same FMAs on the same values
-(`solve_block_row`; the decode step's `solve_block_row_at` reads them from memory), so T's rows are
-solved a row tile after another. The rows past a row enter it only as exact zeros (masked A and P, L's
-and T's zero columns past the row), so the step gets the chunk kernels' bits. The only other sums pick
+chunk kernels and the decode step on the H200, as FMA dots they agree). T within a tile, L = (I + A_bb)^-1,
+is the one chain that is no dot: row by row, fp32 FMAs in row order, every tile of a chunk at once in the
+chunk kernel (`solve_blocks`), the decode step's one row by the same FMAs on the same values
+(`solve_block_row_at`, its operands read from memory), so T's rows are solved a row tile after another
+(the prepare kernel passes the tiles' rows through memory, `incremental_chunk_triton.py`). The rows past
+a row enter it only as exact zeros (masked A and P, L's and T's zero columns past the row), so the decode
+step gets the chunk kernels' bits. The only other sums pick
 one value out of a tile (a masked sum with one nonzero term: exact in any order). The kernels launch
 without FP contraction (no compiler choice may fuse a multiply-add in one kernel and not in the other);
 every dot names its accumulator, so no pass may fold an addition into a dot in one kernel and not in
@@ -34,7 +35,7 @@ import triton.language as tl
 from triton.language.standard import _sum_combine
 
 # Rows of a chunk per row tile: T's rows are solved a tile after another (L within a tile by substitution,
-# `solve_blocks`), and a step kernel's products take its row in a tile of ROWS (tl.dot needs >= 16 on the
+# `solve_blocks`), and the decode step's products take its row in a tile of ROWS (tl.dot needs >= 16 on the
 # GPU); the chunk kernels' other products take the whole chunk. ROWS = CHUNK would solve T as one 64-row
 # substitution (the H200 benchmark decides, `benchmarks/bench_gated_delta.py --rows`; the CUDA decode step
 # is written for 16).
@@ -42,11 +43,15 @@ ROWS = 16
 # v columns per program (the N of the state products): one value for every kernel, so every dot over
 # the state has one shape.
 BLOCK_V = 64
-# Warps of every kernel that calls these routines (one value: the MMA layouts follow it). 8 keeps the
-# chunk kernels free of register spills at d = 128 (`benchmarks/inspect_gated_delta.py`, sm_90a).
+# Warps of the kernels that call these routines. No element depends on them (a dot's elements are those
+# of any other layout: tests/kernels/gated_delta/test_dot_rows_cuda.py at 4 and 8 warps; solve_blocks'
+# FMAs are explicit), so each kernel takes its fastest: WARPS, or KERNEL_WARPS[name] where set. Measured
+# on the H200 (16 k / 32 v heads of 128, bf16; ms at 1 x 8192 / 16 x 1024 tokens): prepare 0.92 / 1.83
+# at 8 warps, 0.72 / 1.45 at 4; output 0.37 / 0.73 at 8, 0.21 / 0.40 at 4; the state kernel 0.53 / 0.58
+# at 8, 0.78 / 0.53 at 4 (it stays at 8).
 WARPS = 8
-# The decode step's kernels' own warps and register cap (None: WARPS, no cap; the multi-row step kernel
-# keeps the chunk kernels' options). They decide only how many programs share an SM: uncapped, the decode
+KERNEL_WARPS = {"prepare": 4, "output": 4}
+# The decode step's kernels' own warps and register cap (None: WARPS, no cap). They decide only how many programs share an SM: uncapped, the decode
 # kernels take 170 and 149 registers a thread (one program an SM at 8 warps); at 128, two. Measured on the
 # H200 (`bench_gated_delta.py --step-maxnreg`, 32 value heads): the step at 256 sequences 24% faster, its
 # bits the training forward's (the CUDA tests run with it).
@@ -81,8 +86,8 @@ def first_column(tile):
 @triton.jit
 def computed(rows, valid):
     """rows [M, N] as a value computed in registers (rows not valid 0): the chunk kernels pass the loaded
-    first operands of their products through it, so that a product reads it from registers as the step
-    kernels' products read their computed rows (an operand's source changes no element: the invariant)."""
+    first operands of their products through it, so that a product reads it from registers as the decode
+    step's products read their computed rows (an operand's source changes no element: the invariant)."""
     return tl.where(valid[:, None], rows, 0.0).to(rows.dtype)
 
 
@@ -160,8 +165,8 @@ def solve_blocks(a3, rr):
     """T within each row tile, every tile at once: a3 [NB, ROWS, ROWS] holds A within tile b (A_ij of its
     rows i, j); returns L_b = (I + A_bb)^-1 [NB, ROWS, ROWS] by forward substitution in row order: row i
     is e_i minus A_ij L_j over j < i, each added by an fp32 FMA in j order, then 0 past column i. Outer
-    products: once row j is solved, every row takes its term, so each row's chain is `solve_block_row`'s,
-    the same FMAs on the same values in the same order, whatever the layout."""
+    products: once row j is solved, every row takes its term, so each row's chain is the same FMAs on the
+    same values in the same order, whatever the layout (`solve_block_row_at`'s for one row)."""
     eye = rr[:, None] == rr[None, :]
     acc = tl.where(eye[None, :, :], 1.0, tl.full(a3.shape, 0.0, tl.float32))
     t = tl.full(a3.shape, 0.0, tl.float32)
@@ -174,20 +179,10 @@ def solve_blocks(a3, rr):
 
 
 @triton.jit
-def solve_block_row(a_row, t_loc, place, rr):
-    """Row `place` of a row tile's L (`solve_blocks`), fp32 [ROWS]: a_row [ROWS] its row of A within the
-    tile, t_loc [ROWS, ROWS] the tile's rows of L solved before it (`block_columns` of T's rows)."""
-    acc = tl.where(rr == place, 1.0, 0.0)
-    for j in range(place):
-        at = rr == j
-        acc = tl.fma(-pick_one(a_row, at), pick(t_loc, at), acc)
-    return tl.where(rr <= place, acc, 0.0)
-
-
-@triton.jit
 def solve_block_row_at(a_row, l_rows, l_stride, place, rr):
-    """`solve_block_row` with its operands in memory, for the decode step: a_row[j] the row's A within the
-    tile, l_rows + j * l_stride + rr the tile's row j of L (the slot's row of T in the tile's columns).
+    """Row `place` of a row tile's L (`solve_blocks`' chain) with its operands in memory, for the decode
+    step: a_row[j] the row's A within the tile, l_rows + j * l_stride + rr the tile's row j of L (the
+    slot's row of T in the tile's columns).
     The same FMAs on the same values, unrolled (every load issued ahead of the chain), with no reduction
     and no barrier: the rows from `place` on are skipped, not added as zeros."""
     acc = tl.where(rr == place, 1.0, 0.0)
@@ -200,40 +195,12 @@ def solve_block_row_at(a_row, l_rows, l_stride, place, rr):
 
 
 @triton.jit
-def block_columns(tile, first, ROWS: tl.constexpr):
-    """Columns first .. first + ROWS - 1 of tile [M, C] (first a multiple of ROWS), fp32 [M, ROWS] (exact)."""
-    m: tl.constexpr = tile.shape[0]
-    nb: tl.constexpr = tile.shape[1] // ROWS
-    cut = tl.reshape(tile, [m, nb, ROWS])
-    return pick_along(cut, (tl.arange(0, nb) == first // ROWS)[None, :, None], 1)
-
-
-@triton.jit
-def block_rows(tile, index, ROWS: tl.constexpr):
-    """Rows index * ROWS .. index * ROWS + ROWS - 1 of tile [C, N] (fp32), [ROWS, N] (exact, as `pick`)."""
-    c: tl.constexpr = tile.shape[0]
-    n: tl.constexpr = tile.shape[1]
-    cut = tl.reshape(tile, [c // ROWS, ROWS, n])
-    return pick_along(cut, (tl.arange(0, c // ROWS) == index)[:, None, None], 0)
-
-
-@triton.jit
 def diagonal_blocks(tile, ROWS: tl.constexpr):
     """The ROWS x ROWS blocks on the diagonal of tile [C, C] (fp32), [C // ROWS, ROWS, ROWS] (exact)."""
     nb: tl.constexpr = tile.shape[0] // ROWS
     cut = tl.reshape(tile, [nb, ROWS, nb, ROWS])
     ib = tl.arange(0, nb)
     return pick_along(cut, (ib[:, None, None, None] == ib[None, None, :, None]), 2)
-
-
-@triton.jit
-def with_tile_rows(full, rows, tile, rc, ROWS: tl.constexpr):
-    """full [C, N] with row tile `tile` (chunk rows tile * ROWS ..) replaced by rows [ROWS, N] (exact:
-    a select, no arithmetic); rc = arange(C)."""
-    c: tl.constexpr = full.shape[0]
-    n: tl.constexpr = full.shape[1]
-    spread = tl.reshape(tl.broadcast_to(rows[None, :, :], [c // ROWS, ROWS, n]), [c, n])  # row r: rows' r % ROWS
-    return tl.where((rc // ROWS == tile)[:, None], spread, full)
 
 
 @triton.jit
@@ -326,10 +293,11 @@ def state_tile(STATE, read, S_STATE, tile, live, ok):
     return tl.load(STATE + read * S_STATE + tile, mask=live & ((ok * 0 + read)[None, :] >= 0), other=0.0)
 
 
-def launch_options(step: bool = False) -> dict:
-    """The compile options every design-C kernel launches with (module docstring); `step`: the decode
-    step's kernels', with STEP_WARPS and STEP_MAXNREG where set."""
-    options = dict(num_warps=(STEP_WARPS if step and STEP_WARPS else WARPS), enable_fp_fusion=False)
+def launch_options(kernel: str | None = None, step: bool = False) -> dict:
+    """The compile options every design-C kernel launches with (module docstring): `kernel`'s warps
+    (KERNEL_WARPS, else WARPS); `step`: the decode step's kernels', with STEP_WARPS and STEP_MAXNREG where set."""
+    warps = STEP_WARPS if step and STEP_WARPS else KERNEL_WARPS.get(kernel, WARPS)
+    options = dict(num_warps=warps, enable_fp_fusion=False)
     if step and STEP_MAXNREG:
         options["maxnreg"] = STEP_MAXNREG
     return options

@@ -201,6 +201,16 @@ def write_tails(cache, slots, tails, tail, ratio):
             getattr(cache, name)[slot, :rows] = value[n, :, :rows].transpose(0, 1)
 
 
+def _to_boundary(cu_seqlens: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """The rows of each sequence's step that `cached_torch` takes one at a time (int64 [N]): those that
+    complete its partial chunk (held > 0), or its single row (a decode at a chunk boundary); the rest start
+    on a chunk boundary and go to `chunk_forward`."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    to_boundary = torch.clamp(layout.CHUNK - held.long(), max=layout.CHUNK) % layout.CHUNK  # 0 at a boundary
+    head = torch.minimum(lengths, to_boundary)
+    return torch.where((held == 0) & (lengths == 1), lengths, head)
+
+
 def cached_torch(q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_state, context_lens):
     """`incremental.incremental_gated_delta_rule_cached` on the torch path: the rows that complete a
     partial chunk (or a decode at a boundary) one at a time (`step_row`), the rest by `chunk_forward`
@@ -208,7 +218,7 @@ def cached_torch(q, k, v, a, b, A_log, dt_bias, cu_seqlens, cache, slots, has_st
     idx = slots.long()
     cu = cu_seqlens.long()
     held = layout.held_rows(has_state, context_lens)
-    head = layout.step_split(cu, held)  # 0 for a sequence with no rows (slot -1 allowed): never touched
+    head = _to_boundary(cu, held)  # 0 for a sequence with no rows (slot -1 allowed): never touched
     o = torch.zeros(q.shape[0], v.shape[1], v.shape[2], dtype=v.dtype, device=v.device)
     for r in range(int(head.max()) if head.numel() else 0):
         live = torch.nonzero(head > r)[:, 0]

@@ -179,21 +179,23 @@ def test_chunked_baseline_adapter_matches_c():
 
 def test_tile_overrides_reach_every_c_launch(monkeypatch):
     """--block-v, --warps, --step-warps and --step-maxnreg set the module values the C kernels read at
-    launch (the v tile of `block_sizes`, the num_warps of `launch_options`, the step kernel's own warps
-    and register cap); bad values are refused before anything runs."""
+    launch (the v tile of `block_sizes`, the num_warps of `launch_options`: --warps every chunk kernel's,
+    the decode kernels' own warps and register cap); bad values are refused before anything runs."""
     from vexact_vllm.kernels.gated_delta import incremental_tiles_triton as tiles
 
     bench = _bench("bench_gated_delta_tiles")
-    for name in ("BLOCK_V", "WARPS", "ROWS", "STEP_WARPS", "STEP_MAXNREG"):
+    for name in ("BLOCK_V", "WARPS", "KERNEL_WARPS", "ROWS", "STEP_WARPS", "STEP_MAXNREG"):
         monkeypatch.setattr(tiles, name, getattr(tiles, name))
-    own = {"rows": tiles.ROWS, "block_v": 64, "warps": 8, "step_warps": 8, "step_maxnreg": 128}
+    own = {"rows": tiles.ROWS, "block_v": 64, "warps": 8, "kernel_warps": {"prepare": 4, "output": 4},
+           "step_warps": 8, "step_maxnreg": 128}
     assert bench._set_tiles(None, None) == own
     assert tiles.launch_options() == dict(num_warps=8, enable_fp_fusion=False)
+    assert tiles.launch_options("prepare") == dict(num_warps=4, enable_fp_fusion=False)
     assert tiles.launch_options(step=True) == dict(num_warps=8, enable_fp_fusion=False, maxnreg=128)
-    assert bench._set_tiles(32, 4) == dict(own, block_v=32, warps=4, step_warps=4)
-    assert tiles.block_sizes(128, 128) == (128, 128, 32) and tiles.launch_options()["num_warps"] == 4
-    assert bench._set_tiles(None, 8, 4, 160) == dict(own, block_v=32, step_warps=4, step_maxnreg=160)
-    assert tiles.launch_options() == dict(num_warps=8, enable_fp_fusion=False)  # the chunk kernels keep theirs
+    assert bench._set_tiles(32, 4) == dict(own, block_v=32, warps=4, kernel_warps={}, step_warps=4)
+    assert tiles.block_sizes(128, 128) == (128, 128, 32) and tiles.launch_options("output")["num_warps"] == 4
+    assert bench._set_tiles(None, 8, 4, 160) == dict(own, block_v=32, kernel_warps={}, step_warps=4, step_maxnreg=160)
+    assert tiles.launch_options("prepare") == dict(num_warps=8, enable_fp_fusion=False)  # the chunk kernels keep theirs
     assert tiles.launch_options(step=True) == dict(num_warps=4, enable_fp_fusion=False, maxnreg=160)
     for args in ((48, None), (8, None), (None, 3), (None, None, 5), (None, None, None, 300)):
         with pytest.raises(SystemExit, match="--block-v|--warps|--step-warps|--step-maxnreg"):
@@ -202,7 +204,8 @@ def test_tile_overrides_reach_every_c_launch(monkeypatch):
 
 def test_smoke_run_reports_its_tiles(smoke_run):
     _, report, _ = smoke_run
-    assert report["tiles"] == {"rows": 16, "block_v": 64, "warps": 8, "step_warps": 8, "step_maxnreg": 128}
+    assert report["tiles"] == {"rows": 16, "block_v": 64, "warps": 8, "kernel_warps": {"prepare": 4, "output": 4},
+                               "step_warps": 8, "step_maxnreg": 128}  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])

@@ -119,10 +119,11 @@ def test_state_metadata_lives_in_persistent_buffers_and_pads_with_no_slot():
             assert meta.split is None
         else:  # the kernels' split from the host lengths (vLLM's seq_lens on the device where it has none)
             want = split_step(m.query_start_loc, meta.context_lens, meta.has_state, torch.device("cpu"))
-            for name in ("head", "held", "single"):
+            for name in ("held", "single"):
                 assert torch.equal(getattr(meta.split, name), getattr(want, name)), name
-            assert all(torch.equal(a, b) for a, b in zip(meta.split.chunks, want.chunks))
-            assert (meta.split.n_single, meta.split.n_multi) == (want.n_single, want.n_multi)
+            for name in ("seq", "first", "src", "chunk_start"):
+                assert torch.equal(getattr(meta.split.chunks, name), getattr(want.chunks, name)), name
+            assert (meta.split.n_single, meta.split.chunks.rows) == (want.n_single, want.chunks.rows)
         lengths = torch.tensor(query[1:]) - torch.tensor(query[:-1])
         want_slots = torch.where(lengths > 0, table[:, 0], -1)
         assert torch.equal(meta.slots, want_slots.to(torch.int32))

@@ -121,7 +121,7 @@ def fresh_cache(inputs: dict, slots: list[int], h0: torch.Tensor | None, spare: 
 def check_schedules(forward, cached, inputs: dict, h0: torch.Tensor | None, seeds=(0, 1), max_chunk=None):
     """Random schedules of decode steps and prefill chunks give the training forward's outputs and
     boundary states bit for bit. Seed 0 decodes every row, each step as vLLM's decode CUDA graphs run
-    it (`decode_only`: the step kernel's one-row variant), through chunk completions and sequences that
+    it (`decode_only`: the decode step alone), through chunk completions and sequences that
     start at a decode step. Returns the training (o, states)."""
     cu = inputs["cu_seqlens"]
     lengths = (cu[1:] - cu[:-1]).tolist()
@@ -139,8 +139,8 @@ def check_schedules(forward, cached, inputs: dict, h0: torch.Tensor | None, seed
 
 
 def check_cached_rows(cached, inputs: dict, h0: torch.Tensor | None, p: int) -> None:
-    """A prefill of a sequence's first p rows (< CHUNK; the chunk kernels) and p decode steps (the step
-    kernel) leave the same bits in every per-row tensor of its cache slot and the same outputs; a
+    """A prefill of a sequence's first p rows (< CHUNK; the chunk kernels) and p decode steps leave the
+    same bits in every per-row tensor of its cache slot and the same outputs; a
     failure names the first tensor that differs (T rows reach o only rounded to the input dtype, so a
     difference there can hide from the outputs)."""
     assert 0 < p < layout.CHUNK
@@ -178,7 +178,7 @@ def random_schedule_c(lengths: list[int], seed: int, max_chunk: int, decode_shar
 def check_every_row_count(forward, cached, hk, hv, dk, dv, dtype, device="cpu", seed=0):
     """For every p = 0 .. CHUNK - 1, one sequence of CHUNK + 1 rows from a random boundary state: a prefill
     of its first p rows (a partial chunk of p rows), a decode of row p (p rows held), then the rest in
-    one step (the step kernel completes the chunk, the chunk path takes the next): the training
+    one step (the chunk kernels start from the p + 1 rows held, complete the chunk and take the next): the training
     forward's bits for every row and the state after the chunk."""
     C = layout.CHUNK
     inputs = gdn_inputs([C + 1] * C, hk, hv, dk, dv, dtype=dtype, seed=seed, device=device)

@@ -1,7 +1,7 @@
 """The premise of design C's products on the GPU: an element of a bf16 tl.dot (fp32 accumulate) depends only
 on its row of A, its column of B and its accumulator, not on how many rows or columns the dot takes. The
-chunk kernels multiply a whole chunk's 64 rows at once (a wgmma on Hopper), the step kernels a 16-row tile
-holding their row, at times against 16 columns (mma.sync), the hand-written decode step mma.sync m16n8k16:
+chunk kernels multiply a whole chunk's 64 rows at once (a wgmma on Hopper), the Triton decode step a 16-row
+tile holding its row, at times against 16 columns (mma.sync), the hand-written CUDA one mma.sync m16n8k16:
 their elements must be equal bit for bit. Random operands over a wide exponent range, with cancelling
 terms, at the products' K and N."""
 
@@ -61,6 +61,6 @@ def test_64_row_products_equal_16_row_products(k, n, warps):
                 f"{other[0]} x {other[1]} ({kinds[other]}) blocks (K {k}, N {n}, {warps} warps), first at "
                 f"{tuple(differ[0].tolist())}"
             )
-    assert kinds[16, n] == "mma.sync", kinds  # the step kernels' instruction
+    assert kinds[16, n] == "mma.sync", kinds  # the decode step's instruction
     if torch.cuda.get_device_capability()[0] == 9:
         print(f"K {k} N {n} warps {warps}: {kinds}")

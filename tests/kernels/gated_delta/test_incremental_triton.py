@@ -1,8 +1,8 @@
 """Design C of the gated delta rule on Triton: the interpreter on CPU tensors (chunks of 8 rows in row
 tiles of 4, small odd shapes), the compiled kernels on CUDA (chunks of 64, Qwen3-Next / Qwen3.5 heads).
 
-Random schedules of decode steps (the step kernel) and prefill chunks (the step kernel completing a
-partial chunk, the chunk kernels for the rest) from random boundary states give the packed training
+Random schedules of decode steps (the decode step) and prefill chunks (the chunk kernels, from the rows a
+slot holds of a partial chunk on) from random boundary states give the packed training
 forward's outputs and states bit for bit, every row count of a partial chunk included; the forward
 against the float64 recurrence; the chunked backward against its float64 autograd. Under the
 interpreter the products are numpy's; on a GPU the tensor-core and FMA dots decide: the CUDA tests are
@@ -33,7 +33,7 @@ from vexact_vllm.kernels.gated_delta import incremental_cache as layout  # noqa:
 
 PACKAGE = "vexact_vllm.kernels.gated_delta."
 MODULES = tuple(PACKAGE + m for m in ("incremental_triton", "incremental_tiles_triton", "incremental_chunk_triton",
-                                      "incremental_step_triton", "incremental_decode_triton",
+                                      "incremental_decode_triton",
                                       "incremental_triton_bwd"))  # fmt: skip
 F32, BF16 = torch.float32, torch.bfloat16
 # dtype -> tolerance of o against the float64 recurrence (bf16: dot operands rounded to bf16, by
