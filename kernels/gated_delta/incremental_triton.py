@@ -171,8 +171,8 @@ def incremental_gated_delta_rule_cached_triton(
     if split.n_single:
         decode_forward(q, k, v, a, b, A_log, dt_bias, o, cache, cu[:-1], split.held, torch.where(split.single, idx, none),
                        read)  # fmt: skip
-    if split.chunks.seq.shape[0]:  # the other sequences, from their slots' held rows on
+    if split.chunks.seq.shape[0]:  # the other sequences, from their slots' held rows on (a single has no rows here)
         chunk_forward(q, k, v, a, b, A_log, dt_bias, cu[:-1] + split.single.long(), cu[1:], cache.state,
                       torch.where(split.single, idx, read), cache.state, idx, o, cache=cache, cache_slot=idx,
-                      held=torch.where(split.single, 0, split.held), chunks=split.chunks)  # fmt: skip
+                      held=split.held, chunks=split.chunks)  # fmt: skip
     return o
